@@ -1,0 +1,11 @@
+"""Rollout engines: one protocol (:mod:`rlhfkit.engines.protocol`), several backends.
+
+- :mod:`rlhfkit.engines.hf` — transformers, CPU or GPU, in-process (needs ``rlhfkit[hf]``).
+- :mod:`rlhfkit.engines.vllm` — vLLM engines as Ray actors (needs ``rlhfkit[vllm]`` and ``rlhfkit[ray]``).
+
+Importing this package imports no backend.
+"""
+
+from rlhfkit.engines.protocol import RolloutEngine, SamplingConfig
+
+__all__ = ["RolloutEngine", "SamplingConfig"]

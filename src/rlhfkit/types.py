@@ -1,0 +1,246 @@
+"""Data carriers exchanged between rlhfkit blocks: :class:`Rollout`, :class:`PackedBatch`, :class:`Experience`.
+
+Shapes use these names: ``R`` response length of one sample, ``P`` prompt length of one sample, ``T`` tokens of a
+packed stream (all sequences laid end to end, optionally followed by padding), ``N`` number of sequences in a packed
+stream. Per-token tensors of a packed stream are *token aligned*: entry ``t`` is about token ``input_ids[t]`` (its
+log-prob given the tokens before it in the same sequence, its advantage, ...). The first token of every sequence has
+no log-prob; it is never a response token, so ``loss_mask`` is ``False`` there and its entries are 0.
+
+Every constructor validates shapes and dtypes and names the offending field. This module needs only torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+from typing import Literal
+
+import torch
+
+__all__ = ["FinishReason", "Rollout", "PackedBatch", "Experience"]
+
+FinishReason = Literal["stop", "length", "abort"]
+_FINISH_REASONS = ("stop", "length", "abort")
+
+
+def _check_tensor(owner: str, name: str, value: object, *, ndim: int, dtypes: tuple[torch.dtype, ...]) -> None:
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{owner}.{name} must be a torch.Tensor, got {type(value).__name__}")
+    if value.ndim != ndim:
+        raise ValueError(f"{owner}.{name} must have {ndim} dimension(s), got shape {tuple(value.shape)}")
+    if value.dtype not in dtypes:
+        names = ", ".join(str(d).removeprefix("torch.") for d in dtypes)
+        raise ValueError(f"{owner}.{name} must have dtype in ({names}), got {str(value.dtype).removeprefix('torch.')}")
+
+
+_INT = (torch.int64, torch.int32)
+_FLOAT = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Rollout:
+    """One generated sample: a prompt, one response to it, and what the engine knows about that response.
+
+    Attributes:
+        prompt_token_ids: ``[P]`` int64, the prompt as the engine saw it (P >= 1).
+        response_token_ids: ``[R]`` int64, the generated tokens, including a stop token if one ended the sample.
+        response_logprobs: ``[R]`` float32 or None; the engine's log-probability of each response token under the
+            distribution it sampled from (see the engine's docs for temperature handling).
+        finish_reason: ``"stop"`` (stop/EOS token), ``"length"`` (hit max_new_tokens) or ``"abort"``.
+        prompt_index: index of the prompt in the request; the ``n`` samples of one prompt share it (a GRPO group).
+        sample_index: index of this sample among the ``n`` samples of its prompt.
+        weight_version: the engine's weight version when it generated this sample.
+        prompt_text, response_text, label: optional strings carried for rewards and logging.
+    """
+
+    prompt_token_ids: torch.Tensor
+    response_token_ids: torch.Tensor
+    response_logprobs: torch.Tensor | None = None
+    finish_reason: FinishReason = "length"
+    prompt_index: int = 0
+    sample_index: int = 0
+    weight_version: int = 0
+    prompt_text: str | None = None
+    response_text: str | None = None
+    label: str | None = None
+
+    def __post_init__(self) -> None:
+        _check_tensor("Rollout", "prompt_token_ids", self.prompt_token_ids, ndim=1, dtypes=_INT)
+        _check_tensor("Rollout", "response_token_ids", self.response_token_ids, ndim=1, dtypes=_INT)
+        if self.prompt_token_ids.numel() == 0:
+            raise ValueError("Rollout.prompt_token_ids is empty; a prompt needs at least one token")
+        if self.response_logprobs is not None:
+            _check_tensor("Rollout", "response_logprobs", self.response_logprobs, ndim=1, dtypes=_FLOAT)
+            if self.response_logprobs.shape != self.response_token_ids.shape:
+                raise ValueError(
+                    f"Rollout.response_logprobs has shape {tuple(self.response_logprobs.shape)} but "
+                    f"response_token_ids has shape {tuple(self.response_token_ids.shape)}; they must match"
+                )
+        if self.finish_reason not in _FINISH_REASONS:
+            raise ValueError(f"Rollout.finish_reason={self.finish_reason!r}; expected one of {_FINISH_REASONS}")
+        if self.prompt_index < 0 or self.sample_index < 0:
+            raise ValueError(
+                f"Rollout.prompt_index={self.prompt_index} and sample_index={self.sample_index} must be >= 0"
+            )
+
+    @property
+    def prompt_length(self) -> int:
+        return int(self.prompt_token_ids.numel())
+
+    @property
+    def response_length(self) -> int:
+        return int(self.response_token_ids.numel())
+
+    @property
+    def truncated(self) -> bool:
+        """True when the response ended because it hit the length limit."""
+        return self.finish_reason == "length"
+
+
+@dataclass(frozen=True, kw_only=True)
+class PackedBatch:
+    """Sequences laid end to end in one padding-free token stream.
+
+    Attributes:
+        input_ids: ``[T]`` int64 tokens of all sequences, then ``T - cu_seqlens[-1]`` padding tokens (if any).
+        position_ids: ``[T]`` int64, restarting at 0 at every sequence start (and for the padding tail).
+        cu_seqlens: ``[N + 1]`` int32, sequence boundaries: sequence ``i`` is ``input_ids[cu_seqlens[i]:cu_seqlens[i+1]]``;
+            ``cu_seqlens[0] == 0``; strictly increasing (no empty sequences).
+        loss_mask: ``[T]`` bool, True for tokens whose log-prob enters the loss (response tokens); never True on the
+            first token of a sequence or on padding.
+    """
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    cu_seqlens: torch.Tensor
+    loss_mask: torch.Tensor
+
+    def __post_init__(self) -> None:
+        _check_tensor("PackedBatch", "input_ids", self.input_ids, ndim=1, dtypes=_INT)
+        _check_tensor("PackedBatch", "position_ids", self.position_ids, ndim=1, dtypes=_INT)
+        _check_tensor("PackedBatch", "cu_seqlens", self.cu_seqlens, ndim=1, dtypes=_INT)
+        _check_tensor("PackedBatch", "loss_mask", self.loss_mask, ndim=1, dtypes=(torch.bool,))
+        num_tokens = self.input_ids.numel()
+        for name in ("position_ids", "loss_mask"):
+            if getattr(self, name).numel() != num_tokens:
+                raise ValueError(
+                    f"PackedBatch.{name} has {getattr(self, name).numel()} entries but input_ids has {num_tokens}"
+                )
+        cu = self.cu_seqlens
+        if cu.numel() < 2:
+            raise ValueError(f"PackedBatch.cu_seqlens={cu.tolist()} describes no sequence; an empty batch is invalid")
+        if int(cu[0]) != 0:
+            raise ValueError(f"PackedBatch.cu_seqlens must start at 0, got {int(cu[0])}")
+        lengths = cu[1:] - cu[:-1]
+        if bool((lengths <= 0).any()):
+            bad = int(torch.nonzero(lengths <= 0)[0])
+            raise ValueError(f"PackedBatch.cu_seqlens must be strictly increasing; sequence {bad} has length "
+                             f"{int(lengths[bad])}")
+        if int(cu[-1]) > num_tokens:
+            raise ValueError(f"PackedBatch.cu_seqlens[-1]={int(cu[-1])} exceeds the {num_tokens} tokens of input_ids")
+        if bool(self.loss_mask[cu[:-1].long()].any()):
+            bad = int(torch.nonzero(self.loss_mask[cu[:-1].long()])[0])
+            raise ValueError(f"PackedBatch.loss_mask is True on the first token of sequence {bad}; the first token "
+                             "of a sequence has no log-prob")
+        if bool(self.loss_mask[int(cu[-1]):].any()):
+            raise ValueError("PackedBatch.loss_mask is True on padding tokens after cu_seqlens[-1]")
+
+    @property
+    def num_tokens(self) -> int:
+        """``T``: tokens in the stream, padding included."""
+        return int(self.input_ids.numel())
+
+    @property
+    def num_seqs(self) -> int:
+        """``N``: real sequences (padding excluded)."""
+        return int(self.cu_seqlens.numel() - 1)
+
+    @property
+    def num_padding_tokens(self) -> int:
+        return self.num_tokens - int(self.cu_seqlens[-1])
+
+    @property
+    def seq_lens(self) -> torch.Tensor:
+        """``[N]`` int64 lengths of the real sequences."""
+        return (self.cu_seqlens[1:] - self.cu_seqlens[:-1]).long()
+
+    @property
+    def seq_ids(self) -> torch.Tensor:
+        """``[T]`` int64: the sequence each token belongs to; padding tokens get ``N``."""
+        ids = torch.full((self.num_tokens,), self.num_seqs, dtype=torch.long, device=self.input_ids.device)
+        ids[: int(self.cu_seqlens[-1])] = torch.repeat_interleave(
+            torch.arange(self.num_seqs, device=self.input_ids.device), self.seq_lens
+        )
+        return ids
+
+    def to(self, device: torch.device | str) -> PackedBatch:
+        return replace(self, **{f.name: getattr(self, f.name).to(device) for f in fields(self)})
+
+
+@dataclass(frozen=True, kw_only=True)
+class Experience:
+    """What the trainer learns from: a packed batch with per-token training signals.
+
+    Per-token tensors are ``[T]`` and token aligned with ``batch.input_ids`` (0 where ``batch.loss_mask`` is False).
+
+    Attributes:
+        batch: the packed prompt+response sequences.
+        old_logprobs: ``[T]`` float, log-probs of the policy that generated the data, as the trainer computes them.
+        advantages: ``[T]`` float.
+        returns: ``[T]`` float or None, value targets (PPO with a critic).
+        values: ``[T]`` float or None, critic values at rollout time.
+        ref_logprobs: ``[T]`` float or None, reference-model log-probs (KL penalty or loss).
+        engine_logprobs: ``[T]`` float or None, the rollout engine's log-probs (mismatch correction).
+        kl: ``[T]`` float or None, per-token KL estimate between policy and reference at rollout time.
+        rewards: ``[N]`` float32, the scalar reward of each sequence (after shaping/normalisation).
+        prompt_index: ``[N]`` int64, the prompt (group) each sequence answers.
+        response_lengths: ``[N]`` int64, response tokens per sequence.
+        truncated: ``[N]`` bool, the response hit the length limit.
+    """
+
+    batch: PackedBatch
+    old_logprobs: torch.Tensor
+    advantages: torch.Tensor
+    rewards: torch.Tensor
+    prompt_index: torch.Tensor
+    response_lengths: torch.Tensor
+    truncated: torch.Tensor
+    returns: torch.Tensor | None = None
+    values: torch.Tensor | None = None
+    ref_logprobs: torch.Tensor | None = None
+    engine_logprobs: torch.Tensor | None = None
+    kl: torch.Tensor | None = None
+
+    _TOKEN_FIELDS = ("old_logprobs", "advantages", "returns", "values", "ref_logprobs", "engine_logprobs", "kl")
+    _SEQ_FIELDS = ("rewards", "prompt_index", "response_lengths", "truncated")
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.batch, PackedBatch):
+            raise TypeError(f"Experience.batch must be a PackedBatch, got {type(self.batch).__name__}")
+        num_tokens, num_seqs = self.batch.num_tokens, self.batch.num_seqs
+        for name in self._TOKEN_FIELDS:
+            value = getattr(self, name)
+            if value is None and name in ("old_logprobs", "advantages"):
+                raise ValueError(f"Experience.{name} is required")
+            if value is not None:
+                _check_tensor("Experience", name, value, ndim=1, dtypes=_FLOAT)
+                if value.numel() != num_tokens:
+                    raise ValueError(f"Experience.{name} has {value.numel()} entries; the batch has {num_tokens} tokens")
+        seq_dtypes = {"rewards": _FLOAT, "prompt_index": _INT, "response_lengths": _INT, "truncated": (torch.bool,)}
+        for name in self._SEQ_FIELDS:
+            value = getattr(self, name)
+            _check_tensor("Experience", name, value, ndim=1, dtypes=seq_dtypes[name])
+            if value.numel() != num_seqs:
+                raise ValueError(f"Experience.{name} has {value.numel()} entries; the batch has {num_seqs} sequences")
+
+    @property
+    def num_seqs(self) -> int:
+        return self.batch.num_seqs
+
+    @property
+    def num_tokens(self) -> int:
+        return self.batch.num_tokens
+
+    def to(self, device: torch.device | str) -> Experience:
+        moved = {f.name: getattr(self, f.name) for f in fields(self)}
+        moved = {k: (v.to(device) if v is not None else None) for k, v in moved.items()}
+        return replace(self, **moved)

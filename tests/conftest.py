@@ -1,0 +1,47 @@
+"""Shared fixtures: tiny locally built HF models (real ``from_pretrained`` path), GPU skipping."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip_gpu = pytest.mark.skip(reason="needs CUDA")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip_gpu)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_factory(tmp_path_factory):
+    """``factory(arch="llama"|"qwen2", **TinyModelConfig fields) -> Path`` of a saved tiny model (cached per args)."""
+    from rlhfkit.tiny_models import TinyModelConfig, build_tiny_model
+
+    cache: dict = {}
+
+    def factory(arch: str = "llama", **overrides):
+        key = (arch, tuple(sorted(overrides.items())))
+        if key not in cache:
+            path = tmp_path_factory.mktemp(f"tiny-{arch}")
+            cache[key] = build_tiny_model(path, TinyModelConfig(arch=arch, **overrides))
+        return cache[key]
+
+    return factory
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_path(tiny_model_factory):
+    return tiny_model_factory("llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_path(tiny_model_factory):
+    return tiny_model_factory("qwen2")
