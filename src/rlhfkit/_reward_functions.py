@@ -1,0 +1,288 @@
+"""Apply Python reward functions ``fn(prompts, responses, labels) -> scores`` in batches, reporting every failure.
+
+Part of :mod:`rlhfkit.rewards` (re-exported there). Sync functions run in a thread pool, async ones (``async def``)
+as concurrent asyncio tasks. A batch that raises is re-run one sample at a time, so a failure names the sample(s) that
+cause it; a non-finite or non-numeric score fails its sample. The caller chooses: ``on_error="raise"`` raises
+:class:`RewardError`, ``"assign"`` gives failed samples ``error_score`` and lists them in the :class:`RewardReport`.
+A function returning the wrong number of scores always raises. Needs only the standard library.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import functools
+import inspect
+import logging
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+__all__ = ["RewardFailure", "RewardReport", "RewardError", "apply_reward_function", "function_name"]
+
+logger = logging.getLogger(__name__)
+
+FailureKind = Literal["exception", "non_finite", "invalid", "timeout"]
+
+
+@dataclass(frozen=True)
+class RewardFailure:
+    """One sample a reward function could not score: its index in the request, the function, what went wrong."""
+
+    index: int
+    function: str
+    kind: FailureKind
+    message: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class RewardReport:
+    """What happened when one function scored a request. ``failures`` is empty when every sample was scored;
+    otherwise each failed sample appears once (and got ``error_score`` under ``on_error="assign"``)."""
+
+    function: str
+    num_samples: int
+    failures: tuple[RewardFailure, ...] = ()
+    elapsed_s: float = 0.0
+    mean_score: float = 0.0
+
+    @property
+    def num_failed(self) -> int:
+        return len(self.failures)
+
+    @property
+    def failed_indices(self) -> list[int]:
+        return [failure.index for failure in self.failures]
+
+    def as_dict(self, prefix: str = "reward") -> dict[str, float]:
+        """Flat stats for logging, e.g. ``{"reward/fn/num_failed": 2.0, ...}``."""
+        base = f"{prefix}/{self.function}"
+        return {f"{base}/mean": self.mean_score, f"{base}/num_failed": float(self.num_failed),
+                f"{base}/seconds": self.elapsed_s}
+
+
+class RewardError(RuntimeError):
+    """A reward function failed on some samples (``on_error="raise"``) or broke its contract (wrong length)."""
+
+    def __init__(self, function: str, failures: Sequence[RewardFailure] = (), message: str | None = None) -> None:
+        self.function = function
+        self.failures = tuple(failures)
+        if message is None:
+            shown = "; ".join(f"sample {f.index}: {f.message}" for f in self.failures[:5])
+            more = f" (and {len(self.failures) - 5} more)" if len(self.failures) > 5 else ""
+            message = (f"reward function {function!r} failed on {len(self.failures)} sample(s) "
+                       f"{self.indices[:20]}: {shown}{more}. Fix the function, or pass on_error='assign' to give "
+                       "failed samples error_score")
+        super().__init__(message)
+
+    @property
+    def indices(self) -> list[int]:
+        return [failure.index for failure in self.failures]
+
+
+def function_name(fn: Callable) -> str:
+    """A readable name for ``fn`` (functions, partials, callable objects)."""
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or type(fn).__name__
+    return name.rsplit("<locals>.", 1)[-1]  # a function defined inside another: keep its own name
+
+
+def _is_async(fn: Callable) -> bool:
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))
+
+
+@dataclass
+class _Outcome:
+    """Result of one call over samples ``[start, stop)``: values, an exception, or a timeout."""
+
+    start: int
+    stop: int
+    values: Any = None
+    error: BaseException | None = None
+    timed_out: bool = False
+
+
+def _call_sync(fn, prompts, responses, labels):
+    result = fn(prompts, responses, labels)
+    if inspect.isawaitable(result):  # a plain function that returned a coroutine
+        result = asyncio.run(_await(result))
+    return result
+
+
+async def _await(awaitable):
+    return await awaitable
+
+
+def _run_sync(fn, slices, inputs, max_workers: int, timeout_s: float | None) -> list[_Outcome]:
+    outcomes = [_Outcome(start, stop) for start, stop in slices]
+    executor = concurrent.futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="reward")
+    try:
+        futures = {executor.submit(_call_sync, fn, *(x[o.start:o.stop] for x in inputs)): o for o in outcomes}
+        done, _ = concurrent.futures.wait(futures, timeout=timeout_s)
+        for future, outcome in futures.items():
+            if future not in done:
+                outcome.timed_out = True
+            elif future.exception() is not None:
+                outcome.error = future.exception()
+            else:
+                outcome.values = future.result()
+    finally:
+        executor.shutdown(wait=False, cancel_futures=True)
+    return outcomes
+
+
+async def _gather_async(fn, outcomes: list[_Outcome], inputs, max_workers: int, timeout_s: float | None) -> None:
+    semaphore = asyncio.Semaphore(max_workers)
+
+    async def one(outcome: _Outcome):
+        async with semaphore:
+            return await fn(*(x[outcome.start:outcome.stop] for x in inputs))
+
+    tasks = {asyncio.ensure_future(one(o)): o for o in outcomes}
+    done, pending = await asyncio.wait(tasks, timeout=timeout_s)
+    for task in pending:
+        task.cancel()
+        tasks[task].timed_out = True
+    for task in done:
+        if task.exception() is not None:
+            tasks[task].error = task.exception()
+        else:
+            tasks[task].values = task.result()
+
+
+def _run_async(fn, slices, inputs, max_workers: int, timeout_s: float | None) -> list[_Outcome]:
+    outcomes = [_Outcome(start, stop) for start, stop in slices]
+    coroutine = _gather_async(fn, outcomes, inputs, max_workers, timeout_s)
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        asyncio.run(coroutine)
+    else:  # called from inside an event loop (a notebook, an async trainer): use a loop of our own in a thread
+        with concurrent.futures.ThreadPoolExecutor(max_workers=1) as executor:
+            executor.submit(asyncio.run, coroutine).result()
+    return outcomes
+
+
+def _check_values(name: str, outcome: _Outcome) -> list[tuple[int, float | RewardFailure]]:
+    """Per-sample scores or failures of a finished call; a wrong count raises RewardError."""
+    expected = outcome.stop - outcome.start
+    values = outcome.values
+    if isinstance(values, (str, bytes)) or not hasattr(values, "__len__") or len(values) != expected:
+        got = f"{len(values)} values" if hasattr(values, "__len__") else type(values).__name__
+        raise RewardError(name, message=f"reward function {name!r} returned {got} for samples {outcome.start}.."
+                                        f"{outcome.stop - 1} ({expected} samples); it must return one score per "
+                                        "sample")
+    checked: list[tuple[int, float | RewardFailure]] = []
+    for offset, value in enumerate(values):
+        index = outcome.start + offset
+        try:
+            score = float(value)
+        except (TypeError, ValueError):
+            checked.append((index, RewardFailure(index, name, "invalid", f"score {value!r} is not a number")))
+            continue
+        if not math.isfinite(score):
+            checked.append((index, RewardFailure(index, name, "non_finite", f"non-finite score {score}")))
+        else:
+            checked.append((index, score))
+    return checked
+
+
+def _validate_args(prompts, responses, labels, batch_size, on_error, error_score, max_workers, timeout_s):
+    if isinstance(responses, str) or isinstance(prompts, str):
+        raise TypeError("apply_reward_function(prompts, responses, ...) take lists of strings, got a single string")
+    if labels is not None and len(labels) != len(responses):
+        raise ValueError(f"apply_reward_function: {len(labels)} labels for {len(responses)} responses")
+    if len(prompts) != len(responses):
+        raise ValueError(f"apply_reward_function: {len(prompts)} prompts for {len(responses)} responses")
+    if not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"apply_reward_function(batch_size={batch_size!r}); must be a positive int")
+    if on_error not in ("raise", "assign"):
+        raise ValueError(f"apply_reward_function(on_error={on_error!r}); choose 'raise' or 'assign'")
+    if not math.isfinite(error_score):
+        raise ValueError(f"apply_reward_function(error_score={error_score}); must be finite")
+    if not isinstance(max_workers, int) or max_workers < 1:
+        raise ValueError(f"apply_reward_function(max_workers={max_workers!r}); must be a positive int")
+    if timeout_s is not None and not timeout_s > 0:
+        raise ValueError(f"apply_reward_function(timeout_s={timeout_s}); must be > 0 or None")
+
+
+def _collect(name: str, outcomes: list[_Outcome], run_singles) -> tuple[dict[int, float], list[RewardFailure],
+                                                                           BaseException | None]:
+    scores: dict[int, float] = {}
+    failures: list[RewardFailure] = []
+    first_error = None
+    to_isolate = []
+    for outcome in outcomes:
+        if outcome.timed_out:
+            failures += [RewardFailure(i, name, "timeout", "did not finish within timeout_s")
+                         for i in range(outcome.start, outcome.stop)]
+        elif outcome.error is not None:
+            first_error = first_error or outcome.error
+            if outcome.stop - outcome.start == 1:
+                failures.append(RewardFailure(outcome.start, name, "exception", _describe(outcome.error)))
+            else:
+                to_isolate += [(i, i + 1) for i in range(outcome.start, outcome.stop)]
+        else:
+            for index, value in _check_values(name, outcome):
+                if isinstance(value, RewardFailure):
+                    failures.append(value)
+                else:
+                    scores[index] = value
+    if to_isolate:
+        single_scores, single_failures, _ = _collect(name, run_singles(to_isolate), run_singles)
+        scores.update(single_scores)
+        failures += single_failures
+    return scores, sorted(failures, key=lambda f: f.index), first_error
+
+
+def _describe(error: BaseException) -> str:
+    return f"{type(error).__name__}: {error}"
+
+
+def apply_reward_function(fn: Callable, prompts: Sequence[str], responses: Sequence[str],
+                          labels: Sequence[str | None] | None = None, *, batch_size: int = 64,
+                          on_error: Literal["raise", "assign"] = "raise", error_score: float = 0.0,
+                          max_workers: int = 4, timeout_s: float | None = None,
+                          name: str | None = None) -> tuple[list[float], RewardReport]:
+    """Score every sample with ``fn(prompts, responses, labels) -> list[float]`` (sync or ``async def``).
+
+    Args:
+        fn: the reward function; called on consecutive batches of at most ``batch_size`` samples.
+        prompts, responses, labels: aligned lists (``labels`` None → a list of None).
+        on_error: ``"raise"`` → :class:`RewardError` naming the function and failed sample indices; ``"assign"`` →
+            failed samples score ``error_score`` and are listed in the report.
+        max_workers: batches in flight at once (threads for sync functions, tasks for async ones).
+        timeout_s: deadline for all batches together (and again for re-running a failed batch per sample);
+            unfinished samples fail as ``"timeout"``. Async calls are cancelled; a sync call cannot be killed and
+            keeps its worker thread until it returns.
+        name: name used in reports and errors (default: the function's name).
+
+    Returns:
+        ``scores`` (one float per sample) and a :class:`RewardReport`.
+    """
+    _validate_args(prompts, responses, labels, batch_size, on_error, error_score, max_workers, timeout_s)
+    name = name or function_name(fn)
+    inputs = (list(prompts), list(responses), list(labels) if labels is not None else [None] * len(responses))
+    runner = _run_async if _is_async(fn) else _run_sync
+    started = time.perf_counter()
+
+    def run(slices):
+        return runner(fn, slices, inputs, max_workers, timeout_s)
+
+    slices = [(start, min(start + batch_size, len(responses))) for start in range(0, len(responses), batch_size)]
+    scores, failures, first_error = _collect(name, run(slices), run)
+    if failures and on_error == "raise":
+        raise RewardError(name, failures) from first_error
+    if failures:
+        logger.warning("reward function %r failed on %d of %d samples; assigned error_score=%s", name,
+                       len(failures), len(responses), error_score)
+    result = [scores.get(index, error_score) for index in range(len(responses))]
+    report = RewardReport(function=name, num_samples=len(responses), failures=tuple(failures),
+                          elapsed_s=time.perf_counter() - started,
+                          mean_score=sum(result) / len(result) if result else 0.0)
+    return result, report

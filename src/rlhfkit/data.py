@@ -1,0 +1,288 @@
+"""Prompt datasets for rollouts, and the built-in verifiable arithmetic task.
+
+What it does: reads prompts (and optional labels) from JSONL files, Parquet files (needs ``rlhfkit[data]``, i.e.
+pyarrow), HF ``datasets`` objects or any indexable of dicts; optionally applies the tokenizer's chat template
+(``add_generation_prompt=True``); tokenizes once, up front; truncates, drops or refuses prompts longer than
+``prompt_max_len`` and counts them in :class:`PromptDatasetStats`; yields shuffled batches of token ids + text +
+label with an explicit seed (reproducible, resumable by step). The arithmetic task (:class:`ArithmeticTask`,
+:func:`arithmetic_reward`, :func:`arithmetic_accuracy`) lets the library run without external data.
+
+What it does not do: streaming of datasets larger than memory, response/preference data, multi-turn rollouts.
+A tokenizer is any object with ``__call__(text) -> {"input_ids": ...}`` (and ``apply_chat_template`` when the chat
+template is used), e.g. a transformers tokenizer (``rlhfkit[hf]``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from rlhfkit._arithmetic import (
+    ARITHMETIC_WEIGHTS,
+    ArithmeticTask,
+    arithmetic_accuracy,
+    arithmetic_reward,
+    arithmetic_score,
+    arithmetic_score_parts,
+)
+from rlhfkit._optional import require
+
+__all__ = [
+    "PromptDatasetConfig",
+    "PromptDataset",
+    "PromptDatasetStats",
+    "PromptBatch",
+    "read_jsonl",
+    "read_parquet",
+    "ArithmeticTask",
+    "arithmetic_reward",
+    "arithmetic_score",
+    "arithmetic_score_parts",
+    "arithmetic_accuracy",
+    "ARITHMETIC_WEIGHTS",
+]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, kw_only=True)
+class PromptDatasetConfig:
+    """How records become prompts.
+
+    Attributes:
+        input_key: record field holding the prompt: a string, or a list of chat messages
+            (``[{"role": ..., "content": ...}]``) when ``apply_chat_template`` is True.
+        label_key: record field holding the label (converted with ``str``); None for no labels. A record without it
+            is an error.
+        apply_chat_template: format the prompt with ``tokenizer.apply_chat_template(messages,
+            add_generation_prompt=True)``; a string prompt becomes one user message.
+        system_prompt: with the chat template, a system message put before a string prompt.
+        prompt_max_len: longest prompt in tokens (after the template); None for no limit.
+        on_overlong: ``"truncate"`` keeps the *last* ``prompt_max_len`` tokens (the end holds the question and the
+            generation prompt; the text is re-decoded from the kept tokens), ``"reject"`` drops the prompt,
+            ``"error"`` raises ValueError naming the record. All are counted in the stats.
+    """
+
+    input_key: str = "prompt"
+    label_key: str | None = "label"
+    apply_chat_template: bool = False
+    system_prompt: str | None = None
+    prompt_max_len: int | None = None
+    on_overlong: Literal["truncate", "reject", "error"] = "reject"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.input_key, str) or not self.input_key:
+            raise ValueError(f"PromptDatasetConfig.input_key={self.input_key!r}; name the record field of the prompt")
+        if self.prompt_max_len is not None and self.prompt_max_len < 1:
+            raise ValueError(f"PromptDatasetConfig.prompt_max_len={self.prompt_max_len}; must be >= 1 or None")
+        if self.on_overlong not in ("truncate", "reject", "error"):
+            raise ValueError(f"PromptDatasetConfig.on_overlong={self.on_overlong!r}; expected 'truncate', "
+                             "'reject' or 'error'")
+        if self.system_prompt is not None and not self.apply_chat_template:
+            raise ValueError("PromptDatasetConfig.system_prompt is set but apply_chat_template=False; enable the "
+                             "chat template or drop the system prompt")
+
+
+@dataclass(frozen=True, kw_only=True)
+class PromptDatasetStats:
+    """What happened to the records: ``num_records = num_kept + num_rejected``; truncated ones are kept."""
+
+    num_records: int
+    num_kept: int
+    num_truncated: int
+    num_rejected: int
+    max_prompt_len: int
+    mean_prompt_len: float
+
+    def as_dict(self) -> dict[str, float]:
+        return {f"data/{key}": float(value) for key, value in self.__dict__.items()}
+
+
+@dataclass(frozen=True, kw_only=True)
+class PromptBatch:
+    """A batch of prompts, aligned lists. ``token_ids`` go to ``engine.generate``; ``texts``/``labels`` to rewards
+    (index them with ``Rollout.prompt_index``). ``indices`` are positions in the dataset."""
+
+    token_ids: list[list[int]]
+    texts: list[str]
+    labels: list[str | None]
+    indices: list[int]
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+
+def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
+    """Records of a JSON-lines file (blank lines skipped); errors name the line."""
+    records = []
+    with open(path, encoding="utf-8") as handle:
+        for number, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as error:
+                raise ValueError(f"{path}:{number}: not valid JSON ({error})") from error
+            if not isinstance(record, dict):
+                raise ValueError(f"{path}:{number}: expected a JSON object, got {type(record).__name__}")
+            records.append(record)
+    return records
+
+
+def read_parquet(path: str | Path) -> list[dict[str, Any]]:
+    """Records of a Parquet file (needs ``rlhfkit[data]``)."""
+    parquet = require("pyarrow.parquet", "data", user="rlhfkit.data")
+    return parquet.read_table(str(path)).to_pylist()
+
+
+class PromptDataset:
+    """Tokenized prompts with labels, built once from records. See :class:`PromptDatasetConfig`.
+
+    Args:
+        records: an indexable of dicts (a list, an HF ``datasets.Dataset``, ...).
+        tokenizer: tokenizes the prompt (and applies the chat template if configured).
+        config: keys, template and length policy.
+    """
+
+    def __init__(self, records: Sequence[dict[str, Any]], tokenizer, config: PromptDatasetConfig | None = None):
+        self.config = config or PromptDatasetConfig()
+        if isinstance(records, (str, Path)):
+            raise TypeError(f"PromptDataset(records={str(records)!r}) got a path; use PromptDataset.from_file()")
+        self.tokenizer = tokenizer
+        self._token_ids: list[list[int]] = []
+        self._texts: list[str] = []
+        self._labels: list[str | None] = []
+        self._sources: list[int] = []
+        num_records = len(records)
+        num_truncated = num_rejected = 0
+        for index in range(num_records):
+            status = self._add(index, records[index])
+            num_truncated += status == "truncated"
+            num_rejected += status == "rejected"
+        lengths = [len(ids) for ids in self._token_ids]
+        self.stats = PromptDatasetStats(num_records=num_records, num_kept=len(lengths), num_truncated=num_truncated,
+                                        num_rejected=num_rejected, max_prompt_len=max(lengths, default=0),
+                                        mean_prompt_len=sum(lengths) / len(lengths) if lengths else 0.0)
+        if not lengths:
+            raise ValueError(f"PromptDataset: none of the {num_records} records was kept ({num_rejected} rejected "
+                             f"as longer than prompt_max_len={self.config.prompt_max_len}); raise prompt_max_len")
+        if num_truncated or num_rejected:
+            logger.info("prompt dataset: %d records, %d truncated, %d rejected (prompt_max_len=%s)", num_records,
+                        num_truncated, num_rejected, self.config.prompt_max_len)
+
+    @classmethod
+    def from_file(cls, path: str | Path, tokenizer, config: PromptDatasetConfig | None = None) -> PromptDataset:
+        """Load ``.jsonl``/``.json`` (JSON lines) or ``.parquet`` records."""
+        suffix = Path(path).suffix.lower()
+        if suffix in (".jsonl", ".json"):
+            return cls(read_jsonl(path), tokenizer, config)
+        if suffix == ".parquet":
+            return cls(read_parquet(path), tokenizer, config)
+        raise ValueError(f"PromptDataset.from_file(path={str(path)!r}): unknown suffix {suffix!r}; expected .jsonl, "
+                         ".json (JSON lines) or .parquet")
+
+    def _format(self, index: int, record: Any) -> str:
+        if not isinstance(record, dict):
+            raise TypeError(f"PromptDataset: record {index} is a {type(record).__name__}, expected a dict")
+        if self.config.input_key not in record:
+            raise ValueError(f"PromptDataset: record {index} has no field {self.config.input_key!r} (fields: "
+                             f"{sorted(record)}); set PromptDatasetConfig.input_key")
+        prompt = record[self.config.input_key]
+        if not self.config.apply_chat_template:
+            if not isinstance(prompt, str):
+                raise TypeError(f"PromptDataset: record {index} field {self.config.input_key!r} is a "
+                                f"{type(prompt).__name__}; without the chat template prompts must be strings")
+            return prompt
+        messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": str(prompt)}]
+        if self.config.system_prompt is not None and not isinstance(prompt, list):
+            messages = [{"role": "system", "content": self.config.system_prompt}, *messages]
+        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+    def _add(self, index: int, record: Any) -> str:
+        text = self._format(index, record)
+        label = None
+        if self.config.label_key is not None:
+            if self.config.label_key not in record or record[self.config.label_key] is None:
+                raise ValueError(f"PromptDataset: record {index} has no label field {self.config.label_key!r}; set "
+                                 "PromptDatasetConfig.label_key=None for unlabeled prompts")
+            label = str(record[self.config.label_key])
+        # A chat template already holds its special tokens; do not let the tokenizer add another BOS.
+        ids = list(self.tokenizer(text, add_special_tokens=not self.config.apply_chat_template)["input_ids"])
+        if not ids:
+            raise ValueError(f"PromptDataset: record {index} tokenizes to no tokens (text {text!r})")
+        status = "kept"
+        limit = self.config.prompt_max_len
+        if limit is not None and len(ids) > limit:
+            if self.config.on_overlong == "error":
+                raise ValueError(f"PromptDataset: record {index} has {len(ids)} prompt tokens > prompt_max_len="
+                                 f"{limit}; raise prompt_max_len or set on_overlong='truncate' or 'reject'")
+            if self.config.on_overlong == "reject":
+                return "rejected"
+            ids = ids[-limit:]
+            text = self.tokenizer.decode(ids)
+            status = "truncated"
+        self._token_ids.append(ids)
+        self._texts.append(text)
+        self._labels.append(label)
+        self._sources.append(index)
+        return status
+
+    def __len__(self) -> int:
+        return len(self._token_ids)
+
+    def __getitem__(self, index: int) -> tuple[list[int], str, str | None]:
+        """``(token_ids, text, label)`` of kept prompt ``index``."""
+        return self._token_ids[index], self._texts[index], self._labels[index]
+
+    def source_index(self, index: int) -> int:
+        """The record number that kept prompt ``index`` came from."""
+        return self._sources[index]
+
+    def _batch(self, indices: Sequence[int]) -> PromptBatch:
+        return PromptBatch(token_ids=[list(self._token_ids[i]) for i in indices],
+                           texts=[self._texts[i] for i in indices], labels=[self._labels[i] for i in indices],
+                           indices=list(indices))
+
+    def _order(self, seed: int, epoch: int, shuffle: bool) -> list[int]:
+        order = list(range(len(self)))
+        if shuffle:
+            random.Random(f"{seed}:{epoch}").shuffle(order)
+        return order
+
+    def batches(self, batch_size: int, *, seed: int, epoch: int = 0, shuffle: bool = True,
+                drop_last: bool = False) -> Iterator[PromptBatch]:
+        """One pass over the dataset; the order depends only on ``(seed, epoch)``."""
+        _check_batch_size(batch_size)
+        order = self._order(seed, epoch, shuffle)
+        stop = len(order) - len(order) % batch_size if drop_last else len(order)
+        for start in range(0, stop, batch_size):
+            yield self._batch(order[start:start + batch_size])
+
+    def stream(self, batch_size: int, *, seed: int, start_step: int = 0, shuffle: bool = True) -> Iterator[PromptBatch]:
+        """Endless full batches, epoch after epoch (each reshuffled from ``(seed, epoch)``, the incomplete tail of an
+        epoch dropped). Batch ``k`` is the same whatever ``start_step`` is: resume a run with ``start_step=step``."""
+        _check_batch_size(batch_size)
+        per_epoch = len(self) // batch_size
+        if per_epoch == 0:
+            raise ValueError(f"PromptDataset.stream(batch_size={batch_size}) exceeds the {len(self)} prompts; "
+                             "lower batch_size")
+        if start_step < 0:
+            raise ValueError(f"PromptDataset.stream(start_step={start_step}); must be >= 0")
+        step, epoch, order = start_step, None, []
+        while True:
+            if step // per_epoch != epoch:
+                epoch = step // per_epoch
+                order = self._order(seed, epoch, shuffle)
+            position = step % per_epoch
+            yield self._batch(order[position * batch_size:(position + 1) * batch_size])
+            step += 1
+
+
+def _check_batch_size(batch_size: int) -> None:
+    if not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size={batch_size!r}; must be a positive int")
