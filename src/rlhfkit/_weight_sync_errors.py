@@ -1,0 +1,60 @@
+"""Errors of the weight-sync channel (private to :mod:`rlhfkit.weight_sync`, which re-exports them). torch-free."""
+
+from __future__ import annotations
+
+__all__ = [
+    "WeightSyncError",
+    "WeightSyncTimeout",
+    "ManifestMismatchError",
+    "FingerprintMismatchError",
+    "WeightSyncAborted",
+    "error_from_report",
+    "error_kind",
+]
+
+
+class WeightSyncError(RuntimeError):
+    """A sync failed: a peer reported an error, vanished, or the transport broke. The message names the peer."""
+
+
+class WeightSyncTimeout(WeightSyncError, TimeoutError):
+    """A wait on a peer (rendezvous, manifest check, bucket, acknowledgement) ran past ``timeout_s``."""
+
+
+class ManifestMismatchError(WeightSyncError, ValueError):
+    """The sender's manifest and what a receiver accepts differ (missing/extra name, shape or dtype).
+
+    Raised on both ends before the first byte of weights moves; the message names the tensor(s)."""
+
+
+class FingerprintMismatchError(WeightSyncError):
+    """A received bucket's fingerprint differs from the one the sender computed; names the bucket and its tensors."""
+
+
+class WeightSyncAborted(WeightSyncError):
+    """The other side gave up mid-sync (its error is quoted in the message)."""
+
+
+_KINDS: dict[str, type[WeightSyncError]] = {
+    "error": WeightSyncError,
+    "timeout": WeightSyncTimeout,
+    "manifest": ManifestMismatchError,
+    "fingerprint": FingerprintMismatchError,
+    "aborted": WeightSyncAborted,
+}
+
+
+def error_kind(error: BaseException) -> str:
+    """The wire name of ``error``'s class, so the peer can raise the same kind."""
+    for kind, cls in reversed(list(_KINDS.items())):
+        if type(error) is cls:
+            return kind
+    for kind, cls in _KINDS.items():
+        if kind != "error" and isinstance(error, cls):
+            return kind
+    return "error"
+
+
+def error_from_report(kind: str, message: str) -> WeightSyncError:
+    """Rebuild an error a peer reported as ``(kind, message)``."""
+    return _KINDS.get(kind, WeightSyncError)(message)

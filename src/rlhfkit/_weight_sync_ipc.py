@@ -1,0 +1,205 @@
+"""CUDA IPC transport of the weight-sync channel (private to :mod:`rlhfkit.weight_sync`). Needs a CUDA torch.
+
+For engines on the same GPU as the trainer rank. The sender owns ``num_slots`` bucket buffers on its GPU and shares
+each one's CUDA IPC handle (``torch.multiprocessing.reductions.reduce_tensor``) once, when the buffers are allocated —
+not per parameter, not per bucket. A receiver maps them once (the handle names the GPU by UUID, so logical device
+indices may differ between processes) and copies out of them. Per bucket only a tiny control message moves:
+"bucket k is ready" (sender → receivers) and "bucket k is consumed" (receivers → sender).
+
+GPU ordering: with ``ipc_events`` each side records an interprocess CUDA event after its work on a slot and the other
+side makes its stream wait on it, so neither host blocks on the GPU; without it each side synchronizes its stream
+before signalling. The receiver's ``load_fn`` must copy on the current CUDA stream (transformers and vLLM do).
+
+Memory: ``num_slots`` buckets on the sender's GPU; receivers allocate nothing (they read the sender's buffers).
+"""
+
+from __future__ import annotations
+
+import pickle
+
+import torch
+
+from rlhfkit._weight_sync_buckets import BucketSlots
+from rlhfkit._weight_sync_control import ControlChannel
+from rlhfkit._weight_sync_errors import WeightSyncAborted, WeightSyncError, error_from_report
+from rlhfkit._weight_sync_manifest import Bucket, Manifest
+
+__all__ = ["IpcSender", "IpcReceiver", "CudaOps"]
+
+
+class CudaOps:
+    """The CUDA calls this transport makes, in one place (tests of the protocol on CPU substitute fakes)."""
+
+    @staticmethod
+    def uuid(device: torch.device) -> str:
+        return str(torch.cuda.get_device_properties(device).uuid)
+
+    def device_of_uuid(self, uuid: str) -> torch.device:
+        """This process's ``cuda:i`` for the GPU with ``uuid``; raises when it is not visible here."""
+        for index in range(torch.cuda.device_count()):
+            if self.uuid(torch.device("cuda", index)) == uuid:
+                return torch.device("cuda", index)
+        raise WeightSyncError(
+            f"the sender's bucket buffers live on GPU {uuid}, which this process cannot see "
+            f"({torch.cuda.device_count()} visible GPUs); backend='cuda_ipc' needs the receiver on the sender's GPU "
+            f"(or that GPU visible to it) — use backend='nccl' for engines on other GPUs")
+
+    @staticmethod
+    def share(tensor: torch.Tensor) -> tuple:
+        from torch.multiprocessing.reductions import reduce_tensor
+
+        return reduce_tensor(tensor)
+
+    @staticmethod
+    def open(handle: tuple, device: torch.device) -> torch.Tensor:
+        """Map a :meth:`share` handle in this process, pointing it at our index of the sender's GPU."""
+        from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+        function, args = handle
+        if function is not rebuild_cuda_tensor:
+            raise WeightSyncError(f"unexpected CUDA IPC handle rebuilder {function!r}")
+        args = list(args)
+        args[6] = device.index  # rebuild_cuda_tensor's storage_device
+        return function(*args)
+
+    @staticmethod
+    def new_events(count: int, device: torch.device) -> list:
+        events = [torch.cuda.Event(interprocess=True) for _ in range(count)]
+        for event in events:
+            event.record(torch.cuda.current_stream(device))  # creates the event on this device before sharing it
+        return events
+
+    @staticmethod
+    def event_handle(event: torch.cuda.Event) -> bytes:
+        return event.ipc_handle()
+
+    @staticmethod
+    def open_event(handle: bytes, device: torch.device) -> torch.cuda.Event:
+        return torch.cuda.Event.from_ipc_handle(device, handle)
+
+    @staticmethod
+    def record(event: torch.cuda.Event, device: torch.device) -> None:
+        event.record(torch.cuda.current_stream(device))
+
+    @staticmethod
+    def wait(event: torch.cuda.Event, device: torch.device) -> None:
+        torch.cuda.current_stream(device).wait_event(event)
+
+    @staticmethod
+    def synchronize(device: torch.device) -> None:
+        torch.cuda.current_stream(device).synchronize()
+
+
+class IpcSender:
+    """Sender half. ``peers``: the receiver ranks."""
+
+    def __init__(self, control: ControlChannel, slots: BucketSlots, peers: list[int], *, use_events: bool) -> None:
+        self.control, self.slots, self.peers, self.use_events = control, slots, peers, use_events
+        self.cuda = CudaOps()
+        self.generation = 0
+        self._send_events: list = []
+        self._recv_events: dict[int, list] | None = None
+
+    def prepare(self, capacity: int) -> int:
+        if not self.slots.ensure(capacity):
+            return self.generation
+        self.generation += 1
+        device = self.slots.device
+        self._send_events = self.cuda.new_events(self.slots.num_slots, device)
+        self._recv_events = None
+        self.cuda.synchronize(device)  # buffers are zeroed before anyone maps them
+        shared = {
+            "uuid": self.cuda.uuid(device),
+            "buffers": [self.cuda.share(buffer) for buffer in self.slots.buffers],
+            "events": [self.cuda.event_handle(event) for event in self._send_events],
+        }
+        self.control.put_bytes(f"ipc/{self.generation}", pickle.dumps(shared))
+        return self.generation
+
+    def _receiver_events(self) -> dict[int, list]:
+        if self._recv_events is None:
+            events = {}
+            for rank in self.peers:
+                data = self.control.get_bytes(f"ipc/{self.generation}/recv/{rank}", peer=rank,
+                                              what="its CUDA IPC event handles")
+                events[rank] = [self.cuda.open_event(h, self.slots.device) for h in pickle.loads(data)]
+            self._recv_events = events
+        return self._recv_events
+
+    def acquire(self, version: int, bucket: Bucket) -> None:
+        """Wait until every receiver is done with the slot ``bucket`` will be written to."""
+        previous = bucket.index - self.slots.num_slots
+        if previous < 0:
+            return
+        acks = self.control.gather(lambda r: f"{version}/ack/{previous}/{r}", self.peers,
+                                   what=f"its acknowledgement of bucket {previous} of sync {version}")
+        for rank, ack in acks.items():
+            if "error" in ack:
+                raise error_from_report(ack["error"], f"{self.control.peer_name(rank)} failed sync {version}: "
+                                                      f"{ack['message']}")
+        if self.use_events:
+            slot = bucket.index % self.slots.num_slots
+            for events in self._receiver_events().values():
+                self.cuda.wait(events[slot], self.slots.device)
+
+    def publish(self, version: int, bucket: Bucket) -> None:
+        if self.use_events:
+            self.cuda.record(self._send_events[bucket.index % self.slots.num_slots], self.slots.device)
+        else:
+            self.cuda.synchronize(self.slots.device)
+        self.control.put(f"{version}/b/{bucket.index}", {"ok": 1})
+
+    def abort(self, version: int, bucket: Bucket, message: str, *, peer_failed: bool) -> None:
+        self.control.put(f"{version}/b/{bucket.index}", {"abort": message})
+
+    def flush(self, version: int) -> None:
+        """Nothing in flight on this side: receivers' completion is awaited through their reports."""
+
+
+class IpcReceiver:
+    """Receiver half: maps the sender's buffers once per buffer generation."""
+
+    status_in_tail = False  # aborts arrive as control messages
+    drains = False  # a failure is reported in the acknowledgement; the sender stops publishing
+
+    def __init__(self, control: ControlChannel, slots: BucketSlots, rank: int) -> None:
+        self.control, self.slots, self.rank = control, slots, rank
+        self.cuda = CudaOps()
+        self.generation = 0
+        self.use_events = False
+        self._send_events: list = []
+        self._recv_events: list = []
+
+    def prepare(self, manifest: Manifest) -> None:
+        self.use_events = manifest.ipc_events
+        if manifest.generation == self.generation:
+            return
+        shared = pickle.loads(self.control.get_bytes(f"ipc/{manifest.generation}", peer=0,
+                                                     what="the CUDA IPC handles of its bucket buffers"))
+        device = self.cuda.device_of_uuid(shared["uuid"])
+        self.slots.release()  # unmap the old generation first: torch caches mappings by (handle, offset)
+        self.slots.device = device
+        self.slots.adopt([self.cuda.open(handle, device) for handle in shared["buffers"]])
+        self._send_events = [self.cuda.open_event(h, device) for h in shared["events"]]
+        self._recv_events = self.cuda.new_events(len(shared["buffers"]), device)
+        self.control.put_bytes(f"ipc/{manifest.generation}/recv/{self.rank}",
+                               pickle.dumps([self.cuda.event_handle(event) for event in self._recv_events]))
+        self.generation = manifest.generation
+
+    def receive(self, version: int, bucket: Bucket) -> None:
+        message = self.control.get(f"{version}/b/{bucket.index}", peer=0,
+                                   what=f"bucket {bucket.index} of sync {version}")
+        if "abort" in message:
+            raise WeightSyncAborted(f"{self.control.peer_name(0)} aborted sync {version}: {message['abort']}")
+        if self.use_events:
+            self.cuda.wait(self._send_events[bucket.index % self.slots.num_slots], self.slots.device)
+
+    def release(self, version: int, bucket: Bucket) -> None:
+        if self.use_events:
+            self.cuda.record(self._recv_events[bucket.index % self.slots.num_slots], self.slots.device)
+        else:
+            self.cuda.synchronize(self.slots.device)
+        self.control.put(f"{version}/ack/{bucket.index}/{self.rank}", {"ok": 1})
+
+    def fail(self, version: int, bucket: Bucket, kind: str, message: str) -> None:
+        self.control.put(f"{version}/ack/{bucket.index}/{self.rank}", {"error": kind, "message": message})

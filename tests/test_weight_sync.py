@@ -1,0 +1,715 @@
+"""The weight-sync channel: manifest/bucket layout by hand, fingerprints against a naive reference, the in-process
+path, gloo groups in threads (several receivers, failures on every side), gloo between real Ray actors (trainer →
+HF engine), and CUDA IPC / NCCL between processes on GPUs."""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+
+import pytest
+import torch
+
+from rlhfkit._weight_sync_buckets import Fingerprinter
+from rlhfkit._weight_sync_manifest import Manifest, TensorSpec, compare_manifest, plan_buckets
+from rlhfkit.weight_sync import (
+    FingerprintMismatchError,
+    ManifestMismatchError,
+    SyncEndpoint,
+    WeightReceiver,
+    WeightSender,
+    WeightSyncAborted,
+    WeightSyncConfig,
+    WeightSyncError,
+    WeightSyncTimeout,
+    describe_parameters,
+)
+
+MASK64 = (1 << 64) - 1
+
+
+def make_weights(seed: int = 0, dtype=torch.float32) -> dict[str, torch.Tensor]:
+    """Odd shapes on purpose: byte counts that are not multiples of 8, a 0-dim and an integer tensor."""
+    generator = torch.Generator().manual_seed(seed)
+    weights = {f"layers.{i}.w": torch.randn(37 + i, 19, generator=generator, dtype=dtype) for i in range(6)}
+    weights["embed"] = torch.randn(500, 24, generator=generator, dtype=dtype)
+    weights["odd_bf16"] = torch.randn(3, 7, generator=generator).to(torch.bfloat16)
+    weights["scale"] = torch.tensor(1.5, dtype=dtype)
+    weights["positions"] = torch.arange(11, dtype=torch.int64)
+    return weights
+
+
+def zeros_like(weights):
+    return {name: torch.zeros_like(t) for name, t in weights.items()}
+
+
+def copy_into(target: dict[str, torch.Tensor], seen: list | None = None):
+    def load_fn(weights, version=None):
+        count = 0
+        for name, tensor in weights:
+            target[name].copy_(tensor)
+            count += 1
+        if seen is not None:
+            seen.append(version)
+        return count
+
+    return load_fn
+
+
+def assert_bitwise_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]):
+    assert a.keys() == b.keys()
+    for name in a:
+        assert a[name].dtype == b[name].dtype and torch.equal(a[name], b[name]), name
+
+
+class CorruptingSender(WeightSender):
+    """Flips one byte of bucket ``corrupt_bucket`` after it was fingerprinted (in-transit corruption)."""
+
+    corrupt_bucket: int | None = None
+
+    def _after_pack(self, bucket_index, tensors):
+        if bucket_index == self.corrupt_bucket:
+            raw = tensors[0].view(-1).view(torch.uint8) if tensors[0].dim() else tensors[0].view(1).view(torch.uint8)
+            raw[0] ^= 0x10
+
+
+# ---------------------------------------------------------------------------------------------------- configs
+@pytest.mark.parametrize("field, value, needle", [
+    ("backend", "mpi", "backend='mpi'"),
+    ("bucket_bytes", 10, "bucket_bytes=10"),
+    ("num_buffers", 3, "num_buffers=3"),
+    ("timeout_s", 0, "timeout_s=0"),
+    ("dtype", torch.int32, "dtype=torch.int32"),
+])
+def test_config_errors_name_field_and_value(field, value, needle):
+    with pytest.raises(ValueError, match=needle.replace("(", r"\(").replace(".", r"\.")):
+        WeightSyncConfig(**{field: value})
+
+
+def test_endpoint_errors_and_roles():
+    with pytest.raises(ValueError, match="world_size=1"):
+        SyncEndpoint(world_size=1)
+    with pytest.raises(ValueError, match="rank=3"):
+        SyncEndpoint(world_size=3, rank=3)
+    with pytest.raises(ValueError, match="group_name='a/b'"):
+        SyncEndpoint(group_name="a/b")
+    config = WeightSyncConfig(backend="gloo")
+    with pytest.raises(ValueError, match="rank 0"):
+        WeightSender(config, SyncEndpoint(rank=1))
+    with pytest.raises(ValueError, match="port=0"):
+        WeightReceiver(config, SyncEndpoint(rank=1))
+    with pytest.raises(ValueError, match="local_receiver"):
+        WeightSender(WeightSyncConfig(backend="inprocess"), SyncEndpoint())
+
+
+# ---------------------------------------------------------------------------------------------------- manifest
+def test_bucket_layout_by_hand():
+    specs = [TensorSpec("a", (10,), torch.float32),      # 40 B -> 256
+             TensorSpec("b", (100,), torch.float32),     # 400 B -> 512
+             TensorSpec("c", (3000,), torch.bfloat16),   # 6000 B -> 6144, larger than a bucket: alone
+             TensorSpec("d", (1,), torch.int64)]         # 8 B -> 256
+    buckets, capacity = plan_buckets(specs, 1024)
+    assert [(b.start, b.stop, b.offsets, b.payload_bytes) for b in buckets] == [
+        (0, 2, (0, 256), 768), (2, 3, (0,), 6144), (3, 4, (0,), 256)]
+    assert capacity == 6144 + 16
+    manifest = Manifest(version=3, specs=tuple(specs), buckets=buckets, capacity=capacity, fingerprints=True)
+    assert manifest.total_bytes == 40 + 400 + 6000 + 8
+    assert Manifest.from_bytes(manifest.to_bytes()) == manifest
+
+
+def test_compare_manifest_names_each_problem():
+    sent = [TensorSpec("w", (4, 2), torch.float32), TensorSpec("extra", (1,), torch.float32),
+            TensorSpec("v", (3,), torch.bfloat16)]
+    buckets, capacity = plan_buckets(sent, 4096)
+    manifest = Manifest(version=1, specs=tuple(sent), buckets=buckets, capacity=capacity, fingerprints=False)
+    expected = [TensorSpec("w", (2, 4), torch.float32), TensorSpec("v", (3,), torch.float32),
+                TensorSpec("missing", (5,), torch.float32)]
+    problems = compare_manifest(manifest, expected)
+    assert len(problems) == 4
+    assert "'w' has shape (4, 2) on the sender but the receiver expects (2, 4)" in problems[0]
+    assert "'extra'" in problems[1] and "no such tensor" in problems[1]
+    assert "'v' travels as bfloat16 but the receiver expects float32" in problems[2]
+    assert "'missing'" in problems[3] and "not sent" in problems[3]
+    assert compare_manifest(manifest, None) == []
+
+
+def test_describe_parameters_uses_ds_shape_and_casts_floats():
+    partitioned = torch.nn.Parameter(torch.zeros(0))
+    partitioned.ds_shape = torch.Size([8, 4])
+    specs = describe_parameters([("p", partitioned), ("i", torch.zeros(2, dtype=torch.int64))], dtype=torch.bfloat16)
+    assert specs == [TensorSpec("p", (8, 4), torch.bfloat16), TensorSpec("i", (2,), torch.int64)]
+
+
+# ---------------------------------------------------------------------------------------------------- fingerprints
+def naive_fingerprint(word_lists: list[list[int]]) -> int:
+    """sum over rows of 32 words (rows never straddle two word lists) of rowsum * (2 * row + 1), mod 2**64."""
+    total, row = 0, 0
+    for words in word_lists:
+        for start in range(0, len(words), 32):
+            total += sum(words[start:start + 32]) * (2 * row + 1)
+            row += 1
+    value = total & MASK64
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+def test_fingerprint_equals_naive_reference_and_catches_changes():
+    generator = torch.Generator().manual_seed(1)
+    buffer = torch.randint(0, 256, (8 * 1000,), dtype=torch.uint8, generator=generator)
+    words = buffer.view(torch.int64)
+    fingerprinter = Fingerprinter()
+    got = int(fingerprinter.of_words([words]))
+    assert got == naive_fingerprint([words.tolist()])
+    odd = torch.randint(-9, 9, (45,), dtype=torch.int16, generator=generator)
+    assert int(fingerprinter.of_words([words, odd])) == naive_fingerprint([words.tolist(), odd.tolist()])
+    flipped = buffer.clone()
+    flipped[4321] ^= 1
+    assert int(fingerprinter.of_words([flipped.view(torch.int64)])) != got
+    shifted = torch.roll(buffer, 8 * 32)  # the same words one row later
+    assert int(fingerprinter.of_words([shifted.view(torch.int64)])) != got
+
+
+# ---------------------------------------------------------------------------------------------------- in-process
+def test_inprocess_bitwise_cast_and_version():
+    source = make_weights(0)
+    target = zeros_like(source)
+    for name in target:
+        if target[name].is_floating_point():
+            target[name] = target[name].to(torch.bfloat16)
+    seen: list = []
+    config = WeightSyncConfig(backend="inprocess", bucket_bytes=2048, dtype=torch.bfloat16)
+    receiver = WeightReceiver(config, expected=describe_parameters(target.items()))
+    sender = WeightSender(config, local_receiver=(receiver, copy_into(target, seen)))
+    report = sender.send(source.items())
+    expected = {n: t.to(torch.bfloat16) if t.is_floating_point() else t for n, t in source.items()}
+    assert_bitwise_equal(target, expected)
+    assert report.num_bytes == sum(t.numel() * t.element_size() for t in expected.values())
+    assert (report.version, receiver.version, report.receiver_versions, seen) == (1, 1, (1,), [1])
+    source["embed"].add_(1.0)
+    assert sender.send(source).version == 2 and receiver.version == 2 and seen == [1, 2]
+    assert torch.equal(target["embed"], source["embed"].to(torch.bfloat16))
+
+
+def test_inprocess_mismatch_and_corruption_load_nothing():
+    source = make_weights(0)
+    target = zeros_like(source)
+    config = WeightSyncConfig(backend="inprocess", bucket_bytes=2048)
+    expected = describe_parameters(target.items())
+    expected[2] = expected[2]._replace(shape=(1, 2))
+    receiver = WeightReceiver(config, expected=expected)
+    sender = CorruptingSender(config, local_receiver=(receiver, copy_into(target)))
+    with pytest.raises(ManifestMismatchError, match="'layers.2.w' has shape"):
+        sender.send(source)
+    assert all(not t.any() for t in target.values()) and receiver.version == 0
+    receiver.expected = describe_parameters(target.items())
+    sender.corrupt_bucket = 0
+    with pytest.raises(FingerprintMismatchError, match=r"bucket 0 of sync 2 \(tensors 'layers.0.w'"):
+        sender.send({n: t.clone() for n, t in source.items()})
+    assert all(not t.any() for t in target.values()) and receiver.version == 0
+
+
+@pytest.mark.parametrize("case, error, needle", [
+    ("order", ValueError, "yielded 'layers.1.w' at position 0"),
+    ("missing", ValueError, "ended after 9 tensors"),
+    ("extra", ValueError, "yielded 'surplus' after the 10 tensors"),
+    ("shape", ValueError, "'embed' has shape \\(24, 500\\)"),
+    ("partial_load", WeightSyncError, "taking 3 of the 10"),
+])
+def test_inprocess_stream_errors(case, error, needle):
+    source = make_weights(0)
+    description = describe_parameters(source.items())
+    items = list(source.items())
+    target = zeros_like(source)
+    load_fn = copy_into(target)
+    if case == "order":
+        items[0], items[1] = items[1], items[0]
+    elif case == "missing":
+        items = items[:-1]
+    elif case == "extra":
+        items.append(("surplus", torch.zeros(1)))
+    elif case == "shape":
+        items = [(n, t.T if n == "embed" else t) for n, t in items]
+    else:
+        def load_fn(weights):
+            return sum(1 for _, (_, _) in zip(range(3), weights))  # noqa: B905 (stops early on purpose)
+    config = WeightSyncConfig(backend="inprocess", bucket_bytes=4096)
+    receiver = WeightReceiver(config, expected=description)
+    sender = WeightSender(config, local_receiver=(receiver, load_fn))
+    with pytest.raises(error, match=needle):
+        sender.send(iter(items), description=description)
+    assert receiver.version == 0
+
+
+# ---------------------------------------------------------------------------------------------------- threads
+class FakeCudaOps:
+    """CUDA IPC's CUDA calls for threads of one CPU process: a 'handle' is a key into a registry of shared
+    tensors, events are no-ops (all copies are synchronous). Everything else — control messages, slots, acks,
+    fingerprints, aborts — is the real cuda_ipc protocol."""
+
+    shared: dict = {}
+
+    def uuid(self, device):
+        return "fake-gpu"
+
+    def device_of_uuid(self, uuid):
+        assert uuid == "fake-gpu"
+        return torch.device("cpu")
+
+    def share(self, tensor):
+        FakeCudaOps.shared[id(tensor)] = tensor
+        return id(tensor)
+
+    def open(self, handle, device):
+        return FakeCudaOps.shared[handle]
+
+    def new_events(self, count, device):
+        return [None] * count
+
+    def event_handle(self, event):
+        return b"event"
+
+    def open_event(self, handle, device):
+        return None
+
+    def record(self, event, device):
+        pass
+
+    def wait(self, event, device):
+        pass
+
+    def synchronize(self, device):
+        pass
+
+
+@pytest.fixture(params=["gloo", "cuda_ipc_on_cpu"])
+def backend(request, monkeypatch):
+    """A real gloo group, or the cuda_ipc protocol with FakeCudaOps, both in threads of this process."""
+    if request.param == "gloo":
+        return "gloo"
+    import rlhfkit._weight_sync_ipc
+    import rlhfkit.weight_sync
+
+    monkeypatch.setattr(rlhfkit._weight_sync_ipc, "CudaOps", FakeCudaOps)
+    monkeypatch.setattr(rlhfkit.weight_sync, "_resolve_device", lambda backend, device: torch.device("cpu"))
+    return "cuda_ipc"
+
+
+class Group:
+    """A sender in this thread and receivers in threads of this process: one real group, fast."""
+
+    def __init__(self, num_receivers=2, *, backend="gloo", sender_cls=WeightSender, expected=None, **config):
+        config.setdefault("timeout_s", 10.0)
+        self.config = WeightSyncConfig(backend=backend, **config)
+        self.sender = sender_cls(self.config, SyncEndpoint(world_size=num_receivers + 1, group_name="t"))
+        self.source = make_weights(0)
+        self.targets = [zeros_like(self.source) for _ in range(num_receivers)]
+        accepted = expected or [describe_parameters(self.source.items())] * num_receivers
+        self.receivers = [WeightReceiver(self.config, self.sender.endpoint.for_rank(r + 1, f"engine-{r}"),
+                                         expected=accepted[r]) for r in range(num_receivers)]
+
+    def sync(self, load_fns=None, **send_kwargs):
+        """Run one sync on every end; returns (sender result, [receiver results]); a result is a report or error."""
+        results: list = [None] * len(self.receivers)
+
+        def run(index):
+            load_fn = (load_fns or {}).get(index) or copy_into(self.targets[index])
+            try:
+                results[index] = self.receivers[index].receive(load_fn)
+            except Exception as error:  # collected for the assertions
+                results[index] = error
+
+        threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(len(self.receivers))]
+        for thread in threads:
+            thread.start()
+        try:
+            sent = self.sender.send(send_kwargs.pop("stream", self.source.items()), **send_kwargs)
+        except Exception as error:
+            sent = error
+        for thread in threads:
+            thread.join(timeout=30)
+            assert not thread.is_alive(), "a receiver thread hung"
+        return sent, results
+
+    def close(self):
+        for receiver in self.receivers:
+            receiver.close()
+        self.sender.close()
+
+
+@pytest.mark.parametrize("num_buffers", [1, 2])
+def test_two_receivers_bitwise_and_versions(backend, num_buffers):
+    group = Group(2, backend=backend, bucket_bytes=4096, num_buffers=num_buffers)
+    try:
+        sent, received = group.sync()
+        assert sent.num_buckets >= 4 and sent.receiver_versions == (1, 1), sent
+        assert all(r.version == 1 and r.loaded == len(group.source) for r in received)
+        for target in group.targets:
+            assert_bitwise_equal(target, group.source)
+        group.source["layers.3.w"].mul_(-2)
+        sent, received = group.sync()
+        assert sent.version == 2 and sent.receiver_versions == (2, 2)
+        for target in group.targets:
+            assert_bitwise_equal(target, group.source)
+        assert [r.version for r in group.receivers] == [2, 2]
+    finally:
+        group.close()
+
+
+def test_manifest_mismatch_fails_everywhere_before_transfer(backend):
+    source = make_weights(0)
+    bad = describe_parameters(source.items())
+    bad[4] = bad[4]._replace(dtype=torch.float16)
+    group = Group(2, backend=backend, bucket_bytes=4096, expected=[describe_parameters(source.items()), bad])
+    try:
+        sent, received = group.sync()
+        assert isinstance(sent, ManifestMismatchError) and "receiver rank 2 ('engine-1')" in str(sent)
+        assert "'layers.4.w' travels as float32 but the receiver expects float16" in str(sent)
+        assert isinstance(received[1], ManifestMismatchError) and "'layers.4.w'" in str(received[1])
+        assert isinstance(received[0], ManifestMismatchError) and "'layers.4.w'" in str(received[0])
+        assert all(not t.any() for target in group.targets for t in target.values())
+        assert [r.version for r in group.receivers] == [0, 0]
+        group.receivers[1].expected = describe_parameters(source.items())
+        sent, received = group.sync()  # the group recovers
+        assert sent.version == 2 and sent.receiver_versions == (2, 2)
+        assert_bitwise_equal(group.targets[1], group.source)
+    finally:
+        group.close()
+
+
+@pytest.mark.parametrize("num_buffers", [1, 2])
+def test_corrupted_bucket_caught_then_recovers(backend, num_buffers):
+    group = Group(1, backend=backend, sender_cls=CorruptingSender, bucket_bytes=4096, num_buffers=num_buffers)
+    try:
+        group.sender.corrupt_bucket = 2
+        sent, (received,) = group.sync()
+        assert isinstance(received, FingerprintMismatchError)
+        assert isinstance(sent, FingerprintMismatchError) and "receiver rank 1 ('engine-0')" in str(sent)
+        names = ", ".join(repr(n) for n in list(group.source)[:6])
+        assert "bucket 2 of sync 1 (tensors" in str(sent) and "'layers.2.w'" in str(sent), (str(sent), names)
+        assert group.receivers[0].version == 0
+        group.sender.corrupt_bucket = None
+        sent, (received,) = group.sync()
+        assert sent.receiver_versions == (2,)
+        assert_bitwise_equal(group.targets[0], group.source)
+    finally:
+        group.close()
+
+
+def test_sender_stream_error_aborts_receivers(backend):
+    group = Group(2, backend=backend, bucket_bytes=4096)
+    try:
+        description = describe_parameters(group.source.items())
+        stream = [(n, t.T if n == "layers.5.w" else t) for n, t in group.source.items()]
+        sent, received = group.sync(stream=iter(stream), description=description)
+        assert isinstance(sent, ValueError) and "'layers.5.w' has shape (19, 42)" in str(sent)
+        for result in received:
+            assert isinstance(result, WeightSyncAborted) and "'layers.5.w' has shape (19, 42)" in str(result)
+        sent, received = group.sync()
+        assert sent.receiver_versions == (2, 2)
+    finally:
+        group.close()
+
+
+def test_receiver_load_error_reaches_sender(backend):
+    group = Group(2, backend=backend, bucket_bytes=4096)
+
+    def failing(weights):
+        for index, (name, _) in enumerate(weights):
+            if index == 5:
+                raise KeyError(f"engine has no slot for {name}")
+        return 0
+
+    try:
+        sent, received = group.sync(load_fns={1: failing})
+        assert isinstance(received[1], KeyError)
+        assert isinstance(sent, WeightSyncError)
+        assert "receiver rank 2 ('engine-1') of group 't' failed sync 1" in str(sent)
+        assert "engine has no slot for layers.5.w" in str(sent)
+        assert group.receivers[1].version == 0
+        if backend == "gloo":  # the healthy receiver completes: broadcasts go on while the failed one drains
+            assert received[0].version == 1
+        else:  # cuda_ipc: the failure arrives with an acknowledgement, and the sender stops everyone
+            assert isinstance(received[0], WeightSyncAborted) and "engine has no slot" in str(received[0])
+        sent, received = group.sync()
+        assert sent.receiver_versions == (2, 2)
+    finally:
+        group.close()
+
+
+def test_timeouts_name_the_peer():
+    config = WeightSyncConfig(backend="gloo", timeout_s=1.5)
+    sender = WeightSender(config, SyncEndpoint(world_size=2, group_name="lonely"))
+    started = time.monotonic()
+    with pytest.raises(WeightSyncTimeout, match="receiver rank 1 of group 'lonely'"):
+        sender.send(make_weights(0))
+    assert time.monotonic() - started < 5
+    receiver = WeightReceiver(config, sender.endpoint.for_rank(1))
+    started = time.monotonic()
+    with pytest.raises(WeightSyncTimeout, match=r"the sender \(rank 0\) of group 'lonely'"):
+        receiver.receive(copy_into(make_weights(0)))
+    assert time.monotonic() - started < 5
+    receiver.close()
+    sender.close()
+
+
+# ---------------------------------------------------------------------------------------------------- Ray actors
+@pytest.fixture(scope="module")
+def ray_session():
+    ray = pytest.importorskip("ray")
+    cloudpickle = pytest.importorskip("ray.cloudpickle")
+
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])  # actor classes below live in this test file
+    started = not ray.is_initialized()
+    if started:
+        os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+        os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+        ray.init(num_cpus=2, num_gpus=0, include_dashboard=False, object_store_memory=256 * 1024**2,
+                 log_to_driver=False)
+    yield ray
+    if started:
+        ray.shutdown()
+
+
+def _outcome(call):
+    started = time.monotonic()
+    try:
+        report = call()
+        return {"ok": True, "version": report.version, "versions": list(report.receiver_versions),
+                "seconds": time.monotonic() - started}
+    except Exception as error:  # returned to the test for assertions
+        return {"ok": False, "type": type(error).__name__, "message": str(error), "seconds": time.monotonic() - started}
+
+
+class TrainerActor:
+    """Holds the 'trained' model (the tiny Llama, perturbed) and a sender; can tamper with what it sends."""
+
+    def __init__(self, model_path, timeout_s):
+        from transformers import AutoModelForCausalLM
+
+        torch.manual_seed(123)
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+        with torch.no_grad():
+            for parameter in self.model.parameters():
+                parameter.add_(torch.randn_like(parameter) * 0.05)
+        self.config = WeightSyncConfig(backend="gloo", bucket_bytes=64 * 1024, timeout_s=timeout_s)
+        self.senders = {}
+
+    def open(self, name, timeout_s=None):
+        config = self.config if timeout_s is None else WeightSyncConfig(backend="gloo", bucket_bytes=64 * 1024,
+                                                                        timeout_s=timeout_s)
+        self.senders[name] = CorruptingSender(config, SyncEndpoint(world_size=2, group_name=name))
+        return self.senders[name].endpoint
+
+    def state(self):
+        return {n: p.detach().clone() for n, p in self.model.named_parameters()}
+
+    def send(self, name, tamper=None, corrupt_bucket=None):
+        sender = self.senders[name]
+        sender.corrupt_bucket = corrupt_bucket
+        stream = [(n, p.detach()) for n, p in self.model.named_parameters()]
+        target = "model.layers.0.mlp.up_proj.weight"
+        if tamper == "name":
+            stream = [(n + ".renamed" if n == target else n, t) for n, t in stream]
+        elif tamper == "shape":
+            stream = [(n, t.reshape(-1) if n == target else t) for n, t in stream]
+        elif tamper == "dtype":
+            stream = [(n, t.double() if n == target else t) for n, t in stream]
+        return _outcome(lambda: sender.send(stream))
+
+
+class EngineActor:
+    """An HF rollout engine that receives weights through the channel."""
+
+    def __init__(self, model_path, endpoint, timeout_s):
+        from rlhfkit.engines.hf import HFEngine, HFEngineConfig
+
+        self.engine = HFEngine(HFEngineConfig(model=str(model_path)))
+        config = WeightSyncConfig(backend="gloo", timeout_s=timeout_s)
+        self.receiver = WeightReceiver(config, endpoint,
+                                       expected=describe_parameters(self.engine.model.named_parameters()))
+
+    def receive(self):
+        return _outcome(lambda: self.receiver.receive(self.engine.load_weights))
+
+    def state(self):
+        return {n: p.detach().clone() for n, p in self.engine.model.named_parameters()}
+
+    def versions(self):
+        return self.receiver.version, self.engine.weight_version
+
+
+class SlowReceiverActor:
+    """A plain receiver whose load_fn takes its time (so it can be killed mid-transfer)."""
+
+    def __init__(self, endpoint, names_shapes, delay_s):
+        self.target = {n: torch.zeros(s) for n, s in names_shapes}
+        self.receiver = WeightReceiver(WeightSyncConfig(backend="gloo", timeout_s=30), endpoint)
+        self.delay_s = delay_s
+        self.loaded = 0
+
+    def progress(self):
+        return self.loaded
+
+    def receive(self):
+        def load_fn(weights):
+            for name, tensor in weights:
+                time.sleep(self.delay_s)
+                self.target[name].copy_(tensor)
+                self.loaded += 1
+            return self.loaded
+
+        return _outcome(lambda: self.receiver.receive(load_fn))
+
+
+@pytest.fixture(scope="module")
+def trainer_and_engine(ray_session, tiny_llama_path):
+    ray = ray_session
+    trainer = ray.remote(num_cpus=0)(TrainerActor).remote(str(tiny_llama_path), 20.0)
+    endpoint = ray.get(trainer.open.remote("main"), timeout=120)
+    engine = ray.remote(num_cpus=0)(EngineActor).remote(str(tiny_llama_path), endpoint.for_rank(1, "hf-engine"),
+                                                        20.0)
+    yield trainer, engine
+    ray.kill(engine)
+    ray.kill(trainer)
+
+
+def ray_sync(ray, trainer, engine, **send_kwargs):
+    sent = trainer.send.remote("main", **send_kwargs)
+    received = engine.receive.remote()
+    return ray.get([sent, received], timeout=120)
+
+
+@pytest.mark.ray
+def test_ray_gloo_trainer_to_hf_engine(ray_session, trainer_and_engine):
+    ray, (trainer, engine) = ray_session, trainer_and_engine
+    before = ray.get(engine.state.remote(), timeout=60)
+    trained = ray.get(trainer.state.remote(), timeout=60)
+    assert any(not torch.equal(before[n], trained[n]) for n in trained)  # the trainer really moved its weights
+
+    sent, received = ray_sync(ray, trainer, engine)
+    assert sent["ok"] and received["ok"], (sent, received)
+    assert_bitwise_equal(ray.get(engine.state.remote(), timeout=60), trained)
+    assert sent["versions"] == [1] and ray.get(engine.versions.remote(), timeout=60) == (1, 1)
+
+    for tamper, needle in [("name", "'model.layers.0.mlp.up_proj.weight.renamed'"),
+                           ("shape", "'model.layers.0.mlp.up_proj.weight' has shape"),
+                           ("dtype", "'model.layers.0.mlp.up_proj.weight' travels as float64")]:
+        sent, received = ray_sync(ray, trainer, engine, tamper=tamper)
+        for outcome in (sent, received):
+            assert not outcome["ok"] and outcome["type"] == "ManifestMismatchError", outcome
+            assert needle in outcome["message"], outcome["message"]
+        assert ray.get(engine.versions.remote(), timeout=60) == (1, 1)  # nothing was loaded
+    assert_bitwise_equal(ray.get(engine.state.remote(), timeout=60), trained)
+
+    sent, received = ray_sync(ray, trainer, engine, corrupt_bucket=1)
+    assert sent["type"] == received["type"] == "FingerprintMismatchError", (sent, received)
+    assert "bucket 1 of sync 5 (tensors 'model.layers." in sent["message"], sent["message"]
+    assert "receiver rank 1 ('hf-engine')" in sent["message"]
+    assert ray.get(engine.versions.remote(), timeout=60) == (1, 1)
+
+    sent, received = ray_sync(ray, trainer, engine)
+    assert sent["ok"] and sent["versions"] == [6] and ray.get(engine.versions.remote(), timeout=60) == (6, 6)
+    assert_bitwise_equal(ray.get(engine.state.remote(), timeout=60), trained)
+
+
+@pytest.mark.ray
+def test_ray_killed_receiver_fails_sender_within_timeout(ray_session, trainer_and_engine):
+    ray, (trainer, _) = ray_session, trainer_and_engine
+    timeout_s = 6.0
+    endpoint = ray.get(trainer.open.remote("doomed", timeout_s), timeout=60)
+    shapes = [(n, tuple(t.shape)) for n, t in ray.get(trainer.state.remote(), timeout=60).items()]
+    actor = ray.remote(num_cpus=0, max_concurrency=2)(SlowReceiverActor)
+    receiver = actor.remote(endpoint.for_rank(1, "slow"), shapes, 0.2)
+    assert ray.get(receiver.progress.remote(), timeout=120) == 0  # up and running
+    received = receiver.receive.remote()
+    sent = trainer.send.remote("doomed")
+    deadline = time.monotonic() + 60
+    while ray.get(receiver.progress.remote(), timeout=60) < 2:  # mid-transfer: loading tensors 0.2 s each
+        assert time.monotonic() < deadline, "the receiver never started loading"
+        time.sleep(0.1)
+    ray.kill(receiver)
+    outcome = ray.get(sent, timeout=timeout_s + 30)
+    assert not outcome["ok"] and outcome["seconds"] < timeout_s + 5, outcome
+    assert "receiver rank 1 ('slow')" in outcome["message"], outcome
+    with pytest.raises(ray.exceptions.RayActorError):
+        ray.get(received, timeout=30)
+
+
+# ---------------------------------------------------------------------------------------------------- processes
+def process_weights(seed, device):
+    generator = torch.Generator(device="cpu").manual_seed(seed)
+    weights = {f"layers.{i}.w": torch.randn(512 + i, 1024, generator=generator) for i in range(12)}
+    weights["embed"] = torch.randn(4000, 512, generator=generator)
+    weights["odd"] = torch.randn(33, 17, generator=generator)
+    return {n: t.to(device=device, dtype=torch.bfloat16) for n, t in weights.items()}
+
+
+def as_bytes(tensor):
+    """Plain bytes (a queue would pass a CPU tensor through shared memory that dies with the child)."""
+    return tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()
+
+
+def receiver_process_main(endpoint, backend, device_name, results):
+    """Child process: receive twice into zeros, send what it holds back as bytes."""
+    device = torch.device(device_name)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    target = {n: torch.zeros_like(t) for n, t in process_weights(0, device).items()}
+    receiver = WeightReceiver(WeightSyncConfig(backend=backend, timeout_s=120), endpoint,
+                              device=device if backend == "nccl" else None,
+                              expected=describe_parameters(target.items()))
+    try:
+        versions = [receiver.receive(copy_into(target)).version for _ in range(2)]
+        results.put({"versions": versions, "state": {n: as_bytes(t) for n, t in target.items()}})
+    except Exception as error:  # reported to the parent test
+        results.put({"error": f"{type(error).__name__}: {error}"})
+    finally:
+        receiver.close()
+
+
+def run_process_pair(backend, sender_device, receiver_device, **config):
+    """Sender here, receiver in a spawned process: two syncs (the second after changing every tensor)."""
+    context = torch.multiprocessing.get_context("spawn")
+    sender = WeightSender(WeightSyncConfig(backend=backend, timeout_s=120, **config),
+                          SyncEndpoint(world_size=2, group_name=backend),
+                          device=sender_device if backend != "gloo" else None)
+    results = context.Queue()
+    child = context.Process(target=receiver_process_main, args=(sender.endpoint.for_rank(1, "child"), backend,
+                                                                 receiver_device, results))
+    child.start()
+    try:
+        source = process_weights(0, torch.device(sender_device))
+        assert sender.send(source.items()).receiver_versions == (1,)
+        for tensor in source.values():
+            tensor.mul_(-1.5)
+        assert sender.send(source.items()).receiver_versions == (2,)
+        outcome = results.get(timeout=300)
+        assert "error" not in outcome, outcome
+        assert outcome["versions"] == [1, 2]
+        sent = {n: as_bytes(t) for n, t in source.items()}
+        assert outcome["state"].keys() == sent.keys()
+        assert [n for n in sent if outcome["state"][n] != sent[n]] == []
+    finally:
+        child.join(timeout=60)
+        if child.is_alive():
+            child.kill()
+        sender.close()
+
+
+def test_gloo_two_processes_bitwise():
+    run_process_pair("gloo", "cpu", "cpu", bucket_bytes=4 * 1024**2, num_buffers=2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_buffers, ipc_events", [(1, True), (2, True), (2, False)])
+def test_cuda_ipc_two_processes_one_gpu_bitwise(num_buffers, ipc_events):
+    run_process_pair("cuda_ipc", "cuda:0", "cuda:0", bucket_bytes=4 * 1024**2, num_buffers=num_buffers,
+                     ipc_events=ipc_events)
+
+
+@pytest.mark.gpu
+def test_nccl_gpu0_to_gpu1_bitwise():
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    run_process_pair("nccl", "cuda:0", "cuda:1", bucket_bytes=4 * 1024**2, num_buffers=2)
