@@ -1,0 +1,320 @@
+"""Tests for rlhfkit.placement without Ray: plans built by hand, invalid plans, the table, the memory estimate.
+
+Ray-backed checks (materialize, scheduling options on a live cluster) live in test_workers.py, which shares one
+local cluster with the worker-group tests.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+import pytest
+
+from rlhfkit.placement import (
+    SHARE_RESOLUTION,
+    ColocationGroup,
+    Inventory,
+    MemoryConfig,
+    ModelMemory,
+    NodeSpec,
+    PlacementConfig,
+    RoleSpec,
+    engines,
+    estimate_memory,
+    plan_placement,
+    ray_share,
+    requested_bundles,
+    shortfall_report,
+)
+
+GIB = 1024**3
+
+
+@pytest.fixture
+def no_ray(monkeypatch):
+    """Make ``import ray`` fail: anything here that touched Ray would raise ImportError instead of ValueError."""
+    for name in [key for key in sys.modules if key == "ray" or key.startswith("ray.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "ray", None)
+
+
+def _rows(plan):
+    """Table rows as lists of cells (cells are separated by two or more spaces)."""
+    lines = plan.table().splitlines()
+    return [re.split(r"\s{2,}", line.strip()) for line in lines[1:]]
+
+
+def hybrid_plan():
+    roles = (RoleSpec(name="actor", num_gpus=8), RoleSpec(name="reference", num_gpus=8), engines(4, 2))
+    return plan_placement(
+        PlacementConfig(roles=roles, inventory=Inventory.uniform(num_nodes=1, gpus_per_node=8), hybrid=True)
+    )
+
+
+def test_hybrid_plan_colocates_every_rank_with_contiguous_tp_groups(no_ray):
+    plan = hybrid_plan()
+    for rank in range(8):
+        assert plan.rank("actor", rank).node == 0 and plan.rank("actor", rank).gpus == (rank,)
+        assert plan.rank("reference", rank).gpus == (rank,)
+    for engine in range(4):
+        placement = plan.rank("rollout", engine)
+        assert placement.gpus == (2 * engine, 2 * engine + 1) and placement.bundle_indices == placement.gpus
+    shares = {role: plan.rank(role, 0).share for role in ("actor", "reference", "rollout")}
+    assert shares == pytest.approx({"actor": 1 / 3, "reference": 1 / 3, "rollout": 1 / 3})
+    assert plan.bundles_per_node() == (8,)
+    rows = _rows(plan)
+    assert rows[0] == ["node", "gpu", "labels", "actor", "reference", "rollout", "free"]
+    # GPU 5 holds actor rank 5, reference rank 5 and the second TP worker of engine 2.
+    assert rows[6] == ["0", "5", "-", "5 (0.33)", "5 (0.33)", "2/tp1 (0.33)", "0.00"]
+    assert "rollout=8 (4 x tensor_parallel_size 2)" in plan.table().splitlines()[0]
+    assert str(plan) == plan.table()
+
+
+def test_actor_reference_and_critic_reward_colocation_on_two_nodes(no_ray):
+    roles = (
+        RoleSpec(name="actor", num_gpus=4, share=0.75), RoleSpec(name="reference", num_gpus=4),
+        RoleSpec(name="critic", num_gpus=4), RoleSpec(name="reward", num_gpus=4),
+    )
+    config = PlacementConfig(
+        roles=roles, inventory=Inventory.uniform(num_nodes=2, gpus_per_node=4),
+        colocate=(("actor", "reference"), ColocationGroup(roles=("critic", "reward"))),
+    )
+    plan = plan_placement(config)
+    assert [(p.node, p.gpus) for p in plan.ranks("actor")] == [(0, (g,)) for g in range(4)]
+    assert [(p.node, p.gpus) for p in plan.ranks("reference")] == [(0, (g,)) for g in range(4)]
+    assert [(p.node, p.gpus) for p in plan.ranks("critic")] == [(1, (g,)) for g in range(4)]
+    assert [(p.node, p.gpus) for p in plan.ranks("reward")] == [(1, (g,)) for g in range(4)]
+    assert plan.rank("actor", 0).share == 0.75 and plan.rank("reference", 0).share == pytest.approx(0.25)
+    assert plan.rank("critic", 3).share == 0.5 and plan.rank("reward", 3).share == 0.5
+    rows = _rows(plan)
+    assert rows[1] == ["0", "0", "-", "0 (0.75)", "0 (0.25)", "-", "-", "0.00"]
+    assert rows[8] == ["1", "3", "-", "-", "-", "3 (0.50)", "3 (0.50)", "0.00"]
+
+
+def test_labelled_inventory_sends_roles_to_their_nodes(no_ray):
+    inventory = Inventory(nodes=(NodeSpec(num_gpus=4, resources={"v100": 1}),
+                                 NodeSpec(num_gpus=4, resources={"h100": 1})))
+    roles = (
+        RoleSpec(name="actor", num_gpus=2, label="h100"), RoleSpec(name="critic", num_gpus=2, label="h100"),
+        RoleSpec(name="reference", num_gpus=2, label="v100"), RoleSpec(name="reward", num_gpus=2, label="v100"),
+    )
+    plan = plan_placement(PlacementConfig(roles=roles, inventory=inventory))
+    assert [(p.node, p.gpus) for p in plan.ranks("actor")] == [(1, (0,)), (1, (1,))]
+    assert [(p.node, p.gpus) for p in plan.ranks("critic")] == [(1, (2,)), (1, (3,))]
+    assert [(p.node, p.gpus) for p in plan.ranks("reference")] == [(0, (0,)), (0, (1,))]
+    assert [(p.node, p.gpus) for p in plan.ranks("reward")] == [(0, (2,)), (0, (3,))]
+    assert _rows(plan)[1][:3] == ["0", "0", "v100"]
+    bundles = requested_bundles(plan, cpus_per_bundle=2)
+    assert bundles[0] == ({"GPU": 1.0, "CPU": 2.0, "v100": 1.0},) * 4
+    assert bundles[1] == ({"GPU": 1.0, "CPU": 2.0, "h100": 1.0},) * 4
+
+
+def test_unlabelled_role_declared_first_does_not_block_a_labelled_one(no_ray):
+    # Declaration order puts "misc" on the h100 node first; the retry places labelled roles first.
+    inventory = Inventory(nodes=(NodeSpec(num_gpus=4, resources={"h100": 1}), NodeSpec(num_gpus=4)))
+    roles = (RoleSpec(name="misc", num_gpus=4), RoleSpec(name="actor", num_gpus=4, label="h100"))
+    plan = plan_placement(PlacementConfig(roles=roles, inventory=inventory))
+    assert {p.node for p in plan.ranks("actor")} == {0} and {p.node for p in plan.ranks("misc")} == {1}
+
+
+def test_role_spanning_nodes_and_partial_node_use(no_ray):
+    roles = (engines(3, 2), RoleSpec(name="critic", num_gpus=1))
+    plan = plan_placement(PlacementConfig(roles=roles, inventory=Inventory.uniform(num_nodes=2, gpus_per_node=4)))
+    assert [(p.node, p.gpus) for p in plan.ranks("rollout")] == [(0, (0, 1)), (0, (2, 3)), (1, (0, 1))]
+    assert [(p.node, p.gpus) for p in plan.ranks("critic")] == [(1, (2,))]
+    assert plan.bundles_per_node() == (4, 3)
+    assert [row[:2] for row in _rows(plan)[1:]] == [["0", "0"], ["0", "1"], ["0", "2"], ["0", "3"], ["1", "0"],
+                                                     ["1", "1"], ["1", "2"]]
+
+
+INVALID = [
+    # (id, builder, message pattern)
+    ("colocated-gpus-differ",
+     lambda: PlacementConfig(roles=(RoleSpec(name="actor", num_gpus=8), RoleSpec(name="reference", num_gpus=4)),
+                             inventory=Inventory.uniform(num_nodes=1, gpus_per_node=8),
+                             colocate=(("actor", "reference"),)),
+     r"colocated roles \['actor', 'reference'\] must cover the same GPUs, got actor=8, reference=4"),
+    ("hybrid-actor-vs-engines",
+     lambda: PlacementConfig(roles=(RoleSpec(name="actor", num_gpus=8), engines(2, 2)),
+                             inventory=Inventory.uniform(num_nodes=1, gpus_per_node=8), hybrid=True),
+     r"hybrid engine: the trainers' GPUs must equal engines x TP\), got actor=8, "
+     r"rollout=4 \(2 x tensor_parallel_size 2\)"),
+    ("tp-straddles-nodes",
+     lambda: PlacementConfig(roles=(engines(1, 16),), inventory=Inventory.uniform(num_nodes=2, gpus_per_node=8)),
+     r"role 'rollout' has tensor_parallel_size=16 but the largest node has 8 GPUs; a TP group cannot straddle"),
+    ("totals-exceed-inventory",
+     lambda: PlacementConfig(roles=(RoleSpec(name="actor", num_gpus=8), RoleSpec(name="critic", num_gpus=4)),
+                             inventory=Inventory.uniform(num_nodes=1, gpus_per_node=8)),
+     r"roles need 12 GPUs \(actor 8, critic 4\) but the inventory has 1 node\(s\), 8 GPUs"),
+    ("unknown-label",
+     lambda: PlacementConfig(roles=(RoleSpec(name="reference", num_gpus=1, label="a100"),),
+                             inventory=Inventory(nodes=(NodeSpec(num_gpus=4, resources={"h100": 1}),))),
+     r"role 'reference' has label 'a100' but no inventory node offers it \(labels offered: \['h100'\]\)"),
+    ("zero-gpus", lambda: RoleSpec(name="critic", num_gpus=0), r"RoleSpec\(name='critic'\)\.num_gpus=0; must be >= 1"),
+    ("negative-engines", lambda: engines(-1, 2), r"engines\.num_engines=-1; must be >= 1"),
+    ("zero-nodes", lambda: Inventory.uniform(num_nodes=0, gpus_per_node=8), r"num_nodes=0; must be >= 1"),
+    ("shares-sum-above-one",
+     lambda: PlacementConfig(roles=(RoleSpec(name="actor", num_gpus=2, share=0.7),
+                                    RoleSpec(name="reference", num_gpus=2, share=0.6)),
+                             inventory=Inventory.uniform(num_nodes=1, gpus_per_node=2),
+                             colocate=(("actor", "reference"),)),
+     r"shares of roles sharing a GPU sum to 1\.3 > 1 \(actor=0\.7, reference=0\.6\)"),
+    ("shares-leave-nothing",
+     lambda: PlacementConfig(roles=(RoleSpec(name="actor", num_gpus=2, share=1.0),
+                                    RoleSpec(name="reference", num_gpus=2)),
+                             inventory=Inventory.uniform(num_nodes=1, gpus_per_node=2),
+                             colocate=(("actor", "reference"),)),
+     r"explicit shares \(actor=1\.0\) leave 0 of each GPU for roles \['reference'\]"),
+    ("tp-does-not-divide",
+     lambda: RoleSpec(name="rollout", num_gpus=6, gpus_per_rank=4),
+     r"tensor_parallel_size \(gpus_per_rank\)=4 does not divide the 6 GPUs of role 'rollout'"),
+    ("unknown-role-in-group",
+     lambda: PlacementConfig(roles=(RoleSpec(name="actor", num_gpus=2),),
+                             inventory=Inventory.uniform(num_nodes=1, gpus_per_node=2),
+                             colocate=(("actor", "critic"),)),
+     r"colocation group \['actor', 'critic'\] names unknown role 'critic'"),
+    ("role-in-two-groups",
+     lambda: PlacementConfig(roles=tuple(RoleSpec(name=n, num_gpus=2) for n in ("a", "b", "c")),
+                             inventory=Inventory.uniform(num_nodes=1, gpus_per_node=2),
+                             colocate=(("a", "b"), ("b", "c"))),
+     r"role 'b' is in colocation groups 0 and 1"),
+    ("duplicate-role",
+     lambda: PlacementConfig(roles=(RoleSpec(name="actor", num_gpus=1), RoleSpec(name="actor", num_gpus=1)),
+                             inventory=Inventory.uniform(num_nodes=1, gpus_per_node=2)),
+     r"role name\(s\) \['actor'\] appear more than once"),
+    ("label-total-exceeds",
+     lambda: PlacementConfig(roles=(RoleSpec(name="reference", num_gpus=4, label="v100"),
+                                    RoleSpec(name="reward", num_gpus=4, label="v100")),
+                             inventory=Inventory(nodes=(NodeSpec(num_gpus=4, resources={"v100": 1}),
+                                                        NodeSpec(num_gpus=8, resources={"h100": 1})))),
+     r"roles with label 'v100' need 8 GPUs \(reference 4, reward 4\) but nodes with it have 4"),
+    ("tp-fragmentation",
+     lambda: plan_placement(PlacementConfig(roles=(engines(3, 4),),
+                                            inventory=Inventory.uniform(num_nodes=2, gpus_per_node=6))),
+     r"cannot place rollout \(12 GPUs in blocks of 4 inside one node\): free GPUs on eligible nodes after earlier "
+     r"roles: node0 2, node1 2"),
+    ("hybrid-and-colocate",
+     lambda: PlacementConfig(roles=(RoleSpec(name="a", num_gpus=1), RoleSpec(name="b", num_gpus=1)),
+                             inventory=Inventory.uniform(num_nodes=1, gpus_per_node=1), hybrid=True,
+                             colocate=(("a", "b"),)),
+     r"hybrid=True already colocates every role; leave colocate empty"),
+    ("share-out-of-range", lambda: RoleSpec(name="actor", num_gpus=1, share=1.5), r"share=1\.5; must be in"),
+    ("colocated-labels-differ",
+     lambda: PlacementConfig(roles=(RoleSpec(name="actor", num_gpus=1, label="h100"),
+                                    RoleSpec(name="reference", num_gpus=1, label="v100")),
+                             inventory=Inventory(nodes=(NodeSpec(num_gpus=1, resources={"h100": 1, "v100": 1}),)),
+                             colocate=(("actor", "reference"),)),
+     r"colocated roles \['actor', 'reference'\] have different labels \(actor='h100', reference='v100'\)"),
+    ("colocated-blocks-too-big",
+     lambda: PlacementConfig(roles=(RoleSpec(name="a", num_gpus=12, gpus_per_rank=3),
+                                    RoleSpec(name="b", num_gpus=12, gpus_per_rank=4)),
+                             inventory=Inventory.uniform(num_nodes=2, gpus_per_node=8), colocate=(("a", "b"),)),
+     r"colocated roles a\+b need blocks of 12 GPUs on one node \(lcm of gpus_per_rank \[3, 4\]\) but the largest "
+     r"node has 8 GPUs"),
+    ("bad-node-resource", lambda: NodeSpec(num_gpus=2, resources={"GPU": 1}), r"resources key 'GPU'"),
+]
+
+
+@pytest.mark.parametrize("build,pattern", [case[1:] for case in INVALID], ids=[case[0] for case in INVALID])
+def test_invalid_plans_are_rejected_before_anything_starts(no_ray, build, pattern):
+    with pytest.raises(ValueError, match=pattern):
+        config = build()
+        plan_placement(config)
+
+
+def test_rank_lookup_errors_name_role_and_range(no_ray):
+    plan = hybrid_plan()
+    with pytest.raises(ValueError, match=r"rank=4 of role 'rollout'; the role has ranks 0\.\.3"):
+        plan.rank("rollout", 4)
+    with pytest.raises(ValueError, match=r"unknown role 'critic'"):
+        plan.ranks("critic")
+
+
+def test_ray_share_rounds_down_to_ray_resolution():
+    assert ray_share(1 / 3) == 0.3333 and 3 * ray_share(1 / 3) <= 1
+    assert ray_share(0.5) == 0.5 and ray_share(1.0) == 1.0 and ray_share(0.25) == 0.25
+    assert ray_share(SHARE_RESOLUTION) == SHARE_RESOLUTION
+
+
+def test_memory_estimate_matches_hand_computation():
+    roles = (RoleSpec(name="actor", num_gpus=2), RoleSpec(name="reference", num_gpus=2))
+    plan = plan_placement(PlacementConfig(roles=roles, inventory=Inventory.uniform(num_nodes=1, gpus_per_node=2),
+                                          colocate=(("actor", "reference"),)))
+    params = 1_000_000_000
+    models = {"actor": ModelMemory(num_params=params, kind="trainable"), "reference": ModelMemory(num_params=params)}
+    estimate = estimate_memory(plan, models, MemoryConfig(gpu_memory_gib=80, context_gib=0.5))
+    actor = params * (2 + 2 + 12) / GIB  # weights + grads + Adam states, no sharding
+    reference = params * 2 / GIB
+    assert estimate.phases == ("actor", "reference")
+    assert estimate.per_gpu[(0, 0)]["actor"] == pytest.approx(actor + 0.5 + 0.5)
+    assert estimate.per_gpu[(0, 1)]["reference"] == pytest.approx(reference + 0.5 + 0.5)
+    assert not estimate.warnings
+    # ZeRO-3 over the two ranks halves weights, grads and optimizer states; ZeRO-1 only the optimizer states.
+    z3 = estimate_memory(plan, {"actor": ModelMemory(num_params=params, kind="trainable", zero_stage=3)},
+                         MemoryConfig(gpu_memory_gib=80, context_gib=0.0))
+    assert z3.per_gpu[(0, 0)]["actor"] == pytest.approx(actor / 2)
+    z1 = estimate_memory(plan, {"actor": ModelMemory(num_params=params, kind="trainable", zero_stage=1)},
+                         MemoryConfig(gpu_memory_gib=80, context_gib=0.0))
+    assert z1.per_gpu[(0, 0)]["actor"] == pytest.approx(params * (2 + 2 + 6) / GIB)
+    assert "no ModelMemory for role 'reference'" in z1.warnings[0]
+
+
+def test_memory_estimate_warns_when_a_phase_does_not_fit(caplog):
+    plan = hybrid_plan()
+    models = {
+        "actor": ModelMemory(num_params=7_000_000_000, kind="trainable", zero_stage=3),
+        "reference": ModelMemory(num_params=7_000_000_000, zero_stage=3),
+        "rollout": ModelMemory(num_params=7_000_000_000, kind="engine"),
+    }
+    config = MemoryConfig(gpu_memory_gib=24, engine_memory_fraction=0.9,
+                          phases={"generate": ("rollout",), "sync": ("actor", "rollout")})
+    with caplog.at_level("WARNING"):
+        estimate = estimate_memory(plan, models, config)
+    generate = 0.9 * 24 + 3 * 0.5
+    per_rank_actor = 7e9 * 16 / 8 / GIB
+    assert estimate.per_gpu[(0, 0)]["generate"] == pytest.approx(generate)
+    assert estimate.per_gpu[(0, 7)]["sync"] == pytest.approx(generate + per_rank_actor)
+    assert any("phase 'sync': node0 gpu0 needs" in w for w in estimate.warnings)
+    assert not any("phase 'generate'" in w for w in estimate.warnings)
+    assert "phase 'sync': node0 gpu0" in caplog.text
+    assert "! " in estimate.table() or estimate.table().rstrip().endswith("!")
+    small = MemoryConfig(gpu_memory_gib=24, engine_memory_fraction=0.2)
+    assert any("leaving no KV cache" in w for w in estimate_memory(plan, models, small).warnings)
+    with pytest.raises(ValueError, match=r"phases\['x'\] names unknown roles \['critic'\]"):
+        estimate_memory(plan, models, MemoryConfig(phases={"x": ("critic",)}))
+
+
+def test_shortfall_report_names_missing_resources_and_nodes():
+    inventory = Inventory(nodes=(NodeSpec(num_gpus=8, resources={"h100": 1}), NodeSpec(num_gpus=2)))
+    plan = plan_placement(PlacementConfig(roles=(RoleSpec(name="actor", num_gpus=8, label="h100"),
+                                                 RoleSpec(name="critic", num_gpus=2)), inventory=inventory))
+    bundles = requested_bundles(plan, cpus_per_bundle=1)
+    nodes = [
+        {"Alive": True, "NodeManagerAddress": "10.0.0.1", "Resources": {"GPU": 4.0, "CPU": 8.0, "h100": 4.0}},
+        {"Alive": True, "NodeManagerAddress": "10.0.0.2", "Resources": {"GPU": 2.0, "CPU": 8.0}},
+        {"Alive": False, "NodeManagerAddress": "10.0.0.3", "Resources": {"GPU": 8.0, "CPU": 8.0, "h100": 8.0}},
+    ]
+    report = shortfall_report(bundles, [0], cluster_total={"GPU": 6, "CPU": 16, "h100": 4},
+                              cluster_available={"GPU": 6, "CPU": 16, "h100": 4}, nodes=nodes)
+    assert "GPU: plan requests 10, cluster has 6 in total, 6 available now" in report
+    assert "h100: plan requests 8, cluster has 4 in total" in report
+    assert "plan node 0 needs {CPU: 8, GPU: 8, h100: 8} on one Ray node; no alive node has that" in report
+    busy = shortfall_report(bundles, [1], cluster_total={"GPU": 6, "CPU": 16}, cluster_available={"GPU": 0, "CPU": 16},
+                            nodes=nodes)
+    assert "['10.0.0.1', '10.0.0.2'] could hold it but the resources are in use" in busy
+
+
+def test_placement_and_workers_import_without_ray():
+    code = (
+        "import sys; sys.modules['ray'] = None\n"
+        "import rlhfkit.placement as p, rlhfkit.workers as w\n"
+        "plan = p.plan_placement(p.PlacementConfig(roles=(p.RoleSpec(name='a', num_gpus=1),),"
+        " inventory=p.Inventory.uniform(num_nodes=1, gpus_per_node=1)))\n"
+        "try:\n    p.materialize(plan)\nexcept ImportError as e:\n    print('IMPORT-ERROR', e)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert "IMPORT-ERROR rlhfkit.placement needs the optional dependency 'ray'" in result.stdout
+    assert "pip install 'rlhfkit[ray]'" in result.stdout
