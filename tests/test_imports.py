@@ -25,6 +25,15 @@ CORE_MODULES = (
     "rlhfkit.experience",
     "rlhfkit.engines",
     "rlhfkit.engines.protocol",
+    "rlhfkit.checkpoint",
+    # the blocks below need an extra to *run*, but must still import without it (heavy imports live in functions)
+    "rlhfkit.weight_sync",
+    "rlhfkit.placement",
+    "rlhfkit.workers",
+    "rlhfkit.rewards",
+    "rlhfkit.data",
+    "rlhfkit.tiny_models",
+    "rlhfkit.engines.hf",
 )
 
 # Heavy optional dependencies, each behind an rlhfkit extra.
