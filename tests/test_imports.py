@@ -34,6 +34,8 @@ CORE_MODULES = (
     "rlhfkit.data",
     "rlhfkit.tiny_models",
     "rlhfkit.engines.hf",
+    "rlhfkit.engines.vllm",
+    "rlhfkit.engines.router",
 )
 
 # Heavy optional dependencies, each behind an rlhfkit extra.

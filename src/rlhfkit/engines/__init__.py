@@ -1,7 +1,8 @@
 """Rollout engines: one protocol (:mod:`rlhfkit.engines.protocol`), several backends.
 
 - :mod:`rlhfkit.engines.hf` — transformers, CPU or GPU, in-process (needs ``rlhfkit[hf]``).
-- :mod:`rlhfkit.engines.vllm` — vLLM engines as Ray actors (needs ``rlhfkit[vllm]`` and ``rlhfkit[ray]``).
+- :mod:`rlhfkit.engines.vllm` — vLLM engines, in-process or as Ray actors (needs ``rlhfkit[vllm]``, ``rlhfkit[ray]``).
+- :mod:`rlhfkit.engines.router` — ``EngineGroup``: requests spread over engines (in-process or Ray actors).
 
 Importing this package imports no backend.
 """

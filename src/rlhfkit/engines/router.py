@@ -1,0 +1,377 @@
+"""Spread generate requests over several rollout engines and broadcast control calls to all of them.
+
+:class:`EngineGroup` takes engines of two kinds, mixed freely: plain in-process objects implementing
+:class:`~rlhfkit.engines.protocol.RolloutEngine` (each gets one worker thread, so one engine runs one call at a time,
+as a Ray actor does, and different engines run concurrently) and Ray actor handles of such engines (e.g. those of
+:func:`rlhfkit.engines.vllm.create_engines`).
+
+What it does: assigns each prompt (with its ``n`` samples, which stay together: a GRPO group shares one engine and its
+prefix cache) to the engine with the least outstanding work — tokens in flight, ``(prompt length + max_new_tokens) ×
+n``, counted across concurrent calls until each engine's part returns — largest prompts first; returns rollouts in
+input order (prompt-major, then sample) with global ``prompt_index``; gives every call a timeout. An engine that dies
+(Ray actor death) or does not answer in time raises :class:`EngineDiedError` / :class:`EngineTimeoutError` naming the
+engine index; an engine that raises is reported as :class:`EngineError` with its index. ``sleep``, ``wake_up``,
+``load_weights``, ``health_check`` and any method (:meth:`EngineGroup.call`) go to every engine.
+
+What it does not do: retry, reroute work away from a failed engine, cancel the other engines' parts after a failure
+(they finish and are dropped), or create engines. Pure Python; ``ray`` is imported only when a Ray handle is used.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import inspect
+import logging
+import queue
+import re
+import sys
+import threading
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from rlhfkit._optional import require
+from rlhfkit.engines.protocol import WAKE_TAGS, SamplingConfig
+from rlhfkit.types import Rollout
+
+__all__ = ["EngineGroupConfig", "EngineGroup", "EngineError", "EngineTimeoutError", "EngineDiedError",
+           "assign_prompts"]
+
+logger = logging.getLogger(__name__)
+
+_ACTOR_DEATH_ERRORS = ("RayActorError", "ActorDiedError", "ActorUnavailableError", "ActorUnschedulableError")
+
+
+class EngineError(RuntimeError):
+    """A call to one engine of a group failed. ``engine_index`` names the engine, ``method`` the call."""
+
+    def __init__(self, message: str, *, engine_index: int, method: str) -> None:
+        super().__init__(message)
+        self.engine_index = engine_index
+        self.method = method
+
+
+class EngineTimeoutError(EngineError, TimeoutError):
+    """An engine did not answer within the call's timeout (hung, overloaded, or waiting for resources)."""
+
+
+class EngineDiedError(EngineError):
+    """An engine's Ray actor died (killed, crashed, or its node was lost)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineGroupConfig:
+    """Timeouts and balancing of an :class:`EngineGroup`.
+
+    Attributes:
+        generate_timeout_s: longest wait for an engine's share of one ``generate`` call.
+        control_timeout_s: longest wait for ``sleep``, ``wake_up``, ``load_weights`` and :meth:`EngineGroup.call`.
+        health_timeout_s: longest wait for ``health_check``.
+        balance: ``"tokens"`` weighs a prompt by ``(len(prompt) + max_new_tokens) × n``; ``"prompts"`` by ``n``.
+    """
+
+    generate_timeout_s: float = 600.0
+    control_timeout_s: float = 300.0
+    health_timeout_s: float = 30.0
+    balance: Literal["tokens", "prompts"] = "tokens"
+
+    def __post_init__(self) -> None:
+        for name in ("generate_timeout_s", "control_timeout_s", "health_timeout_s"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not value > 0:
+                raise ValueError(f"EngineGroupConfig.{name}={value!r}; must be a number of seconds > 0")
+        if self.balance not in ("tokens", "prompts"):
+            raise ValueError(f"EngineGroupConfig.balance={self.balance!r}; expected 'tokens' or 'prompts'")
+
+
+def assign_prompts(work: Sequence[float], outstanding: Sequence[float]) -> list[list[int]]:
+    """Longest-processing-time assignment: prompts by decreasing ``work`` (ties: lower index first), each to the
+    engine whose ``outstanding`` work plus what it was assigned so far is smallest (ties: lower engine index).
+
+    Returns, per engine, the indices of its prompts in increasing order.
+    """
+    if not outstanding:
+        raise ValueError("assign_prompts needs at least one engine (outstanding is empty)")
+    load = [float(value) for value in outstanding]
+    shards: list[list[int]] = [[] for _ in load]
+    for index in sorted(range(len(work)), key=lambda i: (-work[i], i)):
+        engine = min(range(len(load)), key=lambda e: (load[e], e))
+        shards[engine].append(index)
+        load[engine] += float(work[index])
+    return [sorted(shard) for shard in shards]
+
+
+class _ThreadEngine:
+    """One daemon thread serving calls to one in-process engine in order (a hung call cannot block interpreter
+    exit, unlike a ThreadPoolExecutor worker)."""
+
+    def __init__(self, engine: Any, index: int) -> None:
+        self.engine = engine
+        self._queue: queue.Queue = queue.Queue()
+        self._thread = threading.Thread(target=self._serve, name=f"rlhfkit-engine-{index}", daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            future, function = item
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(function())
+            except BaseException as error:  # noqa: BLE001 - handed to the caller through the future
+                future.set_exception(error)
+
+    def submit(self, method: str, args: tuple, kwargs: dict) -> concurrent.futures.Future:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        engine = self.engine
+
+        def function() -> Any:
+            attribute = getattr(engine, method)
+            return attribute(*args, **kwargs) if callable(attribute) else attribute
+
+        self._queue.put((future, function))
+        return future
+
+    def close(self) -> None:
+        self._queue.put(None)
+
+
+def _is_ray_handle(engine: Any) -> bool:
+    ray = sys.modules.get("ray")  # no Ray handle can exist unless ray was imported
+    actor = getattr(ray, "actor", None)
+    return actor is not None and isinstance(engine, actor.ActorHandle)
+
+
+class EngineGroup:
+    """Several rollout engines behind one ``generate`` (see the module docstring).
+
+    Args:
+        engines: in-process engines and/or Ray actor handles of engines.
+        config: timeouts and balancing.
+        forward_prompt_indices: pass ``prompt_indices=`` (global indices of the prompts in an engine's share) to the
+            engines' ``generate``, which :class:`rlhfkit.engines.vllm.VLLMEngine` uses to seed each prompt
+            independently of the sharding. None: yes for in-process engines whose ``generate`` accepts it, no for
+            Ray handles (``create_engine_group`` sets it for vLLM actors).
+    """
+
+    def __init__(self, engines: Sequence[Any], *, config: EngineGroupConfig | None = None,
+                 forward_prompt_indices: bool | None = None) -> None:
+        if isinstance(engines, (str, bytes)) or not isinstance(engines, Sequence) or len(engines) == 0:
+            raise ValueError(f"engines={engines!r}; pass a non-empty sequence of engines or Ray actor handles")
+        self.config = config or EngineGroupConfig()
+        self._engines = list(engines)
+        self._ray_flags = [_is_ray_handle(engine) for engine in self._engines]
+        self._threads = [None if ray else _ThreadEngine(engine, i)
+                         for i, (engine, ray) in enumerate(zip(self._engines, self._ray_flags))]
+        self._forward = [self._accepts_prompt_indices(i, forward_prompt_indices) for i in range(len(engines))]
+        self._lock = threading.Lock()
+        self._outstanding = [0.0] * len(self._engines)
+
+    def _accepts_prompt_indices(self, index: int, forward: bool | None) -> bool:
+        if forward is not None:
+            return bool(forward)
+        if self._ray_flags[index]:
+            return False
+        try:
+            return "prompt_indices" in inspect.signature(self._engines[index].generate).parameters
+        except (AttributeError, TypeError, ValueError):
+            return False
+
+    @property
+    def num_engines(self) -> int:
+        return len(self._engines)
+
+    @property
+    def engines(self) -> list[Any]:
+        return list(self._engines)
+
+    @property
+    def outstanding(self) -> list[float]:
+        """Work units (see ``EngineGroupConfig.balance``) each engine has in flight now."""
+        with self._lock:
+            return list(self._outstanding)
+
+    # --- calls and waiting --------------------------------------------------------------------------------------------
+    def _submit(self, index: int, method: str, args: tuple = (), kwargs: dict | None = None
+                ) -> concurrent.futures.Future:
+        kwargs = kwargs or {}
+        if self._ray_flags[index]:
+            return getattr(self._engines[index], method).remote(*args, **kwargs).future()
+        return self._threads[index].submit(method, args, kwargs)  # type: ignore[union-attr]
+
+    def _failure(self, index: int, method: str, error: BaseException) -> EngineError:
+        where = f"engine {index} (of {self.num_engines})"
+        names = {cls.__name__ for cls in type(error).__mro__}
+        if names & set(_ACTOR_DEATH_ERRORS):
+            return EngineDiedError(f"{where} died during {method}: {_summary(error)}", engine_index=index,
+                                   method=method)
+        return EngineError(f"{where} failed in {method}: {type(error).__name__}: {error}",
+                           engine_index=index, method=method)
+
+    def _wait(self, futures: dict[int, concurrent.futures.Future], method: str, timeout_s: float) -> dict[int, Any]:
+        """Results by engine index; the first failure (or the timeout) raises, naming the engine(s)."""
+        deadline = time.monotonic() + timeout_s
+        pending = set(futures.values())
+        while pending:
+            done, pending = concurrent.futures.wait(pending, timeout=max(0.0, deadline - time.monotonic()),
+                                                    return_when=concurrent.futures.FIRST_EXCEPTION)
+            for index, future in futures.items():
+                if future in done and future.exception() is not None:
+                    raise self._failure(index, method, future.exception()) from future.exception()
+            if pending and time.monotonic() >= deadline:
+                late = sorted(index for index, future in futures.items() if future in pending)
+                names = ", ".join(str(index) for index in late)
+                raise EngineTimeoutError(
+                    f"engine {names} (of {self.num_engines}) did not finish {method} within {timeout_s:g} s; it is "
+                    "hung, overloaded or waiting for resources (raise the timeout in EngineGroupConfig if it is only "
+                    "slow)",
+                    engine_index=late[0], method=method)
+        return {index: future.result() for index, future in futures.items()}
+
+    def call(self, method: str, *args: Any, timeout_s: float | None = None, **kwargs: Any) -> list[Any]:
+        """Call ``method(*args, **kwargs)`` on every engine; returns the results in engine order. An attribute that is
+        not callable on an in-process engine (e.g. the ``weight_version`` property) is read instead."""
+        futures = {index: self._submit(index, method, args, kwargs) for index in range(self.num_engines)}
+        results = self._wait(futures, method, timeout_s or self.config.control_timeout_s)
+        return [results[index] for index in range(self.num_engines)]
+
+    # --- generate -----------------------------------------------------------------------------------------------------
+    def _work(self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig) -> list[float]:
+        if self.config.balance == "prompts":
+            return [float(sampling.n)] * len(prompts)
+        return [float((len(prompt) + sampling.max_new_tokens) * sampling.n) for prompt in prompts]
+
+    def _start_shard(self, index: int, shard: list[int], prompts: list[list[int]], sampling: SamplingConfig,
+                     work: float) -> concurrent.futures.Future:
+        kwargs = {"prompt_indices": list(shard)} if self._forward[index] else {}
+        with self._lock:
+            self._outstanding[index] += work
+        try:
+            future = self._submit(index, "generate", ([prompts[i] for i in shard], sampling), kwargs)
+        except BaseException:
+            with self._lock:
+                self._outstanding[index] -= work
+            raise
+
+        def release(_: concurrent.futures.Future) -> None:
+            with self._lock:
+                self._outstanding[index] -= work
+
+        future.add_done_callback(release)
+        return future
+
+    def generate(self, prompt_token_ids: Sequence[Sequence[int]], sampling: SamplingConfig, *,
+                 timeout_s: float | None = None) -> list[Rollout]:
+        """Sample ``sampling.n`` responses per prompt across the engines; ``len(result) == len(prompts) * n``, in
+        input order with global ``prompt_index``."""
+        if not isinstance(sampling, SamplingConfig):
+            raise TypeError(f"sampling must be a SamplingConfig, got {type(sampling).__name__}")
+        prompts = _as_prompt_lists(prompt_token_ids)
+        if not prompts:
+            return []
+        work = self._work(prompts, sampling)
+        shards = assign_prompts(work, self.outstanding)
+        futures = {index: self._start_shard(index, shard, prompts, sampling, sum(work[i] for i in shard))
+                   for index, shard in enumerate(shards) if shard}
+        results = self._wait(futures, "generate", timeout_s or self.config.generate_timeout_s)
+        ordered: list[list[Rollout] | None] = [None] * len(prompts)
+        for index, rollouts in results.items():
+            for position, rollout_group in enumerate(self._split(index, rollouts, shards[index], sampling.n)):
+                ordered[shards[index][position]] = rollout_group
+        return [rollout for group in ordered for rollout in group]  # type: ignore[union-attr]
+
+    def _split(self, index: int, rollouts: Any, shard: list[int], n: int) -> list[list[Rollout]]:
+        if not isinstance(rollouts, list) or len(rollouts) != len(shard) * n:
+            got = len(rollouts) if isinstance(rollouts, list) else type(rollouts).__name__
+            raise EngineError(f"engine {index} (of {self.num_engines}) returned {got} rollouts for {len(shard)} "
+                              f"prompts × n={n}; expected {len(shard) * n}", engine_index=index, method="generate")
+        groups = []
+        for position, global_index in enumerate(shard):
+            group = rollouts[position * n:(position + 1) * n]
+            groups.append([r if r.prompt_index == global_index else dataclasses.replace(r, prompt_index=global_index)
+                           for r in group])
+        return groups
+
+    # --- broadcasts ---------------------------------------------------------------------------------------------------
+    def sleep(self, level: int = 1, *, timeout_s: float | None = None) -> None:
+        if level not in (1, 2):
+            raise ValueError(f"level={level!r}; expected 1 (keep weights in host memory) or 2 (discard them)")
+        self.call("sleep", level, timeout_s=timeout_s)
+
+    def wake_up(self, tags: Sequence[str] | None = None, *, timeout_s: float | None = None) -> None:
+        if tags is not None:
+            bad = [tag for tag in tags if tag not in WAKE_TAGS]
+            if isinstance(tags, str) or bad:
+                raise ValueError(f"tags={tags!r}; expected None or a list drawn from {list(WAKE_TAGS)}")
+            tags = list(tags)
+        self.call("wake_up", tags, timeout_s=timeout_s)
+
+    def load_weights(self, weights: Iterable[tuple[str, Any]], *, version: int | None = None,
+                     timeout_s: float | None = None) -> list[int]:
+        """Send the same named tensors to every engine (Ray engines share one object-store copy). For large models
+        use the weight-sync channel instead."""
+        pairs = [(str(name), tensor) for name, tensor in weights]
+        payload: Any = pairs
+        if any(self._ray_flags):
+            payload = require("ray", user="rlhfkit.engines.router").put(pairs)
+        futures = {index: self._submit(index, "load_weights", (pairs if not self._ray_flags[index] else payload,),
+                                       {"version": version}) for index in range(self.num_engines)}
+        results = self._wait(futures, "load_weights", timeout_s or self.config.control_timeout_s)
+        return [results[index] for index in range(self.num_engines)]
+
+    def health_check(self, *, timeout_s: float | None = None) -> list[Any]:
+        """Ask every engine ``health_check()`` (in-process engines without it report their ``weight_version``)."""
+        timeout_s = timeout_s or self.config.health_timeout_s
+        futures = {}
+        for index, engine in enumerate(self._engines):
+            method = "health_check" if self._ray_flags[index] or hasattr(engine, "health_check") else "weight_version"
+            futures[index] = self._submit(index, method)
+        results = self._wait(futures, "health_check", timeout_s)
+        return [results[index] for index in range(self.num_engines)]
+
+    def weight_versions(self, *, timeout_s: float | None = None) -> list[int]:
+        """Each engine's weight version (Ray engines answer ``get_weight_version()``)."""
+        futures = {index: self._submit(index, "get_weight_version" if ray else "weight_version")
+                   for index, ray in enumerate(self._ray_flags)}
+        results = self._wait(futures, "weight_version", timeout_s or self.config.health_timeout_s)
+        return [int(results[index]) for index in range(self.num_engines)]
+
+    def close(self) -> None:
+        """Stop the worker threads of in-process engines (engines and actors themselves are left alone)."""
+        for thread in self._threads:
+            if thread is not None:
+                thread.close()
+
+    def __enter__(self) -> EngineGroup:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _summary(error: BaseException) -> str:
+    """First and last lines of a (Ray) error without terminal colour codes: what happened, and the root cause."""
+    lines = [line.strip() for line in re.sub(r"\x1b\[[0-9;]*m", "", str(error)).splitlines() if line.strip()]
+    if not lines:
+        return type(error).__name__
+    return lines[0] if len(lines) == 1 else f"{lines[0]} ... {lines[-1]}"
+
+
+def _as_prompt_lists(prompt_token_ids: Any) -> list[list[int]]:
+    if isinstance(prompt_token_ids, (str, bytes)) or not isinstance(prompt_token_ids, Sequence):
+        raise TypeError(f"prompt_token_ids must be a sequence of token-id sequences, got "
+                        f"{type(prompt_token_ids).__name__}")
+    prompts = []
+    for index, prompt in enumerate(prompt_token_ids):
+        ids = prompt.tolist() if hasattr(prompt, "tolist") else prompt
+        if isinstance(ids, (str, bytes)) or not isinstance(ids, Sequence) or len(ids) == 0:
+            raise ValueError(f"prompt_token_ids[{index}]={prompt!r}; each prompt must be a non-empty sequence of "
+                             "token ids")
+        prompts.append([int(token) for token in ids])
+    return prompts
+

