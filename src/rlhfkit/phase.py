@@ -1,0 +1,313 @@
+"""The phase guard: colocated models take turns on a GPU, and a wrong order fails loudly instead of OOMing.
+
+In a hybrid run one GPU hosts several models (rollout engine, actor, critic, reference, ...) that must never be awake
+together. :class:`PhaseGuard` is an explicit gate your loop drives::
+
+    guard = PhaseGuard(TCPPhaseStore.serve(), gpu=gpu_key())          # or FilePhaseStore(dir), LocalPhaseStore()
+    with guard.phase("train", "actor", actor):                        # actor.wake_up() ... actor.sleep()
+        ...
+    guard.sleep("actor", actor, keep_weights=True)                    # extra kwargs go to the model's sleep()
+    guard.wake("rollout", engine, tags=["weights"])                   # ... and to wake_up()
+
+Each GPU has at most one *awake* role, recorded in a shared store. ``wake`` claims the GPU for its role atomically
+before waking the model and raises ``RuntimeError`` naming both roles and the GPU when another role holds it;
+``sleep`` puts the model to sleep and then releases the claim. A role that is partially asleep (an actor keeping its
+weights for a sync, an engine with only its weights awake) counts as asleep once ``sleep``/released: the guard orders
+*who may allocate working memory*, the models decide what they keep. Every transition logs this process's allocated
+and reserved CUDA memory and the device's free memory (or that CUDA is absent) and is kept in ``guard.history``.
+
+Stores: :class:`LocalPhaseStore` (one process, threads), :class:`FilePhaseStore` (processes of one node sharing a
+directory; ``fcntl`` locks, POSIX only), :class:`TCPPhaseStore` (any processes or nodes that reach one
+``torch.distributed.TCPStore``; picklable, so a Ray driver can hand it to its actors). What the guard does not do:
+move memory itself, order the phases for you, or recover a claim whose process died (``force_release``).
+Needs only torch; no deepspeed, ray or vllm.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import json
+import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+__all__ = ["PhaseGuard", "PhaseStore", "LocalPhaseStore", "FilePhaseStore", "TCPPhaseStore", "Sleepable",
+           "Transition", "gpu_key"]
+
+logger = logging.getLogger(__name__)
+_GIB = 1024**3
+
+
+@runtime_checkable
+class Sleepable(Protocol):
+    """Anything with ``sleep`` and ``wake_up`` (DeepSpeedEngine, rollout engines); kwargs are passed through."""
+
+    def sleep(self, *args: Any, **kwargs: Any) -> Any: ...
+
+    def wake_up(self, *args: Any, **kwargs: Any) -> Any: ...
+
+
+class PhaseStore(Protocol):
+    """Who is awake on which GPU, shared by every process that drives a guard for that GPU."""
+
+    def claim(self, gpu: str, role: str) -> str | None:
+        """Atomically make ``role`` the awake role of ``gpu`` unless another role holds it; returns that other role,
+        or None on success (also when ``role`` already holds it)."""
+        ...
+
+    def release(self, gpu: str, role: str | None) -> bool:
+        """Clear the claim if ``role`` holds it (any holder when ``role`` is None); returns whether it was cleared."""
+        ...
+
+    def holder(self, gpu: str) -> str | None: ...
+
+
+def gpu_key(device_index: int | None = None) -> str:
+    """``"<hostname>:<physical GPU id>"`` of this process's current CUDA device (``CUDA_VISIBLE_DEVICES`` mapped back
+    to the physical id, as Ray and torchrun set it), or ``"<hostname>:cpu"`` without CUDA."""
+    host = socket.gethostname()
+    if not torch.cuda.is_available():
+        return f"{host}:cpu"
+    index = torch.cuda.current_device() if device_index is None else device_index
+    visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
+    return f"{host}:{visible[index] if index < len(visible) else index}"
+
+
+class LocalPhaseStore:
+    """In-process store (threads of one process)."""
+
+    def __init__(self) -> None:
+        self._holders: dict[str, str] = {}
+        self._lock = threading.Lock()
+
+    def claim(self, gpu: str, role: str) -> str | None:
+        with self._lock:
+            current = self._holders.setdefault(gpu, role)
+            return None if current == role else current
+
+    def release(self, gpu: str, role: str | None) -> bool:
+        with self._lock:
+            if gpu in self._holders and role in (None, self._holders[gpu]):
+                del self._holders[gpu]
+                return True
+            return False
+
+    def holder(self, gpu: str) -> str | None:
+        with self._lock:
+            return self._holders.get(gpu)
+
+
+class FilePhaseStore:
+    """A JSON file in ``directory`` guarded by an ``fcntl`` lock: processes of one node, no server. Picklable."""
+
+    def __init__(self, directory: str | Path) -> None:
+        self.directory = Path(directory)
+        self.directory.mkdir(parents=True, exist_ok=True)
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[dict[str, str]]:
+        import fcntl  # POSIX only; imported here so the module imports everywhere
+
+        with open(self.directory / "phase.lock", "a+") as lock:
+            fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
+            try:
+                path = self.directory / "phase.json"
+                state = json.loads(path.read_text()) if path.exists() else {}
+                before = dict(state)
+                yield state
+                if state != before:
+                    tmp = path.with_name(f"phase.json.tmp-{os.getpid()}")
+                    tmp.write_text(json.dumps(state))
+                    os.replace(tmp, path)
+            finally:
+                fcntl.flock(lock.fileno(), fcntl.LOCK_UN)
+
+    def claim(self, gpu: str, role: str) -> str | None:
+        with self._locked() as state:
+            current = state.setdefault(gpu, role)
+            return None if current == role else current
+
+    def release(self, gpu: str, role: str | None) -> bool:
+        with self._locked() as state:
+            if gpu in state and role in (None, state[gpu]):
+                del state[gpu]
+                return True
+            return False
+
+    def holder(self, gpu: str) -> str | None:
+        with self._locked() as state:
+            return state.get(gpu)
+
+
+class TCPPhaseStore:
+    """Claims as keys of a ``torch.distributed.TCPStore`` (atomic ``compare_set``): any processes, any nodes.
+
+    One process runs the server (:meth:`serve`, keep that object alive); others connect with
+    ``TCPPhaseStore(host, port)`` or receive a pickled copy (it reconnects as a client).
+    """
+
+    def __init__(self, host: str, port: int, *, timeout_s: float = 60.0, _server=None) -> None:
+        if not 0 < port < 65536:
+            raise ValueError(f"port={port}; expected a TCP port in 1..65535")
+        self.host, self.port, self.timeout_s = host, port, timeout_s
+        self._store = _server
+
+    @classmethod
+    def serve(cls, host: str = "127.0.0.1", port: int = 0, *, timeout_s: float = 60.0) -> TCPPhaseStore:
+        """Start the server in this process (``port=0`` picks a free port; read it from ``.port``)."""
+        server = torch.distributed.TCPStore(host, port, is_master=True, wait_for_workers=False,
+                                            timeout=datetime.timedelta(seconds=timeout_s))
+        return cls(host, server.port, timeout_s=timeout_s, _server=server)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"host": self.host, "port": self.port, "timeout_s": self.timeout_s, "_store": None}
+
+    def _client(self):
+        if self._store is None:
+            self._store = torch.distributed.TCPStore(self.host, self.port, is_master=False,
+                                                     timeout=datetime.timedelta(seconds=self.timeout_s))
+        return self._store
+
+    @staticmethod
+    def _key(gpu: str) -> str:
+        return f"rlhfkit/phase/{gpu}"
+
+    def claim(self, gpu: str, role: str) -> str | None:
+        current = self._client().compare_set(self._key(gpu), "", role).decode()
+        return None if current == role else current
+
+    def release(self, gpu: str, role: str | None) -> bool:
+        holder = self.holder(gpu)
+        if holder is None or role not in (None, holder):
+            return False
+        # compare_set clears only if the key still holds `holder`; otherwise it returns the new holder.
+        return self._client().compare_set(self._key(gpu), holder, "").decode() == ""
+
+    def holder(self, gpu: str) -> str | None:
+        store = self._client()
+        if not store.check([self._key(gpu)]):
+            return None
+        return store.get(self._key(gpu)).decode() or None
+
+
+@dataclass(frozen=True, kw_only=True)
+class Transition:
+    """One guarded transition. Memory fields are bytes of this process's view of the device (None without CUDA)."""
+
+    action: str
+    role: str
+    gpu: str
+    phase: str | None
+    seconds: float
+    allocated: int | None
+    reserved: int | None
+    free: int | None
+
+
+def _memory(device: torch.device | None) -> tuple[int | None, int | None, int | None]:
+    if not torch.cuda.is_available():
+        return None, None, None
+    device = device or torch.device("cuda", torch.cuda.current_device())
+    free, _ = torch.cuda.mem_get_info(device)
+    return torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device), free
+
+
+class PhaseGuard:
+    """Enforces one awake role per GPU across every process that shares ``store``.
+
+    Args:
+        store: the shared claim store (default: a new :class:`LocalPhaseStore`, this process only).
+        gpu: the default GPU key for this process's calls (e.g. :func:`gpu_key`); calls may pass ``gpu=``.
+        device: the CUDA device whose memory is logged (default: the current device).
+    """
+
+    def __init__(self, store: PhaseStore | None = None, *, gpu: str | None = None,
+                 device: torch.device | int | None = None) -> None:
+        self.store = store if store is not None else LocalPhaseStore()
+        self.gpu = gpu
+        self.device = torch.device("cuda", device) if isinstance(device, int) else device
+        self.history: list[Transition] = []
+
+    def _gpu(self, gpu: str | None) -> str:
+        gpu = gpu if gpu is not None else self.gpu
+        if not gpu:
+            raise ValueError("gpu is not set; pass gpu= (e.g. gpu_key()) to PhaseGuard(...) or to this call")
+        return str(gpu)
+
+    def awake_role(self, gpu: str | None = None) -> str | None:
+        """The role awake on ``gpu``, or None."""
+        return self.store.holder(self._gpu(gpu))
+
+    def wake(self, role: str, model: Sleepable | None = None, *, gpu: str | None = None, phase: str | None = None,
+             **wake_kwargs: Any) -> Transition:
+        """Claim ``gpu`` for ``role`` and call ``model.wake_up(**wake_kwargs)``; RuntimeError if another role is
+        awake there (the model is not touched). If ``wake_up`` raises, the claim is released."""
+        gpu = self._gpu(gpu)
+        if not role:
+            raise ValueError(f"role={role!r}; name the role being woken")
+        other = self.store.claim(gpu, role)
+        if other is not None:
+            where = f" for phase '{phase}'" if phase else ""
+            raise RuntimeError(f"cannot wake '{role}' on GPU {gpu}{where}: '{other}' is awake there; put '{other}' "
+                               f"to sleep first (guard.sleep('{other}', ...))")
+        start = time.perf_counter()
+        try:
+            if model is not None:
+                model.wake_up(**wake_kwargs)
+        except BaseException:
+            self.store.release(gpu, role)
+            raise
+        return self._record("wake", role, gpu, phase, time.perf_counter() - start)
+
+    def sleep(self, role: str, model: Sleepable | None = None, *, gpu: str | None = None, phase: str | None = None,
+              **sleep_kwargs: Any) -> Transition:
+        """Call ``model.sleep(**sleep_kwargs)``, then release ``role``'s claim on ``gpu`` (if it holds it). Sleeping a
+        role that is not awake is allowed (e.g. deepening a keep-weights sleep)."""
+        gpu = self._gpu(gpu)
+        start = time.perf_counter()
+        if model is not None:
+            model.sleep(**sleep_kwargs)
+        self.store.release(gpu, role)
+        return self._record("sleep", role, gpu, phase, time.perf_counter() - start)
+
+    @contextlib.contextmanager
+    def phase(self, name: str, role: str, model: Sleepable | None = None, *, gpu: str | None = None,
+              wake_kwargs: dict[str, Any] | None = None, sleep_kwargs: dict[str, Any] | None = None) -> Iterator[Any]:
+        """Wake ``role`` for the block, put it back to sleep after (also when the block raises); yields ``model``."""
+        self.wake(role, model, gpu=gpu, phase=name, **(wake_kwargs or {}))
+        try:
+            yield model
+        finally:
+            self.sleep(role, model, gpu=gpu, phase=name, **(sleep_kwargs or {}))
+
+    def force_release(self, gpu: str | None = None) -> str | None:
+        """Drop whatever claim ``gpu`` holds (recovery after a crashed process); returns the dropped role."""
+        gpu = self._gpu(gpu)
+        holder = self.store.holder(gpu)
+        if holder is not None and self.store.release(gpu, None):
+            logger.warning("phase guard: force-released '%s' on GPU %s", holder, gpu)
+        return holder
+
+    def _record(self, action: str, role: str, gpu: str, phase: str | None, seconds: float) -> Transition:
+        allocated, reserved, free = _memory(self.device)
+        transition = Transition(action=action, role=role, gpu=gpu, phase=phase, seconds=seconds,
+                                allocated=allocated, reserved=reserved, free=free)
+        self.history.append(transition)
+        where = f" (phase {phase})" if phase else ""
+        if allocated is None:
+            logger.info("phase guard: %s '%s' on GPU %s%s in %.3f s; CUDA absent, no device memory to report",
+                        action, role, gpu, where, seconds)
+        else:
+            logger.info("phase guard: %s '%s' on GPU %s%s in %.3f s; allocated %.2f GiB, reserved %.2f GiB, "
+                        "free %.2f GiB", action, role, gpu, where, seconds, allocated / _GIB, reserved / _GIB,
+                        free / _GIB)
+        return transition

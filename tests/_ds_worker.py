@@ -1,0 +1,370 @@
+"""torchrun worker for tests/test_deepspeed_engine.py: many DeepSpeed checks in one launch (imports cost ≈ 10 s/rank).
+
+Usage: python -m torch.distributed.run --nproc_per_node N tests/_ds_worker.py --model DIR --workdir DIR --out JSON
+           --checks train1,train3,stream0,...
+
+Each check returns a dict of plain values (or records its traceback); rank 0 writes ``{check: result}`` to --out.
+The assertions live in the test file, so each property is reported as its own test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+import traceback
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+NUM_STEPS = 4
+
+
+def _batch(seed: int, vocab: int, lengths: tuple[int, ...] = (7, 12, 5, 9)):
+    from rlhfkit.packing import pack_sequences
+
+    gen = torch.Generator().manual_seed(seed)
+    seqs = [torch.randint(10, vocab, (n,), generator=gen) for n in lengths]
+    masks = [torch.arange(n) >= n // 2 for n in lengths]
+    return pack_sequences(seqs, loss_masks=masks, pad_to_multiple_of=8)
+
+
+def _config(stage: int, **overrides):
+    from rlhfkit.deepspeed_engine import DeepSpeedEngineConfig
+
+    fields = dict(zero_stage=stage, bf16=False, optimizer="torch_adamw", learning_rate=2e-3, gradient_clipping=1.0,
+                  lr_warmup_steps=2, lr_schedule="cosine", lr_total_steps=10, lr_min_ratio=0.1,
+                  gradient_checkpointing=stage == 2)  # one stage exercises activation checkpointing
+    fields.update(json.loads(os.environ.get("RLHFKIT_TEST_DS_CONFIG", "{}")))  # e.g. fused_adam + bf16 on GPU
+    fields.update(overrides)
+    return DeepSpeedEngineConfig(**fields)
+
+
+def _nll(engine, batch) -> torch.Tensor:
+    logprobs = engine.forward_logprobs(batch)
+    mask = batch.loss_mask.to(logprobs.device)
+    return -(logprobs * mask).sum() / mask.sum()
+
+
+def _train_step(engine, batch) -> dict:
+    engine.backward(_nll(engine, batch))
+    return engine.step()
+
+
+def _state_tensors(engine) -> dict[str, list[torch.Tensor]]:
+    """Every per-rank state tensor a ZeRO engine keeps, by kind: weights (shards), fp32 masters, grads, optimizer."""
+    stage = engine.config.zero_stage
+    out = {"weights": [p.ds_tensor if stage == 3 else p for p in engine.module.parameters()]}
+    wrapper = engine.ds_engine.optimizer
+    if engine.has_optimizer:
+        if stage == 3:
+            out["master"] = list(wrapper.fp32_partitioned_groups_flat)
+            out["grads"] = [wrapper.grad_partitions_flat_buffer]
+        elif stage in (1, 2):
+            out["master"] = list(wrapper.single_partition_of_fp32_groups)
+            out["weights"] += list(wrapper.bit16_groups_flat)
+        basic = wrapper.optimizer if stage else wrapper
+        out["optim"] = [v for state in basic.state.values() for k, v in sorted(state.items())
+                        if torch.is_tensor(v) and k != "step" and not k.endswith("_offload_buffer")]
+    return {kind: [t for t in tensors if t.numel() > 0] for kind, tensors in out.items()}
+
+
+def _flat(groups: dict[str, list[torch.Tensor]]) -> list[torch.Tensor]:
+    return [t for kind in sorted(groups) for t in groups[kind]]
+
+
+def _expect_error(function, fragment: str) -> str:
+    try:
+        result = function()
+        if hasattr(result, "__next__"):
+            next(result)
+    except RuntimeError as error:
+        return "ok" if fragment in str(error) else f"wrong message: {error}"
+    return "no error raised"
+
+
+def _sleep_round_trip(engine, batch) -> dict:
+    """Sleep, check errors and that every state storage moved, wake, check bit-identical state."""
+    before = [t.detach().clone() for t in _flat(_state_tensors(engine))]
+    held = [t.detach() for t in _flat(_state_tensors(engine))]  # keep old storages alive: no address reuse
+    old_ptrs = {t.untyped_storage().data_ptr() for t in held}
+    memory_awake = _memory(engine)
+    engine.sleep()
+    memory_asleep = _memory(engine)
+    moved = {kind: all(t.untyped_storage().data_ptr() not in old_ptrs for t in tensors)
+             for kind, tensors in _state_tensors(engine).items()}
+    errors = {"forward": _expect_error(lambda: engine.forward_logprobs(batch) if engine.role in ("actor", "reference")
+                                       else engine.forward_values(batch), "is asleep; call wake_up() first"),
+              "stream": _expect_error(lambda: engine.named_parameters_for_sync(), "is asleep")}
+    if engine.has_optimizer:
+        errors["step"] = _expect_error(engine.step, f"step() called while '{engine.name}' is asleep; call wake_up()")
+        errors["backward"] = _expect_error(lambda: engine.backward(torch.zeros(())), "backward() called while")
+    asleep = engine.is_asleep
+    engine.wake_up()
+    after = _flat(_state_tensors(engine))
+    identical = len(after) == len(before) and all(torch.equal(a, b) for a, b in zip(after, before))
+    del held
+    return {"moved": moved, "errors": errors, "memory_awake": memory_awake, "memory_asleep": memory_asleep,
+            "asleep_flag": asleep, "awake_flag": not engine.is_asleep,
+            "identical": identical, "num_tensors": len(before)}
+
+
+def _memory(engine) -> dict:
+    if engine.device.type != "cuda":
+        return {}
+    return {"allocated": torch.cuda.memory_allocated(), "reserved": torch.cuda.memory_reserved()}
+
+
+def _stream_dict(engine, **kwargs) -> dict[str, torch.Tensor]:
+    return {name: tensor.detach().clone().cpu() for name, tensor in engine.named_parameters_for_sync(**kwargs)}
+
+
+def _compare(stream: dict, reference: dict) -> dict:
+    keys_equal = set(stream) == set(reference)
+    mismatched = [k for k in stream if k in reference and not torch.equal(stream[k], reference[k].to(stream[k].dtype))]
+    return {"keys_equal": keys_equal, "mismatched": mismatched[:5], "num": len(stream),
+            "missing": sorted(set(reference) - set(stream))[:5], "extra": sorted(set(stream) - set(reference))[:5]}
+
+
+def _file_state_dict(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(path / "model.safetensors"))
+
+
+def check_train(stage: int, ctx) -> dict:
+    """Reference trajectory, the same trajectory with sleeps, and a resume from a checkpoint."""
+    from rlhfkit.deepspeed_engine import DeepSpeedEngine, latest_checkpoint
+
+    batch = _batch(100 + ctx.rank, ctx.vocab)
+    ref = DeepSpeedEngine.from_pretrained(ctx.model, role="actor", config=_config(stage))
+    ref_stats = [_train_step(ref, batch) for _ in range(NUM_STEPS)]
+    ref.destroy()
+    engine = DeepSpeedEngine.from_pretrained(ctx.model, role="actor", config=_config(stage))
+    file_state = {k: v.to(engine.dtype) for k, v in _file_state_dict(ctx.model).items()}
+    initial_stream = _compare(_stream_dict(engine, bucket_bytes=4096), file_state)
+    stats = [_train_step(engine, batch) for _ in range(2)]
+    round_trip = _sleep_round_trip(engine, batch)
+    root = ctx.workdir / f"ckpt-s{stage}"
+    saved = engine.save_checkpoint(root)  # after a sleep: DeepSpeed's host offload buffers must not be saved
+    saved_stream = _stream_dict(engine)
+    if ctx.rank == 0:
+        (root / "step-000099").mkdir(parents=True)  # a half-written checkpoint: no COMPLETE marker
+        (root / "step-000099" / "junk").write_text("partial")
+    dist.barrier()
+    stats.append(_train_step(engine, batch))
+    awake_stream = _stream_dict(engine)
+    engine.sleep(keep_weights=True)
+    kept_stream = _compare(_stream_dict(engine, bucket_bytes=3000), awake_stream)
+    engine.sleep()
+    deep_asleep_stream = _expect_error(lambda: engine.named_parameters_for_sync(), "is asleep")
+    engine.wake_up()
+    stats.append(_train_step(engine, batch))
+    engine.destroy()
+    latest = latest_checkpoint(root)
+    resumed = DeepSpeedEngine.from_pretrained(ctx.model, role="actor", config=_config(stage))
+    try:
+        resumed.load_checkpoint(root / "step-000099")
+        partial_load = "no error"
+    except ValueError as error:
+        partial_load = "ok" if "incomplete" in str(error) else str(error)
+    client_state = resumed.load_checkpoint(latest)
+    resumed_step = resumed.global_step
+    optimizer = getattr(resumed.ds_engine.optimizer, "optimizer", resumed.ds_engine.optimizer)
+    offload_keys = sum(k.endswith("_offload_buffer") for state in optimizer.state.values() for k in state)
+    resumed_stats = [_train_step(resumed, batch) for _ in range(2)]
+    resumed.destroy()
+    export = _compare(_file_state_dict(saved / "hf"), saved_stream)
+    return {"ref_losses": [s["loss"] for s in ref_stats], "losses": [s["loss"] for s in stats],
+            "ref_lrs": [s["lr"] for s in ref_stats], "grad_norms": [s["grad_norm"] for s in ref_stats],
+            "resumed_losses": [s["loss"] for s in resumed_stats], "resumed_lrs": [s["lr"] for s in resumed_stats],
+            "resumed_step": resumed_step, "client_state": client_state.get("rlhfkit", {}),
+            "latest": latest.name if latest else None, "saved": saved.name, "partial_load": partial_load,
+            "round_trip": round_trip, "kept_stream": kept_stream, "initial_stream": initial_stream,
+            "deep_asleep_stream": deep_asleep_stream, "resumed_offload_keys": offload_keys,
+            "export": export, "hf_files": sorted(p.name for p in (saved / "hf").iterdir())}
+
+
+def check_stream(stage: int, ctx, *, bf16: bool = False) -> dict:
+    """Reference model: stream == file state dict; log-probs == naive per-sequence HF forward; sleep round trip."""
+    from transformers import AutoModelForCausalLM
+
+    from rlhfkit.deepspeed_engine import DeepSpeedEngine
+
+    engine = DeepSpeedEngine.from_pretrained(ctx.model, role="reference", config=_config(stage, bf16=bf16))
+    reference = {k: v.to(engine.dtype) for k, v in _file_state_dict(ctx.model).items()}
+    result = {"stream": _compare(_stream_dict(engine, bucket_bytes=4096), reference),
+              "stream_one_bucket": _compare(_stream_dict(engine, bucket_bytes=1 << 40), reference),
+              "dtypes": sorted({str(t.dtype) for _, t in engine.named_parameters_for_sync()})}
+    batch = _batch(7 + ctx.rank, ctx.vocab)
+    with torch.no_grad():
+        logprobs = engine.forward_logprobs(batch).cpu()
+    hf = AutoModelForCausalLM.from_pretrained(str(ctx.model), dtype=engine.dtype)
+    naive = torch.zeros(batch.num_tokens)
+    cu = batch.cu_seqlens.tolist()
+    with torch.no_grad():
+        for start, end in zip(cu[:-1], cu[1:]):
+            ids = batch.input_ids[start:end]
+            logits = hf(input_ids=ids[None]).logits[0].float()
+            naive[start + 1:end] = torch.log_softmax(logits[:-1], -1).gather(-1, ids[1:, None])[:, 0]
+    result["logprob_max_err"] = float((logprobs - naive).abs().max())
+    result["round_trip"] = _sleep_round_trip(engine, batch)
+    with torch.no_grad():
+        result["logprobs_identical_after_wake"] = bool(torch.equal(engine.forward_logprobs(batch).cpu(), logprobs))
+    engine.destroy()
+    return result
+
+
+def check_critic(stage: int, ctx) -> dict:
+    """Critic from a causal-LM folder: value alignment, training, stream without head, HF export reload."""
+    from transformers import AutoModelForSequenceClassification
+
+    from rlhfkit.deepspeed_engine import DeepSpeedEngine
+
+    config = _config(stage, value_head_init_std=0.05, lr_schedule="constant", lr_warmup_steps=0, learning_rate=1e-3,
+                     gradient_checkpointing=True)
+    engine = DeepSpeedEngine.from_pretrained(ctx.model, role="critic", config=config)
+    batch = _batch(11 + ctx.rank, ctx.vocab)
+    targets = torch.linspace(-1, 1, batch.num_tokens)
+    mask = batch.loss_mask
+    losses = []
+    for _ in range(NUM_STEPS):
+        values = engine.forward_values(batch).cpu()
+        loss = (((values - targets) ** 2) * mask).sum() / mask.sum()
+        engine.backward(loss.to(engine.device))
+        losses.append(engine.step()["loss"])
+    with torch.no_grad():
+        values = engine.forward_values(batch).cpu()
+        rewards = engine.forward_rewards(batch).cpu()
+    starts = batch.cu_seqlens[:-1].long()
+    result = {"losses": losses, "zero_at_starts": bool((values[starts] == 0).all()),
+              "zero_on_padding": bool((values[int(batch.cu_seqlens[-1]):] == 0).all())}
+    stream = _stream_dict(engine)
+    result["stream_has_head"] = any(k.startswith("score") for k in stream)
+    result["stream_num"] = len(stream)
+    export_dir = ctx.workdir / f"critic-hf-s{stage}"
+    engine.export_hf(export_dir)
+    dist.barrier()
+    hf = AutoModelForSequenceClassification.from_pretrained(str(export_dir), num_labels=1)
+    hf_state = hf.state_dict()
+    result["export_vs_stream"] = _compare(stream, {k: v for k, v in hf_state.items() if not k.startswith("score")})
+    cu = batch.cu_seqlens.tolist()
+    naive_rewards, naive_values = [], torch.zeros(batch.num_tokens)
+    with torch.no_grad():
+        for start, end in zip(cu[:-1], cu[1:]):
+            hidden = hf.model(input_ids=batch.input_ids[start:end][None]).last_hidden_state
+            raw = hf.score(hidden)[0, :, 0]
+            naive_rewards.append(raw[-1])
+            naive_values[start + 1:end] = raw[:-1]
+    result["reward_max_err"] = float((rewards - torch.stack(naive_rewards)).abs().max())
+    result["value_max_err"] = float((values - naive_values).abs().max())
+    result["round_trip"] = _sleep_round_trip(engine, batch)
+    engine.destroy()
+    reward = DeepSpeedEngine.from_pretrained(export_dir, role="reward", config=_config(stage))
+    with torch.no_grad():
+        result["reward_model_vs_critic_max_err"] = float((reward.forward_rewards(batch).cpu() - rewards).abs().max())
+    result["reward_round_trip"] = _sleep_round_trip(reward, batch)
+    try:
+        reward.backward(torch.zeros(()))
+        result["reward_backward"] = "no error"
+    except RuntimeError as error:
+        result["reward_backward"] = str(error)
+    reward.destroy()
+    return result
+
+
+def check_normalization(stage: int, ctx) -> dict:
+    """Gradient accumulation + DP: DeepSpeed's pre-clip grad norm equals a plain-torch reference for both modes."""
+    from transformers import AutoModelForCausalLM
+
+    from rlhfkit.deepspeed_engine import DeepSpeedEngine
+
+    world = dist.get_world_size()
+    shapes = [(5, 9), (12, 7, 8), (4, 6), (10, 11, 3)]  # different loss-token counts: the two modes differ
+    micro = {(r, m): _batch(300 + 10 * r + m, ctx.vocab, shapes[(2 * r + m) % 4]) for r in range(world)
+             for m in range(2)}
+    total_tokens = sum(float(b.loss_mask.sum()) for b in micro.values())
+    result = {}
+    for mode in ("per_micro_batch", "global"):
+        config = _config(stage, gradient_accumulation_steps=2, loss_normalization=mode, gradient_clipping=0.0)
+        engine = DeepSpeedEngine.from_pretrained(ctx.model, role="actor", config=config)
+        stats = []
+        for m in range(2):
+            batch = micro[(ctx.rank, m)]
+            logprobs = engine.forward_logprobs(batch)
+            mask = batch.loss_mask.to(logprobs.device)
+            denominator = mask.sum() if mode == "per_micro_batch" else total_tokens
+            engine.backward(-(logprobs * mask).sum() / denominator)
+            stats.append(engine.step())
+        result[mode] = {"grad_norm": stats[1]["grad_norm"], "first_step_stats": stats[0]}
+        engine.destroy()
+        model = AutoModelForCausalLM.from_pretrained(str(ctx.model), dtype=torch.float32)
+        from rlhfkit.losses import model_logprobs
+
+        loss = 0.0
+        for batch in micro.values():
+            mask = batch.loss_mask
+            nll = -(model_logprobs(model, batch) * mask).sum()
+            loss = loss + (nll / mask.sum() / len(micro) if mode == "per_micro_batch" else nll / total_tokens)
+        loss.backward()
+        result[mode]["reference_norm"] = float(torch.norm(torch.stack([p.grad.norm() for p in model.parameters()])))
+    return result
+
+
+CHECKS = {
+    **{f"train{s}": (lambda s: lambda ctx: check_train(s, ctx))(s) for s in (0, 1, 2, 3)},
+    **{f"stream{s}": (lambda s: lambda ctx: check_stream(s, ctx))(s) for s in (0, 1, 2, 3)},
+    "stream3_bf16": lambda ctx: check_stream(3, ctx, bf16=True),
+    **{f"critic{s}": (lambda s: lambda ctx: check_critic(s, ctx))(s) for s in (2, 3)},
+    **{f"norm{s}": (lambda s: lambda ctx: check_normalization(s, ctx))(s) for s in (1, 3)},
+}
+
+
+class _Context:
+    def __init__(self, args) -> None:
+        self.model = Path(args.model)
+        self.workdir = Path(args.workdir)
+        self.rank = dist.get_rank()
+        self.vocab = json.loads((self.model / "config.json").read_text())["vocab_size"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--workdir", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--checks", required=True)
+    args = parser.parse_args()
+    import deepspeed
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # skip a ≈ 50 s JIT build on CPU
+    import gc
+
+    import transformers  # noqa: F401 — import before freezing
+    from rlhfkit import deepspeed_engine  # noqa: F401
+
+    gc.freeze()  # DeepSpeed's offload_states runs gc.collect(); frozen imports make it cheap (see docs)
+    torch.manual_seed(0)
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    ctx = _Context(args)
+    results = {}
+    for name in args.checks.split(","):
+        start = time.perf_counter()
+        try:
+            results[name] = CHECKS[name](ctx)
+            results[name]["seconds"] = time.perf_counter() - start
+        except Exception:  # noqa: BLE001 — report, then let the other checks run
+            results[name] = {"error": traceback.format_exc()}
+        dist.barrier()
+    if ctx.rank == 0:
+        Path(args.out).write_text(json.dumps(results, indent=1, default=str))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
