@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# One stage of a GPU-machine session (see docs/gpu.md). Run from the repo root on the GPU machine after
+#   eval "$(bash .carry/gpu-tools/install-on-device.sh)"
+# Each stage writes JSON results and one log under $OUT (the device tool returns at most 8 files).
+#   stage 1 (kit chunk 1: ray, deepspeed): placement checks, weight-sync IPC/NCCL benches
+#   stage 2 (kit chunk 2: vllm):           vLLM engine bench on a tiny model + sleep on a 1.5B model (+ TP 2)
+#   stage 3 (kit chunk 3: SmolLM2):        convert SmolLM2, DeepSpeed sleep bench, vLLM model/throughput, IPC→vLLM
+#   stage 4 (pytest carried):              every @pytest.mark.gpu test
+set -uo pipefail
+stage=${1:?stage}
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+export PYTHONPATH=$PWD/src:$PWD/.carry/pytest:${PYTHONPATH:-} TORCH_CUDA_ARCH_LIST=9.0 RAY_AUTH_MODE=disabled \
+  RAY_USAGE_STATS_ENABLED=0 HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 VLLM_USE_FLASHINFER_SAMPLER=0 TOKENIZERS_PARALLELISM=false
+SMOL=/tmp/smollm2-hf
+log=$OUT/stage$stage.log
+run() { local limit=$1; shift; echo "=== $(date +%T) $*" | tee -a "$log"; timeout "$limit" "$@" >>"$log" 2>&1;
+        echo "=== rc=$? after $SECONDS s" | tee -a "$log"; }
+nvidia-smi -L | tee -a "$log"
+python -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" >>"$log" 2>&1
+case $stage in
+1)
+  run 240 python tests/gpu_placement_check.py --out "$OUT/placement.json"
+  run 240 python bench/weight_sync.py --mode ipc --out "$OUT/weight_sync_ipc.json"
+  if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then run 150 python bench/weight_sync.py --mode nccl --out "$OUT/weight_sync_nccl.json"; fi
+  ;;
+2)
+  python -c "from rlhfkit.tiny_models import *; build_tiny_model('/tmp/tiny-hd64', TinyModelConfig(hidden_size=256, num_heads=4, num_kv_heads=2, intermediate_size=512))" >>"$log" 2>&1
+  run 540 python bench/vllm_engine.py --model /tmp/tiny-hd64 --large --only tiny sleep tp2 --out "$OUT/vllm_engine_a.json"
+  ;;
+3)
+  run 120 python examples/convert_smollm2.py --out $SMOL
+  run 300 python bench/deepspeed_sleep.py --model $SMOL --out "$OUT/deepspeed_sleep.json" --budget-s 200
+  run 150 python bench/ipc_to_vllm.py --model $SMOL --out "$OUT/ipc_to_vllm.json"
+  ;;
+4)
+  run 240 python bench/vllm_engine.py --model $SMOL --only model throughput --out "$OUT/vllm_engine_b.json"
+  run 300 python -m pytest -q -p no:cacheprovider -m gpu -x --timeout 240 tests
+  ;;
+esac
+echo "stage $stage done in $SECONDS s" | tee -a "$log"

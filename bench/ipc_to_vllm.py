@@ -1,0 +1,110 @@
+"""CUDA IPC weight sync from a trainer process into a vLLM engine actor on the same GPU, end to end (GPU only).
+
+The trainer (this process) holds an HF model on cuda:0 with perturbed weights; a vLLM engine (a Ray actor with a
+fractional GPU share on the same GPU) starts from the original checkpoint. One ``rlhfkit.weight_sync`` CUDA-IPC sync
+later, the engine's greedy generations must equal the trainer model's (fp32 on both sides, so numerics agree) and
+the engine must report the new weight version. Also times the sync and a per-bucket-size sweep.
+
+    python bench/ipc_to_vllm.py --model /tmp/smollm2-hf --out ipc_to_vllm.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import threading
+import time
+
+import torch
+
+
+def hf_greedy(model, prompts: list[list[int]], steps: int, eos: set[int]) -> list[list[int]]:
+    outputs = []
+    for prompt in prompts:
+        ids = torch.tensor([prompt], device="cuda")
+        out = model.generate(ids, max_new_tokens=steps, do_sample=False, attention_mask=torch.ones_like(ids))
+        tokens = out[0, len(prompt):].tolist()
+        for i, token in enumerate(tokens):  # vLLM stops at EOS and includes it; HF pads after it
+            if token in eos:
+                tokens = tokens[: i + 1]
+                break
+        outputs.append(tokens)
+    return outputs
+
+
+def sync_once(engine, sender, named, ray) -> dict:
+    result: dict = {}
+    thread = threading.Thread(target=lambda: result.update(report=sender.send(named)))
+    start = time.perf_counter()
+    thread.start()
+    worker_reports = ray.get(engine.receive_weights.remote(), timeout=300)
+    thread.join(300)
+    if "report" not in result:
+        raise RuntimeError("sender thread did not finish")
+    report = result["report"]
+    return {"seconds": time.perf_counter() - start, "version": report.version, "bytes": report.num_bytes,
+            "buckets": report.num_buckets, "worker_reports": len(worker_reports)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--steps", type=int, default=24)
+    args = parser.parse_args()
+    os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    import ray
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from rlhfkit.engines import SamplingConfig
+    from rlhfkit.engines.vllm import VLLMEngineConfig, create_engines
+    from rlhfkit.weight_sync import SyncEndpoint, WeightSender, WeightSyncConfig
+
+    results: dict = {"model": args.model, "device": torch.cuda.get_device_name(0)}
+    ray.init(num_gpus=1, num_cpus=4, include_dashboard=False)
+    pg = ray.util.placement_group([{"GPU": 1, "CPU": 1}])
+    ray.get(pg.ready(), timeout=60)
+    config = VLLMEngineConfig(model=args.model, dtype="float32", gpu_memory_utilization=0.3, gpu_share=0.5,
+                              enforce_eager=True, max_model_len=1024, seed=0,
+                              env={"VLLM_USE_FLASHINFER_SAMPLER": "0"})
+    (engine,) = create_engines(config, placement_group=pg, bundle_indices=[[0]])
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    trainer = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).cuda().eval()
+    eos = set(trainer.generation_config.eos_token_id if isinstance(trainer.generation_config.eos_token_id, list)
+              else [trainer.generation_config.eos_token_id])
+    texts = ["What is 12 + 7?", "The capital of France is", "Write a haiku about GPUs.", "1, 2, 3, 4,"]
+    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
+                                             tokenize=True, return_dict=False) for t in texts]
+    prompts = [list(p["input_ids"] if isinstance(p, dict) else p) for p in prompts]
+    greedy = SamplingConfig(temperature=0.0, max_new_tokens=args.steps)
+    before = [r.response_token_ids.tolist() for r in ray.get(engine.generate.remote(prompts, greedy), timeout=300)]
+    with torch.no_grad():  # the "training step": perturb every weight
+        generator = torch.Generator(device="cuda").manual_seed(0)
+        for param in trainer.parameters():
+            param.add_(torch.randn(param.shape, device="cuda", generator=generator) * param.std() * 0.5)
+    expected = hf_greedy(trainer, prompts, args.steps, eos)
+    named = list(trainer.state_dict().items())
+    sync_config = WeightSyncConfig(backend="cuda_ipc", bucket_bytes=256 * 1024**2, timeout_s=120)
+    with WeightSender(sync_config, SyncEndpoint(world_size=2, rank=0, port=0), device=torch.device("cuda:0")) as sender:
+        ray.get(engine.init_weight_sync.remote(sync_config, sender.endpoint, first_rank=1), timeout=120)
+        syncs = [sync_once(engine, sender, named, ray) for _ in range(3)]
+        after = [r.response_token_ids.tolist() for r in ray.get(engine.generate.remote(prompts, greedy), timeout=300)]
+        ray.get(engine.close_weight_sync.remote(), timeout=60)
+    results |= {
+        "syncs": syncs,
+        "engine_weight_version": ray.get(engine.get_weight_version.remote(), timeout=60),
+        "greedy_equal_after_sync": after == expected,
+        "greedy_changed_by_sync": after != before,
+        "per_prompt_equal": [a == e for a, e in zip(after, expected)],
+        "after": after, "expected": expected,
+    }
+    print(json.dumps({k: v for k, v in results.items() if k not in ("after", "expected")}, indent=2))
+    with open(args.out, "w") as handle:
+        json.dump(results, handle, indent=2)
+    ray.shutdown()
+
+
+if __name__ == "__main__":
+    main()

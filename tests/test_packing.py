@@ -1,0 +1,422 @@
+"""Tests for rlhfkit.packing: layout, round trips, selection, partitioning, global counts, packed HF forwards."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import random
+import tempfile
+
+import pytest
+import torch
+
+from rlhfkit.packing import (
+    VARLEN_ATTENTION,
+    global_counts,
+    pack_rollouts,
+    pack_sequences,
+    packed_logits,
+    pad_packed,
+    partition_by_token_budget,
+    register_varlen_attention,
+    select_sequences,
+    unpack,
+    unpad_to_packed,
+)
+from rlhfkit.types import PackedBatch, Rollout
+
+
+def _random_sequences(seed: int, num: int = 5, low: int = 1, high: int = 9, vocab: int = 50):
+    gen = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(low, high + 1, (num,), generator=gen).tolist()
+    seqs = [torch.randint(0, vocab, (n,), generator=gen) for n in lengths]
+    masks = [torch.rand(n, generator=gen) > 0.4 for n in lengths]
+    for mask in masks:
+        mask[0] = False
+    return seqs, masks
+
+
+# ----------------------------------------------------------------------------------------------- layout
+
+
+def test_pack_sequences_hand_derived_layout():
+    batch = pack_sequences([torch.tensor([5, 6, 7]), torch.tensor([8, 9])],
+                           loss_masks=[torch.tensor([False, True, True]), torch.tensor([False, True])],
+                           pad_to_multiple_of=4, pad_token_id=-1)
+    assert batch.input_ids.tolist() == [5, 6, 7, 8, 9, -1, -1, -1]
+    assert batch.position_ids.tolist() == [0, 1, 2, 0, 1, 0, 1, 2]
+    assert batch.cu_seqlens.dtype == torch.int32 and batch.cu_seqlens.tolist() == [0, 3, 5]
+    assert batch.loss_mask.tolist() == [False, True, True, False, True, False, False, False]
+    assert batch.num_padding_tokens == 3
+
+
+def test_pack_sequences_no_padding_when_already_multiple_and_default_mask():
+    batch = pack_sequences([torch.tensor([1, 2]), torch.tensor([3, 4])], pad_to_multiple_of=2)
+    assert batch.num_tokens == 4 and batch.num_padding_tokens == 0
+    assert not batch.loss_mask.any()
+
+
+def test_pack_matches_naive_loop_and_unpack_round_trips():
+    for seed in range(5):
+        seqs, masks = _random_sequences(seed, num=7)
+        batch = pack_sequences(seqs, loss_masks=masks, pad_to_multiple_of=8)
+        # naive reference: concatenate with python loops
+        ids, pos, lm, cu = [], [], [], [0]
+        for s, m in zip(seqs, masks):
+            ids += s.tolist()
+            pos += list(range(len(s)))
+            lm += m.tolist()
+            cu.append(cu[-1] + len(s))
+        pad = (-len(ids)) % 8
+        assert batch.input_ids.tolist() == ids + [0] * pad
+        assert batch.position_ids.tolist() == pos + list(range(pad))
+        assert batch.loss_mask.tolist() == lm + [False] * pad
+        assert batch.cu_seqlens.tolist() == cu
+        for got, want in zip(unpack(batch.input_ids, batch.cu_seqlens), seqs):
+            assert torch.equal(got, want)
+        for got, want in zip(unpack(batch.loss_mask, batch.cu_seqlens), masks):
+            assert torch.equal(got, want)
+
+
+def test_pack_rollouts_masks_response_tokens():
+    rollouts = [Rollout(prompt_token_ids=torch.tensor([1, 2]), response_token_ids=torch.tensor([3, 4, 5])),
+                Rollout(prompt_token_ids=torch.tensor([6]), response_token_ids=torch.tensor([], dtype=torch.long)),
+                Rollout(prompt_token_ids=torch.tensor([7, 8, 9]), response_token_ids=torch.tensor([10]))]
+    batch = pack_rollouts(rollouts, pad_to_multiple_of=4, pad_token_id=99)
+    assert batch.input_ids.tolist() == [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 99, 99]
+    assert batch.loss_mask.tolist() == [False, False, True, True, True, False, False, False, False, True,
+                                        False, False]
+    assert batch.cu_seqlens.tolist() == [0, 5, 6, 10]
+
+
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_pad_packed_matches_loop_and_unpad_inverts(side):
+    seqs, _ = _random_sequences(3, num=6)
+    batch = pack_sequences(seqs, pad_to_multiple_of=16)
+    values = torch.randn(batch.num_tokens, 2)
+    padded = pad_packed(values, batch.cu_seqlens, padding_value=-7.0, side=side)
+    max_len = max(len(s) for s in seqs)
+    expected = torch.full((len(seqs), max_len, 2), -7.0)
+    cu = batch.cu_seqlens.tolist()
+    for i in range(len(seqs)):
+        n = cu[i + 1] - cu[i]
+        cols = slice(0, n) if side == "right" else slice(max_len - n, max_len)
+        expected[i, cols] = values[cu[i]:cu[i + 1]]
+    assert torch.equal(padded, expected)
+    back = unpad_to_packed(padded, batch.seq_lens, side=side)
+    assert torch.equal(back, values[: cu[-1]])
+
+
+def test_pad_and_unpad_are_differentiable():
+    seqs, _ = _random_sequences(4, num=4)
+    batch = pack_sequences(seqs)
+    values = torch.randn(batch.num_tokens, requires_grad=True)
+    weights = torch.randn(len(seqs), max(len(s) for s in seqs))
+    (pad_packed(values, batch.cu_seqlens) * weights).sum().backward()
+    expected = torch.cat([weights[i, : len(s)] for i, s in enumerate(seqs)])
+    torch.testing.assert_close(values.grad, expected)
+
+
+def test_unpad_to_packed_with_wider_left_padding():
+    padded = torch.tensor([[0, 0, 0, 1, 2], [0, 3, 4, 5, 6]])
+    assert unpad_to_packed(padded, [2, 4], side="left").tolist() == [1, 2, 3, 4, 5, 6]
+    assert unpad_to_packed(padded, [2, 4], side="right").tolist() == [0, 0, 0, 3, 4, 5]
+
+
+def test_select_sequences_matches_loop():
+    seqs, masks = _random_sequences(5, num=6)
+    batch = pack_sequences(seqs, loss_masks=masks, pad_to_multiple_of=8)
+    per_token = torch.randn(batch.num_tokens)
+    indices = [4, 0, 2]
+    selected, index = select_sequences(batch, indices)
+    want = pack_sequences([seqs[i] for i in indices], loss_masks=[masks[i] for i in indices])
+    for name in ("input_ids", "position_ids", "cu_seqlens", "loss_mask"):
+        assert torch.equal(getattr(selected, name), getattr(want, name)), name
+    pieces = unpack(per_token, batch.cu_seqlens)
+    assert torch.equal(per_token[index], torch.cat([pieces[i] for i in indices]))
+    assert index.dtype == torch.int64
+    selected_t, index_t = select_sequences(batch, torch.tensor(indices))
+    assert torch.equal(index_t, index) and torch.equal(selected_t.input_ids, selected.input_ids)
+
+
+# ------------------------------------------------------------------------------------------- bad input
+
+
+def test_bad_input_errors_name_the_argument():
+    ok = torch.tensor([1, 2, 3])
+    with pytest.raises(ValueError, match="sequences must be a non-empty"):
+        pack_sequences([])
+    with pytest.raises(ValueError, match=r"sequences\[1\] is empty"):
+        pack_sequences([ok, torch.tensor([], dtype=torch.long)])
+    with pytest.raises(ValueError, match=r"sequences\[0\] must be a 1-D int64"):
+        pack_sequences([torch.tensor([1.0, 2.0])])
+    with pytest.raises(ValueError, match="loss_masks has 1 entries but sequences has 2"):
+        pack_sequences([ok, ok], loss_masks=[ok > 0])
+    with pytest.raises(ValueError, match=r"loss_masks\[0\] must be a bool tensor of shape \(3,\)"):
+        pack_sequences([ok], loss_masks=[torch.tensor([False, True])])
+    with pytest.raises(ValueError, match=r"loss_masks\[0\]\[0\] is True"):
+        pack_sequences([ok], loss_masks=[torch.tensor([True, True, False])])
+    with pytest.raises(ValueError, match="pad_to_multiple_of=0"):
+        pack_sequences([ok], pad_to_multiple_of=0)
+    with pytest.raises(ValueError, match="rollouts must be a non-empty"):
+        pack_rollouts([])
+    with pytest.raises(ValueError, match="cu_seqlens must start at 0"):
+        unpack(torch.zeros(5), torch.tensor([1, 3], dtype=torch.int32))
+    with pytest.raises(ValueError, match="cu_seqlens must be strictly increasing.*sequence 1 has length 0"):
+        pad_packed(torch.zeros(5), torch.tensor([0, 3, 3], dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"cu_seqlens\[-1\]=6 exceeds the 5 tokens"):
+        pad_packed(torch.zeros(5), torch.tensor([0, 6], dtype=torch.int32))
+    with pytest.raises(ValueError, match="describes no sequence"):
+        unpack(torch.zeros(5), torch.tensor([0], dtype=torch.int32))
+    with pytest.raises(ValueError, match="must be a 1-D int32/int64"):
+        unpack(torch.zeros(5), torch.tensor([0.0, 5.0]))
+    with pytest.raises(ValueError, match="side='middle'"):
+        pad_packed(torch.zeros(5), torch.tensor([0, 5], dtype=torch.int32), side="middle")
+    with pytest.raises(ValueError, match="seq_lens has 3 entries but padded has 2 rows"):
+        unpad_to_packed(torch.zeros(2, 4), [1, 2, 3])
+    with pytest.raises(ValueError, match=r"seq_lens=\[1, 5\] must be in \[1, 4\]"):
+        unpad_to_packed(torch.zeros(2, 4), [1, 5])
+    batch = pack_sequences([ok, ok])
+    with pytest.raises(ValueError, match=r"indices=\[2\] must be in \[0, 2\)"):
+        select_sequences(batch, [2])
+    with pytest.raises(ValueError, match="indices must be a non-empty"):
+        select_sequences(batch, [])
+
+
+# -------------------------------------------------------------------------------------------- partition
+
+
+def _check_partition(bins, lengths, max_tokens=None):
+    flat = sorted(i for b in bins for i in b)
+    assert flat == list(range(len(lengths))), "every sequence exactly once"
+    assert all(b == sorted(b) and b for b in bins)
+    loads = [sum(lengths[i] for i in b) for b in bins]
+    if max_tokens is not None:
+        assert max(loads) <= max_tokens
+    return loads
+
+
+@pytest.mark.parametrize("num_seqs,num_micro_batches", [(64, 4), (64, 8), (128, 8), (256, 16), (100, 7)])
+def test_partition_balance_on_realistic_lengths(num_seqs, num_micro_batches):
+    for seed in range(5):
+        rng = random.Random(seed)
+        lengths = [rng.randint(16, 512) for _ in range(num_seqs)]
+        bins = partition_by_token_budget(lengths, num_micro_batches=num_micro_batches)
+        assert len(bins) == num_micro_batches
+        loads = _check_partition(bins, lengths)
+        assert max(loads) / (sum(loads) / len(loads)) <= 1.1
+
+
+def test_partition_by_budget_uses_few_bins_and_respects_budget():
+    for seed in range(5):
+        rng = random.Random(seed)
+        lengths = [rng.randint(16, 512) for _ in range(96)]
+        for max_tokens in (1024, 4096, 8192):
+            bins = partition_by_token_budget(lengths, max_tokens=max_tokens)
+            loads = _check_partition(bins, lengths, max_tokens)
+            lower_bound = -(-sum(lengths) // max_tokens)
+            assert len(bins) <= lower_bound + 1
+            assert max(loads) / (sum(loads) / len(loads)) <= 1.1
+        bins = partition_by_token_budget(lengths, max_tokens=8192, num_micro_batches=10)
+        assert len(bins) == 10
+        _check_partition(bins, lengths, 8192)
+
+
+def test_partition_hand_cases_and_errors():
+    assert partition_by_token_budget([5, 5, 5, 5], num_micro_batches=2) in ([[0, 1], [2, 3]], [[0, 2], [1, 3]],
+                                                                            [[0, 3], [1, 2]])
+    # LPT alone gives {8,1,1}=10 vs {7,2}=9? check that the result is optimal here: loads 9 and 10 are best possible
+    bins = partition_by_token_budget([8, 7, 2, 1, 1], num_micro_batches=2)
+    loads = sorted(sum([8, 7, 2, 1, 1][i] for i in b) for b in bins)
+    assert loads == [9, 10]
+    assert partition_by_token_budget([3, 3, 3], max_tokens=6) in ([[0, 1], [2]], [[0], [1, 2]], [[0, 2], [1]])
+    assert partition_by_token_budget(torch.tensor([4, 4]), max_tokens=4) == [[0], [1]]
+    with pytest.raises(ValueError, match=r"seq_lens\[1\]=9 exceeds max_tokens=8"):
+        partition_by_token_budget([1, 9], max_tokens=8)
+    with pytest.raises(ValueError, match="give max_tokens, num_micro_batches, or both"):
+        partition_by_token_budget([1, 2])
+    with pytest.raises(ValueError, match="num_micro_batches=3 exceeds the 2 sequences"):
+        partition_by_token_budget([1, 2], num_micro_batches=3)
+    with pytest.raises(ValueError, match="seq_lens is empty"):
+        partition_by_token_budget([], num_micro_batches=1)
+    with pytest.raises(ValueError, match=r"seq_lens\[0\]=0"):
+        partition_by_token_budget([0, 2], num_micro_batches=1)
+    with pytest.raises(ValueError, match="max_tokens=0"):
+        partition_by_token_budget([1], max_tokens=0)
+
+
+# -------------------------------------------------------------------------------------------- counts
+
+
+def test_global_counts_local_matches_loop():
+    seqs, masks = _random_sequences(7, num=9)
+    masks[2][:] = False  # a sequence with no loss token does not count
+    batch = pack_sequences(seqs, loss_masks=masks, pad_to_multiple_of=8)
+    num_tokens, num_seqs = global_counts(batch)
+    assert num_tokens == float(sum(int(m.sum()) for m in masks))
+    assert num_seqs == float(sum(bool(m.any()) for m in masks))
+    assert global_counts(batch.loss_mask, batch.cu_seqlens) == (num_tokens, num_seqs)
+    with pytest.raises(ValueError, match="cu_seqlens is required"):
+        global_counts(batch.loss_mask)
+    with pytest.raises(ValueError, match="cu_seqlens must be None"):
+        global_counts(batch, batch.cu_seqlens)
+    bad = batch.loss_mask.clone()
+    bad[-1] = True
+    with pytest.raises(ValueError, match="padding"):
+        global_counts(bad, batch.cu_seqlens)
+
+
+def _counts_worker(rank: int, world: int, init_file: str, result_queue) -> None:
+    import datetime
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=30))
+    try:
+        seqs, masks = _random_sequences(11, num=8)
+        shard = list(range(rank, 8, world))
+        batch = pack_sequences([seqs[i] for i in shard], loss_masks=[masks[i] for i in shard], pad_to_multiple_of=4)
+        result_queue.put((rank, global_counts(batch, group=dist.group.WORLD), global_counts(batch)))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_global_counts_all_reduce_over_two_gloo_processes():
+    seqs, masks = _random_sequences(11, num=8)
+    whole = global_counts(pack_sequences(seqs, loss_masks=masks))
+    context = multiprocessing.get_context("spawn")
+    queue = context.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        init_file = os.path.join(tmp, "store")
+        procs = [context.Process(target=_counts_worker, args=(r, 2, init_file, queue)) for r in range(2)]
+        for p in procs:
+            p.start()
+        try:
+            results = [queue.get(timeout=60) for _ in procs]
+        finally:
+            for p in procs:
+                p.join(timeout=30)
+                if p.is_alive():
+                    p.kill()
+    assert all(p.exitcode == 0 for p in procs)
+    for _, reduced, local in results:
+        assert reduced == whole
+        assert local != whole
+    assert sum(r[2][0] for r in results) == whole[0]
+
+
+# ---------------------------------------------------------------------------------------- HF forwards
+
+
+def _load(path, attn):
+    from transformers import AutoModelForCausalLM
+
+    if attn == VARLEN_ATTENTION:
+        assert register_varlen_attention() == VARLEN_ATTENTION
+    model = AutoModelForCausalLM.from_pretrained(path, attn_implementation=attn, dtype=torch.float32)
+    return model.eval()
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def model_path(request, tiny_llama_path, tiny_qwen2_path):
+    return tiny_llama_path if request.param == "llama" else tiny_qwen2_path
+
+
+def _model_batch(vocab: int, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    lengths = [7, 1, 13, 4, 10]
+    seqs = [torch.randint(3, vocab, (n,), generator=gen) for n in lengths]
+    return seqs, pack_sequences(seqs, pad_to_multiple_of=8)
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa", VARLEN_ATTENTION])
+def test_packed_logits_equal_separate_runs(model_path, attn):
+    model = _load(model_path, attn)
+    seqs, batch = _model_batch(model.config.vocab_size)
+    assert batch.num_padding_tokens > 0
+    with torch.no_grad():
+        packed = packed_logits(model, batch)
+        assert packed.shape == (batch.num_tokens, model.config.vocab_size)
+        for seq, got in zip(seqs, unpack(packed, batch.cu_seqlens)):
+            want = model(input_ids=seq[None], use_cache=False).logits[0]
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        # Negative control: an all-ones mask lets sequences attend to each other, which the comparison catches.
+        leaky = model(input_ids=batch.input_ids[None], position_ids=batch.position_ids[None],
+                      attention_mask=torch.ones_like(batch.input_ids)[None], use_cache=False).logits[0]
+        assert (leaky[: int(batch.cu_seqlens[-1])] - packed[: int(batch.cu_seqlens[-1])]).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("attn", ["sdpa", VARLEN_ATTENTION])
+def test_packed_gradients_equal_padded(model_path, attn):
+    model = _load(model_path, attn)
+    seqs, batch = _model_batch(model.config.vocab_size, seed=1)
+    weights = torch.randn(batch.num_tokens, model.config.vocab_size, generator=torch.Generator().manual_seed(2))
+    weights[int(batch.cu_seqlens[-1]):] = 0
+    model.zero_grad()
+    (packed_logits(model, batch) * weights).sum().backward()
+    packed_grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+    padded_ids = pad_packed(batch.input_ids, batch.cu_seqlens, padding_value=0)
+    attention_mask = pad_packed(torch.ones_like(batch.input_ids), batch.cu_seqlens)
+    logits = model(input_ids=padded_ids, attention_mask=attention_mask, use_cache=False).logits
+    padded_weights = pad_packed(weights, batch.cu_seqlens)
+    (logits * padded_weights).sum().backward()
+    assert packed_grads.keys() == {n for n, p in model.named_parameters() if p.grad is not None}
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(packed_grads[name], param.grad, atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_varlen_attention_delegates_to_sdpa_for_padded_batches_and_generation(tiny_llama_path):
+    varlen, sdpa = _load(tiny_llama_path, VARLEN_ATTENTION), _load(tiny_llama_path, "sdpa")
+    seqs, batch = _model_batch(varlen.config.vocab_size, seed=3)
+    ids = pad_packed(batch.input_ids, batch.cu_seqlens, side="left")
+    attention_mask = pad_packed(torch.ones_like(batch.input_ids), batch.cu_seqlens, side="left")
+    with torch.no_grad():
+        want = sdpa(input_ids=ids, attention_mask=attention_mask).logits
+        got = varlen(input_ids=ids, attention_mask=attention_mask).logits
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+        kwargs = dict(attention_mask=attention_mask, max_new_tokens=6, do_sample=False)
+        assert torch.equal(varlen.generate(ids, **kwargs), sdpa.generate(ids, **kwargs))
+        # packed rows without explicit boundaries fall back to sdpa's block-diagonal mask: still exact
+        plain = varlen(input_ids=batch.input_ids[None], position_ids=batch.position_ids[None],
+                       use_cache=False).logits[0]
+        torch.testing.assert_close(plain, packed_logits(varlen, batch), atol=1e-5, rtol=1e-5)
+
+
+def test_packed_logits_refuses_unknown_attention_and_non_batches():
+    class Fake(torch.nn.Module):
+        class config:  # noqa: N801 - mimics a HF config attribute
+            _attn_implementation = "my_custom_kernel"
+
+    batch = pack_sequences([torch.tensor([1, 2])])
+    with pytest.raises(ValueError, match="attn_implementation='my_custom_kernel'"):
+        packed_logits(Fake(), batch)
+    with pytest.raises(TypeError, match="batch must be a PackedBatch"):
+        packed_logits(Fake(), batch.input_ids)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("attn", ["sdpa", VARLEN_ATTENTION, "flex_attention", "flash_attention_2"])
+def test_packed_logits_on_gpu_equal_separate_runs(tiny_llama_path, attn):
+    from transformers import AutoModelForCausalLM
+
+    if attn == "flash_attention_2":
+        pytest.importorskip("flash_attn")
+    if attn == VARLEN_ATTENTION:
+        register_varlen_attention()
+    dtype = torch.bfloat16 if attn == "flash_attention_2" else torch.float32
+    tolerance = 2e-2 if dtype == torch.bfloat16 else 1e-4
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_path, attn_implementation=attn, dtype=dtype).cuda()
+    seqs, batch = _model_batch(model.config.vocab_size)
+    batch = batch.to("cuda")
+    with torch.no_grad():
+        packed = packed_logits(model.eval(), batch).float()
+        for seq, got in zip(seqs, unpack(packed, batch.cu_seqlens)):
+            want = model(input_ids=seq.cuda()[None], use_cache=False).logits[0].float()
+            torch.testing.assert_close(got, want, atol=tolerance, rtol=tolerance)
+
+
+def test_packed_batch_type_is_reused():
+    assert isinstance(pack_sequences([torch.tensor([1])]), PackedBatch)
