@@ -33,6 +33,20 @@ def hf_greedy(model, prompts: list[list[int]], steps: int, eos: set[int]) -> lis
     return outputs
 
 
+def logprob_gap(model, rollouts) -> float:
+    """Mean |engine log-prob − trainer log-prob| over the response tokens (fp32 on both sides)."""
+    from rlhfkit.losses import model_logprobs
+    from rlhfkit.packing import pack_rollouts
+
+    batch = pack_rollouts(rollouts).to("cuda")
+    with torch.no_grad():
+        trainer_logprobs = model_logprobs(model, batch)
+    engine_logprobs = torch.cat([torch.cat([torch.zeros(r.prompt_length), r.response_logprobs.float()])
+                                 for r in rollouts]).cuda()
+    mask = batch.loss_mask
+    return float((trainer_logprobs[mask] - engine_logprobs[mask]).abs().mean())
+
+
 def sync_once(engine, sender, named, ray) -> dict:
     result: dict = {}
     thread = threading.Thread(target=lambda: result.update(report=sender.send(named)))
@@ -52,6 +66,7 @@ def main() -> None:
     parser.add_argument("--model", required=True)
     parser.add_argument("--out", required=True)
     parser.add_argument("--steps", type=int, default=24)
+    parser.add_argument("--noise", type=float, default=0.02, help="perturbation, in units of each weight's std")
     args = parser.parse_args()
     os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
@@ -79,18 +94,23 @@ def main() -> None:
                                              tokenize=True, return_dict=False) for t in texts]
     prompts = [list(p["input_ids"] if isinstance(p, dict) else p) for p in prompts]
     greedy = SamplingConfig(temperature=0.0, max_new_tokens=args.steps)
-    before = [r.response_token_ids.tolist() for r in ray.get(engine.generate.remote(prompts, greedy), timeout=300)]
-    with torch.no_grad():  # the "training step": perturb every weight
+    rollouts_before = ray.get(engine.generate.remote(prompts, greedy), timeout=300)
+    before = [r.response_token_ids.tolist() for r in rollouts_before]
+    with torch.no_grad():  # the "training step": a small perturbation of every weight (the model stays coherent)
         generator = torch.Generator(device="cuda").manual_seed(0)
         for param in trainer.parameters():
-            param.add_(torch.randn(param.shape, device="cuda", generator=generator) * param.std() * 0.5)
+            param.add_(torch.randn(param.shape, device="cuda", generator=generator) * param.std() * args.noise)
+    # the engine's log-probs of its own tokens vs the trainer's, before the sync (stale weights) and after
+    results["logprob_mean_abs_diff_before_sync"] = logprob_gap(trainer, rollouts_before)
     expected = hf_greedy(trainer, prompts, args.steps, eos)
     named = list(trainer.state_dict().items())
     sync_config = WeightSyncConfig(backend="cuda_ipc", bucket_bytes=256 * 1024**2, timeout_s=120)
     with WeightSender(sync_config, SyncEndpoint(world_size=2, rank=0, port=0), device=torch.device("cuda:0")) as sender:
         ray.get(engine.init_weight_sync.remote(sync_config, sender.endpoint, first_rank=1), timeout=120)
         syncs = [sync_once(engine, sender, named, ray) for _ in range(3)]
-        after = [r.response_token_ids.tolist() for r in ray.get(engine.generate.remote(prompts, greedy), timeout=300)]
+        rollouts_after = ray.get(engine.generate.remote(prompts, greedy), timeout=300)
+        after = [r.response_token_ids.tolist() for r in rollouts_after]
+        results["logprob_mean_abs_diff_after_sync"] = logprob_gap(trainer, rollouts_after)
         ray.get(engine.close_weight_sync.remote(), timeout=60)
     results |= {
         "syncs": syncs,
