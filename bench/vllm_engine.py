@@ -8,10 +8,18 @@ and prints ``RESULT {json}``; the parent writes all of them to ``--out`` and pri
 
   tiny        a tiny random Llama (built here): generation, greedy tokens and log-probs vs HF transformers (bf16).
   model       --model: generation, greedy answer text, engine log-probs vs HF transformers bf16 on the same sampled
-              tokens (mean |delta|, goal <= 0.02 nats) at temperature 1.0 and 0.7.
-  throughput  --model: tokens/s through an engine Ray actor (EngineGroup) / raw vllm.LLM.generate on the same prompts,
-              same process group, alternating runs (goal >= 0.97); then ray.kill of the engine actor and a call
-              through the group: the error must come within the timeout.
+              tokens (mean |delta|, goal <= 0.02 nats) at temperature 1.0 and 0.7; also engine vs HF float32 and
+              HF bf16 vs HF float32 on the same tokens (is the engine further from the truth than the trainer?).
+  lp_triton, lp_flash, lp_cudagraph, lp_fp32
+              --model: the same log-prob comparison (T = 1.0) for engine variants: attention backend TRITON_ATTN /
+              FLASH_ATTN, CUDA graphs on (enforce_eager=False), a float32 engine (reference point).
+  throughput  --model: tokens/s through an engine Ray actor (EngineGroup, packed results) / raw vllm.LLM.generate on
+              the same prompts, after a full-size warm-up of each, --repeats interleaved pairs with the order flipped
+              every pair; ok on the median of the pair ratios (goal >= 0.97), best-of and ratio of medians reported;
+              one run through the Rollout-returning actor path; then ray.kill of the engine actor and a call through
+              the group: the error must come within the timeout.
+  transport   CPU only: per-call cost of the actor path for --num-prompts x --max-new-tokens with a stand-in engine
+              actor, Rollout results vs packed results.
   sleep       a random-weight Llama (>= 1.5B parameters with --large, else --model): level 1 and 2 sleep — fraction
               of the engine's GPU memory released (goal >= 95%), sleep/wake time / floor (weight bytes / pinned
               host<->device bandwidth measured here), greedy tokens identical after wake (level 2: after reloading
@@ -24,6 +32,7 @@ Env: VLLM_USE_FLASHINFER_SAMPLER=0 is set (flashinfer is not in the GPU kit). BE
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import subprocess
@@ -88,19 +97,37 @@ def hf_logprobs(model, prompt: list[int], response: list[int], temperature: floa
     return scaled.gather(1, ids[0, len(prompt):, None]).squeeze(1).tolist()
 
 
-def logprob_delta(engine, model, prompts, temperature: float, max_new_tokens: int) -> dict:
+def _stats(deltas: list[float]) -> dict:
+    deltas = sorted(deltas)
+    return {"tokens": len(deltas), "mean_abs": round(sum(deltas) / len(deltas), 5),
+            "p99_abs": round(deltas[int(0.99 * (len(deltas) - 1))], 5), "max_abs": round(deltas[-1], 5)}
+
+
+def logprob_delta(engine, model, prompts, temperature: float, max_new_tokens: int, reference=None) -> dict:
+    """Engine log-probs vs HF ``model`` (the trainer's bf16) on the engine's sampled tokens; with ``reference`` (an
+    HF float32 model, the "true" log-probs) also engine vs fp32 and HF bf16 vs fp32 on the same tokens."""
     from rlhfkit.engines.protocol import SamplingConfig
 
     rollouts = engine.generate(prompts, SamplingConfig(max_new_tokens=max_new_tokens, temperature=temperature,
                                                        seed=1))
-    deltas = []
+    pairs: dict[str, list[float]] = {"engine_vs_hf_bf16": [], "engine_vs_hf_fp32": [], "hf_bf16_vs_hf_fp32": []}
     for rollout in rollouts:
-        reference = hf_logprobs(model, rollout.prompt_token_ids.tolist(), rollout.response_token_ids.tolist(),
-                                temperature)
-        deltas.extend(abs(a - b) for a, b in zip(rollout.response_logprobs.tolist(), reference))
-    deltas.sort()
-    return {"temperature": temperature, "tokens": len(deltas), "mean_abs": sum(deltas) / len(deltas),
-            "p99_abs": deltas[int(0.99 * (len(deltas) - 1))], "max_abs": deltas[-1]}
+        prompt, response = rollout.prompt_token_ids.tolist(), rollout.response_token_ids.tolist()
+        engine_lp = rollout.response_logprobs.tolist()
+        bf16 = hf_logprobs(model, prompt, response, temperature) if model is not None else None
+        fp32 = hf_logprobs(reference, prompt, response, temperature) if reference is not None else None
+        if bf16 is not None:
+            pairs["engine_vs_hf_bf16"] += [abs(a - b) for a, b in zip(engine_lp, bf16)]
+        if fp32 is not None:
+            pairs["engine_vs_hf_fp32"] += [abs(a - b) for a, b in zip(engine_lp, fp32)]
+        if bf16 is not None and fp32 is not None:
+            pairs["hf_bf16_vs_hf_fp32"] += [abs(a - b) for a, b in zip(bf16, fp32)]
+    out = {"temperature": temperature}
+    for name, deltas in pairs.items():
+        if deltas:
+            out[name] = _stats(deltas)
+    out.update(out.get("engine_vs_hf_bf16") or out.get("engine_vs_hf_fp32"))  # flat keys: the headline comparison
+    return out
 
 
 def engine_config(model: str, **overrides):
@@ -152,28 +179,75 @@ def section_model(args) -> None:
     question = chat_ids(tokenizer, "What is the capital of France?")
     answer = engine.generate([question], SamplingConfig(max_new_tokens=24, temperature=0.0))[0]
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.bfloat16).cuda().eval()
+    reference = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).cuda().eval()
     prompts = prompts_for(args.model, 48, tokenizer.vocab_size)
-    deltas = [logprob_delta(engine, model, prompts, t, 64) for t in (1.0, 0.7)]
+    deltas = [logprob_delta(engine, model, prompts, t, 64, reference) for t in (1.0, 0.7)]
     emit(section="model", ok=deltas[0]["mean_abs"] <= 0.02, engine_start_s=round(start_s, 1),
          answer=tokenizer.decode(answer.response_token_ids), finish=answer.finish_reason, logprobs=deltas)
 
 
-def _time_generate(call, repeats: int) -> list[float]:
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        call()
-        times.append(time.perf_counter() - t0)
-    return times
+# Engine variants for the log-prob comparison: (engine_config overrides, attention backend or None).
+LP_VARIANTS = {
+    "lp_triton": ({}, "TRITON_ATTN"),
+    "lp_flash": ({}, "FLASH_ATTN"),
+    "lp_cudagraph": ({"enforce_eager": False}, None),
+    "lp_fp32": ({"dtype": "float32"}, None),
+}
+
+
+def _variant_engine(args, overrides: dict, backend: str | None):
+    """An engine with the variant's settings; the attention backend is asked for through ``attention_backend=`` and,
+    if this vLLM refuses that argument, through ``VLLM_ATTENTION_BACKEND``."""
+    from rlhfkit.engines.vllm import VLLMEngine
+
+    if backend is None:
+        return VLLMEngine(engine_config(args.model, **overrides)), None
+    try:
+        return VLLMEngine(engine_config(args.model, extra_kwargs={"attention_backend": backend}, **overrides)), \
+            "attention_backend kwarg"
+    except Exception as error:  # noqa: BLE001 - fall back to the environment variable, and say so
+        os.environ["VLLM_ATTENTION_BACKEND"] = backend
+        return VLLMEngine(engine_config(args.model, **overrides)), f"env (kwarg failed: {type(error).__name__})"
+
+
+def section_logprob_variant(args, name: str) -> None:
+    """Log-probs of one engine variant vs HF bf16 and HF fp32 on the same 48 × 64 sampled tokens (T = 1.0)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    overrides, backend = LP_VARIANTS[name]
+    t0 = time.perf_counter()
+    engine, how = _variant_engine(args, overrides, backend)
+    start_s = time.perf_counter() - t0
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.bfloat16).cuda().eval()
+    reference = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).cuda().eval()
+    delta = logprob_delta(engine, model, prompts_for(args.model, 48, tokenizer.vocab_size), 1.0, 64, reference)
+    emit(section=name, ok=True, settings={**overrides, "attention_backend": backend}, backend_set_via=how,
+         engine_start_s=round(start_s, 1), logprobs=delta)
+
+
+def _timed(call) -> float:
+    t0 = time.perf_counter()
+    call()
+    return time.perf_counter() - t0
+
+
+def _median(values: list[float]) -> float:
+    ordered = sorted(values)
+    middle = len(ordered) // 2
+    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
 
 
 def section_throughput(args) -> None:
+    """Raw ``vllm.LLM.generate`` vs the engine actor (packed results) in interleaved pairs, the order flipped every
+    pair; one extra actor run through the Rollout-returning path (``packed_results=False``) for comparison."""
     import ray
     import vllm
 
     from rlhfkit.engines._vllm_compat import detect_features
     from rlhfkit.engines.protocol import SamplingConfig
-    from rlhfkit.engines.router import EngineDiedError
+    from rlhfkit.engines.router import EngineDiedError, EngineGroup
     from rlhfkit.engines.vllm import build_llm_kwargs, create_engine_group
 
     ray.init(num_gpus=1, include_dashboard=False, log_to_driver=False)
@@ -187,28 +261,97 @@ def section_throughput(args) -> None:
     params = vllm.SamplingParams(max_tokens=args.max_new_tokens, temperature=1.0, ignore_eos=True, logprobs=0,
                                  detokenize=False)
     requests = [vllm.TokensPrompt(prompt_token_ids=p) for p in prompts]
-    group.generate(prompts[:16], sampling)
-    raw.generate(requests[:16], params, use_tqdm=False)
+    run_raw = lambda: raw.generate(requests, params, use_tqdm=False)  # noqa: E731
+    run_actor = lambda: group.generate(prompts, sampling)  # noqa: E731
+    run_raw(), run_actor()  # full-size warm-up of both
     raw_times, actor_times = [], []
-    for _ in range(args.repeats):  # alternate, so drift (clocks, other load) hits both alike
-        raw_times += _time_generate(lambda: raw.generate(requests, params, use_tqdm=False), 1)
-        actor_times += _time_generate(lambda: group.generate(prompts, sampling), 1)
+    for pair in range(args.repeats):  # interleaved, order flipped each pair: drift hits both alike
+        first, second = (run_raw, run_actor) if pair % 2 == 0 else (run_actor, run_raw)
+        a, b = _timed(first), _timed(second)
+        raw_times.append(a if pair % 2 == 0 else b)
+        actor_times.append(b if pair % 2 == 0 else a)
+    unpacked = EngineGroup(group.engines, config=group.config, forward_prompt_indices=True, packed_results=False)
+    unpacked_s = _timed(lambda: unpacked.generate(prompts, sampling))
     tokens = len(prompts) * args.max_new_tokens
-    raw_best, actor_best = min(raw_times), min(actor_times)
-    ratio = raw_best / actor_best
-    handle = group.engines[0]
-    ray.kill(handle)
+    pair_ratios = [r / a for r, a in zip(raw_times, actor_times)]
+    median_ratio = _median(pair_ratios)
+    killed = _kill_and_call(group, prompts, sampling, config.generate_timeout_s, EngineDiedError)
+    emit(section="throughput", ok=median_ratio >= 0.97 and killed.get("type") == "EngineDiedError",
+         tokens_per_run=tokens, ratio_actor_over_raw=round(median_ratio, 4),
+         ratio_median_of_pairs=round(median_ratio, 4),
+         ratio_of_medians=round(_median(raw_times) / _median(actor_times), 4),
+         ratio_best_of=round(min(raw_times) / min(actor_times), 4), pair_ratios=[round(r, 4) for r in pair_ratios],
+         raw_tok_per_s=round(tokens / _median(raw_times)), actor_tok_per_s=round(tokens / _median(actor_times)),
+         raw_times=[round(t, 3) for t in raw_times], actor_times=[round(t, 3) for t in actor_times],
+         actor_rollout_path_s=round(unpacked_s, 3), actor_start_s=round(actor_start_s, 1), killed_engine=killed)
+
+
+def _kill_and_call(group, prompts, sampling, timeout_s: float, died_error) -> dict:
+    import ray
+
+    ray.kill(group.engines[0])
     t0 = time.perf_counter()
     try:
         group.generate(prompts[:4], sampling)
         killed = {"error": None}
-    except EngineDiedError as error:
+    except died_error as error:
         killed = {"error": str(error)[:300], "type": type(error).__name__, "engine_index": error.engine_index}
-    killed.update(seconds=round(time.perf_counter() - t0, 3), timeout_s=config.generate_timeout_s)
-    emit(section="throughput", ok=ratio >= 0.97 and killed.get("type") == "EngineDiedError",
-         tokens_per_run=tokens, raw_tok_per_s=round(tokens / raw_best), actor_tok_per_s=round(tokens / actor_best),
-         ratio_actor_over_raw=round(ratio, 4), raw_times=[round(t, 3) for t in raw_times],
-         actor_times=[round(t, 3) for t in actor_times], actor_start_s=round(actor_start_s, 1), killed_engine=killed)
+    killed.update(seconds=round(time.perf_counter() - t0, 3), timeout_s=timeout_s)
+    return killed
+
+
+class _ListEngine:
+    """CPU stand-in for an engine actor: answers from fixed token/log-prob lists, building its result the way
+    VLLMEngine does (Rollouts with tensors, or the packed form), so only conversion and transport are timed."""
+
+    def __init__(self, length: int) -> None:
+        self.length = length
+
+    def _lists(self, count: int):
+        tokens = [[(7 * i + t) % 30000 for t in range(self.length)] for i in range(count)]
+        return tokens, [[-0.5 - t / 1000 for t in range(self.length)] for _ in range(count)]
+
+    def generate(self, prompts, sampling, *, prompt_indices=None):
+        import torch
+
+        from rlhfkit.types import Rollout
+
+        tokens, values = self._lists(len(prompts))
+        return [Rollout(prompt_token_ids=torch.tensor(p, dtype=torch.int64),
+                        response_token_ids=torch.tensor(t, dtype=torch.int64),
+                        response_logprobs=torch.tensor(v, dtype=torch.float32), prompt_index=int(i))
+                for p, t, v, i in zip(prompts, tokens, values, prompt_indices)]
+
+    def generate_packed(self, prompts, sampling, *, prompt_indices=None):
+        from rlhfkit.engines.router import pack_generate_result
+
+        tokens, values = self._lists(len(prompts))
+        return pack_generate_result(tokens, values, ["length"] * len(prompts), n=1, weight_version=0)
+
+
+def section_transport(args) -> None:
+    """Per-call cost of the actor path (engine-side conversion + Ray transfer + caller-side rollouts) for
+    ``--num-prompts`` × ``--max-new-tokens``, Rollout results vs packed results; CPU only, no vLLM."""
+    import ray
+
+    from rlhfkit.engines.protocol import SamplingConfig
+    from rlhfkit.engines.router import EngineGroup
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, object_store_memory=256 * 1024**2)
+    actor = ray.remote(num_cpus=0)(_ListEngine).remote(args.max_new_tokens)
+    prompts = prompts_for(None, args.num_prompts, 30000)
+    sampling = SamplingConfig(max_new_tokens=args.max_new_tokens)
+    out = {"section": "transport", "prompts": len(prompts), "tokens_per_prompt": args.max_new_tokens}
+    local = _ListEngine(args.max_new_tokens)
+    out["in_process_lists_s"] = round(min(_timed(lambda: local._lists(len(prompts))) for _ in range(5)), 4)
+    for packed in (False, True):
+        group = EngineGroup([actor], forward_prompt_indices=True, packed_results=packed)
+        group.generate(prompts, sampling)
+        times = [_timed(lambda: group.generate(prompts, sampling)) for _ in range(7)]
+        out["packed_s" if packed else "rollouts_s"] = round(_median(times), 4)
+    out["ok"] = out["packed_s"] <= out["rollouts_s"]
+    ray.shutdown()
+    emit(**out)
 
 
 def pinned_bandwidth(num_bytes: int = 2 * GiB, repeats: int = 3) -> dict:
@@ -234,7 +377,7 @@ def pinned_bandwidth(num_bytes: int = 2 * GiB, repeats: int = 3) -> dict:
 
 def build_random_llama(source: str | None, large: bool) -> tuple[str, int]:
     """A random-weight bf16 Llama written as an HF folder (weights drawn on the GPU, saved with safetensors); reuses
-    the tokenizer of ``source`` when it has one. Returns (path, parameter bytes)."""
+    the tokenizer of ``source`` when it has one. Returns (path, parameter bytes, vocabulary size)."""
     import shutil
 
     import torch
@@ -246,7 +389,9 @@ def build_random_llama(source: str | None, large: bool) -> tuple[str, int]:
     if source and os.path.exists(os.path.join(source, "tokenizer_config.json")):
         from transformers import AutoTokenizer
 
-        vocab = len(AutoTokenizer.from_pretrained(source))
+        # At least 32000 rows: a tiny source tokenizer (384 tokens) would leave the large model under 1.5B
+        # parameters. Token ids past the tokenizer's are fine (vLLM accepts ids < max(tokenizer, model vocab)).
+        vocab = max(vocab, len(AutoTokenizer.from_pretrained(source)))
     shape = (dict(hidden_size=2048, num_hidden_layers=28, intermediate_size=5632, num_attention_heads=16,
                   num_key_value_heads=16) if large else
              dict(hidden_size=768, num_hidden_layers=8, intermediate_size=2048, num_attention_heads=12,
@@ -277,7 +422,7 @@ def build_random_llama(source: str | None, large: bool) -> tuple[str, int]:
         state[name] = tensor.cpu()
         total += tensor.numel() * 2
     save_file(state, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
-    return path, total
+    return path, total, vocab
 
 
 def _sleep_cycle(engine, level: int, path: str, free_awake: int, engine_bytes: int, prompts, greedy,
@@ -318,7 +463,7 @@ def section_sleep(args) -> None:
     # In-process engine core: load_weights hands CUDA tensors to the worker without serializing them.
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     t0 = time.perf_counter()
-    path, weight_bytes = build_random_llama(args.model, args.large)
+    path, weight_bytes, vocab = build_random_llama(args.model, args.large)
     build_s = time.perf_counter() - t0
     bandwidth = pinned_bandwidth()
     free_before = free_bytes()
@@ -327,10 +472,11 @@ def section_sleep(args) -> None:
     free_awake = free_bytes()
     engine_bytes = free_before - free_awake
     greedy = SamplingConfig(max_new_tokens=32, temperature=0.0, ignore_eos=True)
-    prompts = prompts_for(None, 8, 1000)
+    # Random ids below both vocabularies (the model's and its tokenizer's): vLLM rejects ids past the larger one.
+    prompts = prompts_for(None, 8, min(vocab, 1000))
     before = [r.response_token_ids.tolist() for r in engine.generate(prompts, greedy)]
-    out = {"section": "sleep", "params": weight_bytes // 2, "weight_gib": round(weight_bytes / GiB, 3),
-           "engine_gib": round(engine_bytes / GiB, 3), "build_s": round(build_s, 1), **bandwidth}
+    out = {"section": "sleep", "params": weight_bytes // 2, "vocab": vocab,
+           "weight_gib": round(weight_bytes / GiB, 3), "engine_gib": round(engine_bytes / GiB, 3), "build_s": round(build_s, 1), **bandwidth}
     floors = {"sleep1": weight_bytes / (bandwidth["d2h_gb_per_s"] * 1e9),
               "wake1": weight_bytes / (bandwidth["h2d_gb_per_s"] * 1e9),
               "load": weight_bytes / (bandwidth["d2d_gb_per_s"] * 1e9 / 2)}
@@ -343,7 +489,7 @@ def section_sleep(args) -> None:
     level2.update(load_over_d2d_floor=round(level2["load_weights_s"] / floors["load"], 2),
                   floor_load_s=round(floors["load"], 4))
     out["ok"] = all(out[f"level{k}"]["released_fraction"] >= 0.95 and out[f"level{k}"]["greedy_identical"]
-                    for k in (1, 2))
+                    for k in (1, 2)) and (not args.large or weight_bytes // 2 >= 1_500_000_000)
     emit(**out)
 
 
@@ -379,7 +525,8 @@ def section_tp2(args) -> None:
 
 
 SECTIONS = {"tiny": section_tiny, "model": section_model, "throughput": section_throughput, "sleep": section_sleep,
-            "tp2": section_tp2}
+            "tp2": section_tp2, "transport": section_transport,
+            **{name: functools.partial(section_logprob_variant, name=name) for name in LP_VARIANTS}}
 
 
 # ------------------------------------------------------------------------------------------------- driver
@@ -405,14 +552,17 @@ def summary(results: dict) -> str:
     for name, r in results.items():
         status = "ok " if r.get("ok") else "BAD"
         keys = {"tiny": ("tokens_per_s", "engine_start_s"), "model": ("answer", "engine_start_s"),
-                "throughput": ("ratio_actor_over_raw", "raw_tok_per_s", "actor_tok_per_s"),
+                "throughput": ("ratio_actor_over_raw", "ratio_best_of", "raw_tok_per_s", "actor_tok_per_s"),
+                "transport": ("rollouts_s", "packed_s"),
                 "sleep": ("params", "engine_gib", "h2d_gb_per_s", "d2h_gb_per_s"), "tp2": ("greedy_identical",)}
         detail = ", ".join(f"{k}={r.get(k)}" for k in keys.get(name, ()))
         lines.append(f"[{status}] {name:10s} {r.get('wall_s')} s  {detail}  {r.get('error', '')}")
-        if name in ("tiny", "model") and "logprobs" in r:
+        if "logprobs" in r:
             deltas = r["logprobs"] if isinstance(r["logprobs"], list) else [r["logprobs"]]
-            lines += [f"       log-prob |delta| T={d['temperature']}: mean {d['mean_abs']:.4f}, p99 {d['p99_abs']:.4f}"
-                      for d in deltas]
+            for d in deltas:
+                pairs = [k for k in ("engine_vs_hf_bf16", "engine_vs_hf_fp32", "hf_bf16_vs_hf_fp32") if k in d]
+                lines += [f"       T={d['temperature']} {k}: mean {d[k]['mean_abs']:.4f}, p99 {d[k]['p99_abs']:.4f}"
+                          for k in pairs] or [f"       T={d['temperature']}: mean {d['mean_abs']:.4f}"]
         if name == "throughput" and "killed_engine" in r:
             lines.append(f"       killed engine -> {r['killed_engine'].get('type')} in {r['killed_engine']['seconds']}"
                          f" s (timeout {r['killed_engine']['timeout_s']} s)")
@@ -431,7 +581,7 @@ def main() -> None:
     parser.add_argument("--section", help=argparse.SUPPRESS)
     parser.add_argument("--num-prompts", type=int, default=256)
     parser.add_argument("--max-new-tokens", type=int, default=256)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=6, help="interleaved raw/actor pairs (throughput)")
     parser.add_argument("--sleep-gpu-util", type=float, default=0.3)
     args = parser.parse_args()
     os.makedirs(WORK, exist_ok=True)

@@ -19,6 +19,8 @@ from rlhfkit.engines.router import (
     EngineGroupConfig,
     EngineTimeoutError,
     assign_prompts,
+    pack_generate_result,
+    unpack_generate_result,
 )
 from rlhfkit.types import Rollout
 
@@ -310,6 +312,61 @@ def test_ray_actor_engines_order_die_and_hang(ray_cluster):
         with pytest.raises(EngineTimeoutError, match=r"engine 1 \(of 2\) did not finish generate within 1 s"):
             hung.generate(prompts_of([3, 3]), SamplingConfig(max_new_tokens=1))
         assert time.monotonic() - start < 5
+    finally:
+        for engine in engines:
+            ray.kill(engine)
+
+
+# --- packed results (the compact form Ray engine actors return) ---------------------------------------------------------
+class PackedFakeEngine(FakeEngine):
+    """A FakeEngine that also answers ``generate_packed`` (what VLLMEngineActor offers)."""
+
+    def generate_packed(self, prompt_token_ids, sampling, *, prompt_indices=None):
+        self.calls.append(("generate_packed", None if prompt_indices is None else list(prompt_indices)))
+        rollouts = self._serve(prompt_token_ids, sampling, list(range(len(prompt_token_ids))))
+        return pack_generate_result([r.response_token_ids.tolist() for r in rollouts],
+                                    [r.response_logprobs.tolist() for r in rollouts],
+                                    ["stop" if r.sample_index == 1 else "length" for r in rollouts],
+                                    n=sampling.n, weight_version=self.version)
+
+
+def test_pack_unpack_round_trip_and_errors():
+    responses = [[5, 6, 7], [], [8]]
+    packed = pack_generate_result(responses, [[-0.5, -1.0, -2.0], [], [-0.25]], ["length", "abort", "stop"], n=1,
+                                  weight_version=3)
+    assert packed["tokens"].tolist() == [5, 6, 7, 8] and packed["lengths"].tolist() == [3, 0, 1]
+    rollouts = unpack_generate_result(packed, [[1], [2, 3], [4]], [10, 11, 12])
+    assert [r.response_token_ids.tolist() for r in rollouts] == responses
+    assert [r.response_logprobs.tolist() for r in rollouts] == [[-0.5, -1.0, -2.0], [], [-0.25]]
+    assert [r.finish_reason for r in rollouts] == ["length", "abort", "stop"]
+    assert [r.prompt_index for r in rollouts] == [10, 11, 12] and rollouts[1].prompt_token_ids.tolist() == [2, 3]
+    assert all(r.weight_version == 3 for r in rollouts)
+    # each rollout owns its storage (pickling a view would carry the whole packed buffer)
+    assert rollouts[0].response_token_ids.untyped_storage().nbytes() == 3 * 8
+    two = pack_generate_result([[1], [2], [3], [4]], None, ["stop"] * 4, n=2, weight_version=0)
+    unpacked = unpack_generate_result(two, [[9], [8]], [0, 1])
+    assert [(r.prompt_index, r.sample_index) for r in unpacked] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert unpacked[0].response_logprobs is None
+    with pytest.raises(ValueError, match=r"4 samples for 3 prompts × n=2"):
+        unpack_generate_result(two, [[9], [8], [7]], [0, 1, 2])
+    with pytest.raises(ValueError, match="'finished'"):
+        pack_generate_result([[1]], None, ["finished"], n=1, weight_version=0)
+
+
+@pytest.mark.ray
+def test_ray_actor_engines_return_packed_results(ray_cluster):
+    ray = ray_cluster
+    engines = [ray.remote(num_cpus=0)(PackedFakeEngine).remote(i) for i in range(2)]
+    try:
+        group = EngineGroup(engines, config=EngineGroupConfig(generate_timeout_s=60), forward_prompt_indices=True)
+        sampling = SamplingConfig(n=2, max_new_tokens=4)
+        prompts = prompts_of([4, 9, 2, 7, 5])
+        rollouts = group.generate(prompts, sampling)
+        check_rollouts(rollouts, prompts, sampling)
+        assert [r.finish_reason for r in rollouts] == ["length", "stop"] * 5  # came through generate_packed
+        plain = EngineGroup(engines, config=EngineGroupConfig(generate_timeout_s=60), packed_results=False)
+        check_rollouts(plain.generate(prompts, sampling), prompts, sampling)
+        assert [r.finish_reason for r in plain.generate(prompts, sampling)] == ["length"] * 10
     finally:
         for engine in engines:
             ray.kill(engine)

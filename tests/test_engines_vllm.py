@@ -283,6 +283,24 @@ def test_generate_converts_outputs_in_input_order():
         engine.generate([[1], [2]], sampling, prompt_indices=[0])
 
 
+def test_generate_packed_matches_generate():
+    from rlhfkit.engines.router import unpack_generate_result
+
+    engine = make_engine()
+    prompts = [[1, 2, 3], [4], [5, 6]]
+    sampling = SamplingConfig(n=2, max_new_tokens=5, stop_token_ids=(fake_tokens([4], 1, None, 5)[2],))
+    packed = engine.generate_packed(prompts, sampling, prompt_indices=[7, 8, 9])
+    assert set(packed) == {"tokens", "logprobs", "lengths", "finish", "n", "weight_version"}
+    expected = engine.generate(prompts, sampling, prompt_indices=[7, 8, 9])
+    got = unpack_generate_result(packed, prompts, [7, 8, 9])
+    for a, b in zip(got, expected, strict=True):
+        assert a.response_token_ids.tolist() == b.response_token_ids.tolist()
+        assert a.response_logprobs.tolist() == b.response_logprobs.tolist()
+        assert (a.finish_reason, a.prompt_index, a.sample_index) == (b.finish_reason, b.prompt_index, b.sample_index)
+    assert "stop" in [r.finish_reason for r in got]
+    assert engine.generate_packed([[1]], dataclasses.replace(sampling, logprobs=False))["logprobs"] is None
+
+
 def test_seeded_requests_are_seeded_per_prompt_and_shard_independent():
     engine = make_engine()
     sampling = SamplingConfig(n=1, max_new_tokens=3, seed=42)

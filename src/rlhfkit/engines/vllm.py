@@ -45,6 +45,7 @@ from rlhfkit.engines._vllm_compat import (
 from rlhfkit.engines._vllm_config import WORKER_EXTENSION, VLLMEngineConfig, build_llm_kwargs
 from rlhfkit.engines._vllm_ray import create_engine_group, create_engines, kill_engines, plan_launches, wait_ready
 from rlhfkit.engines.protocol import WAKE_TAGS, SamplingConfig
+from rlhfkit.engines.router import pack_generate_result
 from rlhfkit.types import Rollout
 
 __all__ = ["VLLMEngineConfig", "VLLMEngine", "VLLMEngineActor", "build_llm_kwargs", "create_engines",
@@ -55,13 +56,16 @@ logger = logging.getLogger(__name__)
 _FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
 
 
-def _rollout_logprobs(completion: Any, token_ids: list[int]) -> torch.Tensor:
+def _logprob_values(completion: Any, token_ids: list[int]) -> list[float]:
     positions = completion.logprobs
     if positions is None or len(positions) < len(token_ids):
         raise RuntimeError(f"vLLM returned log-probs for {0 if positions is None else len(positions)} of "
                            f"{len(token_ids)} tokens; was SamplingParams.logprobs set?")
-    values = [float(positions[t][token].logprob) for t, token in enumerate(token_ids)]
-    return torch.tensor(values, dtype=torch.float32)
+    return [float(positions[t][token].logprob) for t, token in enumerate(token_ids)]
+
+
+def _rollout_logprobs(completion: Any, token_ids: list[int]) -> torch.Tensor:
+    return torch.tensor(_logprob_values(completion, token_ids), dtype=torch.float32)
 
 
 class VLLMEngine:
@@ -143,6 +147,28 @@ class VLLMEngine:
         seed each prompt with :func:`~rlhfkit.engines._vllm_compat.request_seed` — so a prompt's samples do not depend
         on which engine of a group served it.
         """
+        prompts, indices, outputs = self._run(prompt_token_ids, sampling, prompt_indices)
+        return [rollout for output, prompt, index in zip(outputs, prompts, indices)
+                for rollout in self._to_rollouts(output, prompt, index, sampling)]
+
+    def generate_packed(self, prompt_token_ids: Sequence[Sequence[int]], sampling: SamplingConfig, *,
+                        prompt_indices: Sequence[int] | None = None) -> dict[str, Any]:
+        """:meth:`generate` in the compact form of :func:`rlhfkit.engines.router.pack_generate_result` (numpy arrays,
+        no prompts): what an engine actor returns to an :class:`~rlhfkit.engines.router.EngineGroup`, which rebuilds
+        the rollouts on its side (:func:`~rlhfkit.engines.router.unpack_generate_result`)."""
+        _, _, outputs = self._run(prompt_token_ids, sampling, prompt_indices)
+        responses, logprobs, finish = [], [] if sampling.logprobs else None, []
+        for output in outputs:
+            for completion in self._completions(output, sampling):
+                token_ids = list(completion.token_ids)
+                responses.append(token_ids)
+                finish.append(_FINISH.get(str(completion.finish_reason), "abort"))
+                if logprobs is not None:
+                    logprobs.append(_logprob_values(completion, token_ids))
+        return pack_generate_result(responses, logprobs, finish, n=sampling.n, weight_version=self._version)
+
+    def _run(self, prompt_token_ids: Sequence[Sequence[int]], sampling: SamplingConfig,
+             prompt_indices: Sequence[int] | None) -> tuple[list[list[int]], list[int], list[Any]]:
         if not isinstance(sampling, SamplingConfig):
             raise TypeError(f"sampling must be a SamplingConfig, got {type(sampling).__name__}")
         self._check_ready("generate")
@@ -154,7 +180,7 @@ class VLLMEngine:
         if len(indices) != len(prompts):
             raise ValueError(f"prompt_indices has {len(indices)} entries for {len(prompts)} prompts")
         if not prompts:
-            return []
+            return [], [], []
         make = lambda seed: make_sampling_params(  # noqa: E731
             sampling, sampling_params_cls=self._vllm.SamplingParams, features=self.features, seed=seed)
         params = make(None) if sampling.seed is None else [make(request_seed(sampling.seed, i)) for i in indices]
@@ -164,14 +190,17 @@ class VLLMEngine:
         if len(outputs) != len(prompts):
             raise RuntimeError(f"engine {self.engine_index}: vLLM returned {len(outputs)} outputs for "
                                f"{len(prompts)} prompts")
-        return [rollout for output, prompt, index in zip(outputs, prompts, indices)
-                for rollout in self._to_rollouts(output, prompt, index, sampling)]
+        return prompts, indices, outputs
 
-    def _to_rollouts(self, output: Any, prompt: list[int], index: int, sampling: SamplingConfig) -> Iterator[Rollout]:
+    def _completions(self, output: Any, sampling: SamplingConfig) -> list[Any]:
         completions = sorted(output.outputs, key=lambda c: c.index)
         if len(completions) != sampling.n:
-            raise RuntimeError(f"engine {self.engine_index}: vLLM returned {len(completions)} samples for prompt "
-                               f"{index}; expected n={sampling.n}")
+            raise RuntimeError(f"engine {self.engine_index}: vLLM returned {len(completions)} samples for a prompt; "
+                               f"expected n={sampling.n}")
+        return completions
+
+    def _to_rollouts(self, output: Any, prompt: list[int], index: int, sampling: SamplingConfig) -> Iterator[Rollout]:
+        completions = self._completions(output, sampling)
         prompt_tensor = torch.tensor(prompt, dtype=torch.int64)
         for sample_index, completion in enumerate(completions):
             token_ids = [int(t) for t in completion.token_ids]
