@@ -85,16 +85,27 @@ def _expect_error(function, fragment: str) -> str:
     return "no error raised"
 
 
-def _sleep_round_trip(engine, batch) -> dict:
-    """Sleep, check errors and that every state storage moved, wake, check bit-identical state."""
-    before = [t.detach().clone() for t in _flat(_state_tensors(engine))]
-    held = [t.detach() for t in _flat(_state_tensors(engine))]  # keep old storages alive: no address reuse
+def _sleep_round_trip(engine, batch, baseline: dict | None = None) -> dict:
+    """Sleep, check errors and that every state storage moved, wake, check bit-identical state.
+
+    "Moved" is checked by storage: on CUDA every state tensor must now live on the host (and the engine's own
+    resident-bytes count must be 0); on CPU, where host->host copies keep the device, every storage must differ from
+    the one before sleep (the old storages are held meanwhile so their addresses cannot be reused — on CUDA holding
+    them would keep the memory allocated, so it is not done there)."""
+    cuda = engine.device.type == "cuda"
+    before = [t.detach().to("cpu", copy=True) for t in _flat(_state_tensors(engine))]  # host: not counted on GPU
+    held = [] if cuda else [t.detach() for t in _flat(_state_tensors(engine))]
     old_ptrs = {t.untyped_storage().data_ptr() for t in held}
     memory_awake = _memory(engine)
-    engine.sleep()
+    sleep_stats = engine.sleep()
     memory_asleep = _memory(engine)
-    moved = {kind: all(t.untyped_storage().data_ptr() not in old_ptrs for t in tensors)
-             for kind, tensors in _state_tensors(engine).items()}
+    if cuda:
+        moved = {kind: all(t.device.type == "cpu" for t in tensors)
+                 for kind, tensors in _state_tensors(engine).items()}
+    else:
+        moved = {kind: all(t.untyped_storage().data_ptr() not in old_ptrs for t in tensors)
+                 for kind, tensors in _state_tensors(engine).items()}
+    resident_asleep = engine.resident_state_bytes()
     errors = {"forward": _expect_error(lambda: engine.forward_logprobs(batch) if engine.role in ("actor", "reference")
                                        else engine.forward_values(batch), "is asleep; call wake_up() first"),
               "stream": _expect_error(lambda: engine.named_parameters_for_sync(), "is asleep")}
@@ -104,17 +115,26 @@ def _sleep_round_trip(engine, batch) -> dict:
     asleep = engine.is_asleep
     engine.wake_up()
     after = _flat(_state_tensors(engine))
-    identical = len(after) == len(before) and all(torch.equal(a, b) for a, b in zip(after, before))
+    identical = len(after) == len(before) and all(torch.equal(a.cpu(), b) for a, b in zip(after, before))
     del held
     return {"moved": moved, "errors": errors, "memory_awake": memory_awake, "memory_asleep": memory_asleep,
-            "asleep_flag": asleep, "awake_flag": not engine.is_asleep,
+            "memory_baseline": baseline or {}, "resident_asleep": resident_asleep,
+            "resident_awake": engine.resident_state_bytes(), "sleep_stats": sleep_stats, "asleep_flag": asleep, "awake_flag": not engine.is_asleep,
             "identical": identical, "num_tensors": len(before)}
 
 
-def _memory(engine) -> dict:
-    if engine.device.type != "cuda":
+def _memory(engine=None) -> dict:
+    if not torch.cuda.is_available() or (engine is not None and engine.device.type != "cuda"):
         return {}
     return {"allocated": torch.cuda.memory_allocated(), "reserved": torch.cuda.memory_reserved()}
+
+
+def _release() -> None:
+    import gc
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def _stream_dict(engine, **kwargs) -> dict[str, torch.Tensor]:
@@ -142,11 +162,14 @@ def check_train(stage: int, ctx) -> dict:
     ref = DeepSpeedEngine.from_pretrained(ctx.model, role="actor", config=_config(stage))
     ref_stats = [_train_step(ref, batch) for _ in range(NUM_STEPS)]
     ref.destroy()
+    del ref  # a destroyed engine still holds its GPU tensors until collected
+    _release()
+    baseline = _memory()
     engine = DeepSpeedEngine.from_pretrained(ctx.model, role="actor", config=_config(stage))
     file_state = {k: v.to(engine.dtype) for k, v in _file_state_dict(ctx.model).items()}
     initial_stream = _compare(_stream_dict(engine, bucket_bytes=4096), file_state)
     stats = [_train_step(engine, batch) for _ in range(2)]
-    round_trip = _sleep_round_trip(engine, batch)
+    round_trip = _sleep_round_trip(engine, batch, baseline)
     root = ctx.workdir / f"ckpt-s{stage}"
     saved = engine.save_checkpoint(root)  # after a sleep: DeepSpeed's host offload buffers must not be saved
     saved_stream = _stream_dict(engine)

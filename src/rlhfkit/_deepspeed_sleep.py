@@ -1,13 +1,17 @@
 """Moving a DeepSpeed engine's GPU state to pinned host memory and back (the machinery behind ``sleep``/``wake_up``).
 
 Two mechanisms, chosen per state:
-- DeepSpeed's own ``engine.offload_states`` / ``reload_states`` (ZeRO-1/2: all states; ZeRO-3: bf16 parameter
-  shards, gradient partitions and the gradient bucket always, fp32 master weights and Adam states only with
-  DeepSpeed's FusedAdam, which it asserts);
+- DeepSpeed's own ``engine.offload_states`` / ``reload_states`` (ZeRO-1/2: bf16 flat weights, fp32 master
+  partitions, gradient partitions — DeepSpeed clears the views it keeps of them; ZeRO-3: bf16 parameter shards,
+  gradient partitions and the gradient bucket always, fp32 master weights and Adam states only with DeepSpeed's
+  FusedAdam, which it asserts);
 - :class:`StorageOffloader`, our own: it moves the *storages* behind a list of tensors (so views that share a storage
   stay views of one buffer after the round trip), keeps one pinned host buffer per storage across cycles, and frees
   the device storage. It covers what DeepSpeed does not: models without an optimizer (all stages), ZeRO-3 master
-  weights and optimizer states under ``torch.optim.AdamW``, ZeRO-0 with an optimizer.
+  weights and optimizer states under ``torch.optim.AdamW``, ZeRO-0 with an optimizer, and the ZeRO-1/2 optimizer
+  states (DeepSpeed would allocate fresh pinned buffers for them at every sleep).
+
+:func:`resident_state_bytes` checks the result: the bytes of the engine's state storages still on a GPU.
 
 Internal to :mod:`rlhfkit.deepspeed_engine`; needs deepspeed only through the engine object it is handed.
 """
@@ -15,12 +19,14 @@ Internal to :mod:`rlhfkit.deepspeed_engine`; needs deepspeed only through the en
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+import time
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 import torch
 
-__all__ = ["StorageOffloader", "SleepPlan", "plan_sleep", "offload_engine", "reload_engine", "device_memory"]
+__all__ = ["StorageOffloader", "SleepPlan", "plan_sleep", "offload_engine", "reload_engine", "device_memory",
+           "resident_state_bytes"]
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +50,7 @@ class StorageOffloader:
     def __init__(self) -> None:
         self._host: list[torch.Tensor] = []
         self._moved: list[tuple[list[torch.Tensor], int, int, torch.device]] = []
+        self.last_pin_seconds = 0.0  # time the last offload() spent allocating pinned host buffers
 
     @property
     def active(self) -> bool:
@@ -62,13 +69,15 @@ class StorageOffloader:
             storage = tensor.untyped_storage()
             if storage.nbytes() > 0:
                 groups.setdefault(storage.data_ptr(), []).append(tensor)
-        moved_bytes = 0
+        moved_bytes, self.last_pin_seconds = 0, 0.0
         for slot, members in enumerate(groups.values()):
             storage = members[0].untyped_storage()
             nbytes = storage.nbytes()
             if slot >= len(self._host) or self._host[slot].numel() != nbytes:
+                start = time.perf_counter()
                 host = _pin(torch.empty(nbytes, dtype=torch.uint8))
                 self._host[slot:slot + 1] = [host]
+                self.last_pin_seconds += time.perf_counter() - start
             source = torch.empty(0, dtype=torch.uint8, device=device).set_(storage)
             self._host[slot].copy_(source, non_blocking=non_blocking)
             self._moved.append((members, slot, nbytes, device))
@@ -125,14 +134,18 @@ class SleepPlan:
     """Which states each mechanism moves for one engine (decided once from the engine's configuration).
 
     ``deepspeed_states``: names passed to ``engine.offload_states(include=...)`` (minus ``lp_params`` when the
-    weights are kept). ``own_master_and_optimizer``: move ZeRO master weights + optimizer states ourselves.
-    ``own_module_params``: move the module's parameters (and their grads) ourselves. ``note``: why, for the log.
+    weights are kept). ``own_master_and_optimizer``: move ZeRO-3 master weights (ZeRO-0: the parameters' grads) and
+    optimizer states ourselves. ``own_optimizer_states``: move only the optimizer states ourselves (ZeRO-1/2).
+    ``own_module_params``: move the module's parameters ourselves. ``unsupported``: why this engine cannot sleep
+    (empty when it can). ``note``: why, for the log.
     """
 
     deepspeed_states: tuple[str, ...]
     own_master_and_optimizer: bool
     own_module_params: bool
     note: str
+    own_optimizer_states: bool = False
+    unsupported: str = ""
 
 
 def plan_sleep(ds_engine, *, zero_stage: int, has_optimizer: bool, offload_optimizer: bool,
@@ -144,13 +157,23 @@ def plan_sleep(ds_engine, *, zero_stage: int, has_optimizer: bool, offload_optim
     if not has_optimizer:
         return SleepPlan(deepspeed_states=(), own_master_and_optimizer=False, own_module_params=True,
                          note="no optimizer: rlhfkit moves the parameters (ZeRO-3: the shards)")
+    wrapper = type(ds_engine.optimizer).__name__
+    if wrapper in ("BF16_Optimizer", "FP16_Optimizer", "FP16_UnfusedOptimizer"):
+        # bf16 + ZeRO-1 with data_types.grad_accum_dtype=fp32 (or ZeRO-0 + bf16) routes to these wrappers: they keep
+        # private flat buffers and have no offload_states.
+        return SleepPlan(deepspeed_states=(), own_master_and_optimizer=False, own_module_params=False,
+                         note=f"DeepSpeed optimizer wrapper {wrapper}: sleep unsupported",
+                         unsupported=f"DeepSpeed wrapped the optimizer in {wrapper} (ZeRO-0 + bf16, or bf16 + ZeRO-1 "
+                                     "with data_types.grad_accum_dtype='fp32'), which keeps private flat buffers and "
+                                     "has no offload_states; use zero_stage >= 1 without grad_accum_dtype='fp32'")
     if zero_stage == 0:
         return SleepPlan(deepspeed_states=(), own_master_and_optimizer=True, own_module_params=True,
                          note="ZeRO-0: DeepSpeed has no offload_states; rlhfkit moves parameters, grads, optimizer")
     if zero_stage in (1, 2):
-        return SleepPlan(deepspeed_states=(HP_PARAMS, LP_PARAMS, LP_GRADS, OPTIM_STATES),
-                         own_master_and_optimizer=False, own_module_params=False,
-                         note="ZeRO-1/2: DeepSpeed offload_states moves everything")
+        return SleepPlan(deepspeed_states=(HP_PARAMS, LP_PARAMS, LP_GRADS), own_master_and_optimizer=False,
+                         own_optimizer_states=True, own_module_params=False,
+                         note="ZeRO-1/2: DeepSpeed offload_states moves weights, masters and grads (its pinned "
+                              "buffers kept across cycles); rlhfkit moves the optimizer states")
     fused = _is_fused_adam(ds_engine.optimizer.optimizer)
     if fused or offload_optimizer:
         return SleepPlan(deepspeed_states=(HP_PARAMS, LP_PARAMS, LP_GRADS, GRAD_BUFFER, OPTIM_STATES),
@@ -167,19 +190,24 @@ def _is_fused_adam(optimizer) -> bool:
     return cls.__name__ == "FusedAdam" and cls.__module__.startswith("deepspeed.")
 
 
+def _basic_optimizer(ds_engine, zero_stage: int):
+    return ds_engine.optimizer if zero_stage == 0 else ds_engine.optimizer.optimizer
+
+
+def optimizer_state_tensors(ds_engine, zero_stage: int) -> list[torch.Tensor]:
+    """Every tensor in the (basic) optimizer's state, DeepSpeed's ``*_offload_buffer`` host copies excluded."""
+    basic = _basic_optimizer(ds_engine, zero_stage)
+    return [value for state in basic.state.values() for key, value in state.items()
+            if isinstance(value, torch.Tensor) and not str(key).endswith("_offload_buffer")]
+
+
 def master_and_optimizer_tensors(ds_engine, zero_stage: int) -> list[torch.Tensor]:
-    """fp32 master weights (+ their grads) and every tensor in the optimizer state, for our own offload."""
+    """ZeRO-3: fp32 master weights (+ their grads); then every tensor in the optimizer state, for our own offload."""
     tensors: list[torch.Tensor] = []
-    wrapper = ds_engine.optimizer
     if zero_stage == 3:
-        flats = list(wrapper.fp32_partitioned_groups_flat)
+        flats = list(ds_engine.optimizer.fp32_partitioned_groups_flat)
         tensors += flats + [flat.grad for flat in flats if flat.grad is not None]
-        basic = wrapper.optimizer
-    else:
-        basic = wrapper
-    for state in basic.state.values():
-        tensors += [value for value in state.values() if isinstance(value, torch.Tensor)]
-    return tensors
+    return tensors + optimizer_state_tensors(ds_engine, zero_stage)
 
 
 def module_tensors(ds_engine, zero_stage: int, *, with_grads: bool) -> list[torch.Tensor]:
@@ -195,6 +223,37 @@ def module_tensors(ds_engine, zero_stage: int, *, with_grads: bool) -> list[torc
     return tensors
 
 
+def state_tensors(ds_engine, zero_stage: int, *, include_weights: bool = True) -> list[torch.Tensor]:
+    """Every per-rank state tensor we know of: weights (ZeRO-3 shards, ZeRO-1/2 flat buffers), grads, masters,
+    gradient buffers, optimizer states."""
+    tensors = module_tensors(ds_engine, zero_stage, with_grads=True) if include_weights else []
+    wrapper = ds_engine.optimizer
+    if wrapper is None:
+        return tensors
+    for name in ("fp32_partitioned_groups_flat", "single_partition_of_fp32_groups"):
+        for flat in getattr(wrapper, name, None) or []:
+            tensors += [flat] + ([flat.grad] if isinstance(flat.grad, torch.Tensor) else [])
+    if include_weights:
+        tensors += list(getattr(wrapper, "bit16_groups_flat", None) or [])
+    buffer = getattr(wrapper, "grad_partitions_flat_buffer", None)
+    tensors += [buffer] if isinstance(buffer, torch.Tensor) else []
+    basic = wrapper if zero_stage == 0 else getattr(wrapper, "optimizer", None)
+    if isinstance(getattr(basic, "state", None), Mapping):
+        tensors += optimizer_state_tensors(ds_engine, zero_stage)
+    return tensors
+
+
+def resident_state_bytes(ds_engine, zero_stage: int, *, include_weights: bool = True) -> int:
+    """Bytes of the distinct CUDA storages behind :func:`state_tensors` (0 after a complete sleep; the check that
+    ``sleep()`` really moved the states, not just flagged them)."""
+    storages: dict[int, int] = {}
+    for tensor in state_tensors(ds_engine, zero_stage, include_weights=include_weights):
+        if isinstance(tensor, torch.Tensor) and tensor.device.type == "cuda":
+            storage = tensor.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
+
+
 def offload_engine(ds_engine, plan: SleepPlan, offloaders: dict[str, StorageOffloader], *, zero_stage: int,
                    keep_weights: bool, done: set[str]) -> set[str]:
     """Move what ``plan`` says (skipping what is in ``done``); returns the names of the states now offloaded."""
@@ -205,9 +264,14 @@ def offload_engine(ds_engine, plan: SleepPlan, offloaders: dict[str, StorageOffl
     include = [s for s in plan.deepspeed_states if s not in now and not (keep_weights and s == LP_PARAMS)]
     if include:
         enum = _offload_state_enum()
+        # ZeRO-1/2: DeepSpeed clears the master-weight views of the optimizer states (``_hp_mapping``) when it moves
+        # the masters, so the optimizer states are moved after it and are free to go.
         ds_engine.offload_states(include=[enum(s) for s in include], pin_memory=True, non_blocking=True)
         _synchronize(device)  # the device->host copies are queued; the host copies must be complete when we return
         now.update(include)
+    if plan.own_optimizer_states and "own_master" not in now:
+        offloaders["own_master"].offload(optimizer_state_tensors(ds_engine, zero_stage), device=device)
+        now.add("own_master")
     if plan.own_master_and_optimizer and "own_master" not in now:
         offloaders["own_master"].offload(master_and_optimizer_tensors(ds_engine, zero_stage), device=device)
         now.add("own_master")
@@ -220,13 +284,26 @@ def offload_engine(ds_engine, plan: SleepPlan, offloaders: dict[str, StorageOffl
     return now
 
 
+# DeepSpeed's ZeRO-1/2 reload_states() drops its pinned host buffers for the weights and masters, so the next
+# offload_states() would pin new ones (≈ 1 s per 1.5 GB); handing them back makes the next sleep reuse them.
+_ZERO12_PIN_BUFFERS = ("hp_params_pin_buffers", "lp_params_pin_buffers")
+
+
 def reload_engine(ds_engine, offloaders: dict[str, StorageOffloader], done: set[str]) -> None:
-    """Bring back everything :func:`offload_engine` moved."""
-    if any(name in done for name in (HP_PARAMS, LP_PARAMS, LP_GRADS, OPTIM_STATES, GRAD_BUFFER)):
-        ds_engine.reload_states(non_blocking=True)
+    """Bring back everything :func:`offload_engine` moved: ours first, so that DeepSpeed's ZeRO-1/2 re-linking of
+    master-weight views to the optimizer states sees them on the device."""
     for name in ("own_master", "own_params"):
         if name in done:
             offloaders[name].reload()
+    if any(name in done for name in (HP_PARAMS, LP_PARAMS, LP_GRADS, OPTIM_STATES, GRAD_BUFFER)):
+        wrapper = ds_engine.optimizer
+        kept = {name: getattr(wrapper, name) for name in _ZERO12_PIN_BUFFERS if hasattr(wrapper, name)}
+        ds_engine.reload_states(non_blocking=True)
+        _synchronize(ds_engine.device if isinstance(ds_engine.device, torch.device)
+                     else torch.device(ds_engine.device))  # the host buffers are free to reuse only after this
+        for name, buffers in kept.items():
+            if not hasattr(wrapper, name):
+                setattr(wrapper, name, buffers)
 
 
 def _offload_state_enum():
