@@ -21,9 +21,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import pickle
 import statistics
 import sys
+import threading
 import time
 import traceback
 from datetime import datetime, timedelta, timezone
@@ -37,7 +39,13 @@ from rlhfkit.weight_sync import SyncEndpoint, WeightReceiver, WeightSender, Weig
 
 GIB = 1024**3
 MIB = 1024**2
-TIMEOUT_S = 60.0
+TIMEOUT_S = 30.0  # every wait of the channel and of the bench on the receiver process
+_STARTED = time.perf_counter()
+
+
+def log(message: str) -> None:
+    """A progress line, flushed at once (so a hang shows where it is)."""
+    print(f"[{time.perf_counter() - _STARTED:6.1f}s] {message}", flush=True)
 
 
 # ---------------------------------------------------------------------------------------------------- models
@@ -181,15 +189,15 @@ def handle(command, args, state, device):
         receiver = WeightReceiver(WeightSyncConfig(backend=backend, timeout_s=TIMEOUT_S), endpoint, device=device)
         target = state["target"]
 
-        def load_fn(weights):
+        def load_fn(buckets):  # one batched copy per bucket (what a bucket-aware engine loader does)
             loaded = 0
-            for name, tensor in weights:
-                target[name].copy_(tensor)
-                loaded += 1
+            for bucket in buckets:
+                torch._foreach_copy_([target[name] for name, _ in bucket], [view for _, view in bucket])
+                loaded += len(bucket)
             return loaded
 
         try:
-            return [receiver.receive(load_fn).seconds for _ in range(count)]
+            return [receiver.receive(load_fn, by_bucket=True).seconds for _ in range(count)]
         finally:
             receiver.close()
     if command == "per_parameter":
@@ -303,36 +311,40 @@ def per_parameter_baseline(peer, weights, repeats) -> dict:
 
 
 IPC_VARIANTS = [
-    ("default (512MiB, 1 buffer, events, fingerprints)", dict()),
-    ("512MiB x1, events, no fingerprints", dict(fingerprints=False)),
+    ("default (512MiB, 1 buffer, events, no fingerprints)", dict()),
+    ("512MiB x1, events, fingerprints", dict(fingerprints=True)),
     ("512MiB x2, events, no fingerprints", dict(num_buffers=2, fingerprints=False)),
-    ("256MiB x2, events, no fingerprints", dict(bucket_bytes=256 * MIB, num_buffers=2, fingerprints=False)),
     ("1GiB x2, events, no fingerprints", dict(bucket_bytes=GIB, num_buffers=2, fingerprints=False)),
     ("512MiB x2, host sync, no fingerprints", dict(num_buffers=2, ipc_events=False, fingerprints=False)),
-    ("512MiB x2, events, fingerprints", dict(num_buffers=2)),
+    ("512MiB x2, events, fingerprints", dict(num_buffers=2, fingerprints=True)),
+    ("1GiB x2, events, fingerprints", dict(bucket_bytes=GIB, num_buffers=2, fingerprints=True)),
 ]
 NCCL_VARIANTS = [
-    ("default (512MiB, 1 buffer, fingerprints)", dict()),
-    ("512MiB x1, no fingerprints", dict(fingerprints=False)),
+    ("default (512MiB, 1 buffer, no fingerprints)", dict()),
     ("512MiB x2, no fingerprints", dict(num_buffers=2, fingerprints=False)),
     ("256MiB x2, no fingerprints", dict(bucket_bytes=256 * MIB, num_buffers=2, fingerprints=False)),
-    ("1GiB x2, no fingerprints", dict(bucket_bytes=GIB, num_buffers=2, fingerprints=False)),
-    ("512MiB x2, fingerprints", dict(num_buffers=2)),
+    ("512MiB x2, fingerprints", dict(num_buffers=2, fingerprints=True)),
 ]
 
 
-def bench_model(peer, weights, backend, device, variants, repeats, label) -> dict:
+def bench_model(peer, weights, backend, device, variants, repeats, label, save=None, stop_on_error=False) -> dict:
     model_bytes = nbytes_of(weights)
     results = {"label": label, "num_params": sum(t.numel() for t in weights.values()), "bytes": model_bytes,
                "num_tensors": len(weights), "variants": []}
     for name, config in variants:
+        log(f"{backend} {label} | {name}: starting")
         outcome = run_variant(peer, weights, backend, device, f"{label}/{name}", repeats, **config)
         if "median_s" in outcome:
             outcome["GBps"] = model_bytes / outcome["median_s"] / 1e9
         results["variants"].append(outcome)
         print(f"  {label:>10} | {name:<48} | " + (f"{outcome['median_s'] * 1e3:8.2f} ms  "
               f"{outcome['GBps']:7.1f} GB/s  equal={outcome['bitwise_equal']}" if "median_s" in outcome
-              else f"ERROR {outcome['error'][:160]}"), flush=True)
+              else f"ERROR {outcome['error'][:300]}"), flush=True)
+        if save is not None:
+            save()
+        if stop_on_error and "error" in outcome:
+            log("stopping this phase after the first failure (later variants would hit the same problem)")
+            break
     return results
 
 
@@ -357,11 +369,14 @@ def run_ipc(args, out) -> None:
     try:
         peer.call("alloc", specs)
         out["ipc"]["control_rtt_us"] = control_rtt_us(peer)
-        big = bench_model(peer, weights, "cuda_ipc", device, IPC_VARIANTS, args.repeats, "llama-1.5B")
+        big = bench_model(peer, weights, "cuda_ipc", device, IPC_VARIANTS, args.repeats, "llama-1.5B",
+                          save=args.save)
+        out["ipc"]["big_model"] = big
         gather = [("gathering source, 512MiB x1", dict(fingerprints=False)),
                   ("gathering source, 512MiB x2", dict(num_buffers=2, fingerprints=False))]
         big["gathering_source"] = bench_model(peer, GatheringSource(weights), "cuda_ipc", device, gather,
                                               args.repeats, "gathering")["variants"]
+        log("ipc: per-parameter baseline")
         big["per_parameter"] = per_parameter_baseline(peer, weights, args.repeats)
         print(f"  per-parameter (OpenRLHF way): {big['per_parameter']['median_s'] * 1e3:.1f} ms", flush=True)
         summarize_ipc(big, floor_s)
@@ -412,26 +427,39 @@ def summarize_ipc(big, floor_s) -> None:
 
 
 def run_nccl(args, out) -> None:
+    """Our channel first (fresh processes, no other NCCL group before it), then the raw NCCL broadcast and the
+    P2P copy floor; progress lines before each phase; partial results are saved after each."""
     if torch.cuda.device_count() < 2:
         out["nccl"] = {"skipped": f"needs 2 GPUs, found {torch.cuda.device_count()}"}
         print(out["nccl"]["skipped"])
         return
     src, dst = torch.device("cuda", 0), torch.device("cuda", 1)
+    torch.cuda.set_device(src)
     specs = llama_specs()
     weights = random_weights(specs, src)
     model_bytes = nbytes_of(weights)
-    p2p = copy_bandwidth(src, dst, min(model_bytes, 2 * GIB))
+    out["nccl"] = {}
+    log("nccl: starting the receiver process on cuda:1")
     peer = Peer("cuda:1")
     try:
-        peer.call("alloc", specs)
+        peer.call("alloc", specs, timeout=120)
+        log("nccl: receiver ready; channel variants (sender cuda:0 -> receiver cuda:1)")
+        big = bench_model(peer, weights, "nccl", src, NCCL_VARIANTS, args.repeats, "llama-1.5B", save=args.save,
+                          stop_on_error=True)
+        out["nccl"]["big_model"] = big
+        args.save()
+        log("nccl: raw NCCL broadcast (1 GiB) between the same two processes")
         store_port = _free_port()
         peer.start("nccl_raw", (store_port, GIB))
         raw = nccl_raw_broadcast(0, store_port, src, GIB)
-        peer.result()
+        peer.result(timeout=TIMEOUT_S * 2)
+        out["nccl"]["raw_nccl_broadcast_GBps"] = raw / 1e9
+        args.save()
+        log("nccl: cuda:0 -> cuda:1 copy bandwidth")
+        p2p = copy_bandwidth(src, dst, min(model_bytes, 2 * GIB))
+        out["nccl"]["p2p_copy_GBps"] = p2p / 1e9
         print(f"cuda:0->cuda:1 copy {p2p / 1e9:.0f} GB/s; raw NCCL broadcast {raw / 1e9:.0f} GB/s", flush=True)
-        big = bench_model(peer, weights, "nccl", src, NCCL_VARIANTS, args.repeats, "llama-1.5B")
         best = best_of(big)
-        out["nccl"] = {"p2p_copy_GBps": p2p / 1e9, "raw_nccl_broadcast_GBps": raw / 1e9, "big_model": big}
         if best:
             effective = model_bytes / best["median_s"]
             out["nccl"].update(best_variant=best["variant"], effective_GBps=effective / 1e9,
@@ -469,9 +497,10 @@ def run_dryrun(args, out) -> None:
         peer.call("alloc", specs)
         out["dryrun"] = bench_model(peer, weights, "gloo", device,
                                     [(n, dict(c, bucket_bytes=64 * 1024)) for n, c in NCCL_VARIANTS[:3]],
-                                    args.repeats, "dryrun")
+                                    args.repeats, "dryrun", save=args.save)
         out["dryrun"]["gathering"] = bench_model(peer, GatheringSource(weights), "gloo", device,
-                                                 [("gathering", dict(bucket_bytes=64 * 1024))], args.repeats,
+                                                 [("gathering", dict(bucket_bytes=64 * 1024, fingerprints=True))],
+                                                 args.repeats,
                                                  "gathering")["variants"]
     finally:
         peer.close()
@@ -480,16 +509,35 @@ def run_dryrun(args, out) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--mode", choices=["ipc", "nccl", "floor", "all", "dryrun"], required=True)
-    parser.add_argument("--out", required=True, help="JSON results file")
+    parser.add_argument("--out", required=True, help="JSON results file (rewritten after every phase)")
     parser.add_argument("--model", default=None, help="an HF model folder for the small-model IPC run")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--deadline-s", type=float, default=170.0,
+                        help="hard limit of the whole run: past it, the partial JSON is written and the process exits")
     args = parser.parse_args()
     out = {"mode": args.mode, "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
            "torch": torch.__version__, "argv": sys.argv}
+    lock = threading.Lock()
+
+    def save() -> None:
+        with lock:
+            out["wall_s"] = time.perf_counter() - _STARTED
+            with open(args.out, "w") as handle:
+                json.dump(out, handle, indent=1, default=str)
+
+    def give_up() -> None:  # runs in a timer thread: works even while the main thread is stuck in a C call
+        out["error"] = f"deadline of {args.deadline_s:g}s passed; partial results"
+        log(out["error"] + f"; writing {args.out} and exiting")
+        save()
+        os._exit(3)
+
+    args.save = save
+    timer = threading.Timer(args.deadline_s, give_up)
+    timer.daemon = True
+    timer.start()
     if args.mode != "dryrun":
         out["device"] = torch.cuda.get_device_name(0)
         out["num_gpus"] = torch.cuda.device_count()
-    started = time.perf_counter()
     try:
         if args.mode in ("ipc", "all"):
             run_ipc(args, out)
@@ -502,9 +550,8 @@ def main() -> int:
     except Exception:  # keep what was measured; the traceback goes into the JSON
         out["error"] = traceback.format_exc()
         print(out["error"], file=sys.stderr)
-    out["wall_s"] = time.perf_counter() - started
-    with open(args.out, "w") as handle:
-        json.dump(out, handle, indent=1, default=str)
+    timer.cancel()
+    save()
     print(f"wrote {args.out} ({out['wall_s']:.0f} s)")
     return 1 if "error" in out else 0
 

@@ -170,6 +170,36 @@ def test_fingerprint_equals_naive_reference_and_catches_changes():
     assert int(fingerprinter.of_words([shifted.view(torch.int64)])) != got
 
 
+def test_fingerprint_catches_swapped_elements():
+    """A swap of two different bf16 elements inside one word, or of two words in different rows, changes it."""
+    values = torch.randn(4096, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    fingerprinter = Fingerprinter()
+    got = int(fingerprinter.of_words([values.view(torch.int64)]))
+    in_word = values.clone()
+    in_word[[8, 9]] = in_word[[9, 8]]  # elements 8 and 9 share the third 8-byte word
+    assert int(fingerprinter.of_words([in_word.view(torch.int64)])) != got
+    across_rows = values.clone().view(torch.int64)
+    across_rows[[3, 3 + 32 * 5]] = across_rows[[3 + 32 * 5, 3]]
+    assert int(fingerprinter.of_words([across_rows])) != got
+
+
+def test_poll_until_and_run_bounded():
+    from rlhfkit._weight_sync_collective import poll_until, run_bounded
+
+    calls = []
+    assert poll_until(lambda: calls.append(1) or len(calls) >= 3, time.monotonic() + 5)
+    started = time.monotonic()
+    assert not poll_until(lambda: False, started + 0.05)
+    assert 0.05 <= time.monotonic() - started < 1.0
+    assert run_bounded(lambda: 7, 1.0, lambda: AssertionError("not reached")) == 7
+    with pytest.raises(KeyError, match="boom"):
+        run_bounded(lambda: {}["boom"], 1.0, lambda: AssertionError("not reached"))
+    started = time.monotonic()
+    with pytest.raises(WeightSyncTimeout, match="creating the NCCL communicator"):
+        run_bounded(lambda: time.sleep(2), 0.1, lambda: WeightSyncTimeout("timed out creating the NCCL communicator"))
+    assert time.monotonic() - started < 1.0
+
+
 # ---------------------------------------------------------------------------------------------------- in-process
 def test_inprocess_bitwise_cast_and_version():
     source = make_weights(0)
@@ -194,7 +224,7 @@ def test_inprocess_bitwise_cast_and_version():
 def test_inprocess_mismatch_and_corruption_load_nothing():
     source = make_weights(0)
     target = zeros_like(source)
-    config = WeightSyncConfig(backend="inprocess", bucket_bytes=2048)
+    config = WeightSyncConfig(backend="inprocess", bucket_bytes=2048, fingerprints=True)
     expected = describe_parameters(target.items())
     expected[2] = expected[2]._replace(shape=(1, 2))
     receiver = WeightReceiver(config, expected=expected)
@@ -308,14 +338,14 @@ class Group:
         self.receivers = [WeightReceiver(self.config, self.sender.endpoint.for_rank(r + 1, f"engine-{r}"),
                                          expected=accepted[r]) for r in range(num_receivers)]
 
-    def sync(self, load_fns=None, **send_kwargs):
+    def sync(self, load_fns=None, receive_kwargs=None, **send_kwargs):
         """Run one sync on every end; returns (sender result, [receiver results]); a result is a report or error."""
         results: list = [None] * len(self.receivers)
 
         def run(index):
             load_fn = (load_fns or {}).get(index) or copy_into(self.targets[index])
             try:
-                results[index] = self.receivers[index].receive(load_fn)
+                results[index] = self.receivers[index].receive(load_fn, **(receive_kwargs or {}))
             except Exception as error:  # collected for the assertions
                 results[index] = error
 
@@ -356,6 +386,44 @@ def test_two_receivers_bitwise_and_versions(backend, num_buffers):
         group.close()
 
 
+@pytest.mark.parametrize("num_buffers", [1, 2])
+def test_by_bucket_foreach_load_and_strided_cast_sources(backend, num_buffers):
+    """by_bucket=True hands whole buckets (loaded with one _foreach_copy_); the sender's batched packing handles
+    non-contiguous sources and a float32 -> bfloat16 cast (foreach's per-tensor fallback) bit for bit."""
+    group = Group(2, backend=backend, bucket_bytes=4096, num_buffers=num_buffers, dtype=torch.bfloat16)
+    group.targets = [{n: t.to(torch.bfloat16) for n, t in target.items()} for target in group.targets]
+    for receiver in group.receivers:
+        receiver.expected = describe_parameters(group.source.items(), dtype=torch.bfloat16)
+    seen: list[list[list[str]]] = [[], []]
+
+    def bucket_loader(index):
+        def load_fn(buckets, version=None):
+            for bucket in buckets:
+                names = [name for name, _ in bucket]
+                seen[index].append(names)
+                torch._foreach_copy_([group.targets[index][n] for n in names], [view for _, view in bucket])
+            return version
+        return load_fn
+
+    def strided(tensor):
+        if tensor.dim() != 2:
+            return tensor
+        return torch.empty(tensor.shape[::-1], dtype=tensor.dtype).t().copy_(tensor)
+
+    try:
+        stream = [(name, strided(tensor)) for name, tensor in group.source.items()]
+        assert any(not t.is_contiguous() for _, t in stream)
+        sent, received = group.sync({0: bucket_loader(0), 1: bucket_loader(1)}, {"by_bucket": True}, stream=stream)
+        assert not isinstance(sent, Exception), sent
+        assert all(r.version == 1 and r.loaded == 1 for r in received), received
+        for index, target in enumerate(group.targets):
+            assert_bitwise_equal(target, {n: t.to(torch.bfloat16) for n, t in group.source.items()})
+            assert len(seen[index]) == sent.num_buckets >= 4
+            assert [n for names in seen[index] for n in names] == list(group.source)
+    finally:
+        group.close()
+
+
 def test_manifest_mismatch_fails_everywhere_before_transfer(backend):
     source = make_weights(0)
     bad = describe_parameters(source.items())
@@ -379,7 +447,8 @@ def test_manifest_mismatch_fails_everywhere_before_transfer(backend):
 
 @pytest.mark.parametrize("num_buffers", [1, 2])
 def test_corrupted_bucket_caught_then_recovers(backend, num_buffers):
-    group = Group(1, backend=backend, sender_cls=CorruptingSender, bucket_bytes=4096, num_buffers=num_buffers)
+    group = Group(1, backend=backend, sender_cls=CorruptingSender, bucket_bytes=4096, num_buffers=num_buffers,
+                  fingerprints=True)
     try:
         group.sender.corrupt_bucket = 2
         sent, (received,) = group.sync()
@@ -492,7 +561,7 @@ class TrainerActor:
         with torch.no_grad():
             for parameter in self.model.parameters():
                 parameter.add_(torch.randn_like(parameter) * 0.05)
-        self.config = WeightSyncConfig(backend="gloo", bucket_bytes=64 * 1024, timeout_s=timeout_s)
+        self.config = WeightSyncConfig(backend="gloo", bucket_bytes=64 * 1024, timeout_s=timeout_s, fingerprints=True)
         self.senders = {}
 
     def open(self, name, timeout_s=None):

@@ -4,8 +4,11 @@ Fingerprint: the payload is read as integer words (``int64`` for a bucket, whose
 the widest integer view for a lone tensor), grouped in rows of 32 words; the fingerprint is
 ``sum_r rowsum_r * (2r + 1)`` in wrap-around ``int64`` arithmetic. Integer sums are exact modulo 2**64 whatever the
 reduction order, so sender and receiver agree bit for bit on the same device type. It catches any single changed
-word and data shifted by a row or more (a wrong offset); it costs one read of the payload plus a small temporary
-(work is chunked at 4M words, so temporaries stay under ≈ 2 MB beyond a chunk's integer conversion).
+word (so any bit flip, and any swap of two different elements that share a word), data shifted by a row or more (a
+wrong offset) and a swap of two different words in different rows; it does not catch a swap of two whole 8-byte words
+inside one 256-byte row. Cost: one read of the payload by one row-sum kernel per bucket (up to 64M words, 512 MiB, in
+one step) plus two tiny kernels; temporaries are 1/32 of the payload (16 MiB for a 512 MiB bucket) plus a cached
+row-weight vector of the same size.
 """
 
 from __future__ import annotations
@@ -21,7 +24,8 @@ __all__ = ["Fingerprinter", "BucketSlots", "as_words", "STATUS_OK", "STATUS_ABOR
 STATUS_OK = 0
 STATUS_ABORT = 1
 _ROW = 32
-_CHUNK = 1 << 22  # words per step; a multiple of _ROW
+_CHUNK = 1 << 26  # int64 words per step (512 MiB); a multiple of _ROW
+_CHUNK_CONVERTED = 1 << 22  # narrower words per step (their int64 copy is a temporary); a multiple of _ROW
 _WORD_DTYPES = ((8, torch.int64), (4, torch.int32), (2, torch.int16), (1, torch.uint8))
 
 
@@ -37,7 +41,8 @@ def as_words(tensor: torch.Tensor) -> torch.Tensor:
 
 
 class Fingerprinter:
-    """Computes fingerprints on the payload's device; caches the row-weight vector per device (≈ 1 MB)."""
+    """Computes fingerprints on the payload's device; caches the row-weight vector per device (1/32 of the largest
+    payload, at least 1 MiB)."""
 
     def __init__(self) -> None:
         self._weights: dict[torch.device, torch.Tensor] = {}
@@ -45,7 +50,7 @@ class Fingerprinter:
     def _row_weights(self, count: int, device: torch.device) -> torch.Tensor:
         cached = self._weights.get(device)
         if cached is None or cached.numel() < count:
-            size = max(count, _CHUNK // _ROW + 1)
+            size = max(count, 1 << 17)
             cached = torch.arange(1, 2 * size, 2, dtype=torch.int64, device=device)
             self._weights[device] = cached
         return cached[:count]
@@ -53,11 +58,12 @@ class Fingerprinter:
     def of_words(self, words_list: Sequence[torch.Tensor]) -> torch.Tensor:
         """Fingerprint of the concatenation of 1-D integer tensors (rows never straddle two of them)."""
         device = words_list[0].device if words_list else torch.device("cpu")
-        total = torch.zeros((), dtype=torch.int64, device=device)
+        total = None
         row_offset = 0
         for words in words_list:
-            for start in range(0, words.numel(), _CHUNK):
-                chunk = words[start : start + _CHUNK]
+            step = _CHUNK if words.dtype == torch.int64 else _CHUNK_CONVERTED
+            for start in range(0, words.numel(), step):
+                chunk = words[start : start + step]
                 if chunk.dtype != torch.int64:
                     chunk = chunk.to(torch.int64)
                 full = chunk.numel() - chunk.numel() % _ROW
@@ -65,9 +71,12 @@ class Fingerprinter:
                 if full < chunk.numel():
                     rows = torch.cat([rows, chunk[full:].sum().view(1)])
                 weights = self._row_weights(rows.numel(), rows.device)
-                total += (rows * weights).sum() + rows.sum() * (2 * row_offset)
+                part = (rows * weights).sum()
+                if row_offset:
+                    part += rows.sum() * (2 * row_offset)
+                total = part if total is None else total + part
                 row_offset += rows.numel()
-        return total
+        return torch.zeros((), dtype=torch.int64, device=device) if total is None else total
 
     def of_payload(self, buffer: torch.Tensor, bucket: Bucket) -> torch.Tensor:
         return self.of_words([buffer[: bucket.payload_bytes].view(torch.int64)])

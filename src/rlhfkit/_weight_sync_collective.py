@@ -11,6 +11,7 @@ loading them (so the sender never blocks on it) and reports its error at the end
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
 from datetime import timedelta
@@ -22,7 +23,7 @@ from rlhfkit._weight_sync_buckets import STATUS_ABORT, BucketSlots
 from rlhfkit._weight_sync_errors import WeightSyncError, WeightSyncTimeout
 from rlhfkit._weight_sync_manifest import Bucket, Manifest
 
-__all__ = ["CollectiveLink", "CollectiveSender", "CollectiveReceiver"]
+__all__ = ["CollectiveLink", "CollectiveSender", "CollectiveReceiver", "run_bounded", "poll_until"]
 
 logger = logging.getLogger(__name__)
 
@@ -38,16 +39,66 @@ def _nccl_backend_class() -> type:
     return nccl
 
 
+def run_bounded(call: Callable[[], object], timeout_s: float, on_timeout: Callable[[], Exception]) -> object:
+    """``call()`` in a helper thread, waited for at most ``timeout_s``; raises ``on_timeout()`` past it.
+
+    For blocking C calls that have no deadline of their own (NCCL communicator creation inside torch, which releases
+    the GIL): the thread is left behind when it times out — the caller must treat the group as broken."""
+    outcome: dict[str, object] = {}
+
+    def target() -> None:
+        try:
+            outcome["value"] = call()
+        except BaseException as error:  # re-raised in the caller's thread
+            outcome["error"] = error
+
+    thread = threading.Thread(target=target, name="rlhfkit-weight-sync-bounded", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if thread.is_alive():
+        raise on_timeout()
+    if "error" in outcome:
+        raise outcome["error"]  # type: ignore[misc]
+    return outcome.get("value")
+
+
+def poll_until(done: Callable[[], bool], deadline: float) -> bool:
+    """Poll ``done()`` until it is True (returns True) or ``time.monotonic()`` passes ``deadline`` (returns False).
+    Spins briefly, then sleeps in growing steps up to 1 ms, so a GPU wait costs little latency and no busy core."""
+    pause = 0.0
+    while not done():
+        if time.monotonic() >= deadline:
+            return False
+        if pause:
+            time.sleep(pause)
+        pause = min(max(pause * 2, 2e-5), 1e-3)
+    return True
+
+
 class CollectiveLink:
-    """The group's own process group. ``connect()`` is collective: every rank must call it."""
+    """The group's own process group. ``connect()`` is collective: every rank must call it.
+
+    NCCL: the communicator is created eagerly in ``connect()`` on ``device`` (both ends meet there, right after the
+    rendezvous) and checked with an 8-byte broadcast, each bounded by ``timeout_s`` on the host. ``wait(..., host=True)``
+    waits for a broadcast on the host by polling a CUDA event against the deadline (an NCCL ``Work.wait()`` only
+    makes the current stream wait, so a stuck broadcast would otherwise block the next host sync forever). After a
+    timeout the communicator is aborted (``ncclCommAbort``), so nothing later blocks on it. The NCCL watchdog's own
+    timeout is set well past ``timeout_s``, so our error, which names the peer, comes first.
+    """
 
     def __init__(self, store: dist.Store, *, backend: str, rank: int, world_size: int, timeout_s: float,
                  device: torch.device, describe_group: Callable[[], str]) -> None:
         self.store, self.backend, self.rank, self.world_size = store, backend, rank, world_size
+        self.timeout_s = timeout_s
         self.timeout = timedelta(seconds=timeout_s)
         self.device = device
         self.describe_group = describe_group
         self.group = None
+        self.broken = False
+
+    def _timeout_error(self, what: str) -> WeightSyncTimeout:
+        return WeightSyncTimeout(f"timed out after {self.timeout_s:g}s {what} in {self.describe_group()}: the peer "
+                                 f"did not take part (dead, stuck, or not in the same sync)")
 
     def connect(self) -> None:
         if self.group is not None:
@@ -58,39 +109,78 @@ class CollectiveLink:
             if self.backend == "gloo":
                 self.group = dist.ProcessGroupGloo(prefix, self.rank, self.world_size, self.timeout)
             else:
-                nccl = _nccl_backend_class()
-                options = nccl.Options()
-                options._timeout = self.timeout
-                options.is_high_priority_stream = False
-                self.group = nccl(prefix, self.rank, self.world_size, options)
-                if hasattr(self.group, "_set_sequence_number_for_group"):
-                    self.group._set_sequence_number_for_group()
+                self.group = self._nccl_group(prefix)
+        except WeightSyncError:
+            self.abort()
+            raise
         except (RuntimeError, OSError) as error:
-            if time.monotonic() - started >= self.timeout.total_seconds() - 0.05:
-                raise WeightSyncTimeout(f"timed out after {self.timeout.total_seconds():g}s forming the "
+            self.abort()
+            if time.monotonic() - started >= self.timeout_s - 0.05:
+                raise WeightSyncTimeout(f"timed out after {self.timeout_s:g}s forming the "
                                         f"{self.backend} group of {self.describe_group()}: not every member joined "
                                         f"(each must be in its first send/receive)") from error
             raise WeightSyncError(f"could not form the {self.backend} group of {self.describe_group()}: {error}") \
                 from error
+
+    def _nccl_group(self, prefix: dist.Store) -> object:
+        nccl = _nccl_backend_class()
+        options = nccl.Options()
+        options._timeout = timedelta(seconds=2 * self.timeout_s + 30)  # the watchdog fires after our deadline
+        options.is_high_priority_stream = False
+        group = nccl(prefix, self.rank, self.world_size, options)
+        self.group = group
+        deadline = time.monotonic() + self.timeout_s
+        with torch.cuda.device(self.device):
+            if hasattr(group, "eager_connect_single_device"):
+                run_bounded(lambda: group.eager_connect_single_device(self.device), self.timeout_s,
+                            lambda: self._timeout_error("creating the NCCL communicator"))
+            probe = torch.zeros(1, dtype=torch.int64, device=self.device)
+            work = run_bounded(lambda: self.broadcast(probe), max(deadline - time.monotonic(), 1.0),
+                               lambda: self._timeout_error("creating the NCCL communicator"))
+            self.wait(work, "the connection check", host=True, deadline=deadline)
+        return group
 
     def broadcast(self, tensor: torch.Tensor) -> dist.Work:
         options = dist.BroadcastOptions()
         options.rootRank, options.rootTensor = 0, 0
         return self.group.broadcast([tensor], options)
 
-    def wait(self, work: dist.Work, what: str) -> None:
+    def wait(self, work: dist.Work, what: str, *, host: bool = False, deadline: float | None = None) -> None:
+        """Wait for ``work``. gloo: on the host (gloo's own timeout bounds it). NCCL: the current stream waits;
+        with ``host=True`` the host also waits, until ``deadline`` (default: now + timeout)."""
         try:
             work.wait()
         except (RuntimeError, OSError) as error:
+            self.broken = True
             raise WeightSyncError(f"{self.backend} broadcast of {what} in {self.describe_group()} failed: {error}") \
                 from error
+        if not host or self.device.type != "cuda":
+            return
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        deadline = time.monotonic() + self.timeout_s if deadline is None else deadline
+        if not poll_until(event.query, deadline):
+            self.abort()
+            raise self._timeout_error(f"waiting for the {self.backend} broadcast of {what}")
+
+    def abort(self) -> None:
+        """Tear the communicator down without waiting for anything in flight (after a timeout or failure)."""
+        self.broken = True
+        group = self.group
+        if group is not None and self.backend == "nccl" and hasattr(group, "abort"):
+            try:
+                run_bounded(group.abort, 10.0, lambda: WeightSyncError("ncclCommAbort did not return in 10 s"))
+            except (WeightSyncError, RuntimeError) as error:  # best effort: the caller raises the real error
+                logger.warning("aborting the NCCL group of %s failed: %s", self.describe_group(), error)
 
     def close(self) -> None:
         group, self.group = self.group, None
-        if group is not None and hasattr(group, "shutdown"):
+        if group is None or self.broken:
+            return  # an aborted group has nothing left to release, and a shutdown could block on it
+        if hasattr(group, "shutdown"):
             try:
-                group.shutdown()
-            except RuntimeError as error:  # already torn down by a peer failure; nothing left to release
+                run_bounded(group.shutdown, 30.0, lambda: WeightSyncError("shutdown did not return in 30 s"))
+            except (WeightSyncError, RuntimeError) as error:  # already torn down by a peer failure, or stuck
                 logger.debug("shutdown of the %s group failed: %s", self.backend, error)
 
 
@@ -117,7 +207,7 @@ class CollectiveSender:
     def abort(self, version: int, bucket: Bucket, message: str, *, peer_failed: bool) -> None:
         """Tell receivers (blocked in this bucket's broadcast) to stop: broadcast it with an abort status. Skipped
         when a peer already broke the group — another broadcast would only fail or hang."""
-        if peer_failed:
+        if peer_failed or self.link.broken:
             return
         self.acquire(version, bucket)
         self.slots.write_tail(bucket, None, STATUS_ABORT)
@@ -125,9 +215,11 @@ class CollectiveSender:
         self.flush(version)
 
     def flush(self, version: int) -> None:
+        """Wait on the host (bounded) until every broadcast in flight has finished."""
+        deadline = time.monotonic() + self.link.timeout_s
         for slot in sorted(self._pending):
             work, index = self._pending.pop(slot)
-            self.link.wait(work, f"bucket {index} of sync {version}")
+            self.link.wait(work, f"bucket {index} of sync {version}", host=True, deadline=deadline)
 
 
 class CollectiveReceiver:
@@ -140,7 +232,11 @@ class CollectiveReceiver:
         self.slots.ensure(manifest.capacity)
 
     def receive(self, version: int, bucket: Bucket) -> None:
-        self.link.wait(self.link.broadcast(self.slots.wire(bucket)), f"bucket {bucket.index} of sync {version}")
+        if self.link.broken:
+            raise WeightSyncError(f"the {self.link.backend} group of {self.link.describe_group()} was aborted after "
+                                  f"an earlier failure; bucket {bucket.index} of sync {version} cannot arrive")
+        self.link.wait(self.link.broadcast(self.slots.wire(bucket)), f"bucket {bucket.index} of sync {version}",
+                       host=True)
 
     def release(self, version: int, bucket: Bucket) -> None:
         """The bucket's tensors were handed over; nothing to signal (the next broadcast is the signal)."""

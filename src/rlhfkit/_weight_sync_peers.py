@@ -208,7 +208,7 @@ class ReceiverSide:
         self.transport = CollectiveReceiver(self.link, self.slots)
 
     def receive(self, load_fn: Callable, expected: Sequence[TensorSpec] | None,
-                held: int) -> tuple[Manifest, Any, float]:
+                held: int, *, by_bucket: bool = False) -> tuple[Manifest, Any, float]:
         self._connect()
         version = self.seen + 1
         data = self.control.get_bytes(f"{version}/manifest", peer=0, what=f"the manifest of sync {version}")
@@ -220,7 +220,7 @@ class ReceiverSide:
                                 abort_message=lambda: self._abort_message(version))
         try:
             self.transport.prepare(manifest)
-            loaded = call_load_fn(load_fn, iter(stream), version)
+            loaded = call_load_fn(load_fn, stream.by_bucket() if by_bucket else iter(stream), version)
             stream.finish()
         except Exception as error:
             self._report_failure(stream, error, held)

@@ -52,11 +52,38 @@ def take_tensor(iterator: Iterator[tuple[str, torch.Tensor]], spec: TensorSpec, 
     return tensor
 
 
+_BATCH_BYTES = 256 * 1024**2  # source tensors held before one batched copy into the bucket
+
+
+def _copy_batch(views: list[torch.Tensor], tensors: list[torch.Tensor]) -> None:
+    """Copy ``tensors`` into ``views``: one ``_foreach_copy_`` (a few fused kernels for same-dtype, same-device
+    pairs; torch falls back to per-tensor copies otherwise); ``copy_`` one by one where foreach is missing."""
+    foreach_copy = getattr(torch, "_foreach_copy_", None)
+    if foreach_copy is not None and len(views) > 1:
+        foreach_copy(views, tensors)
+    else:
+        for view, tensor in zip(views, tensors, strict=True):
+            view.copy_(tensor)
+    views.clear()
+    tensors.clear()
+
+
 def pack_bucket(manifest: Manifest, bucket: Bucket, iterator: Iterator, views: Sequence[torch.Tensor]) -> None:
     """Copy the bucket's tensors from the source into its slot (casting floating dtypes); after the last bucket,
-    check that the source is exhausted."""
+    check that the source is exhausted. Tensors are copied in batches of up to 256 MiB of source tensors (one
+    batched copy each), so a gathering source keeps at most that much (at most one bucket) alive beyond what it gathers itself."""
+    pending_views: list[torch.Tensor] = []
+    pending: list[torch.Tensor] = []
+    held = 0
     for position, view in zip(range(bucket.start, bucket.stop), views, strict=True):
-        view.copy_(take_tensor(iterator, manifest.specs[position], position, len(manifest.specs)))
+        tensor = take_tensor(iterator, manifest.specs[position], position, len(manifest.specs))
+        pending_views.append(view)
+        pending.append(tensor)
+        held += view.numel() * view.element_size()
+        if held >= _BATCH_BYTES:
+            _copy_batch(pending_views, pending)
+            held = 0
+    _copy_batch(pending_views, pending)
     if bucket.index == len(manifest.buckets) - 1:
         extra = next(iterator, _END)
         if extra is not _END:
@@ -93,6 +120,16 @@ class ReceivedStream:
             for spec, view in zip(self.manifest.specs[bucket.start : bucket.stop], views, strict=True):
                 self.yielded += 1
                 yield spec.name, view
+            self._close()
+
+    def by_bucket(self) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """The same sync, one list of ``(name, view)`` per bucket; a list stays valid until the next is requested."""
+        for bucket in self.manifest.buckets:
+            self._open(bucket)
+            views = self.slots.views(self.manifest, bucket)
+            names = self.manifest.tensor_names(bucket)
+            self.yielded += len(names)
+            yield list(zip(names, views, strict=True))
             self._close()
 
     def _open(self, bucket: Bucket) -> None:
