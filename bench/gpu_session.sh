@@ -10,7 +10,9 @@ set -uo pipefail
 stage=${1:?stage}
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
-export PYTHONPATH=$PWD/src:$PWD/.carry/pytest:${PYTHONPATH:-} TORCH_CUDA_ARCH_LIST=9.0 RAY_AUTH_MODE=disabled \
+# pytest travels once (.carry/pytest) and is kept in /tmp while the machine stays warm
+if [ -d .carry/pytest ]; then rm -rf /tmp/pytest-site && cp -r .carry/pytest /tmp/pytest-site; fi
+export PYTHONPATH=$PWD/src:/tmp/pytest-site:${PYTHONPATH:-} TORCH_CUDA_ARCH_LIST=9.0 RAY_AUTH_MODE=disabled \
   RAY_USAGE_STATS_ENABLED=0 HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 VLLM_USE_FLASHINFER_SAMPLER=0 TOKENIZERS_PARALLELISM=false
 SMOL=/tmp/smollm2-hf
 log=$OUT/stage$stage.log
@@ -36,6 +38,21 @@ case $stage in
 4)
   run 240 python bench/vllm_engine.py --model $SMOL --only model throughput --out "$OUT/vllm_engine_b.json"
   run 300 python -m pytest -q -p no:cacheprovider -m gpu -x --timeout 240 tests
+  ;;
+5)  # second round, kit chunk 1 + pytest: the fixed weight-sync paths and the DeepSpeed GPU test
+  run 100 python bench/weight_sync.py --mode ipc --out "$OUT/weight_sync_ipc.json" --deadline-s 90
+  run 100 python bench/weight_sync.py --mode nccl --out "$OUT/weight_sync_nccl.json" --deadline-s 90
+  run 240 python -m pytest -q -p no:cacheprovider -m gpu --timeout 200 tests/test_deepspeed_engine.py \
+      tests/test_weight_sync.py tests/test_engines_hf.py tests/test_losses.py tests/test_advantages.py
+  ;;
+6)  # second round, kit chunk 2: vLLM sleep on a 1.5B model, IPC into vLLM, vLLM GPU tests
+  python -c "from rlhfkit.tiny_models import *; build_tiny_model('/tmp/tiny-hd64', TinyModelConfig(hidden_size=256, num_heads=4, num_kv_heads=2, intermediate_size=512))" >>"$log" 2>&1
+  run 150 python bench/vllm_engine.py --model /tmp/tiny-hd64 --large --only sleep --out "$OUT/vllm_engine_sleep.json"
+  run 100 python bench/ipc_to_vllm.py --model /tmp/tiny-hd64 --out "$OUT/ipc_to_vllm_tiny.json"
+  ;;
+7)  # second round, kit chunk 3: SmolLM2 through vLLM (log-probs vs HF, throughput vs raw vLLM, killed engine)
+  run 90 python examples/convert_smollm2.py --out $SMOL
+  run 200 python bench/vllm_engine.py --model $SMOL --repeats 5 --only model throughput --out "$OUT/vllm_engine_smol.json"
   ;;
 esac
 echo "stage $stage done in $SECONDS s" | tee -a "$log"

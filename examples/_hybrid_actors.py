@@ -1,0 +1,315 @@
+"""The Ray actors of the hybrid-engine examples (see ``_hybrid_common.py`` for the driver side): one DeepSpeed model
+per role and rank (:class:`ModelWorker`), and rollout engines (:class:`HFEngineActor`, :func:`vllm_engine_class`),
+every sleep/wake of each through the phase guard. Ray ships this module to its workers by value (``examples/`` is not
+installed), so it imports nothing heavy at module level.
+"""
+
+from __future__ import annotations
+
+import gc
+import importlib
+import os
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+
+import torch
+
+from rlhfkit.experience import iterate_minibatches, select_experience
+from rlhfkit.packing import global_counts, partition_by_token_budget
+from rlhfkit.phase import PhaseGuard, Transition
+from rlhfkit.workers import Worker
+
+GIB = 1024**3
+
+
+def gpu_key(node: int, gpu: int) -> str:
+    """The phase guard's name of a plan GPU (the plan, not CUDA, knows which roles share it)."""
+    return f"node{node}/gpu{gpu}"
+
+
+# ------------------------------------------------------------------------------------------------ trainer models
+@dataclass(frozen=True, kw_only=True)
+class TrainSettings:
+    """How a worker trains on its shard of one step's experience (see ModelWorker.train)."""
+
+    epochs: int = 1
+    minibatches: int = 2
+    grad_accum: int = 1
+    temperature: float = 1.0
+    clip: float = 0.2
+    kl_coef: float = 0.0
+    aggregation: str = "token_mean"
+    mismatch: str = "none"
+    value_clip: float | None = 0.2
+    seed: int = 0
+
+
+class ModelWorker(Worker):
+    """One DeepSpeed model (ZeRO-1/2/3) of one role on one GPU, a rank of that role's WorkerGroup.
+
+    Every sleep/wake goes through a :class:`~rlhfkit.phase.PhaseGuard` whose store is shared by every actor of the
+    run, keyed by the plan's GPU: waking a model while another role is awake on that GPU raises, naming both.
+    """
+
+    def __init__(self, guard_store, device_kind: str, model_path: str) -> None:
+        # Nothing touches the GPU here (vLLM may be profiling its memory right now); only imports, which are slow
+        # and run in parallel across roles this way instead of one after another in load().
+        if device_kind == "cpu":
+            # skip a ≈ 50 s JIT build of a CPU op (import_module: a plain `deepspeed.ops` would make Ray's pickler
+            # ship `torch.ops` along with this class)
+            importlib.import_module("deepspeed.ops").__compatible_ops__["deepspeed_shm_comm"] = False
+        import torch._dynamo  # noqa: F401 — DeepSpeed imports it lazily while checking the optimizer
+        import transformers
+
+        import rlhfkit.deepspeed_engine  # noqa: F401
+
+        transformers.AutoConfig.from_pretrained(model_path)  # imports the model's configuration module
+        self.device_kind = device_kind
+        bundle = int(os.environ["RLHFKIT_BUNDLE_INDICES"].split(",")[0])
+        self.gpu = gpu_key(int(os.environ["RLHFKIT_PLAN_NODE"]), bundle)
+        self.guard = PhaseGuard(guard_store, gpu=self.gpu)
+        self.events: list[dict] = []
+        self.model = self.sender = None
+
+    def load(self, path: str, config, seed: int) -> dict:
+        """Build the model while holding the GPU's claim, then put it to sleep."""
+        from rlhfkit.deepspeed_engine import DeepSpeedEngine
+
+        self._transition("wake", "load")  # claim only: the model does not exist yet
+        if self.device_kind == "cuda":
+            device = self.device()
+            torch.cuda.set_device(device)
+            # Ray shows this process only its GPU (cuda:0); DeepSpeed takes LOCAL_RANK as the CUDA device index.
+            os.environ["LOCAL_RANK"] = str(device.index or 0)
+        torch.manual_seed(seed)
+        self.model = DeepSpeedEngine.from_pretrained(path, role=self.role, config=config)
+        gc.collect()
+        gc.freeze()  # DeepSpeed's offload_states calls gc.collect(); frozen long-lived objects make that cheap
+        self._transition("sleep", "load")
+        return {"parameters": sum(getattr(p, "ds_numel", p.numel()) for p in self.model.module.parameters())}
+
+    def _transition(self, action: str, phase: str, **kwargs) -> float:
+        guard_call = self.guard.wake if action == "wake" else self.guard.sleep
+        transition = guard_call(self.role, self.model, phase=phase, **kwargs)
+        self.events.append(event_record(transition, rank=self.rank))
+        return transition.seconds
+
+    def wake(self, phase: str) -> float:
+        return self._transition("wake", phase)
+
+    def sleep(self, phase: str, keep_weights: bool = False) -> float:
+        return self._transition("sleep", phase, keep_weights=keep_weights)
+
+    def guard_events(self) -> list[dict]:
+        events, self.events = self.events, []
+        return events
+
+    def forward(self, batches: list, *, kind: str, temperature: float = 1.0) -> dict:
+        """No-grad forwards over this rank's micro-batches: ``[T]`` log-probs or values, or ``[N]`` rewards each."""
+        _reset_peak()
+        run = {"logprobs": lambda b: self.model.forward_logprobs(b, temperature=temperature),
+               "values": self.model.forward_values, "rewards": self.model.forward_rewards}[kind]
+        with torch.no_grad():
+            outputs = [run(batch).float().cpu() for batch in batches]
+        return {"outputs": outputs, "peak_gib": _peak_gib()}
+
+    def train(self, shard, *, settings: TrainSettings, step: int) -> dict:
+        """Epochs × minibatches optimizer steps over this rank's shard, each of ``grad_accum`` micro-batches.
+
+        Losses are normalised by the minibatch's token/sequence counts summed over all ranks, so the gradients the
+        ranks sum are exactly the whole minibatch's (``loss_normalization="global"``). Every rank makes the same
+        number of forward/backward/step calls, as ZeRO's collectives require.
+        """
+        _reset_peak()
+        device = self.model.device
+        group = torch.distributed.group.WORLD if self.world_size > 1 else None
+        sums, counts, losses = defaultdict(float), defaultdict(int), []
+        for epoch in range(settings.epochs):
+            seed = settings.seed * 100_003 + step * 101 + epoch
+            for minibatch in iterate_minibatches(shard, num_minibatches=settings.minibatches, seed=seed):
+                num_tokens, num_seqs = global_counts(minibatch.batch.to(device), group=group)
+                if minibatch.num_seqs < settings.grad_accum:  # DeepSpeed counts backward calls per optimizer step
+                    raise ValueError(f"rank {self.rank}: a minibatch of {minibatch.num_seqs} sequences cannot make "
+                                     f"grad_accum={settings.grad_accum} micro-batches; lower --grad-accum or "
+                                     "--minibatches, or raise --rollout-batch")
+                parts = partition_by_token_budget(minibatch.batch.seq_lens.tolist(),
+                                                  num_micro_batches=settings.grad_accum)
+                minibatch_loss = 0.0
+                for part in parts:
+                    micro = select_experience(minibatch, part).to(device)
+                    loss, stats = self._loss(micro, settings, num_tokens, num_seqs)
+                    self.model.backward(loss)
+                    minibatch_loss += float(loss.detach())
+                    stats |= {k: v for k, v in self.model.step().items() if k in ("grad_norm", "lr")}
+                    for key, value in stats.items():
+                        sums[key] += float(value)
+                        counts[key] += 1
+                losses.append(minibatch_loss)
+        result = {f"{self.role}/{key}": sums[key] / counts[key] for key in sums if key != "loss"}
+        return result | {f"{self.role}/loss": sum(losses) / len(losses), "peak_gib": _peak_gib()}
+
+    def _loss(self, micro, s: TrainSettings, num_tokens: float, num_seqs: float):
+        from rlhfkit.losses import kl_loss, policy_loss, value_loss
+
+        batch = micro.batch
+        mask, cu = batch.loss_mask, batch.cu_seqlens
+        counts = {"aggregation": s.aggregation, "num_tokens": num_tokens, "num_seqs": num_seqs}
+        if self.role == "critic":
+            values = self.model.forward_values(batch)
+            return value_loss(values, micro.values, micro.returns, mask, cu, clip=s.value_clip, **counts)
+        logprobs = self.model.forward_logprobs(batch, temperature=s.temperature)
+        loss, stats = policy_loss(logprobs, micro.old_logprobs, micro.advantages, mask, cu, clip_low=s.clip,
+                                  clip_high=s.clip, engine_logprobs=micro.engine_logprobs, mismatch=s.mismatch,
+                                  **counts)
+        if s.kl_coef > 0 and micro.ref_logprobs is not None:
+            kl, kl_stats = kl_loss(logprobs, micro.ref_logprobs, mask, cu, estimator="k3", **counts)
+            loss = loss + s.kl_coef * kl
+            stats["kl_loss"] = kl_stats["kl_mean"]
+        return loss, stats
+
+    def open_weight_sync(self, sender: bool, *, backend: str, world_size: int, group_name: str, bucket_bytes: int,
+                         dtype: str | None, sync_timeout_s: float):
+        """Bind this rank's WeightSender (if it is one) and return its endpoint for the engines; None otherwise.
+        Every rank streams its parameters at each sync: under ZeRO-3 the gathers are collective."""
+        import ray
+
+        from rlhfkit.weight_sync import SyncEndpoint, WeightSender, WeightSyncConfig, describe_parameters
+
+        self.sync_dtype = getattr(torch, dtype) if dtype else None
+        self.sync_bucket_bytes = bucket_bytes
+        if not sender:
+            return None
+        config = WeightSyncConfig(backend=backend, bucket_bytes=bucket_bytes, dtype=self.sync_dtype,
+                                  timeout_s=sync_timeout_s)
+        endpoint = SyncEndpoint(host=ray.util.get_node_ip_address(), world_size=world_size, group_name=group_name,
+                                label=f"actor-{self.rank}")
+        device = self.model.device if backend in ("nccl", "cuda_ipc") else None
+        self.sender = WeightSender(config, endpoint, device=device)
+        # described from the (partitioned) parameters, so the lazy ZeRO-3 stream below is walked once
+        self.description = describe_parameters(self.model.module.named_parameters(), dtype=self.sync_dtype)
+        return self.sender.endpoint
+
+    def sync_weights(self) -> dict:
+        stream = self.model.named_parameters_for_sync(bucket_bytes=self.sync_bucket_bytes, dtype=self.sync_dtype)
+        if self.sender is None:
+            for _ in stream:  # take part in the ZeRO-3 gathers; rank 0 sends
+                pass
+            return {}
+        report = self.sender.send(stream, description=self.description)
+        return {"version": report.version, "bytes": report.num_bytes, "seconds": report.seconds,
+                "receiver_versions": list(report.receiver_versions)}
+
+
+def event_record(transition, **extra) -> dict:
+    """A guarded transition as a plain dict with a wall-clock time (for phases.jsonl and the order checks)."""
+    record = {"time": time.time(), "action": transition.action, "role": transition.role, "gpu": transition.gpu,
+              "phase": transition.phase, "seconds": transition.seconds}
+    for name in ("allocated", "reserved", "free"):
+        value = getattr(transition, name)
+        record[f"{name}_gib"] = None if value is None else value / GIB
+    return record | extra
+
+
+def _reset_peak() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+
+
+def _peak_gib() -> float:
+    return torch.cuda.max_memory_allocated() / GIB if torch.cuda.is_available() else 0.0
+
+
+# ------------------------------------------------------------------------------------------------ rollout engines
+class EngineGuard(PhaseGuard):
+    """The guard of an engine actor. vLLM's front-end process (the Ray actor) has no CUDA context of its own — the
+    model lives in vLLM's engine-core process — and the base guard's memory log would create one (≈ 0.5 GiB of the
+    shared GPU), so transitions are recorded without memory figures while CUDA is uninitialised here."""
+
+    def _record(self, action, role, gpu, phase, seconds):
+        if torch.cuda.is_available() and not torch.cuda.is_initialized():
+            transition = Transition(action=action, role=role, gpu=gpu, phase=phase, seconds=seconds,
+                                    allocated=None, reserved=None, free=None)
+            self.history.append(transition)
+            return transition
+        return super()._record(action, role, gpu, phase, seconds)
+
+
+class GuardedEngine:
+    """Mixin for engine actors: ``guarded_sleep``/``guarded_wake`` claim and release the engine's GPUs."""
+
+    role = "rollout"
+
+    def _guard_setup(self, store, gpus) -> None:
+        self._guard, self._gpus, self._events = EngineGuard(store), tuple(gpus), []
+
+    def guarded_sleep(self, level: int, phase: str) -> None:
+        for index, gpu in enumerate(self._gpus):
+            model, kwargs = (self, {"level": level}) if index == 0 else (None, {})
+            self._events.append(event_record(self._guard.sleep(self.role, model, gpu=gpu, phase=phase, **kwargs),
+                                             rank=self.engine_index))
+
+    def guarded_wake(self, tags, phase: str) -> None:
+        for index, gpu in reversed(list(enumerate(self._gpus))):  # claim every GPU before waking the model
+            model, kwargs = (self, {"tags": tags}) if index == 0 else (None, {})
+            self._events.append(event_record(self._guard.wake(self.role, model, gpu=gpu, phase=phase, **kwargs),
+                                             rank=self.engine_index))
+
+    def guard_events(self) -> list[dict]:
+        events, self._events = self._events, []
+        return events
+
+
+class HFEngineActor(GuardedEngine):
+    """:class:`rlhfkit.engines.hf.HFEngine` as a Ray actor with the surface of the vLLM engine actor: generate,
+    sleep/wake, ``init_weight_sync``/``receive_weights`` through :mod:`rlhfkit.weight_sync`, versions."""
+
+    def __init__(self, model_path: str, *, engine_index: int, seed: int, device: str, guard_store, gpus) -> None:
+        from rlhfkit.engines.hf import HFEngine, HFEngineConfig
+
+        self.engine_index = engine_index
+        dtype = "bfloat16" if device == "cuda" else "float32"
+        self.engine = HFEngine(HFEngineConfig(model=model_path, device=device, dtype=dtype, seed=seed + engine_index))
+        self.receiver = None
+        self._guard_setup(guard_store, gpus)
+
+    def ready(self) -> dict:
+        return {"engine_index": self.engine_index, "pid": os.getpid()}
+
+    def generate(self, prompts, sampling, prompt_indices=None):
+        return self.engine.generate(prompts, sampling)  # the EngineGroup maps prompt indices back
+
+    def sleep(self, level: int = 1) -> None:
+        self.engine.sleep(level)
+
+    def wake_up(self, tags=None) -> None:
+        self.engine.wake_up(tags)
+
+    def get_weight_version(self) -> int:
+        return self.engine.weight_version
+
+    def init_weight_sync(self, sync_config, endpoint, *, first_rank: int, expected=None) -> list[dict]:
+        from rlhfkit.weight_sync import WeightReceiver, describe_parameters
+
+        expected = expected or describe_parameters(self.engine.model.named_parameters(), dtype=sync_config.dtype)
+        device = self.engine.device if sync_config.backend == "nccl" else None
+        self.receiver = WeightReceiver(sync_config, endpoint.for_rank(first_rank, f"engine-{self.engine_index}"),
+                                       expected=expected, device=device)
+        return [{"rank": first_rank}]
+
+    def receive_weights(self, *, version=None) -> list[dict]:
+        report = self.receiver.receive(self.engine.load_weights)
+        return [{"version": report.version, "seconds": report.seconds, "bytes": report.num_bytes}]
+
+
+def vllm_engine_class(guard_store, gpus_by_engine):
+    """rlhfkit's vLLM engine actor with guarded sleep/wake; ``create_engines`` builds it as ``cls(config, ...)``."""
+    from rlhfkit.engines.vllm import VLLMEngineActor
+
+    class GuardedVLLMEngine(GuardedEngine, VLLMEngineActor):
+        def __init__(self, config, *, engine_index: int = 0, distributed_executor_backend=None) -> None:
+            super().__init__(config, engine_index=engine_index,
+                             distributed_executor_backend=distributed_executor_backend)
+            self._guard_setup(guard_store, gpus_by_engine[engine_index])
+
+    return GuardedVLLMEngine
