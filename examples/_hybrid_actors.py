@@ -79,9 +79,7 @@ class ModelWorker(Worker):
         self._transition("wake", "load")  # claim only: the model does not exist yet
         if self.device_kind == "cuda":
             device = self.device()
-            torch.cuda.set_device(device)
-            # Ray shows this process only its GPU (cuda:0); DeepSpeed takes LOCAL_RANK as the CUDA device index.
-            os.environ["LOCAL_RANK"] = str(device.index or 0)
+            torch.cuda.set_device(device)  # WorkerGroup already made LOCAL_RANK this device's index (DeepSpeed reads it)
         torch.manual_seed(seed)
         self.model = DeepSpeedEngine.from_pretrained(path, role=self.role, config=config)
         gc.collect()

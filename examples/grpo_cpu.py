@@ -119,7 +119,7 @@ def train_on(experience, policy, critic, optimizer, critic_optimizer, args, step
             loss.backward()
             pstats["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0))
             optimizer.step()
-            pstats["loss"] = float(loss)
+            pstats["loss"] = float(loss.detach())
             if critic is not None:
                 values = model_values(critic, batch)
                 vloss, vstats = value_loss(values, mb.values, mb.returns, mask, cu, clip=0.2)

@@ -185,6 +185,31 @@ class WorkerGroupConfig:
 
 
 
+def _align_local_rank_with_device() -> None:
+    """On CUDA, make ``LOCAL_RANK`` the index of this rank's CUDA device, as DeepSpeed and accelerate read it.
+
+    When Ray sets ``CUDA_VISIBLE_DEVICES`` every actor sees its own GPU as ``cuda:0``, so the node-local rank (1, 2,
+    ...) would point DeepSpeed at a device the process cannot see. The node-local rank stays available as
+    ``RLHFKIT_NODE_LOCAL_RANK``. Without CUDA (logical GPUs on CPU) nothing changes.
+    """
+    import torch
+
+    os.environ["RLHFKIT_NODE_LOCAL_RANK"] = os.environ.get("LOCAL_RANK", "0")
+    if not torch.cuda.is_available():
+        return
+    import ray
+
+    from rlhfkit._workers_env import NOSET_CUDA_VISIBLE_DEVICES, select_device
+
+    name = select_device(
+        ray.get_gpu_ids(), cuda_device_count=torch.cuda.device_count(),
+        cuda_visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES"),
+        ray_sets_visible_devices=os.environ.get(NOSET_CUDA_VISIBLE_DEVICES, "0") in ("", "0"),
+    )
+    if name.startswith("cuda"):
+        os.environ["LOCAL_RANK"] = name.partition(":")[2] or "0"
+
+
 def launchable(worker_cls: type) -> type:
     """``worker_cls`` with a constructor that first takes the rank's environment and sets it in ``os.environ``.
 
@@ -196,6 +221,7 @@ def launchable(worker_cls: type) -> type:
     class Launched(worker_cls):  # type: ignore[misc, valid-type]
         def __init__(self, rlhfkit_env: Mapping[str, str], *args: Any, **kwargs: Any) -> None:
             os.environ.update(rlhfkit_env)
+            _align_local_rank_with_device()
             super().__init__(*args, **kwargs)
 
     Launched.__name__ = worker_cls.__name__

@@ -244,8 +244,9 @@ def packed_logits(model: torch.nn.Module, batch: PackedBatch) -> torch.Tensor:
     """
     if not isinstance(batch, PackedBatch):
         raise TypeError(f"batch must be a PackedBatch, got {type(batch).__name__}")
-    config = getattr(model, "config", None) or getattr(getattr(model, "module", None), "config", None)
-    attn = getattr(config, "_attn_implementation", None)
+    # A DeepSpeed engine's own ``config`` is DeepSpeed's; the HF config lives on the wrapped ``module``.
+    configs = (getattr(getattr(model, "module", None), "config", None), getattr(model, "config", None))
+    attn = next((a for a in (getattr(c, "_attn_implementation", None) for c in configs) if a is not None), None)
     if attn is not None and attn not in PACKED_ATTENTION_IMPLEMENTATIONS:
         raise ValueError(f"model uses attn_implementation={attn!r}, which is not known to respect packed sequence "
                          f"boundaries; load it with one of {PACKED_ATTENTION_IMPLEMENTATIONS}")

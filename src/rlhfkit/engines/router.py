@@ -96,9 +96,10 @@ def unpack_generate_result(packed: dict[str, Any], prompts: Sequence[Sequence[in
         raise ValueError(f"packed result has {len(lengths)} samples for {len(prompts)} prompts × n={n} and "
                          f"{len(prompt_indices)} prompt indices; they must agree")
     bounds = np.concatenate([[0], np.cumsum(lengths)]).tolist()
-    tokens = torch.from_numpy(np.asarray(packed["tokens"], dtype=np.int64))
+    # np.array copies: arrays that come out of Ray's object store are read-only
+    tokens = torch.from_numpy(np.array(packed["tokens"], dtype=np.int64))
     values = packed.get("logprobs")
-    values = None if values is None else torch.from_numpy(np.asarray(values, dtype=np.float32))
+    values = None if values is None else torch.from_numpy(np.array(values, dtype=np.float32))
     rollouts = []
     for position, (prompt, global_index) in enumerate(zip(prompts, prompt_indices)):
         prompt_tensor = torch.tensor(list(prompt), dtype=torch.int64)
