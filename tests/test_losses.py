@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import math
-import multiprocessing
-import os
-import tempfile
 
 import pytest
 import torch
+from _gloo import run_gloo
 
 from rlhfkit.losses import (
     aggregate,
@@ -513,30 +511,22 @@ def test_loss_bad_inputs_name_the_argument():
 # ------------------------------------------------------------------------------ real 2-process DP check
 
 
-def _dp_worker(rank: int, world: int, init_file: str, queue) -> None:
-    import datetime
-
+def _dp_worker(rank: int, world: int):
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=30))
-    try:
-        batch, logprobs, old, adv = _dp_problem()
-        shard, index = select_sequences(batch, list(range(rank, batch.num_seqs, world)))
-        num_tokens, num_seqs = global_counts(shard, group=dist.group.WORLD)
-        local = logprobs.detach()[index].requires_grad_()
-        loss, _ = policy_loss(local, old[index], adv[index], shard.loss_mask, shard.cu_seqlens, dual_clip=3.0,
-                              aggregation="seq_mean_token_mean", num_tokens=num_tokens, num_seqs=num_seqs)
-        loss.backward()
-        grad = torch.zeros(batch.num_tokens, dtype=torch.float64)
-        grad[index] = local.grad
-        dist.all_reduce(grad)
-        total = loss.detach().clone()
-        dist.all_reduce(total)
-        queue.put((rank, grad, float(total)))
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
+    batch, logprobs, old, adv = _dp_problem()
+    shard, index = select_sequences(batch, list(range(rank, batch.num_seqs, world)))
+    num_tokens, num_seqs = global_counts(shard, group=dist.group.WORLD)
+    local = logprobs.detach()[index].requires_grad_()
+    loss, _ = policy_loss(local, old[index], adv[index], shard.loss_mask, shard.cu_seqlens, dual_clip=3.0,
+                          aggregation="seq_mean_token_mean", num_tokens=num_tokens, num_seqs=num_seqs)
+    loss.backward()
+    grad = torch.zeros(batch.num_tokens, dtype=torch.float64)
+    grad[index] = local.grad
+    dist.all_reduce(grad)
+    total = loss.detach().clone()
+    dist.all_reduce(total)
+    return grad, float(total)
 
 
 def _dp_problem():
@@ -551,22 +541,8 @@ def test_dp_sharded_gradients_over_two_gloo_processes_equal_whole_batch():
     whole, _ = policy_loss(logprobs, old, adv, batch.loss_mask, batch.cu_seqlens, dual_clip=3.0,
                            aggregation="seq_mean_token_mean")
     whole.backward()
-    context = multiprocessing.get_context("spawn")
-    queue = context.Queue()
-    with tempfile.TemporaryDirectory() as tmp:
-        init_file = os.path.join(tmp, "store")
-        procs = [context.Process(target=_dp_worker, args=(r, 2, init_file, queue)) for r in range(2)]
-        for p in procs:
-            p.start()
-        try:
-            results = [queue.get(timeout=60) for _ in procs]
-        finally:
-            for p in procs:
-                p.join(timeout=30)
-                if p.is_alive():
-                    p.kill()
-    assert all(p.exitcode == 0 for p in procs)
-    for _, grad, total in results:
+    results = run_gloo(_dp_worker, 2)
+    for grad, total in results:
         torch.testing.assert_close(grad, logprobs.grad, atol=1e-9, rtol=1e-9)
         assert total == pytest.approx(whole.item(), abs=1e-12)
 

@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import multiprocessing
-import os
 import random
-import tempfile
 
 import pytest
 import torch
+from _gloo import run_gloo
 
 from rlhfkit.packing import (
     VARLEN_ATTENTION,
@@ -266,45 +264,23 @@ def test_global_counts_local_matches_loop():
         global_counts(bad, batch.cu_seqlens)
 
 
-def _counts_worker(rank: int, world: int, init_file: str, result_queue) -> None:
-    import datetime
-
+def _counts_worker(rank: int, world: int):
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=30))
-    try:
-        seqs, masks = _random_sequences(11, num=8)
-        shard = list(range(rank, 8, world))
-        batch = pack_sequences([seqs[i] for i in shard], loss_masks=[masks[i] for i in shard], pad_to_multiple_of=4)
-        result_queue.put((rank, global_counts(batch, group=dist.group.WORLD), global_counts(batch)))
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
+    seqs, masks = _random_sequences(11, num=8)
+    shard = list(range(rank, 8, world))
+    batch = pack_sequences([seqs[i] for i in shard], loss_masks=[masks[i] for i in shard], pad_to_multiple_of=4)
+    return global_counts(batch, group=dist.group.WORLD), global_counts(batch)
 
 
 def test_global_counts_all_reduce_over_two_gloo_processes():
     seqs, masks = _random_sequences(11, num=8)
     whole = global_counts(pack_sequences(seqs, loss_masks=masks))
-    context = multiprocessing.get_context("spawn")
-    queue = context.Queue()
-    with tempfile.TemporaryDirectory() as tmp:
-        init_file = os.path.join(tmp, "store")
-        procs = [context.Process(target=_counts_worker, args=(r, 2, init_file, queue)) for r in range(2)]
-        for p in procs:
-            p.start()
-        try:
-            results = [queue.get(timeout=60) for _ in procs]
-        finally:
-            for p in procs:
-                p.join(timeout=30)
-                if p.is_alive():
-                    p.kill()
-    assert all(p.exitcode == 0 for p in procs)
-    for _, reduced, local in results:
+    results = run_gloo(_counts_worker, 2)
+    for reduced, local in results:
         assert reduced == whole
         assert local != whole
-    assert sum(r[2][0] for r in results) == whole[0]
+    assert sum(local[0] for _, local in results) == whole[0]
 
 
 # ---------------------------------------------------------------------------------------- HF forwards
