@@ -17,7 +17,7 @@ import torch
 
 from rlhfkit.experience import iterate_minibatches, select_experience
 from rlhfkit.packing import global_counts, partition_by_token_budget
-from rlhfkit.phase import PhaseGuard, Transition
+from rlhfkit.phase import PhaseGuard
 from rlhfkit.workers import Worker
 
 GIB = 1024**3
@@ -219,27 +219,13 @@ def _peak_gib() -> float:
 
 
 # ------------------------------------------------------------------------------------------------ rollout engines
-class EngineGuard(PhaseGuard):
-    """The guard of an engine actor. vLLM's front-end process (the Ray actor) has no CUDA context of its own — the
-    model lives in vLLM's engine-core process — and the base guard's memory log would create one (≈ 0.5 GiB of the
-    shared GPU), so transitions are recorded without memory figures while CUDA is uninitialised here."""
-
-    def _record(self, action, role, gpu, phase, seconds):
-        if torch.cuda.is_available() and not torch.cuda.is_initialized():
-            transition = Transition(action=action, role=role, gpu=gpu, phase=phase, seconds=seconds,
-                                    allocated=None, reserved=None, free=None)
-            self.history.append(transition)
-            return transition
-        return super()._record(action, role, gpu, phase, seconds)
-
-
 class GuardedEngine:
     """Mixin for engine actors: ``guarded_sleep``/``guarded_wake`` claim and release the engine's GPUs."""
 
     role = "rollout"
 
     def _guard_setup(self, store, gpus) -> None:
-        self._guard, self._gpus, self._events = EngineGuard(store), tuple(gpus), []
+        self._guard, self._gpus, self._events = PhaseGuard(store), tuple(gpus), []
 
     def guarded_sleep(self, level: int, phase: str) -> None:
         for index, gpu in enumerate(self._gpus):

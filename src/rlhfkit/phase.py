@@ -14,7 +14,8 @@ before waking the model and raises ``RuntimeError`` naming both roles and the GP
 ``sleep`` puts the model to sleep and then releases the claim. A role that is partially asleep (an actor keeping its
 weights for a sync, an engine with only its weights awake) counts as asleep once ``sleep``/released: the guard orders
 *who may allocate working memory*, the models decide what they keep. Every transition logs this process's allocated
-and reserved CUDA memory and the device's free memory (or that CUDA is absent) and is kept in ``guard.history``.
+and reserved CUDA memory and the device's free memory (or, without a CUDA context in this process, none: the guard
+never creates one) and is kept in ``guard.history``.
 
 Stores: :class:`LocalPhaseStore` (one process, threads), :class:`FilePhaseStore` (processes of one node sharing a
 directory; ``fcntl`` locks, POSIX only), :class:`TCPPhaseStore` (any processes or nodes that reach one
@@ -214,7 +215,9 @@ class Transition:
 
 
 def _memory(device: torch.device | None) -> tuple[int | None, int | None, int | None]:
-    if not torch.cuda.is_available():
+    # Never create a CUDA context just to log memory: a process that drives a GPU from elsewhere (vLLM's front-end
+    # actor, whose model lives in an engine-core process) would otherwise take ≈ 0.5 GiB of the shared GPU.
+    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
         return None, None, None
     device = device or torch.device("cuda", torch.cuda.current_device())
     free, _ = torch.cuda.mem_get_info(device)
@@ -304,7 +307,7 @@ class PhaseGuard:
         self.history.append(transition)
         where = f" (phase {phase})" if phase else ""
         if allocated is None:
-            logger.info("phase guard: %s '%s' on GPU %s%s in %.3f s; CUDA absent, no device memory to report",
+            logger.info("phase guard: %s '%s' on GPU %s%s in %.3f s; no CUDA context in this process, no memory to report",
                         action, role, gpu, where, seconds)
         else:
             logger.info("phase guard: %s '%s' on GPU %s%s in %.3f s; allocated %.2f GiB, reserved %.2f GiB, "
