@@ -172,7 +172,7 @@ class ModelWorker(Worker):
         Every rank streams its parameters at each sync: under ZeRO-3 the gathers are collective."""
         import ray
 
-        from rlhfkit.weight_sync import SyncEndpoint, WeightSender, WeightSyncConfig, describe_parameters
+        from rlhfkit.weight_sync import SyncEndpoint, WeightSender, WeightSyncConfig
 
         self.sync_dtype = getattr(torch, dtype) if dtype else None
         self.sync_bucket_bytes = bucket_bytes
@@ -185,7 +185,7 @@ class ModelWorker(Worker):
         device = self.model.device if backend in ("nccl", "cuda_ipc") else None
         self.sender = WeightSender(config, endpoint, device=device)
         # described from the (partitioned) parameters, so the lazy ZeRO-3 stream below is walked once
-        self.description = describe_parameters(self.model.module.named_parameters(), dtype=self.sync_dtype)
+        self.description = self.model.describe_parameters_for_sync(dtype=self.sync_dtype)
         return self.sender.endpoint
 
     def sync_weights(self) -> dict:

@@ -221,6 +221,9 @@ def check_stream(stage: int, ctx, *, bf16: bool = False) -> dict:
     result = {"stream": _compare(_stream_dict(engine, bucket_bytes=4096), reference),
               "stream_one_bucket": _compare(_stream_dict(engine, bucket_bytes=1 << 40), reference),
               "dtypes": sorted({str(t.dtype) for _, t in engine.named_parameters_for_sync()})}
+    streamed = [(name, tuple(t.shape), t.dtype) for name, t in engine.named_parameters_for_sync(bucket_bytes=4096)]
+    described = [(spec.name, tuple(spec.shape), spec.dtype) for spec in engine.describe_parameters_for_sync()]
+    result["description_matches_stream"] = streamed == described and len(described) > 0
     batch = _batch(7 + ctx.rank, ctx.vocab)
     with torch.no_grad():
         logprobs = engine.forward_logprobs(batch).cpu()

@@ -290,6 +290,7 @@ def test_reference_stream_equals_state_dict_and_logprobs_match_hf(ds_results, wo
         assert result[key]["keys_equal"] and not result[key]["mismatched"], result[key]
     assert result["stream"]["num"] == 21  # tiny llama: 2 layers x 9 + embed + norm + lm_head
     assert result["dtypes"] == ["torch.float32"]
+    assert result["description_matches_stream"]  # the sync manifest, described without gathering
     assert result["logprob_max_err"] < 1e-5
     trip = result["round_trip"]
     assert trip["identical"] and all(trip["moved"].values()) and set(trip["errors"].values()) == {"ok"}

@@ -311,6 +311,17 @@ class DeepSpeedEngine:
         return ckpt.iter_named_parameters(self.module, zero3=self.config.zero_stage == 3, bucket_bytes=bucket_bytes,
                                           dtype=dtype or self.dtype, exclude=exclude or (lambda name: False))
 
+    def describe_parameters_for_sync(self, *, dtype: torch.dtype | None = None) -> list:
+        """``(name, shape, dtype)`` of exactly what :meth:`named_parameters_for_sync` yields, in the same order,
+        without gathering ZeRO-3 shards (their full shape is ``ds_shape``): the description a
+        :class:`rlhfkit.weight_sync.WeightSender` needs before the first byte moves. Local; no collective."""
+        from rlhfkit.weight_sync import describe_parameters
+
+        exclude = (lambda name: name.startswith("score.")) if isinstance(self.module, ValueModel) else None
+        named = [(ckpt.hf_name(name), param) for name, param in self.module.named_parameters()
+                 if not (exclude and exclude(ckpt.hf_name(name)))]
+        return describe_parameters(named, dtype=dtype or self.dtype)
+
     def export_hf(self, directory: str | Path, *, tokenizer=None, max_shard_bytes: int = 5 * 1024**3,
                   bucket_bytes: int = 512 * 1024**2) -> None:
         """Write the weights (value head included) as an HF folder loadable with ``from_pretrained``. Collective;
