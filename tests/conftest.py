@@ -45,3 +45,25 @@ def tiny_llama_path(tiny_model_factory):
 @pytest.fixture(scope="session")
 def tiny_qwen2_path(tiny_model_factory):
     return tiny_model_factory("qwen2")
+
+
+@pytest.fixture(scope="module")
+def ray_cluster(request):
+    """A local Ray cluster with 4 logical GPUs for one test module (reused if one is already up in this process).
+
+    ``address="local"`` starts our own cluster and never joins one that another process left running on this
+    machine. The test module's classes are pickled by value so actors can run them.
+    """
+    import sys
+
+    ray = pytest.importorskip("ray")
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    started = not ray.is_initialized()
+    if started:
+        ray.init(address="local", num_cpus=2, num_gpus=4, include_dashboard=False,
+                 object_store_memory=256 * 1024**2, log_to_driver=False)
+    ray.cloudpickle.register_pickle_by_value(sys.modules[request.module.__name__])
+    yield ray
+    if started:
+        ray.shutdown()

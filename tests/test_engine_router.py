@@ -4,7 +4,6 @@ in-process fake engines and with real Ray actors of a fake engine class (logical
 from __future__ import annotations
 
 import os
-import sys
 import threading
 import time
 
@@ -267,23 +266,7 @@ def test_group_validates_inputs():
         assert rollouts[0].prompt_token_ids.tolist() == [5, 6]
 
 
-# --- Ray actors -------------------------------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def ray_cluster():
-    ray = pytest.importorskip("ray")
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    started = not ray.is_initialized()
-    if started:
-        # address="local": start our own cluster, never join one another process left running on this machine.
-        ray.init(address="local", num_cpus=2, num_gpus=4, include_dashboard=False,
-                 object_store_memory=256 * 1024**2, log_to_driver=False)
-    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # test classes travel by value to the actors
-    yield ray
-    if started:
-        ray.shutdown()
-
-
+# --- Ray actors (the ray_cluster fixture is in conftest.py) ----------------------------------------------------------
 @pytest.mark.ray
 def test_ray_actor_engines_order_die_and_hang(ray_cluster):
     ray = ray_cluster

@@ -8,7 +8,6 @@ import dataclasses
 import json
 import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -480,22 +479,6 @@ def test_plan_launches_without_ray():
         plan_launches(config, bundle_indices=[(0, 1), (2, 3)])
     with pytest.raises(ValueError, match="either placement .* or placement_group"):
         plan_launches(config, placement=object(), placement_group=group)
-
-
-@pytest.fixture(scope="module")
-def ray_cluster():
-    ray = pytest.importorskip("ray")
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    started = not ray.is_initialized()
-    if started:
-        # address="local": start our own cluster, never join one another process left running on this machine.
-        ray.init(address="local", num_cpus=2, num_gpus=4, include_dashboard=False,
-                 object_store_memory=256 * 1024**2, log_to_driver=False)
-    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
-    yield ray
-    if started:
-        ray.shutdown()
 
 
 @pytest.mark.ray
