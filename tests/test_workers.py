@@ -262,7 +262,7 @@ def test_constructor_failure_and_unschedulable_ranks_fail_fast_and_clean_up(pair
     ray.get(blocker.add.remote(0), timeout=WAIT_S)
     with pytest.raises(WorkerTimeoutError, match=r"'__init__' did not finish within .* on rank\(s\) \[0\] of 2 "
                                                  r"\(not scheduled\?"):
-        WorkerGroup(Probe, pair, WorkerGroupConfig(role="policy", start_timeout_s=3))
+        WorkerGroup(Probe, pair, WorkerGroupConfig(role="policy", start_timeout_s=8))
     ray.kill(blocker)
     # The failed group killed its ranks (the started one and the pending one): both bundles become whole again.
     pg_hex = pair.placement_group("policy", 0).id.hex()

@@ -192,9 +192,12 @@ def _align_local_rank_with_device() -> None:
     ...) would point DeepSpeed at a device the process cannot see. The node-local rank stays available as
     ``RLHFKIT_NODE_LOCAL_RANK``. Without CUDA (logical GPUs on CPU) nothing changes.
     """
+    os.environ["RLHFKIT_NODE_LOCAL_RANK"] = os.environ.get("LOCAL_RANK", "0")
+    # No NVIDIA driver on this node: nothing to align, and no reason to pay torch's import in every actor start.
+    if not any(os.path.exists(path) for path in ("/proc/driver/nvidia/version", "/dev/nvidiactl")):
+        return
     import torch
 
-    os.environ["RLHFKIT_NODE_LOCAL_RANK"] = os.environ.get("LOCAL_RANK", "0")
     if not torch.cuda.is_available():
         return
     import ray
