@@ -6,18 +6,30 @@
 #   stage 2 (kit chunk 2: vllm):           vLLM engine bench on a tiny model + sleep on a 1.5B model (+ TP 2)
 #   stage 3 (kit chunk 3: SmolLM2):        convert SmolLM2, DeepSpeed sleep bench, vLLM model/throughput, IPC→vLLM
 #   stage 4 (pytest carried):              every @pytest.mark.gpu test
+#   stages 8-12: the third round (hybrid examples end to end, peers, reruns) on nvidia-h200-x2; jobs that need one
+#   GPU run two at a time, one per GPU (CUDA_VISIBLE_DEVICES, each its own local Ray). Run folders are packed into
+#   $OUT/stageN.tgz (the device tool returns at most 8 files).
 set -uo pipefail
 stage=${1:?stage}
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
-# pytest travels once (.carry/pytest) and is kept in /tmp while the machine stays warm
+# pytest travels once (.carry/pytest) and is kept in /tmp while the machine stays warm (the 'cuda' image has it too)
 if [ -d .carry/pytest ]; then rm -rf /tmp/pytest-site && cp -r .carry/pytest /tmp/pytest-site; fi
+RUNS=/tmp/runs
+mkdir -p $RUNS
 export PYTHONPATH=$PWD/src:/tmp/pytest-site:${PYTHONPATH:-} TORCH_CUDA_ARCH_LIST=9.0 RAY_AUTH_MODE=disabled \
   RAY_USAGE_STATS_ENABLED=0 HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 VLLM_USE_FLASHINFER_SAMPLER=0 TOKENIZERS_PARALLELISM=false
 SMOL=/tmp/smollm2-hf
 log=$OUT/stage$stage.log
 run() { local limit=$1; shift; echo "=== $(date +%T) $*" | tee -a "$log"; timeout "$limit" "$@" >>"$log" 2>&1;
         echo "=== rc=$? after $SECONDS s" | tee -a "$log"; }
+# on GPU $1, with its own log $RUNS/$2.log: on LIMIT CMD...  (background it with &)
+on() { local gpu=$1 name=$2 limit=$3; shift 3; echo "=== $(date +%T) [gpu $gpu] $name: $*" | tee -a "$log";
+       CUDA_VISIBLE_DEVICES=$gpu timeout "$limit" "$@" >"$RUNS/$name.log" 2>&1;
+       echo "=== $(date +%T) [gpu $gpu] $name rc=$? after $SECONDS s" | tee -a "$log"; tail -3 "$RUNS/$name.log" >>"$log"; }
+tiny() { python -c "from rlhfkit.tiny_models import *; build_tiny_model('/tmp/tiny-hd64', TinyModelConfig(hidden_size=256, num_heads=4, num_kv_heads=2, intermediate_size=512))" >>"$log" 2>&1; }
+pack() { tar czf "$OUT/stage$stage.tgz" -C $RUNS --exclude='*/tiny_model' . 2>>"$log"; }
+HYB="--steps 100 --rollout-batch 16 --samples-per-prompt 8 --max-new-tokens 64 --lr 1e-5"
 nvidia-smi -L | tee -a "$log"
 python -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" >>"$log" 2>&1
 case $stage in
@@ -53,6 +65,34 @@ case $stage in
 7)  # second round, kit chunk 3: SmolLM2 through vLLM (log-probs vs HF, throughput vs raw vLLM, killed engine)
   run 90 python examples/convert_smollm2.py --out $SMOL
   run 200 python bench/vllm_engine.py --model $SMOL --repeats 5 --only model throughput --out "$OUT/vllm_engine_smol.json"
+  ;;
+8)  # round 3, kit chunk 1 (ray, deepspeed): nothing to run without vLLM yet; what the image has
+  python -m pip list 2>/dev/null | grep -i -E "^(accelerate|datasets|trl|pandas|pyarrow|pytest|peft|nvidia-ml-py) " >>"$log"
+  ;;
+9)  # round 3, kit chunk 2 (vllm): the hybrid examples on a tiny model, one per GPU
+  tiny
+  on 0 smoke_grpo 300 python examples/grpo_hybrid.py --model /tmp/tiny-hd64 --tiny --enforce-eager --out $RUNS/smoke_grpo &
+  on 1 smoke_ppo 300 python examples/ppo_hybrid.py --model /tmp/tiny-hd64 --tiny --enforce-eager --out $RUNS/smoke_ppo &
+  wait; pack
+  ;;
+10) # round 3, kit chunk 3 (SmolLM2) + peers: the 100-step GRPO run on GPU 0; DeepSpeed reruns and TRL on GPU 1
+  run 120 python examples/convert_smollm2.py --out $SMOL
+  on 0 grpo100 520 python examples/grpo_hybrid.py --model $SMOL $HYB --out $RUNS/grpo100 &
+  ( on 1 ds_smol 110 python bench/deepspeed_sleep.py --model $SMOL --skip-large --out $RUNS/deepspeed_sleep_smol.json --budget-s 40
+    on 1 ds_large 190 python bench/deepspeed_sleep.py --out $RUNS/deepspeed_sleep_large.json --large-cycles 40 --budget-s 60
+    on 1 trl 200 python bench/peer_trl.py --model $SMOL ${HYB/--steps 100/--steps 15} --out $RUNS/peer_trl.json ) &
+  wait; pack
+  ;;
+11) # round 3: PPO on GPU 1; OpenRLHF attempt and the vLLM engine reruns on GPU 0
+  on 1 ppo 330 python examples/ppo_hybrid.py --model $SMOL ${HYB/--steps 100/--steps 25} --out $RUNS/ppo &
+  ( on 0 openrlhf 120 bash bench/peer_openrlhf.sh --model $SMOL --out $RUNS/peer_openrlhf.json
+    on 0 vllm_smol 210 python bench/vllm_engine.py --model $SMOL --repeats 4 --only throughput model lp_fp32 --out $RUNS/vllm_engine_smol.json ) &
+  wait; pack
+  ;;
+12) # round 3, 2 GPUs: scaling (same global batch as grpo100) and the engine on its own GPU (NCCL)
+  on 0,1 grpo_2gpu 200 python examples/grpo_hybrid.py --model $SMOL ${HYB/--steps 100/--steps 12} --num-gpus 2 --out $RUNS/grpo_2gpu
+  on 0,1 grpo_separate 200 python examples/grpo_hybrid.py --model $SMOL ${HYB/--steps 100/--steps 12} --num-gpus 2 --colocate false --out $RUNS/grpo_separate
+  pack
   ;;
 esac
 echo "stage $stage done in $SECONDS s" | tee -a "$log"

@@ -248,11 +248,11 @@ class HFEngineActor(GuardedEngine):
     """:class:`rlhfkit.engines.hf.HFEngine` as a Ray actor with the surface of the vLLM engine actor: generate,
     sleep/wake, ``init_weight_sync``/``receive_weights`` through :mod:`rlhfkit.weight_sync`, versions."""
 
-    def __init__(self, model_path: str, *, engine_index: int, seed: int, device: str, guard_store, gpus) -> None:
+    def __init__(self, model_path: str, *, engine_index: int, seed: int, device: str, guard_store, gpus,
+                 dtype: str = "float32") -> None:
         from rlhfkit.engines.hf import HFEngine, HFEngineConfig
 
         self.engine_index = engine_index
-        dtype = "bfloat16" if device == "cuda" else "float32"
         self.engine = HFEngine(HFEngineConfig(model=model_path, device=device, dtype=dtype, seed=seed + engine_index))
         self.receiver = None
         self._guard_setup(guard_store, gpus)

@@ -47,7 +47,8 @@ def model_configs(args) -> dict:
     from rlhfkit.deepspeed_engine import DeepSpeedEngineConfig
 
     gpu = args.device == "cuda"
-    common = {"zero_stage": args.zero_stage, "bf16": gpu, "optimizer": "fused_adam" if gpu else "torch_adamw"}
+    common = {"zero_stage": args.zero_stage, "bf16": gpu and args.dtype == "bfloat16",
+              "optimizer": "fused_adam" if gpu else "torch_adamw"}
     actor = DeepSpeedEngineConfig(**common, learning_rate=args.lr, gradient_accumulation_steps=args.grad_accum,
                                   loss_normalization="global", gradient_clipping=1.0,
                                   gradient_checkpointing=args.gradient_checkpointing)

@@ -181,8 +181,8 @@ def test_ppo_hybrid_colocated_on_cpu(ray_cluster, tiny_llama_path, tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("example", ["grpo_hybrid", "ppo_hybrid"])
 def test_hybrid_example_on_one_gpu_with_vllm(example, own_ray, tiny_model_factory, tmp_path):
-    """The real thing on one GPU, small: vLLM engine with sleep mode, DeepSpeed ZeRO-3 bf16 with FusedAdam, CUDA-IPC
-    sync, everything colocated (a tiny Llama with head_dim 64, which vLLM's attention kernels accept)."""
+    """The real thing on one GPU, small: vLLM engine with sleep mode, DeepSpeed ZeRO-3 (fp32, the default --dtype) with
+    FusedAdam, CUDA-IPC sync, everything colocated (a tiny Llama with head_dim 64, which vLLM's kernels accept)."""
     pytest.importorskip("vllm")
     model = tiny_model_factory("llama", hidden_size=256, intermediate_size=512, num_heads=4, num_kv_heads=2)
     summary = _load(example).main(["--model", str(model), "--out", str(tmp_path), "--tiny", "--no-plot",
@@ -191,7 +191,7 @@ def test_hybrid_example_on_one_gpu_with_vllm(example, own_ray, tiny_model_factor
     assert [row["step"] for row in rows] == [0, 1, 2] and summary["startup"]["guard_refused_wrong_order"]
     for row in rows:
         assert row["sync/version"] == row["engine/weight_version"] == row["step"] + 1
-        assert row["engine_vs_trainer/mean_abs_logprob_diff"] < 0.05, row  # bf16 engine vs bf16 trainer
+        assert row["engine_vs_trainer/mean_abs_logprob_diff"] < 0.01, row  # fp32 engine vs fp32 trainer
         assert row["mem/generate_peak_gib"] > 0 and row["time/phase_switch_s"] > 0
     _replay_guard(_events(tmp_path))
 
