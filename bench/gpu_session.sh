@@ -75,23 +75,24 @@ case $stage in
   on 1 smoke_ppo 300 python examples/ppo_hybrid.py --model /tmp/tiny-hd64 --tiny --enforce-eager --out $RUNS/smoke_ppo &
   wait; pack
   ;;
-10) # round 3, kit chunk 3 (SmolLM2) + peers: the 100-step GRPO run on GPU 0; DeepSpeed reruns and TRL on GPU 1
+10) # round 3, kit chunk 3 (SmolLM2): the 100-step GRPO run on GPU 0; DeepSpeed and vLLM reruns on GPU 1
   run 120 python examples/convert_smollm2.py --out $SMOL
   on 0 grpo100 520 python examples/grpo_hybrid.py --model $SMOL $HYB --out $RUNS/grpo100 &
   ( on 1 ds_smol 110 python bench/deepspeed_sleep.py --model $SMOL --skip-large --out $RUNS/deepspeed_sleep_smol.json --budget-s 40
-    on 1 ds_large 190 python bench/deepspeed_sleep.py --out $RUNS/deepspeed_sleep_large.json --large-cycles 40 --budget-s 60
-    on 1 trl 200 python bench/peer_trl.py --model $SMOL ${HYB/--steps 100/--steps 15} --out $RUNS/peer_trl.json ) &
+    on 1 ds_large 180 python bench/deepspeed_sleep.py --out $RUNS/deepspeed_sleep_large.json --large-cycles 40 --budget-s 55
+    on 1 vllm_smol 210 python bench/vllm_engine.py --model $SMOL --repeats 4 --only throughput model lp_fp32 --out $RUNS/vllm_engine_smol.json ) &
   wait; pack
   ;;
-11) # round 3: PPO on GPU 1; OpenRLHF attempt and the vLLM engine reruns on GPU 0
-  on 1 ppo 330 python examples/ppo_hybrid.py --model $SMOL ${HYB/--steps 100/--steps 25} --out $RUNS/ppo &
-  ( on 0 openrlhf 120 bash bench/peer_openrlhf.sh --model $SMOL --out $RUNS/peer_openrlhf.json
-    on 0 vllm_smol 210 python bench/vllm_engine.py --model $SMOL --repeats 4 --only throughput model lp_fp32 --out $RUNS/vllm_engine_smol.json ) &
+11) # round 3, .carry/peers: TRL then OpenRLHF on GPU 0, PPO on GPU 1 (same workload as grpo100)
+  eval "$(bash bench/peers/install-peers.sh 2>>"$log")"
+  ( on 0 trl 250 python bench/peer_trl.py --model $SMOL ${HYB/--steps 100/--steps 15} --gpu-memory-utilization 0.15 --out $RUNS/peer_trl.json
+    on 0 openrlhf 220 python bench/peer_openrlhf.py --model $SMOL ${HYB/--steps 100/--steps 10} --timeout 200 --out $RUNS/peer_openrlhf.json ) &
+  on 1 ppo 300 python examples/ppo_hybrid.py --model $SMOL ${HYB/--steps 100/--steps 20} --out $RUNS/ppo &
   wait; pack
   ;;
 12) # round 3, 2 GPUs: scaling (same global batch as grpo100) and the engine on its own GPU (NCCL)
-  on 0,1 grpo_2gpu 200 python examples/grpo_hybrid.py --model $SMOL ${HYB/--steps 100/--steps 12} --num-gpus 2 --out $RUNS/grpo_2gpu
-  on 0,1 grpo_separate 200 python examples/grpo_hybrid.py --model $SMOL ${HYB/--steps 100/--steps 12} --num-gpus 2 --colocate false --out $RUNS/grpo_separate
+  on 0,1 grpo_2gpu 180 python examples/grpo_hybrid.py --model $SMOL ${HYB/--steps 100/--steps 10} --num-gpus 2 --out $RUNS/grpo_2gpu
+  on 0,1 grpo_separate 180 python examples/grpo_hybrid.py --model $SMOL ${HYB/--steps 100/--steps 10} --num-gpus 2 --colocate false --out $RUNS/grpo_separate
   pack
   ;;
 esac

@@ -255,7 +255,10 @@ def instrument(recorder: Recorder, args) -> None:
         cls = vllm_generation.VLLMGeneration
         cls.generate = timed(recorder, "time/generate_s", cls.generate)
         cls.sync_weights = timed(recorder, "time/weight_sync_s", cls.sync_weights)
-        llm_class = vllm_generation.LLM
+        llm_class = getattr(vllm_generation, "LLM", None)
+        if llm_class is None:
+            raise RuntimeError("TRL did not import vllm (trl.import_utils.is_vllm_available() is False); check that "
+                               "the GPU kit's eval line ran (vllm 0.22.1 on PYTHONPATH), or pass --no-vllm")
 
         def llm_with_dtype(*a, **kw):
             kw.setdefault("dtype", args.dtype)

@@ -28,7 +28,7 @@ PY=${PYTHON:-python3}
 # image's transformers 5.17 may not have). pandas 2.3.3 (not 3.x): the series datasets 4.8 was tested against.
 TRL_PKGS="trl==1.16.0 accelerate==1.15.0 datasets==4.8.5 pyarrow==23.0.1 pandas==2.3.3 multiprocess==0.70.19
 xxhash==3.6.0 fsspec==2026.2.0 python-dateutil==2.9.0.post0 pytz==2025.2 tzdata==2025.2 six==1.17.0"
-OPENRLHF_PKGS="openrlhf==0.10.4 peft==0.21.2 torchdata==0.11.0"
+OPENRLHF_PKGS="openrlhf==0.10.4 peft==0.21.2 torchdata==0.11.0 pylatexenc==2.11"
 PLAT="--only-binary=:all: --python-version 3.12 --implementation cp"
 for n in 5 12 17 24 25 26 27 28 31 34 35; do PLAT="$PLAT --platform manylinux_2_${n}_x86_64"; done
 PLAT="$PLAT --platform manylinux2014_x86_64 --platform manylinux2010_x86_64 --platform manylinux1_x86_64"
@@ -51,6 +51,7 @@ DROP = {  # globs inside the wheel; none of these is imported by datasets / TRL 
                 "pyarrow/_s3fs*", "pyarrow/_pyarrow_cpp_tests*", "pyarrow/*.pxd", "pyarrow/*.pyx",
                 "pyarrow/includes/*"],
     "pandas": ["pandas/tests/*"],
+    "openrlhf": ["openrlhf-*.data/purelib/tests/*"],  # a top-level 'tests' package; not part of the library
 }
 canon = lambda name: re.sub(r"[-_.]+", "_", name).lower()
 for spec in specs:
