@@ -95,5 +95,11 @@ case $stage in
   on 0,1 grpo_separate 180 python examples/grpo_hybrid.py --model $SMOL ${HYB/--steps 100/--steps 10} --num-gpus 2 --colocate false --out $RUNS/grpo_separate
   pack
   ;;
+13) # round 3, a fresh machine, kit chunk 1 only: DeepSpeed sleep with the cuBLAS workspaces released (1.5B actor,
+    # GPU 1) and where the actor's training time goes (bench/train_step.py, GPU 0)
+  on 1 ds_large2 200 python bench/deepspeed_sleep.py --skip-reference --out $RUNS/deepspeed_sleep_large2.json --large-cycles 20 --budget-s 45 &
+  on 0 train_step 230 python bench/train_step.py --out $RUNS/train_step.json --config-timeout-s 70 &
+  wait; pack
+  ;;
 esac
 echo "stage $stage done in $SECONDS s" | tee -a "$log"

@@ -280,8 +280,19 @@ def offload_engine(ds_engine, plan: SleepPlan, offloaders: dict[str, StorageOffl
         offloaders["own_params"].offload(tensors, device=device)
         now.add("own_params")
     if device.type == "cuda":
-        torch.cuda.empty_cache()
+        release_cuda_caches()
     return now
+
+
+def release_cuda_caches() -> None:
+    """Return this process's cached device memory to the driver: the cuBLAS workspaces first (torch allocates them,
+    32 MiB per handle and stream on Hopper, from its caching allocator, where they count as allocated and pin the
+    segment they sit in; cuBLAS makes new ones at the next matmul), then every unused cached segment."""
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if clear is not None:
+        torch.cuda.synchronize()
+        clear()
+    torch.cuda.empty_cache()
 
 
 # DeepSpeed's ZeRO-1/2 reload_states() drops its pinned host buffers for the weights and masters, so the next

@@ -1,0 +1,183 @@
+"""Where a hybrid GRPO step's training time goes, on one GPU: the actor's optimizer step on the grpo_hybrid workload
+(128 packed sequences, 2 micro-batches per optimizer step) through rlhfkit's DeepSpeedEngine at ZeRO-3/2 in
+fp32/bf16, with transformers' sdpa (dense block-diagonal mask) or rlhfkit's varlen attention — against plain torch
+(the model on the GPU, fused torch AdamW, the same packed forward), the floor of what DeepSpeed adds.
+
+    python bench/train_step.py --out train_step.json                       # SmolLM2-135M shape, random weights
+    python bench/train_step.py --model /tmp/smollm2-hf --out train_step.json
+
+Each configuration runs in a fresh process (ZeRO-3 leaves hooks and partitioned parameters behind). Per
+configuration: median wall time of one optimizer step (2 micro-batches: packed forward, token-mean loss on the
+response tokens, backward; then step) and of one no-grad forward of the whole batch, after warm-up steps, with
+``torch.cuda.synchronize()`` around each.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIGS = {  # name -> (kind, zero stage, dtype, attention)
+    "torch_fp32_sdpa": ("torch", None, "float32", "sdpa"),
+    "torch_fp32_varlen": ("torch", None, "float32", "varlen"),
+    "zero3_fp32_sdpa": ("deepspeed", 3, "float32", "sdpa"),
+    "zero3_fp32_varlen": ("deepspeed", 3, "float32", "varlen"),
+    "zero2_fp32_sdpa": ("deepspeed", 2, "float32", "sdpa"),
+    "zero3_bf16_sdpa": ("deepspeed", 3, "bfloat16", "sdpa"),
+    "torch_bf16_sdpa": ("torch", None, "bfloat16", "sdpa"),
+}
+
+
+def smollm2_shaped(dtype: torch.dtype, attn: str):
+    """A random-weight Llama with SmolLM2-135M's shape (tied embeddings, vocabulary 49,152)."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    config = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                         num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=2048,
+                         tie_word_embeddings=True, rms_norm_eps=1e-5, rope_theta=100000.0)
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config, attn_implementation=attn, dtype=dtype)
+
+
+def make_batches(args, device):
+    from rlhfkit.packing import pack_sequences
+
+    gen = torch.Generator().manual_seed(0)
+    seqs, masks = [], []
+    for _ in range(args.seqs):
+        prompt = args.prompt_len + int(torch.randint(-8, 9, (1,), generator=gen))
+        response = max(2, args.response_len + int(torch.randint(-6, 7, (1,), generator=gen)))
+        seqs.append(torch.randint(0, 49152, (prompt + response,), generator=gen))
+        masks.append(torch.cat([torch.zeros(prompt, dtype=torch.bool), torch.ones(response, dtype=torch.bool)]))
+    per = args.seqs // args.micro
+    micro = [pack_sequences(seqs[i * per:(i + 1) * per], loss_masks=masks[i * per:(i + 1) * per]).to(device)
+             for i in range(args.micro)]
+    return micro, pack_sequences(seqs, loss_masks=masks).to(device)
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def timed(fn, repeats: int, warmup: int) -> list[float]:
+    out = []
+    for i in range(warmup + repeats):
+        _sync()
+        start = time.perf_counter()
+        fn()
+        _sync()
+        if i >= warmup:
+            out.append(time.perf_counter() - start)
+    return out
+
+
+def run_one(name: str, args) -> dict:
+    from rlhfkit.losses import model_logprobs
+    from rlhfkit.packing import register_varlen_attention
+
+    kind, stage, dtype_name, attn = CONFIGS[name]
+    dtype = getattr(torch, dtype_name)
+    attn_impl = register_varlen_attention() if attn == "varlen" else "sdpa"
+    device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")  # cpu: plumbing only
+    if device.type == "cuda":
+        torch.cuda.set_device(0)
+    micro, whole = make_batches(args, device)
+    model = smollm2_shaped(dtype, attn_impl)
+    if kind == "torch":
+        model = model.to(device)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6, fused=True)
+
+        def logprobs(batch):
+            return model_logprobs(model, batch)
+
+        def train_step():
+            for batch in micro:
+                lp = logprobs(batch)
+                loss = -(lp * batch.loss_mask).sum() / batch.loss_mask.sum() / len(micro)
+                loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+        def forward():
+            with torch.no_grad():
+                logprobs(whole)
+    else:
+        from rlhfkit.deepspeed_engine import DeepSpeedEngine, DeepSpeedEngineConfig
+
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
+        for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1"}.items():
+            os.environ.setdefault(key, value)
+        config = DeepSpeedEngineConfig(zero_stage=stage, bf16=dtype == torch.bfloat16, optimizer="fused_adam",
+                                       learning_rate=1e-6, gradient_clipping=1.0,
+                                       gradient_accumulation_steps=len(micro))
+        engine = DeepSpeedEngine(model, role="actor", config=config)
+
+        def train_step():
+            for batch in micro:
+                lp = engine.forward_logprobs(batch)
+                loss = -(lp * batch.loss_mask).sum() / batch.loss_mask.sum() / len(micro)
+                engine.backward(loss)
+                engine.step()
+
+        def forward():
+            with torch.no_grad():
+                engine.forward_logprobs(whole)
+
+    steps = timed(train_step, args.repeats, args.warmup)
+    forwards = timed(forward, args.repeats, 1)
+    return {"config": name, "kind": kind, "zero_stage": stage, "dtype": dtype_name, "attention": attn,
+            "optimizer_step_s": statistics.median(steps), "optimizer_steps_s": steps,
+            "forward_s": statistics.median(forwards), "tokens": int(whole.num_tokens),
+            "peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--configs", nargs="*", default=list(CONFIGS), choices=list(CONFIGS))
+    parser.add_argument("--seqs", type=int, default=128)
+    parser.add_argument("--prompt-len", type=int, default=50)
+    parser.add_argument("--response-len", type=int, default=12)
+    parser.add_argument("--micro", type=int, default=2, help="micro-batches per optimizer step")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--config-timeout-s", type=float, default=120.0)
+    parser.add_argument("--one", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.one:
+        args.out.write_text(json.dumps(run_one(args.one, args)))
+        return
+    results = {"device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+               "torch": torch.__version__, "args": {k: str(v) for k, v in vars(args).items()}, "runs": {}}
+    for name in args.configs:
+        part = args.out.with_suffix(f".{name}.json")
+        argv = [sys.executable, __file__, "--one", name, "--out", str(part)] + [
+            f"--{k.replace('_', '-')}={getattr(args, k)}" for k in ("seqs", "prompt_len", "response_len", "micro",
+                                                                     "repeats", "warmup")]
+        start = time.perf_counter()
+        try:
+            done = subprocess.run(argv, timeout=args.config_timeout_s, capture_output=True, text=True, check=False)
+            result = json.loads(part.read_text()) if done.returncode == 0 and part.exists() else {
+                "error": (done.stderr or done.stdout)[-1500:]}
+        except subprocess.TimeoutExpired:
+            result = {"error": f"timed out after {args.config_timeout_s} s"}
+        result["wall_s"] = time.perf_counter() - start
+        results["runs"][name] = result
+        print(name, {k: v for k, v in result.items() if k in ("optimizer_step_s", "forward_s", "error")}, flush=True)
+        args.out.write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
