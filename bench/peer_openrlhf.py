@@ -42,6 +42,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 GIB = 1024**3
+sys.path.insert(0, str(REPO / "bench" / "peers"))
+from workload import add_workload_arguments, check_workload  # noqa: E402
 STEP_LINE = re.compile(r"Global step (\d+): (\{.*\})\s*$")
 
 STUB_BERT_PADDING = '''"""flash_attn stub (rlhfkit bench/peer_openrlhf.py): never called without packing_samples."""
@@ -88,35 +90,16 @@ def reward_func(queries, prompts, labels):
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_workload_arguments(parser, dtype_default="bfloat16",
+                           dtype_help="OpenRLHF 0.10.4 offers bf16/fp16 only (and hard-codes vLLM to bfloat16): "
+                                      "float32 runs as bfloat16 and the JSON says so")
     a = parser.add_argument
-    a("--model", required=True)
-    a("--out", type=Path, required=True)
-    a("--steps", type=int, default=10)
-    a("--warmup", type=int, default=1)
-    a("--rollout-batch", type=int, default=32)
-    a("--samples-per-prompt", type=int, default=8)
-    a("--max-new-tokens", type=int, default=96)
-    a("--temperature", type=float, default=1.0)
-    a("--max-value", type=int, default=99)
-    a("--lr", type=float, default=5e-6)
-    a("--kl-coef", type=float, default=0.001)
-    a("--clip", type=float, default=0.2)
-    a("--minibatches", type=int, default=2)
-    a("--grad-accum", type=int, default=2)
-    a("--dtype", choices=("float32", "bfloat16"), default="bfloat16",
-      help="OpenRLHF 0.10.4 offers bf16/fp16 only (and hard-codes vLLM to bfloat16): float32 runs as bfloat16 and "
-           "the JSON says so")
-    a("--gpu-memory-utilization", type=float, default=0.3)
-    a("--max-model-len", type=int, default=1024)
     a("--zero-stage", type=int, default=3)
-    a("--seed", type=int, default=0)
     a("--timeout", type=float, default=540.0, help="seconds before the run is killed (JSON still written)")
     a("--work-dir", type=Path, default=None)
     a("--dry-run", action="store_true", help="write the inputs and print the command; do not launch")
     args = parser.parse_args(argv)
-    samples = args.rollout_batch * args.samples_per_prompt
-    if samples % (args.minibatches * args.grad_accum):
-        parser.error("rollout-batch x samples-per-prompt must split into minibatches x grad-accum micro-batches")
+    check_workload(parser, args)
     return args
 
 

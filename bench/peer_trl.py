@@ -35,40 +35,20 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 GIB = 1024**3
+sys.path.insert(0, str(REPO / "bench" / "peers"))
+from workload import add_workload_arguments, check_workload  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_workload_arguments(parser, dtype_default="float32", dtype_help="trainer and vLLM dtype")
     a = parser.add_argument
-    a("--model", required=True, help="local HF model folder")
-    a("--out", type=Path, required=True, help="JSON to write")
-    a("--steps", type=int, default=10, help="generations (each followed by --minibatches optimizer steps)")
-    a("--warmup", type=int, default=1, help="steps left out of the medians")
-    a("--rollout-batch", type=int, default=32, help="prompts per step")
-    a("--samples-per-prompt", type=int, default=8)
-    a("--max-new-tokens", type=int, default=96)
-    a("--temperature", type=float, default=1.0)
-    a("--max-value", type=int, default=99)
-    a("--lr", type=float, default=5e-6)
-    a("--kl-coef", type=float, default=0.001)
-    a("--clip", type=float, default=0.2)
-    a("--minibatches", type=int, default=2, help="optimizer steps per generation")
-    a("--grad-accum", type=int, default=2, help="micro-batches per optimizer step")
-    a("--dtype", choices=("float32", "bfloat16"), default="float32", help="trainer and vLLM dtype")
-    a("--gpu-memory-utilization", type=float, default=0.3)
-    a("--max-model-len", type=int, default=1024)
     a("--no-vllm", action="store_true", help="generate with transformers (CPU plumbing check)")
     a("--no-sleep", action="store_true", help="vLLM sleep mode off")
     a("--device", choices=("cuda", "cpu"), default="cuda")
-    a("--seed", type=int, default=0)
     a("--work-dir", type=Path, default=None, help="TRL's output_dir (default: a temporary folder)")
     args = parser.parse_args(argv)
-    samples = args.rollout_batch * args.samples_per_prompt
-    if samples % (args.minibatches * args.grad_accum):
-        parser.error(f"{args.rollout_batch} x {args.samples_per_prompt} samples do not split into "
-                     f"{args.minibatches} minibatches x {args.grad_accum} micro-batches")
-    if args.samples_per_prompt < 2:
-        parser.error("GRPO needs --samples-per-prompt >= 2")
+    check_workload(parser, args)
     return args
 
 
