@@ -151,12 +151,22 @@ def worker_env(args) -> dict[str, str]:
 
 
 def arithmetic_prompts(task, tokenizer, step: int, count: int):
-    """Problems ``step * count ...`` of the arithmetic task through the chat template: token ids, texts, labels."""
-    rows = task.records(count, start=step * count)
-    texts = [tokenizer.apply_chat_template([{"role": "user", "content": r["prompt"]}], tokenize=False,
-                                           add_generation_prompt=True) for r in rows]
-    ids = [tokenizer(text, add_special_tokens=False).input_ids for text in texts]
-    return ids, [r["prompt"] for r in rows], [r["label"] for r in rows]
+    """Problems ``step * count ...`` of the arithmetic task as chat prompts (rlhfkit's PromptDataset applies the
+    template): token ids, prompt texts, labels."""
+    from rlhfkit.data import PromptDataset, PromptDatasetConfig
+
+    data = PromptDataset(task.records(count, start=step * count), tokenizer,
+                         PromptDatasetConfig(apply_chat_template=True))
+    batch = next(data.batches(count, seed=0, shuffle=False))
+    return batch.token_ids, batch.texts, batch.labels
+
+
+def sampling_config(args, stops: tuple[int, ...], step: int):
+    """The step's sampling: ``--samples-per-prompt`` samples per prompt, a seed per step."""
+    from rlhfkit.engines import SamplingConfig
+
+    return SamplingConfig(n=args.samples_per_prompt, max_new_tokens=args.max_new_tokens,
+                          temperature=args.temperature, stop_token_ids=stops, seed=args.seed * 1_000_003 + step)
 
 
 def stop_tokens(tokenizer, model_path: str) -> tuple[int, ...]:
@@ -456,6 +466,31 @@ def guarded_forward(clock, group, kind: str, batch, args) -> torch.Tensor:
         group.call("sleep", f"forward_{role}")
     clock.extra[f"mem_process/forward_{role}_peak_gib"] = peak
     return values
+
+
+def generate(run: Run, clock, prompt_ids, sampling):
+    """The engines generate holding their GPUs (weights + KV cache); colocated, they then sleep and give them up."""
+    with clock.phase("generate"):
+        rollouts = run.engines.generate(prompt_ids, sampling)
+    if run.args.colocate:
+        with clock.phase("sleep_wake"):
+            run.engines.call("guarded_sleep", run.args.engine_sleep_level, "generate")
+    return rollouts
+
+
+def sync_to_engines(run: Run, clock) -> dict:
+    """With the actor asleep but for its weights (``sleep(keep_weights=True)``) and no other role awake: the engines
+    wake their weights, take the actor's, the actor sleeps fully and the engines wake their KV cache."""
+    if run.args.colocate:
+        with clock.phase("sleep_wake"):
+            run.engines.call("guarded_wake", ["weights"], "sync")
+    with clock.phase("weight_sync"):
+        stats = sync_weights(run)
+    with clock.phase("sleep_wake"):
+        run.workers["actor"].call("sleep", "sync")
+        if run.args.colocate:
+            run.engines.call("guarded_wake", ["kv_cache"], "generate")
+    return stats
 
 
 def sync_weights(run: Run) -> dict:

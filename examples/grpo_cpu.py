@@ -25,7 +25,7 @@ from transformers import AutoModelForCausalLM, AutoModelForTokenClassification, 
 
 from rlhfkit.checkpoint import (checkpoint_name, latest_checkpoint, load_torch_state, prune_checkpoints,
                                 save_torch_state)
-from rlhfkit.data import ArithmeticTask, arithmetic_reward
+from rlhfkit.data import ArithmeticTask, PromptDataset, PromptDatasetConfig, arithmetic_reward
 from rlhfkit.engines import SamplingConfig
 from rlhfkit.engines.hf import HFEngine
 from rlhfkit.experience import ExperienceConfig, iterate_minibatches, make_experience
@@ -90,11 +90,11 @@ def load_models(args):
 
 
 def prompts_for_step(task, tokenizer, step: int, count: int):
-    rows = task.records(count, start=step * count)
-    texts = [tokenizer.apply_chat_template([{"role": "user", "content": r["prompt"]}], tokenize=False,
-                                           add_generation_prompt=True) for r in rows]
-    ids = [tokenizer(t, add_special_tokens=False).input_ids for t in texts]
-    return ids, [r["prompt"] for r in rows], [r["label"] for r in rows]
+    """Problems ``step * count ...`` as chat prompts: token ids, prompt texts, labels."""
+    data = PromptDataset(task.records(count, start=step * count), tokenizer,
+                         PromptDatasetConfig(apply_chat_template=True))
+    batch = next(data.batches(count, seed=0, shuffle=False))
+    return batch.token_ids, batch.texts, batch.labels
 
 
 def train_on(experience, policy, critic, optimizer, critic_optimizer, args, step: int) -> dict[str, float]:

@@ -29,7 +29,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # the shared helpers n
 import _hybrid_common as hybrid  # noqa: E402
 
 from rlhfkit.data import ArithmeticTask, arithmetic_accuracy, arithmetic_reward  # noqa: E402
-from rlhfkit.engines import SamplingConfig  # noqa: E402
 from rlhfkit.experience import ExperienceConfig, make_experience  # noqa: E402
 from rlhfkit.packing import pack_rollouts  # noqa: E402
 from rlhfkit.rewards import apply_reward_function  # noqa: E402
@@ -77,20 +76,13 @@ def main(argv=None) -> dict:
                                     seed=args.seed)
     stops = hybrid.stop_tokens(tokenizer, args.model)
     run = hybrid.launch(args, model_configs(args))
-    engines, actor, reference = run.engines, run.workers["actor"], run.workers["reference"]
+    actor, reference = run.workers["actor"], run.workers["reference"]
     try:
         for step in range(args.steps):
             clock = hybrid.StepClock(run.sampler)
             prompt_ids, prompts, labels = hybrid.arithmetic_prompts(task, tokenizer, step, args.rollout_batch)
-            sampling = SamplingConfig(n=args.samples_per_prompt, max_new_tokens=args.max_new_tokens,
-                                      temperature=args.temperature, stop_token_ids=stops,
-                                      seed=args.seed * 1_000_003 + step)
             # 1. Generation: the engines hold the GPUs (weights + KV cache); then they give them up.
-            with clock.phase("generate"):
-                rollouts = engines.generate(prompt_ids, sampling)
-            if args.colocate:
-                with clock.phase("sleep_wake"):
-                    engines.call("guarded_sleep", args.engine_sleep_level, "generate")
+            rollouts = hybrid.generate(run, clock, prompt_ids, hybrid.sampling_config(args, stops, step))
             with clock.phase("reward"):
                 scores, accuracy = score(rollouts, tokenizer, prompts, labels)
             batch = pack_rollouts(rollouts)  # the packing make_experience uses, so the forwards line up with it
@@ -111,14 +103,7 @@ def main(argv=None) -> dict:
             # 4. The actor keeps only the weights the sync reads; the engines take them, then their KV cache.
             with clock.phase("sleep_wake"):
                 actor.call("sleep", "sync", keep_weights=True)
-                if args.colocate:
-                    engines.call("guarded_wake", ["weights"], "sync")
-            with clock.phase("weight_sync"):
-                stats |= hybrid.sync_weights(run)
-            with clock.phase("sleep_wake"):
-                actor.call("sleep", "sync")
-                if args.colocate:
-                    engines.call("guarded_wake", ["kv_cache"], "generate")
+            stats |= hybrid.sync_to_engines(run, clock)
             run.record(step, clock, stats, experience, accuracy)
         return run.finish()
     finally:

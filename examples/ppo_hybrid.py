@@ -34,7 +34,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # the shared helpers n
 import _hybrid_common as hybrid  # noqa: E402
 
 from rlhfkit.data import ArithmeticTask, arithmetic_accuracy, arithmetic_reward  # noqa: E402
-from rlhfkit.engines import SamplingConfig  # noqa: E402
 from rlhfkit.experience import ExperienceConfig, make_experience  # noqa: E402
 from rlhfkit.packing import pack_rollouts  # noqa: E402
 from rlhfkit.rewards import apply_reward_function  # noqa: E402
@@ -92,21 +91,14 @@ def main(argv=None) -> dict:
     critic_settings = hybrid.TrainSettings(**common, value_clip=args.value_clip)
     stops = hybrid.stop_tokens(tokenizer, args.model)
     run = hybrid.launch(args, model_configs(args), reward_model=args.reward_model)
-    engines, workers = run.engines, run.workers
+    workers = run.workers
     actor, critic = workers["actor"], workers["critic"]
     try:
         for step in range(args.steps):
             clock = hybrid.StepClock(run.sampler)
             prompt_ids, prompts, labels = hybrid.arithmetic_prompts(task, tokenizer, step, args.rollout_batch)
-            sampling = SamplingConfig(n=args.samples_per_prompt, max_new_tokens=args.max_new_tokens,
-                                      temperature=args.temperature, stop_token_ids=stops,
-                                      seed=args.seed * 1_000_003 + step)
             # 1. Generation: the engines hold the GPUs (weights + KV cache); then they give them up.
-            with clock.phase("generate"):
-                rollouts = engines.generate(prompt_ids, sampling)
-            if args.colocate:
-                with clock.phase("sleep_wake"):
-                    engines.call("guarded_sleep", args.engine_sleep_level, "generate")
+            rollouts = hybrid.generate(run, clock, prompt_ids, hybrid.sampling_config(args, stops, step))
             with clock.phase("reward"):
                 rule, accuracy = rule_scores(rollouts, tokenizer, prompts, labels)
             batch = pack_rollouts(rollouts)  # the packing make_experience uses, so the forwards line up with it
@@ -137,14 +129,7 @@ def main(argv=None) -> dict:
             # 5. The engines take the actor's weights, then their KV cache.
             with clock.phase("sleep_wake"):
                 critic.call("sleep", "train")
-                if args.colocate:
-                    engines.call("guarded_wake", ["weights"], "sync")
-            with clock.phase("weight_sync"):
-                stats |= hybrid.sync_weights(run)
-            with clock.phase("sleep_wake"):
-                actor.call("sleep", "sync")
-                if args.colocate:
-                    engines.call("guarded_wake", ["kv_cache"], "generate")
+            stats |= hybrid.sync_to_engines(run, clock)
             stats |= {"reward/rule_mean": float(rule.mean()), "reward/model_mean": float(model_scores.mean()),
                       "reward/model_std": float(model_scores.std())}
             run.record(step, clock, stats, experience, accuracy)
