@@ -312,13 +312,29 @@ def per_parameter_baseline(peer, weights, repeats) -> dict:
 
 IPC_VARIANTS = [
     ("default (512MiB, 1 buffer, events, no fingerprints)", dict()),
-    ("512MiB x1, events, fingerprints", dict(fingerprints=True)),
     ("512MiB x2, events, no fingerprints", dict(num_buffers=2, fingerprints=False)),
     ("1GiB x2, events, no fingerprints", dict(bucket_bytes=GIB, num_buffers=2, fingerprints=False)),
-    ("512MiB x2, host sync, no fingerprints", dict(num_buffers=2, ipc_events=False, fingerprints=False)),
     ("512MiB x2, events, fingerprints", dict(num_buffers=2, fingerprints=True)),
-    ("1GiB x2, events, fingerprints", dict(bucket_bytes=GIB, num_buffers=2, fingerprints=True)),
 ]
+# Zero-copy: the receiver copies straight out of the source's allocations (one copy instead of two). "flat": the
+# source's parameters are views of one buffer (flatten_parameters; what ZeRO-1/2 does); "per-tensor": 255 allocations.
+ZERO_COPY_VARIANTS = [
+    ("zero-copy flat, 512MiB x2", dict(ipc_zero_copy=True, num_buffers=2)),
+    ("zero-copy flat, 4GiB x1 (one bucket)", dict(ipc_zero_copy=True, bucket_bytes=4 * GIB)),
+    ("zero-copy flat, 512MiB x2, fingerprints", dict(ipc_zero_copy=True, num_buffers=2, fingerprints=True)),
+]
+ZERO_COPY_PER_TENSOR = [("zero-copy per-tensor allocations, 4GiB x1", dict(ipc_zero_copy=True, bucket_bytes=4 * GIB))]
+
+
+def flat_weights(weights) -> dict[str, torch.Tensor]:
+    """A copy of ``weights`` whose tensors are views of one buffer (rlhfkit.weight_sync.flatten_parameters)."""
+    from rlhfkit.weight_sync import flatten_parameters
+
+    module = torch.nn.Module()
+    for index, tensor in enumerate(weights.values()):
+        module.register_parameter(f"p{index}", torch.nn.Parameter(tensor.clone(), requires_grad=False))
+    flatten_parameters(module)
+    return {name: param.data for name, param in zip(weights, module.parameters(), strict=True)}
 NCCL_VARIANTS = [
     ("default (512MiB, 1 buffer, no fingerprints)", dict()),
     ("512MiB x2, no fingerprints", dict(num_buffers=2, fingerprints=False)),
@@ -369,9 +385,14 @@ def run_ipc(args, out) -> None:
     try:
         peer.call("alloc", specs)
         out["ipc"]["control_rtt_us"] = control_rtt_us(peer)
-        big = bench_model(peer, weights, "cuda_ipc", device, IPC_VARIANTS, args.repeats, "llama-1.5B",
+        flat = flat_weights(weights)
+        big = bench_model(peer, flat, "cuda_ipc", device, ZERO_COPY_VARIANTS, args.repeats, "llama-1.5B",
                           save=args.save)
+        del flat
         out["ipc"]["big_model"] = big
+        for part in (ZERO_COPY_PER_TENSOR, IPC_VARIANTS):
+            big["variants"] += bench_model(peer, weights, "cuda_ipc", device, part, args.repeats, "llama-1.5B",
+                                           save=args.save)["variants"]
         gather = [("gathering source, 512MiB x1", dict(fingerprints=False)),
                   ("gathering source, 512MiB x2", dict(num_buffers=2, fingerprints=False))]
         big["gathering_source"] = bench_model(peer, GatheringSource(weights), "cuda_ipc", device, gather,
@@ -402,8 +423,10 @@ def run_small_model(peer, args, device) -> dict:
     generator = torch.Generator(device=device).manual_seed(1)
     for tensor in weights.values():  # the "trainer" moved away from the checkpoint
         tensor.add_(torch.randn(tensor.shape, generator=generator, device=device).to(tensor.dtype) * 1e-2)
-    variants = [IPC_VARIANTS[0], IPC_VARIANTS[2]]
-    small = bench_model(peer, weights, "cuda_ipc", device, variants, args.repeats, "small")
+    small = bench_model(peer, flat_weights(weights), "cuda_ipc", device, ZERO_COPY_VARIANTS[:2], args.repeats,
+                        "small")
+    small["variants"] += bench_model(peer, weights, "cuda_ipc", device, [IPC_VARIANTS[0], IPC_VARIANTS[1]],
+                                     args.repeats, "small")["variants"]
     small["model"] = args.model
     small["per_parameter"] = per_parameter_baseline(peer, weights, args.repeats)
     best = best_of(small)
@@ -416,7 +439,7 @@ def summarize_ipc(big, floor_s) -> None:
     best = best_of(big)
     if best is None:
         return
-    default = big["variants"][0]
+    default = next((v for v in big["variants"] if v["variant"].endswith(IPC_VARIANTS[0][0])), {})
     big["best_variant"] = best["variant"]
     big["best_time_over_floor"] = best["median_s"] / floor_s
     if "median_s" in default:

@@ -45,6 +45,18 @@ class TrainSettings:
     seed: int = 0
 
 
+class ResidentModel:
+    """The sleep of a model that stays on its GPU: the guard still orders the phases; sleeping only returns the
+    cached activation memory to the device (``torch.cuda.empty_cache``) so the next role can allocate it."""
+
+    def sleep(self, **kwargs) -> None:
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+    def wake_up(self, **kwargs) -> None:
+        pass
+
+
 class ModelWorker(Worker):
     """One DeepSpeed model (ZeRO-1/2/3) of one role on one GPU, a rank of that role's WorkerGroup.
 
@@ -72,10 +84,12 @@ class ModelWorker(Worker):
         self.events: list[dict] = []
         self.model = self.sender = None
 
-    def load(self, path: str, config, seed: int) -> dict:
-        """Build the model while holding the GPU's claim, then put it to sleep."""
+    def load(self, path: str, config, seed: int, offload: bool = True) -> dict:
+        """Build the model while holding the GPU's claim, then put it to sleep. ``offload=False``: its sleep keeps
+        every state on the GPU and only empties the CUDA cache (for models small enough to stay resident)."""
         from rlhfkit.deepspeed_engine import DeepSpeedEngine
 
+        self.offload = offload
         self._transition("wake", "load")  # claim only: the model does not exist yet
         if self.device_kind == "cuda":
             device = self.device()
@@ -89,7 +103,8 @@ class ModelWorker(Worker):
 
     def _transition(self, action: str, phase: str, **kwargs) -> float:
         guard_call = self.guard.wake if action == "wake" else self.guard.sleep
-        transition = guard_call(self.role, self.model, phase=phase, **kwargs)
+        model = self.model if getattr(self, "offload", True) or self.model is None else ResidentModel()
+        transition = guard_call(self.role, model, phase=phase, **kwargs)
         self.events.append(event_record(transition, rank=self.rank))
         return transition.seconds
 
@@ -167,7 +182,7 @@ class ModelWorker(Worker):
         return loss, stats
 
     def open_weight_sync(self, sender: bool, *, backend: str, world_size: int, group_name: str, bucket_bytes: int,
-                         dtype: str | None, sync_timeout_s: float):
+                         dtype: str | None, sync_timeout_s: float, zero_copy: bool = False):
         """Bind this rank's WeightSender (if it is one) and return its endpoint for the engines; None otherwise.
         Every rank streams its parameters at each sync: under ZeRO-3 the gathers are collective."""
         import ray
@@ -179,7 +194,7 @@ class ModelWorker(Worker):
         if not sender:
             return None
         config = WeightSyncConfig(backend=backend, bucket_bytes=bucket_bytes, dtype=self.sync_dtype,
-                                  timeout_s=sync_timeout_s)
+                                  timeout_s=sync_timeout_s, ipc_zero_copy=zero_copy)
         endpoint = SyncEndpoint(host=ray.util.get_node_ip_address(), world_size=world_size, group_name=group_name,
                                 label=f"actor-{self.rank}")
         device = self.model.device if backend in ("nccl", "cuda_ipc") else None

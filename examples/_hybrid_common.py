@@ -79,6 +79,9 @@ def add_arguments(parser, *, default_out: str) -> None:
       "(CPU: float32). float32 keeps the engine's log-probs within ~1e-3 of the trainer's on a 135M model; "
       "bfloat16 halves memory and sync bytes but both sides round logits to 8 bits (|Δ| ≈ 0.04 nats on SmolLM2)")
     a("--gradient-checkpointing", action="store_true")
+    a("--offload-trainers", type=parse_bool, default=True, help="true: DeepSpeed models sleep to pinned host "
+      "memory between their phases; false: they stay on the GPU (their sleep only empties the CUDA cache) — for "
+      "models small enough to share the GPU with the engine's pool, it saves the offload round trips")
     a("--gpu-memory-utilization", type=float, default=None, help="vLLM's share of GPU memory (default 0.15 "
       "colocated, 0.85 on its own GPU); the KV cache it leaves is woken at every step, so do not oversize it")
     a("--max-model-len", type=int, default=1024)
@@ -87,6 +90,9 @@ def add_arguments(parser, *, default_out: str) -> None:
       "asleep: the sync rewrites them all; 1 keeps them in host memory (vLLM 0.22 pins a fresh host buffer at "
       "every level-1 sleep, ≈ 1 GB/s)")
     a("--sync-bucket-mb", type=int, default=128)
+    a("--sync-zero-copy", choices=("auto", "true", "false"), default="auto", help="colocated CUDA-IPC sync: the "
+      "engine copies straight out of the actor's parameters (one copy, no bucket); auto: with ZeRO-1/2, whose flat "
+      "parameter buffers make it pay")
     a("--seed", type=int, default=0)
     a("--ray-address", default=None, help="join a running cluster (default: $RAY_ADDRESS, else a new local one)")
     a("--start-timeout", type=float, default=900.0)
@@ -293,7 +299,8 @@ def launch(args, configs: dict, *, reward_model: str | None = None) -> Run:
             engines.result()
         run.startup["processes_s"] = time.perf_counter() - started
         for role, config in configs.items():  # one role at a time: each claims the GPU while it loads
-            info = run.workers[role].call("load", paths[role], config, args.seed, timeout_s=args.start_timeout)
+            info = run.workers[role].call("load", paths[role], config, args.seed, args.offload_trainers,
+                                          timeout_s=args.start_timeout)
             print(f"{role}: {info[0]['parameters'] / 1e6:.1f}M parameters on {len(info)} rank(s)", flush=True)
         run.startup["models_s"] = time.perf_counter() - started - run.startup["processes_s"]
         _connect_weight_sync(run)
@@ -359,10 +366,13 @@ def _connect_weight_sync(run: Run) -> None:
     cpu, tp = args.device == "cpu", args.tensor_parallel_size
     backend = "gloo" if cpu else ("cuda_ipc" if args.colocate else "nccl")
     dtype = None if cpu else args.dtype
+    zero_copy = backend == "cuda_ipc" and (args.sync_zero_copy == "true" or
+                                           (args.sync_zero_copy == "auto" and args.zero_stage < 3))
     config = WeightSyncConfig(backend=backend, bucket_bytes=args.sync_bucket_mb * 1024**2,
-                              dtype=getattr(torch, dtype) if dtype else None, timeout_s=args.sync_timeout)
+                              dtype=getattr(torch, dtype) if dtype else None, timeout_s=args.sync_timeout,
+                              ipc_zero_copy=zero_copy)
     common = {"backend": backend, "bucket_bytes": config.bucket_bytes, "dtype": dtype,
-              "sync_timeout_s": args.sync_timeout}
+              "sync_timeout_s": args.sync_timeout, "zero_copy": zero_copy}
     plan = run.placed.plan
     if args.colocate:
         for rank, engine in zip(plan.ranks("actor"), plan.ranks("rollout"), strict=True):

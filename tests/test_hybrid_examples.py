@@ -177,16 +177,36 @@ def test_ppo_hybrid_colocated_on_cpu(ray_cluster, tiny_llama_path, tmp_path):
     assert _replay_guard(_events(tmp_path)) == {"node0/gpu0": [("wake", "rollout")] + one_step * 3}
 
 
+@pytest.mark.slow
+@pytest.mark.ray
+def test_grpo_hybrid_resident_trainers_zero2_on_cpu(grpo_one_rank, ray_cluster, tiny_llama_path, tmp_path):
+    """--offload-trainers false: the guard still orders every phase, the models' sleep only empties the cache; with
+    ZeRO-2 the same seeds give the same first step as the ZeRO-3 run that offloads."""
+    summary = _load("grpo_hybrid").main(["--model", str(tiny_llama_path), "--out", str(tmp_path), *CPU,
+                                         "--minibatches", "1", "--grad-accum", "2", "--steps", "2", "--no-plot",
+                                         "--zero-stage", "2", "--offload-trainers", "false"])
+    rows = _check_common(tmp_path, summary, steps=2)
+    one = _rows(grpo_one_rank[0])[0]
+    assert rows[0]["reward/mean"] == one["reward/mean"]
+    assert rows[0]["actor/loss"] == pytest.approx(one["actor/loss"], rel=1e-4, abs=1e-7)
+    one_step = [("sleep", "rollout"), ("wake", "reference"), ("sleep", "reference"), ("wake", "actor"),
+                ("sleep", "actor"), ("wake", "rollout"), ("sleep", "actor"), ("wake", "rollout")]
+    assert _replay_guard(_events(tmp_path)) == {"node0/gpu0": [("wake", "rollout")] + one_step * 2}
+
+
 @pytest.mark.gpu
 @pytest.mark.slow
-@pytest.mark.parametrize("example", ["grpo_hybrid", "ppo_hybrid"])
-def test_hybrid_example_on_one_gpu_with_vllm(example, own_ray, tiny_model_factory, tmp_path):
+@pytest.mark.parametrize("example, extra", [
+    ("grpo_hybrid", []), ("ppo_hybrid", []),
+    ("grpo_hybrid", ["--zero-stage", "2", "--offload-trainers", "false"]),  # zero-copy CUDA-IPC sync from ZeRO-2
+])
+def test_hybrid_example_on_one_gpu_with_vllm(example, extra, own_ray, tiny_model_factory, tmp_path):
     """The real thing on one GPU, small: vLLM engine with sleep mode, DeepSpeed ZeRO-3 (fp32, the default --dtype) with
     FusedAdam, CUDA-IPC sync, everything colocated (a tiny Llama with head_dim 64, which vLLM's kernels accept)."""
     pytest.importorskip("vllm")
     model = tiny_model_factory("llama", hidden_size=256, intermediate_size=512, num_heads=4, num_kv_heads=2)
     summary = _load(example).main(["--model", str(model), "--out", str(tmp_path), "--tiny", "--no-plot",
-                                   "--gpu-memory-utilization", "0.3", "--enforce-eager"])
+                                   "--gpu-memory-utilization", "0.3", "--enforce-eager", *extra])
     rows = _rows(tmp_path)
     assert [row["step"] for row in rows] == [0, 1, 2] and summary["startup"]["guard_refused_wrong_order"]
     for row in rows:

@@ -25,6 +25,7 @@ from rlhfkit.weight_sync import (
     WeightSyncError,
     WeightSyncTimeout,
     describe_parameters,
+    flatten_parameters,
 )
 
 MASK64 = (1 << 64) - 1
@@ -78,6 +79,7 @@ class CorruptingSender(WeightSender):
 # ---------------------------------------------------------------------------------------------------- configs
 @pytest.mark.parametrize("field, value, needle", [
     ("backend", "mpi", "backend='mpi'"),
+    ("ipc_zero_copy", True, "ipc_zero_copy=True needs backend='cuda_ipc', not 'gloo'"),
     ("bucket_bytes", 10, "bucket_bytes=10"),
     ("num_buffers", 3, "num_buffers=3"),
     ("timeout_s", 0, "timeout_s=0"),
@@ -424,6 +426,108 @@ def test_by_bucket_foreach_load_and_strided_cast_sources(backend, num_buffers):
         group.close()
 
 
+def flat_copy(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The same values as views of one flat buffer per dtype (what ZeRO-1/2 or flatten_parameters gives)."""
+    module = torch.nn.Module()
+    for index, tensor in enumerate(weights.values()):
+        module.register_parameter(f"p{index}", torch.nn.Parameter(tensor.clone(), requires_grad=False))
+    flatten_parameters(module)
+    return {name: param.data for name, param in zip(weights, module.parameters(), strict=True)}
+
+
+@pytest.mark.parametrize("num_buffers", [1, 2])
+def test_cuda_ipc_zero_copy_protocol(monkeypatch, num_buffers):
+    """ipc_zero_copy: receivers read the source's own allocations (one handle per allocation, cached while it lives,
+    re-shared when the source moves), bitwise; nothing stays mapped or held after a sync."""
+    import rlhfkit._weight_sync_ipc
+    import rlhfkit.weight_sync
+
+    shares = []
+
+    class CountingOps(FakeCudaOps):
+        def share(self, tensor):
+            shares.append(tensor.numel())
+            return super().share(tensor)
+
+    monkeypatch.setattr(rlhfkit._weight_sync_ipc, "CudaOps", CountingOps)
+    monkeypatch.setattr(rlhfkit.weight_sync, "_resolve_device", lambda backend, device: torch.device("cpu"))
+    group = Group(2, backend="cuda_ipc", bucket_bytes=4096, num_buffers=num_buffers, ipc_zero_copy=True)
+    try:
+        group.source = flat_copy(group.source)
+        storages = {t.untyped_storage().data_ptr() for t in group.source.values()}
+        assert len(storages) == 3  # float32, bfloat16, int64
+        sent, received = group.sync()
+        assert sent.num_buckets >= 4 and sent.receiver_versions == (1, 1), (sent, received)
+        for target in group.targets:
+            assert_bitwise_equal(target, group.source)
+        assert len(shares) == 3, shares
+        transport = group.sender._side.transport
+        assert transport._held == {} and all(r._side.transport._sources._mapped == {} for r in group.receivers)
+        group.source["layers.3.w"].mul_(-2)  # in place: same allocations, no new handle
+        sent, received = group.sync()
+        assert sent.receiver_versions == (2, 2) and len(shares) == 3
+        for target in group.targets:
+            assert_bitwise_equal(target, group.source)
+        group.source = flat_copy({n: t * 3 if t.is_floating_point() else t + 1 for n, t in group.source.items()})
+        sent, received = group.sync()  # moved (as after a DeepSpeed sleep/wake): shared again
+        assert sent.receiver_versions == (3, 3) and len(shares) == 6
+        for target in group.targets:
+            assert_bitwise_equal(target, group.source)
+    finally:
+        group.close()
+
+
+def test_cuda_ipc_zero_copy_checks_device_and_fingerprints(monkeypatch):
+    import rlhfkit._weight_sync_ipc
+    import rlhfkit.weight_sync
+
+    monkeypatch.setattr(rlhfkit._weight_sync_ipc, "CudaOps", FakeCudaOps)
+    monkeypatch.setattr(rlhfkit.weight_sync, "_resolve_device", lambda backend, device: torch.device("cpu"))
+    group = Group(1, backend="cuda_ipc", sender_cls=CorruptingSender, bucket_bytes=4096, ipc_zero_copy=True,
+                  fingerprints=True)
+    try:
+        stream = [(n, t.to("meta") if n == "layers.4.w" else t) for n, t in group.source.items()]
+        sent, (received,) = group.sync(stream=stream, description=describe_parameters(group.source.items()))
+        assert isinstance(sent, ValueError) and "tensor 'layers.4.w' is on meta, not on the sender's cpu" in str(sent)
+        assert isinstance(received, WeightSyncAborted) and "'layers.4.w'" in str(received)
+        group.sender.corrupt_bucket = 1  # flips a byte of the source after its fingerprint was taken
+        sent, (received,) = group.sync()
+        assert isinstance(received, FingerprintMismatchError) and "bucket 1 of sync 2" in str(received)
+        assert isinstance(sent, FingerprintMismatchError) and "receiver rank 1 ('engine-0')" in str(sent)
+        group.sender.corrupt_bucket = None
+        sent, (received,) = group.sync()
+        assert sent.receiver_versions == (3,)
+        assert_bitwise_equal(group.targets[0], group.source)
+    finally:
+        group.close()
+
+
+def test_flatten_parameters_keeps_parameters_values_and_training():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(10, 6), torch.nn.Linear(6, 5), torch.nn.Linear(5, 10))
+    model[2].weight = torch.nn.Parameter(torch.randn(10, 5))
+    model.half_scale = torch.nn.Parameter(torch.ones(3, dtype=torch.bfloat16))
+    reference = {n: p.detach().clone() for n, p in model.named_parameters()}
+    params_before = [id(p) for p in model.parameters()]
+    buffers = flatten_parameters(model, align_bytes=64)
+    assert [id(p) for p in model.parameters()] == params_before
+    assert sorted(str(b.dtype) for b in buffers) == ["torch.bfloat16", "torch.float32"]
+    flat = {b.dtype: b for b in buffers}
+    for name, param in model.named_parameters():
+        assert torch.equal(param, reference[name]), name
+        assert param.untyped_storage().data_ptr() == flat[param.dtype].untyped_storage().data_ptr(), name
+        assert (param.data_ptr() - flat[param.dtype].data_ptr()) % 64 == 0, name
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    loss = model(torch.tensor([1, 2, 3])).square().mean()
+    loss.backward()
+    optimizer.step()
+    moved = model[1].weight.detach()
+    assert not torch.equal(moved, reference["1.weight"])
+    assert moved.untyped_storage().data_ptr() == flat[torch.float32].untyped_storage().data_ptr()
+    with pytest.raises(ValueError, match="align_bytes=0"):
+        flatten_parameters(model, align_bytes=0)
+
+
 def test_manifest_mismatch_fails_everywhere_before_transfer(backend):
     source = make_weights(0)
     bad = describe_parameters(source.items())
@@ -749,9 +853,13 @@ def run_process_pair(backend, sender_device, receiver_device, **config):
     child.start()
     try:
         source = process_weights(0, torch.device(sender_device))
+        if config.get("ipc_zero_copy"):
+            source = flat_copy(source)
         assert sender.send(source.items()).receiver_versions == (1,)
         for tensor in source.values():
             tensor.mul_(-1.5)
+        if config.get("ipc_zero_copy"):  # moved, as a DeepSpeed sleep/wake moves it: new handles
+            source = flat_copy(source)
         assert sender.send(source.items()).receiver_versions == (2,)
         outcome = results.get(timeout=300)
         assert "error" not in outcome, outcome
@@ -759,6 +867,12 @@ def run_process_pair(backend, sender_device, receiver_device, **config):
         sent = {n: as_bytes(t) for n, t in source.items()}
         assert outcome["state"].keys() == sent.keys()
         assert [n for n in sent if outcome["state"][n] != sent[n]] == []
+        if config.get("ipc_zero_copy"):  # the receiver unmapped it: freeing the source really frees it
+            nbytes = sum(t.untyped_storage().nbytes() for t in {t.untyped_storage().data_ptr(): t
+                                                                  for t in source.values()}.values())
+            before = torch.cuda.memory_allocated(sender_device)
+            del source, tensor
+            assert before - torch.cuda.memory_allocated(sender_device) >= nbytes, (before, nbytes)
     finally:
         child.join(timeout=60)
         if child.is_alive():
@@ -775,6 +889,13 @@ def test_gloo_two_processes_bitwise():
 def test_cuda_ipc_two_processes_one_gpu_bitwise(num_buffers, ipc_events):
     run_process_pair("cuda_ipc", "cuda:0", "cuda:0", bucket_bytes=4 * 1024**2, num_buffers=num_buffers,
                      ipc_events=ipc_events)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_buffers", [1, 2])
+def test_cuda_ipc_zero_copy_two_processes_one_gpu_bitwise(num_buffers):
+    run_process_pair("cuda_ipc", "cuda:0", "cuda:0", bucket_bytes=4 * 1024**2, num_buffers=num_buffers,
+                     ipc_zero_copy=True, fingerprints=True)
 
 
 @pytest.mark.gpu

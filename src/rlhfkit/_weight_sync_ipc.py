@@ -11,6 +11,11 @@ side makes its stream wait on it, so neither host blocks on the GPU; without it 
 before signalling. The receiver's ``load_fn`` must copy on the current CUDA stream (transformers and vLLM do).
 
 Memory: ``num_slots`` buckets on the sender's GPU; receivers allocate nothing (they read the sender's buffers).
+
+Zero-copy mode (``WeightSyncConfig.ipc_zero_copy``, :mod:`rlhfkit._weight_sync_zero_copy`): no bucket buffers; each
+bucket's "ready" message carries CUDA IPC handles of the source tensors' own allocations and where each tensor lies in
+them. Events, acknowledgements and slot cycling are the same: a slot then bounds the source tensors the sender keeps
+alive (``num_slots`` buckets), not a buffer.
 """
 
 from __future__ import annotations
@@ -19,10 +24,16 @@ import pickle
 
 import torch
 
-from rlhfkit._weight_sync_buckets import BucketSlots
+from rlhfkit._weight_sync_buckets import BucketSlots, Fingerprinter
 from rlhfkit._weight_sync_control import ControlChannel
-from rlhfkit._weight_sync_errors import WeightSyncAborted, WeightSyncError, error_from_report
+from rlhfkit._weight_sync_errors import (
+    FingerprintMismatchError,
+    WeightSyncAborted,
+    WeightSyncError,
+    error_from_report,
+)
 from rlhfkit._weight_sync_manifest import Bucket, Manifest
+from rlhfkit._weight_sync_zero_copy import MappedSources, SourceHandles, decode, encode
 
 __all__ = ["IpcSender", "IpcReceiver", "CudaOps"]
 
@@ -93,15 +104,22 @@ class CudaOps:
 class IpcSender:
     """Sender half. ``peers``: the receiver ranks."""
 
-    def __init__(self, control: ControlChannel, slots: BucketSlots, peers: list[int], *, use_events: bool) -> None:
+    def __init__(self, control: ControlChannel, slots: BucketSlots, peers: list[int], *, use_events: bool,
+                 zero_copy: bool = False) -> None:
         self.control, self.slots, self.peers, self.use_events = control, slots, peers, use_events
         self.cuda = CudaOps()
         self.generation = 0
+        self.zero_copy = zero_copy
         self._send_events: list = []
         self._recv_events: dict[int, list] | None = None
+        self._sources = SourceHandles(self.cuda.share) if zero_copy else None
+        self._held: dict[int, list[torch.Tensor]] = {}  # zero-copy: source tensors of the buckets in flight, by slot
 
     def prepare(self, capacity: int) -> int:
-        if not self.slots.ensure(capacity):
+        if self.zero_copy:
+            if self.generation:
+                return self.generation
+        elif not self.slots.ensure(capacity):
             return self.generation
         self.generation += 1
         device = self.slots.device
@@ -137,17 +155,30 @@ class IpcSender:
             if "error" in ack:
                 raise error_from_report(ack["error"], f"{self.control.peer_name(rank)} failed sync {version}: "
                                                       f"{ack['message']}")
+        slot = bucket.index % self.slots.num_slots
         if self.use_events:
-            slot = bucket.index % self.slots.num_slots
             for events in self._receiver_events().values():
                 self.cuda.wait(events[slot], self.slots.device)
+        self._held.pop(slot, None)  # the receivers' reads are ordered before anything the source does next
 
-    def publish(self, version: int, bucket: Bucket) -> None:
+    def publish(self, version: int, bucket: Bucket, tensors: list[torch.Tensor] | None = None,
+                fingerprint: int | None = None) -> None:
+        """Bucket ``bucket`` is ready: packed in its slot, or (zero-copy) these source ``tensors``."""
+        message: dict = {"ok": 1}
+        if self.zero_copy:
+            assert self._sources is not None and tensors is not None
+            handles, placements = self._sources.describe(tensors)
+            self._held[bucket.index % self.slots.num_slots] = tensors
+            message["source"] = encode({"handles": handles, "placements": placements, "fingerprint": fingerprint})
         if self.use_events:
             self.cuda.record(self._send_events[bucket.index % self.slots.num_slots], self.slots.device)
         else:
             self.cuda.synchronize(self.slots.device)
-        self.control.put(f"{version}/b/{bucket.index}", {"ok": 1})
+        self.control.put(f"{version}/b/{bucket.index}", message)
+
+    def end_sync(self) -> None:
+        """After every receiver reported done (or the sync failed): keep no source tensor alive."""
+        self._held.clear()
 
     def abort(self, version: int, bucket: Bucket, message: str, *, peer_failed: bool) -> None:
         self.control.put(f"{version}/b/{bucket.index}", {"abort": message})
@@ -167,11 +198,28 @@ class IpcReceiver:
         self.cuda = CudaOps()
         self.generation = 0
         self.use_events = False
+        self.num_slots = 1
         self._send_events: list = []
         self._recv_events: list = []
+        self._manifest: Manifest | None = None
+        self._sources = MappedSources(self.cuda.open)
+        self._views: list[torch.Tensor] = []
+        self._source: dict | None = None
+        self._fingerprinter = Fingerprinter()
+
+    @property
+    def zero_copy(self) -> bool:
+        """Whether the current sync reads the sender's source tensors (the sender's choice, in the manifest)."""
+        return self._manifest is not None and self._manifest.zero_copy
+
+    @property
+    def verifies_itself(self) -> bool:
+        """Zero-copy buckets have no tail: their fingerprint travels in the message and is checked here."""
+        return self.zero_copy
 
     def prepare(self, manifest: Manifest) -> None:
         self.use_events = manifest.ipc_events
+        self._manifest = manifest
         if manifest.generation == self.generation:
             return
         shared = pickle.loads(self.control.get_bytes(f"ipc/{manifest.generation}", peer=0,
@@ -181,7 +229,8 @@ class IpcReceiver:
         self.slots.device = device
         self.slots.adopt([self.cuda.open(handle, device) for handle in shared["buffers"]])
         self._send_events = [self.cuda.open_event(h, device) for h in shared["events"]]
-        self._recv_events = self.cuda.new_events(len(shared["buffers"]), device)
+        self.num_slots = len(shared["events"])
+        self._recv_events = self.cuda.new_events(self.num_slots, device)
         self.control.put_bytes(f"ipc/{manifest.generation}/recv/{self.rank}",
                                pickle.dumps([self.cuda.event_handle(event) for event in self._recv_events]))
         self.generation = manifest.generation
@@ -192,14 +241,42 @@ class IpcReceiver:
         if "abort" in message:
             raise WeightSyncAborted(f"{self.control.peer_name(0)} aborted sync {version}: {message['abort']}")
         if self.use_events:
-            self.cuda.wait(self._send_events[bucket.index % self.slots.num_slots], self.slots.device)
+            self.cuda.wait(self._send_events[bucket.index % self.num_slots], self.slots.device)
+        self._source = decode(message["source"]) if self.zero_copy else None
+
+    def verify(self, manifest: Manifest, bucket: Bucket) -> None:
+        """Zero-copy: map the bucket's source allocations, build its views and check its fingerprint (a failure
+        here is reported to the sender like any load failure)."""
+        from rlhfkit._weight_sync_stream import bucket_label
+
+        body, self._source = self._source, None
+        assert body is not None, "verify() without a received zero-copy bucket"
+        specs = manifest.specs[bucket.start : bucket.stop]
+        self._views = self._sources.views(specs, body["handles"], body["placements"], self.slots.device)
+        sent = body["fingerprint"]
+        if manifest.fingerprints:
+            got = int(self._fingerprinter.of_tensors(self._views).item())
+            if got != sent:
+                raise FingerprintMismatchError(
+                    f"{bucket_label(manifest, bucket)} reads with fingerprint {got:#x} but the sender computed "
+                    f"{sent:#x}: the source changed between publishing and loading")
+
+    def views(self, manifest: Manifest, bucket: Bucket) -> list[torch.Tensor]:
+        """Typed views of ``bucket``'s tensors: in the sender's bucket slot, or (zero-copy) its source memory."""
+        return self._views if self.zero_copy else self.slots.views(manifest, bucket)
 
     def release(self, version: int, bucket: Bucket) -> None:
+        self._views = []
         if self.use_events:
-            self.cuda.record(self._recv_events[bucket.index % self.slots.num_slots], self.slots.device)
+            self.cuda.record(self._recv_events[bucket.index % self.num_slots], self.slots.device)
         else:
             self.cuda.synchronize(self.slots.device)
         self.control.put(f"{version}/ack/{bucket.index}/{self.rank}", {"ok": 1})
+
+    def end_sync(self) -> None:
+        """After the sync (loaded or failed): unmap the sender's source memory so it can free or move it."""
+        self._views = []
+        self._sources.clear()
 
     def fail(self, version: int, bucket: Bucket, kind: str, message: str) -> None:
         self.control.put(f"{version}/ack/{bucket.index}/{self.rank}", {"error": kind, "message": message})

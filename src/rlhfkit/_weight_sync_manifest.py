@@ -141,6 +141,8 @@ class Manifest:
         num_slots: how many bucket buffers the sender cycles through (1, or 2 for overlap).
         generation: CUDA IPC only: which shared-buffer generation the buckets live in.
         ipc_events: CUDA IPC only: order with interprocess CUDA events (else host synchronization).
+        zero_copy: CUDA IPC only: buckets are read from the source tensors' own memory (no bucket buffers); each
+            bucket's message carries the handles and placements of its tensors.
     """
 
     version: int
@@ -151,6 +153,7 @@ class Manifest:
     num_slots: int = 1
     generation: int = 0
     ipc_events: bool = False
+    zero_copy: bool = False
 
     @property
     def total_bytes(self) -> int:
@@ -169,6 +172,7 @@ class Manifest:
             "num_slots": self.num_slots,
             "generation": self.generation,
             "ipc_events": self.ipc_events,
+            "zero_copy": self.zero_copy,
         }
         return json.dumps(body, separators=(",", ":")).encode()
 

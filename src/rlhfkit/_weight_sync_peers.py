@@ -28,7 +28,7 @@ from rlhfkit._weight_sync_errors import (
     error_kind,
 )
 from rlhfkit._weight_sync_manifest import Manifest, TensorSpec, compare_manifest, plan_buckets
-from rlhfkit._weight_sync_stream import ReceivedStream, call_load_fn, local_stream, pack_bucket
+from rlhfkit._weight_sync_stream import ReceivedStream, call_load_fn, collect_bucket, local_stream, pack_bucket
 
 __all__ = ["SenderSide", "ReceiverSide", "load_local"]
 
@@ -74,7 +74,8 @@ class SenderSide:
         if self.config.backend == "cuda_ipc":
             from rlhfkit._weight_sync_ipc import IpcSender
 
-            self.transport = IpcSender(self.control, self.slots, self.peers, use_events=self.config.ipc_events)
+            self.transport = IpcSender(self.control, self.slots, self.peers, use_events=self.config.ipc_events,
+                                       zero_copy=self.config.ipc_zero_copy)
             return
         self.link = CollectiveLink(self.store, backend=self.config.backend, rank=0,
                                    world_size=self.endpoint.world_size, timeout_s=self.config.timeout_s,
@@ -89,12 +90,18 @@ class SenderSide:
         manifest = Manifest(version=self.version + 1, specs=tuple(specs), buckets=buckets, capacity=capacity,
                             fingerprints=self.config.fingerprints, num_slots=self.slots.num_slots,
                             generation=generation,
-                            ipc_events=self.config.backend == "cuda_ipc" and self.config.ipc_events)
+                            ipc_events=self.config.backend == "cuda_ipc" and self.config.ipc_events,
+                            zero_copy=self.config.backend == "cuda_ipc" and self.config.ipc_zero_copy)
         self.control.put_bytes(f"{manifest.version}/manifest", manifest.to_bytes())
         self.version = manifest.version
-        self._check(manifest)
-        self._stream(manifest, iterator, after_pack)
-        versions = self._done(manifest)
+        try:
+            self._check(manifest)
+            self._stream(manifest, iterator, after_pack)
+            versions = self._done(manifest)
+        finally:
+            end_sync = getattr(self.transport, "end_sync", None)
+            if end_sync is not None:
+                end_sync()
         self.control.delete(f"{manifest.version}/manifest")
         return manifest, versions
 
@@ -122,24 +129,33 @@ class SenderSide:
                 self._abort(manifest, bucket, f"{error}", peer_failed=True)
                 raise
             try:
-                views = self.slots.views(manifest, bucket)
-                pack_bucket(manifest, bucket, iterator, views)
-                fingerprint = (self.fingerprinter.of_payload(self.slots.buffer(bucket), bucket)
-                               if manifest.fingerprints else None)
-                self.slots.write_tail(bucket, fingerprint, STATUS_OK)
-                after_pack(bucket.index, views)
+                published = self._fill(manifest, bucket, iterator, after_pack)
             except Exception as error:
                 self._abort(manifest, bucket, f"the sender failed while packing bucket {bucket.index}: "
                                               f"{type(error).__name__}: {error}", peer_failed=False)
                 raise
             try:
-                transport.publish(version, bucket)
+                transport.publish(version, bucket, *published)
             except WeightSyncError as error:
                 raise WeightSyncError(f"{error} (while sending to {self.describe_group()})") from error
         try:
             transport.flush(version)
         except WeightSyncError as error:
             raise WeightSyncError(f"{error} (while sending to {self.describe_group()})") from error
+
+    def _fill(self, manifest: Manifest, bucket: Any, iterator: Iterator, after_pack: AfterPack) -> tuple:
+        """Make bucket ``bucket`` ready; returns the extra arguments of the transport's ``publish``."""
+        if manifest.zero_copy:  # receivers read the source tensors where they are
+            tensors = collect_bucket(manifest, bucket, iterator, self.slots.device)
+            fingerprint = int(self.fingerprinter.of_tensors(tensors).item()) if manifest.fingerprints else None
+            after_pack(bucket.index, tensors)
+            return tensors, fingerprint
+        views = self.slots.views(manifest, bucket)
+        pack_bucket(manifest, bucket, iterator, views)
+        fingerprint = self.fingerprinter.of_payload(self.slots.buffer(bucket), bucket) if manifest.fingerprints else None
+        self.slots.write_tail(bucket, fingerprint, STATUS_OK)
+        after_pack(bucket.index, views)
+        return ()
 
     def _abort(self, manifest: Manifest, bucket: Any, message: str, *, peer_failed: bool) -> None:
         """Best effort: tell the receivers that this sync is off, then let the caller raise the real error."""
@@ -218,15 +234,18 @@ class ReceiverSide:
         self._check(manifest, expected)
         stream = ReceivedStream(manifest, self.transport, self.slots, self.fingerprinter,
                                 abort_message=lambda: self._abort_message(version))
+        end_sync = getattr(self.transport, "end_sync", lambda: None)  # CUDA IPC zero-copy: unmap the source
         try:
             self.transport.prepare(manifest)
             loaded = call_load_fn(load_fn, stream.by_bucket() if by_bucket else iter(stream), version)
             stream.finish()
         except Exception as error:
+            end_sync()
             self._report_failure(stream, error, held)
             raise
         if self.slots.device.type == "cuda":
             torch.cuda.current_stream(self.slots.device).synchronize()  # "done" means loaded, not just enqueued
+        end_sync()
         self.control.put(f"{version}/done/{self.endpoint.rank}", {"version": version})
         return manifest, loaded, time.perf_counter() - started
 

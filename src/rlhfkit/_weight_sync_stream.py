@@ -18,7 +18,8 @@ from rlhfkit._weight_sync_buckets import STATUS_ABORT, BucketSlots, Fingerprinte
 from rlhfkit._weight_sync_errors import FingerprintMismatchError, WeightSyncAborted, WeightSyncError
 from rlhfkit._weight_sync_manifest import Bucket, Manifest, TensorSpec
 
-__all__ = ["take_tensor", "pack_bucket", "ReceivedStream", "local_stream", "call_load_fn", "bucket_label"]
+__all__ = ["take_tensor", "pack_bucket", "collect_bucket", "ReceivedStream", "local_stream", "call_load_fn",
+           "bucket_label"]
 
 _END = object()
 
@@ -85,10 +86,31 @@ def pack_bucket(manifest: Manifest, bucket: Bucket, iterator: Iterator, views: S
             held = 0
     _copy_batch(pending_views, pending)
     if bucket.index == len(manifest.buckets) - 1:
-        extra = next(iterator, _END)
-        if extra is not _END:
-            raise ValueError(f"named_tensors yielded {extra[0]!r} after the {len(manifest.specs)} tensors of the "
-                             f"description; describe every tensor the stream yields")
+        _check_exhausted(manifest, iterator)
+
+
+def _check_exhausted(manifest: Manifest, iterator: Iterator) -> None:
+    extra = next(iterator, _END)
+    if extra is not _END:
+        raise ValueError(f"named_tensors yielded {extra[0]!r} after the {len(manifest.specs)} tensors of the "
+                         f"description; describe every tensor the stream yields")
+
+
+def collect_bucket(manifest: Manifest, bucket: Bucket, iterator: Iterator, device: torch.device) -> list[torch.Tensor]:
+    """Zero-copy CUDA IPC: the bucket's source tensors themselves (cast where the manifest says), checked to live on
+    the sender's GPU, since receivers will read their memory."""
+    tensors = []
+    for position in range(bucket.start, bucket.stop):
+        spec = manifest.specs[position]
+        tensor = take_tensor(iterator, spec, position, len(manifest.specs))
+        if tensor.device != device:
+            raise ValueError(f"tensor {spec.name!r} is on {tensor.device}, not on the sender's {device}; with "
+                             f"ipc_zero_copy=True receivers read the source's own memory, so every tensor must live "
+                             f"on the sender's GPU (or set WeightSyncConfig.ipc_zero_copy=False)")
+        tensors.append(tensor.detach() if tensor.dtype == spec.dtype else tensor.detach().to(spec.dtype))
+    if bucket.index == len(manifest.buckets) - 1:
+        _check_exhausted(manifest, iterator)
+    return tensors
 
 
 class ReceiverTransport(Protocol):
@@ -116,7 +138,7 @@ class ReceivedStream:
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         for bucket in self.manifest.buckets:
             self._open(bucket)
-            views = self.slots.views(self.manifest, bucket)
+            views = self._views(bucket)
             for spec, view in zip(self.manifest.specs[bucket.start : bucket.stop], views, strict=True):
                 self.yielded += 1
                 yield spec.name, view
@@ -126,11 +148,15 @@ class ReceivedStream:
         """The same sync, one list of ``(name, view)`` per bucket; a list stays valid until the next is requested."""
         for bucket in self.manifest.buckets:
             self._open(bucket)
-            views = self.slots.views(self.manifest, bucket)
+            views = self._views(bucket)
             names = self.manifest.tensor_names(bucket)
             self.yielded += len(names)
             yield list(zip(names, views, strict=True))
             self._close()
+
+    def _views(self, bucket: Bucket) -> list[torch.Tensor]:
+        views = getattr(self.transport, "views", None)  # CUDA IPC: slot or (zero-copy) source memory
+        return views(self.manifest, bucket) if views is not None else self.slots.views(self.manifest, bucket)
 
     def _open(self, bucket: Bucket) -> None:
         self.next_bucket = bucket.index + 1
@@ -149,6 +175,9 @@ class ReceivedStream:
             self.transport.release(self.manifest.version, bucket)
 
     def _verify(self, bucket: Bucket) -> None:
+        if getattr(self.transport, "verifies_itself", False):
+            self.transport.verify(self.manifest, bucket)
+            return
         check_status = self.transport.status_in_tail
         if not (check_status or self.manifest.fingerprints):
             return

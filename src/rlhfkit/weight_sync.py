@@ -59,6 +59,7 @@ __all__ = [
     "Manifest",
     "TensorSpec",
     "describe_parameters",
+    "flatten_parameters",
     "WeightSyncError",
     "WeightSyncTimeout",
     "ManifestMismatchError",
@@ -89,6 +90,13 @@ class WeightSyncConfig:
         dtype: cast floating-point tensors to this dtype before sending (e.g. ``torch.bfloat16``); None keeps each.
         ipc_events: cuda_ipc only: order the two processes' GPU work with interprocess CUDA events (no host
             blocking); False synchronizes each side's stream before it signals.
+        ipc_zero_copy: cuda_ipc only: receivers read the source tensors' own memory instead of a bucket copy — one
+            device copy per sync instead of two, and no bucket buffer. Every tensor must be a CUDA tensor on the
+            sender's GPU (a cast to ``dtype`` makes a temporary, held until its bucket is consumed). It pays when the
+            tensors live in a few large allocations: ZeRO-1/2 (DeepSpeed's flat parameter buffers) or a model passed
+            through :func:`flatten_parameters`; each distinct allocation costs one handle per sync on the receiver.
+            The sender holds references to the tensors of the last ``num_buffers`` buckets until receivers consumed
+            them, and none after ``send`` returns.
     """
 
     backend: Backend = "gloo"
@@ -98,6 +106,7 @@ class WeightSyncConfig:
     fingerprints: bool = False
     dtype: torch.dtype | None = None
     ipc_events: bool = True
+    ipc_zero_copy: bool = False
 
     def __post_init__(self) -> None:
         if self.backend not in _BACKENDS:
@@ -112,6 +121,9 @@ class WeightSyncConfig:
         if self.dtype is not None and not (isinstance(self.dtype, torch.dtype) and self.dtype.is_floating_point):
             raise ValueError(f"WeightSyncConfig.dtype={self.dtype!r}; use a floating torch.dtype such as "
                              f"torch.bfloat16, or None to keep each tensor's dtype")
+        if self.ipc_zero_copy and self.backend != "cuda_ipc":
+            raise ValueError(f"WeightSyncConfig.ipc_zero_copy=True needs backend='cuda_ipc', not {self.backend!r}; "
+                             f"leave it False for other backends")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -176,6 +188,38 @@ class SyncReport:
     @property
     def gb_per_s(self) -> float:
         return self.num_bytes / self.seconds / 1e9 if self.seconds > 0 else float("inf")
+
+
+def flatten_parameters(module: torch.nn.Module, *, align_bytes: int = 256) -> list[torch.Tensor]:
+    """Re-home ``module``'s parameters as views of one contiguous buffer per (device, dtype), in place.
+
+    What DeepSpeed ZeRO-1/2 does to a module, for a plain one: with ``WeightSyncConfig(backend="cuda_ipc",
+    ipc_zero_copy=True)`` a sync then shares one allocation per buffer instead of one per parameter. The
+    :class:`torch.nn.Parameter` objects stay the same (only their ``.data`` moves, values copied bit for bit), so
+    optimizers, hooks and tied weights are unaffected; call it before creating fused/foreach optimizer state anyway,
+    so that state is laid out after the move. Each parameter starts at a multiple of ``align_bytes``. Gradients are not
+    flattened. Returns the flat buffers (the parameters' memory; do not resize them).
+    """
+    if not isinstance(align_bytes, int) or align_bytes < 1:
+        raise ValueError(f"align_bytes={align_bytes!r}; use a positive int (256 matches CUDA allocations)")
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.nn.Parameter]] = {}
+    for param in module.parameters():  # each shared (tied) parameter once
+        groups.setdefault((param.device, param.dtype), []).append(param)
+    buffers = []
+    for (device, dtype), params in groups.items():
+        step = max(1, align_bytes // dtype.itemsize)
+        offsets, total = [], 0
+        for param in params:
+            offsets.append(total)
+            total += -(-param.numel() // step) * step
+        flat = torch.zeros(total, dtype=dtype, device=device)
+        with torch.no_grad():
+            for param, offset in zip(params, offsets, strict=True):
+                view = flat[offset : offset + param.numel()].view(param.shape)
+                view.copy_(param.data)
+                param.data = view
+        buffers.append(flat)
+    return buffers
 
 
 def _resolve_device(backend: str, device: torch.device | str | None) -> torch.device:
