@@ -6,6 +6,7 @@
 #   stage 2 (kit chunk 2: vllm):           vLLM engine bench on a tiny model + sleep on a 1.5B model (+ TP 2)
 #   stage 3 (kit chunk 3: SmolLM2):        convert SmolLM2, DeepSpeed sleep bench, vLLM model/throughput, IPC→vLLM
 #   stage 4 (pytest carried):              every @pytest.mark.gpu test
+#   stages 14-17: the fourth round (zero-copy CUDA IPC, ZeRO-2 with resident trainers, peers again) on nvidia-h200-x2
 #   stages 8-12: the third round (hybrid examples end to end, peers, reruns) on nvidia-h200-x2; jobs that need one
 #   GPU run two at a time, one per GPU (CUDA_VISIBLE_DEVICES, each its own local Ray). Run folders are packed into
 #   $OUT/stageN.tgz (the device tool returns at most 8 files).
@@ -100,6 +101,37 @@ case $stage in
   on 1 ds_large2 200 python bench/deepspeed_sleep.py --skip-reference --out $RUNS/deepspeed_sleep_large2.json --large-cycles 20 --budget-s 45 &
   on 0 train_step 230 python bench/train_step.py --out $RUNS/train_step.json --config-timeout-s 70 &
   wait; pack
+  ;;
+14) # round 4, kit chunk 1: weight-sync GPU tests (zero-copy IPC) on GPU 0 while the IPC bench runs on GPU 1
+  on 0 pytest_ws 200 python -m pytest -q -p no:cacheprovider -m gpu --timeout 150 tests/test_weight_sync.py -k "not nccl" &
+  on 1 ws_ipc 230 python bench/weight_sync.py --mode ipc --out $RUNS/weight_sync_ipc.json --deadline-s 210 &
+  wait; pack
+  ;;
+15) # round 4, kit chunk 2 (vllm): zero-copy sync in the hybrid example (GPU test, ZeRO-2 resident), and a 1.54B
+    # random Llama synced into a vLLM engine, zero-copy then bucketed (GPU 1)
+  tiny
+  on 0 pytest_hybrid 330 python -m pytest -q -p no:cacheprovider -m gpu --timeout 300 tests/test_hybrid_examples.py -k zero2 &
+  ( on 1 ipc_vllm_big_zc 240 python bench/ipc_to_vllm.py --random-layers 30 --dtype bfloat16 --zero-copy --no-greedy --out $RUNS/ipc_vllm_big_zc.json
+    on 1 ipc_vllm_big_buckets 150 python bench/ipc_to_vllm.py --random-layers 30 --dtype bfloat16 --no-greedy --out $RUNS/ipc_vllm_big_buckets.json ) &
+  wait; pack
+  ;;
+16) # round 4, kit chunk 3 (SmolLM2): ZeRO-2 GRPO with resident trainers (GPU 0) and with offloading (GPU 1), then
+    # zero-copy sync into vLLM with greedy check (GPU 0) and PPO with ZeRO-2 resident (GPU 1)
+  run 120 python examples/convert_smollm2.py --out $SMOL
+  on 0 z2_resident 300 python examples/grpo_hybrid.py --model $SMOL ${HYB/--steps 100/--steps 20} --zero-stage 2 --offload-trainers false --out $RUNS/z2_resident &
+  on 1 z2_offload 300 python examples/grpo_hybrid.py --model $SMOL ${HYB/--steps 100/--steps 20} --zero-stage 2 --out $RUNS/z2_offload &
+  wait
+  on 0 ipc_vllm_smol_zc 150 python bench/ipc_to_vllm.py --model $SMOL --zero-copy --out $RUNS/ipc_vllm_smol_zc.json &
+  on 1 ppo_z2 240 python examples/ppo_hybrid.py --model $SMOL ${HYB/--steps 100/--steps 12} --zero-stage 2 --offload-trainers false --out $RUNS/ppo_z2 &
+  wait; pack
+  ;;
+17) # round 4, .carry/peers: TRL (GPU 0) and OpenRLHF with the rotary stub (GPU 1), then 2-GPU ZeRO-2 scaling
+  eval "$(bash bench/peers/install-peers.sh 2>>"$log")"
+  on 0 trl 250 python bench/peer_trl.py --model $SMOL ${HYB/--steps 100/--steps 15} --gpu-memory-utilization 0.15 --out $RUNS/peer_trl.json &
+  on 1 openrlhf 250 python bench/peer_openrlhf.py --model $SMOL ${HYB/--steps 100/--steps 10} --timeout 230 --out $RUNS/peer_openrlhf.json &
+  wait
+  on 0,1 z2_2gpu 230 python examples/grpo_hybrid.py --model $SMOL ${HYB/--steps 100/--steps 12} --num-gpus 2 --zero-stage 2 --offload-trainers false --out $RUNS/z2_2gpu
+  pack
   ;;
 esac
 echo "stage $stage done in $SECONDS s" | tee -a "$log"

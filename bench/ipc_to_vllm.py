@@ -3,9 +3,15 @@
 The trainer (this process) holds an HF model on cuda:0 with perturbed weights; a vLLM engine (a Ray actor with a
 fractional GPU share on the same GPU) starts from the original checkpoint. One ``rlhfkit.weight_sync`` CUDA-IPC sync
 later, the engine's greedy generations must equal the trainer model's (fp32 on both sides, so numerics agree) and
-the engine must report the new weight version. Also times the sync and a per-bucket-size sweep.
+the engine must report the new weight version. Also times the syncs against the floor measured in the same run (one
+device-to-device copy of the model's bytes).
 
-    python bench/ipc_to_vllm.py --model /tmp/smollm2-hf --out ipc_to_vllm.json
+    python bench/ipc_to_vllm.py --model /tmp/smollm2-hf --out ipc_to_vllm.json [--zero-copy]
+    python bench/ipc_to_vllm.py --random-layers 30 --dtype bfloat16 --zero-copy --no-greedy --out big.json  # 1.54B
+
+``--random-layers N`` builds a random-weight Llama (hidden 2048, intermediate 5632, 16 heads, N layers; a locally
+trained tokenizer) with ``rlhfkit.tiny_models`` first; greedy equality is only meaningful on a real checkpoint.
+``--zero-copy``: the trainer's parameters are flattened (``flatten_parameters``) and the sync uses ``ipc_zero_copy``.
 """
 
 from __future__ import annotations
@@ -47,6 +53,30 @@ def logprob_gap(model, rollouts) -> float:
     return float((trainer_logprobs[mask] - engine_logprobs[mask]).abs().mean())
 
 
+def copy_bandwidth(nbytes: int, iters: int = 10) -> float:
+    """Bytes copied per second by one device-to-device ``copy_`` (each byte read once and written once)."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(iters):
+        dst.copy_(src)
+    torch.cuda.synchronize()
+    return nbytes * iters / (time.perf_counter() - start)
+
+
+def build_random_model(layers: int) -> str:
+    from rlhfkit.tiny_models import TinyModelConfig, build_tiny_model
+
+    path = f"/tmp/ipc-random-llama-{layers}"
+    if not os.path.exists(os.path.join(path, "config.json")):
+        build_tiny_model(path, TinyModelConfig(hidden_size=2048, intermediate_size=5632, num_layers=layers,
+                                               num_heads=16, num_kv_heads=16, vocab_size=384))
+    return path
+
+
 def sync_once(engine, sender, named, ray) -> dict:
     result: dict = {}
     thread = threading.Thread(target=lambda: result.update(report=sender.send(named)))
@@ -57,17 +87,27 @@ def sync_once(engine, sender, named, ray) -> dict:
     if "report" not in result:
         raise RuntimeError("sender thread did not finish")
     report = result["report"]
-    return {"seconds": time.perf_counter() - start, "version": report.version, "bytes": report.num_bytes,
+    return {"seconds": time.perf_counter() - start, "sender_seconds": report.seconds, "version": report.version,
+            "bytes": report.num_bytes,
             "buckets": report.num_buckets, "worker_reports": len(worker_reports)}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--model", required=True)
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--random-layers", type=int, default=0, help="build a random 2048-wide Llama of N layers")
     parser.add_argument("--out", required=True)
     parser.add_argument("--steps", type=int, default=24)
     parser.add_argument("--noise", type=float, default=0.02, help="perturbation, in units of each weight's std")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    parser.add_argument("--zero-copy", action="store_true", help="flatten the trainer's parameters, ipc_zero_copy")
+    parser.add_argument("--bucket-mb", type=int, default=256)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--no-greedy", action="store_true", help="skip the greedy and log-prob comparisons")
     args = parser.parse_args()
+    if bool(args.model) == bool(args.random_layers):
+        parser.error("give exactly one of --model and --random-layers")
+    args.model = args.model or build_random_model(args.random_layers)
     os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     import ray
@@ -75,18 +115,22 @@ def main() -> None:
 
     from rlhfkit.engines import SamplingConfig
     from rlhfkit.engines.vllm import VLLMEngineConfig, create_engines
-    from rlhfkit.weight_sync import SyncEndpoint, WeightSender, WeightSyncConfig
+    from rlhfkit.weight_sync import SyncEndpoint, WeightSender, WeightSyncConfig, flatten_parameters
 
-    results: dict = {"model": args.model, "device": torch.cuda.get_device_name(0)}
+    dtype = getattr(torch, args.dtype)
+    results: dict = {"model": args.model, "device": torch.cuda.get_device_name(0), "dtype": args.dtype,
+                     "zero_copy": args.zero_copy, "bucket_mb": args.bucket_mb}
     ray.init(num_gpus=1, num_cpus=4, include_dashboard=False)
     pg = ray.util.placement_group([{"GPU": 1, "CPU": 1}])
     ray.get(pg.ready(), timeout=60)
-    config = VLLMEngineConfig(model=args.model, dtype="float32", gpu_memory_utilization=0.3, gpu_share=0.5,
+    config = VLLMEngineConfig(model=args.model, dtype=args.dtype, gpu_memory_utilization=0.3, gpu_share=0.5,
                               enforce_eager=True, max_model_len=1024, seed=0,
                               env={"VLLM_USE_FLASHINFER_SAMPLER": "0"})
     (engine,) = create_engines(config, placement_group=pg, bundle_indices=[[0]])
     tokenizer = AutoTokenizer.from_pretrained(args.model)
-    trainer = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).cuda().eval()
+    trainer = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).cuda().eval()
+    if args.zero_copy:
+        flatten_parameters(trainer)
     eos = set(trainer.generation_config.eos_token_id if isinstance(trainer.generation_config.eos_token_id, list)
               else [trainer.generation_config.eos_token_id])
     texts = ["What is 12 + 7?", "The capital of France is", "Write a haiku about GPUs.", "1, 2, 3, 4,"]
@@ -96,30 +140,43 @@ def main() -> None:
     greedy = SamplingConfig(temperature=0.0, max_new_tokens=args.steps)
     rollouts_before = ray.get(engine.generate.remote(prompts, greedy), timeout=300)
     before = [r.response_token_ids.tolist() for r in rollouts_before]
+    named = list(trainer.named_parameters()) if args.zero_copy else list(trainer.state_dict().items())
+    model_bytes = sum(t.numel() * t.element_size() for _, t in named)
+    copy_bps = copy_bandwidth(min(model_bytes, 2 * 1024**3))
+    results |= {"num_params": sum(t.numel() for _, t in named), "bytes": model_bytes, "d2d_copy_GBps": copy_bps / 1e9,
+                "floor_s": model_bytes / copy_bps}
     with torch.no_grad():  # the "training step": a small perturbation of every weight (the model stays coherent)
         generator = torch.Generator(device="cuda").manual_seed(0)
         for param in trainer.parameters():
             param.add_(torch.randn(param.shape, device="cuda", generator=generator) * param.std() * args.noise)
     # the engine's log-probs of its own tokens vs the trainer's, before the sync (stale weights) and after
-    results["logprob_mean_abs_diff_before_sync"] = logprob_gap(trainer, rollouts_before)
-    expected = hf_greedy(trainer, prompts, args.steps, eos)
-    named = list(trainer.state_dict().items())
-    sync_config = WeightSyncConfig(backend="cuda_ipc", bucket_bytes=256 * 1024**2, timeout_s=120)
+    if not args.no_greedy:
+        results["logprob_mean_abs_diff_before_sync"] = logprob_gap(trainer, rollouts_before)
+        expected = hf_greedy(trainer, prompts, args.steps, eos)
+    sync_config = WeightSyncConfig(backend="cuda_ipc", bucket_bytes=args.bucket_mb * 1024**2, timeout_s=120,
+                                   ipc_zero_copy=args.zero_copy, num_buffers=2)
     with WeightSender(sync_config, SyncEndpoint(world_size=2, rank=0, port=0), device=torch.device("cuda:0")) as sender:
         ray.get(engine.init_weight_sync.remote(sync_config, sender.endpoint, first_rank=1), timeout=120)
-        syncs = [sync_once(engine, sender, named, ray) for _ in range(3)]
+        syncs = [sync_once(engine, sender, named, ray) for _ in range(2 + args.repeats)]
         rollouts_after = ray.get(engine.generate.remote(prompts, greedy), timeout=300)
         after = [r.response_token_ids.tolist() for r in rollouts_after]
-        results["logprob_mean_abs_diff_after_sync"] = logprob_gap(trainer, rollouts_after)
+        if not args.no_greedy:
+            results["logprob_mean_abs_diff_after_sync"] = logprob_gap(trainer, rollouts_after)
         ray.get(engine.close_weight_sync.remote(), timeout=60)
+    timed = sorted(s["seconds"] for s in syncs[2:])
+    sender_timed = sorted(s["sender_seconds"] for s in syncs[2:])
     results |= {
         "syncs": syncs,
+        "median_s": timed[len(timed) // 2], "sender_median_s": sender_timed[len(timed) // 2],
+        "median_over_floor": timed[len(timed) // 2] / results["floor_s"],
+        "sender_median_over_floor": sender_timed[len(timed) // 2] / results["floor_s"],
         "engine_weight_version": ray.get(engine.get_weight_version.remote(), timeout=60),
-        "greedy_equal_after_sync": after == expected,
         "greedy_changed_by_sync": after != before,
-        "per_prompt_equal": [a == e for a, e in zip(after, expected)],
-        "after": after, "expected": expected,
     }
+    if not args.no_greedy:
+        results |= {"greedy_equal_after_sync": after == expected,
+                    "per_prompt_equal": [a == e for a, e in zip(after, expected)], "after": after,
+                    "expected": expected}
     print(json.dumps({k: v for k, v in results.items() if k not in ("after", "expected")}, indent=2))
     with open(args.out, "w") as handle:
         json.dump(results, handle, indent=2)

@@ -19,8 +19,11 @@ rearrange, unpad_input; ``flash_attn.utils.distributed``: all_gather), which mod
 utils/deepspeed/deepspeed.py import. Those functions are called only from ``unpad_and_slice_tensor`` /
 ``gather_and_pad_tensor``, i.e. only with ``--ds.packing_samples`` (or ring attention), which this run leaves off.
 The only other use, ``flash_attn.ops.triton.cross_entropy`` in models/utils.py, sits in try/except ImportError and the
-stub has no ``ops``, so the torch fallback runs. The stub's functions raise if ever called; attention is ``sdpa``.
-The stub has no dist-info, so transformers does not consider flash-attn installed.
+stub has no such module, so the torch fallback runs. The stub's functions raise if ever called; attention is ``sdpa``.
+The stub has no dist-info, so transformers does not consider flash-attn installed. vLLM's engine core, though, finds
+the stub with ``find_spec("flash_attn")`` and imports ``flash_attn.ops.triton.rotary.apply_rotary`` (its ROCm rotary
+path; CUDA uses vLLM's vendored kernel): the stub re-exports that function from vLLM's vendored copy of the same
+flash-attn Triton kernel (``vllm.vllm_flash_attn.ops.triton.rotary``).
 """
 
 from __future__ import annotations
@@ -129,6 +132,12 @@ def write_inputs(args, work: Path) -> tuple[Path, Path, Path]:
     (stub / "flash_attn" / "bert_padding.py").write_text(STUB_BERT_PADDING)
     (stub / "flash_attn" / "utils" / "__init__.py").write_text("")
     (stub / "flash_attn" / "utils" / "distributed.py").write_text(STUB_DISTRIBUTED)
+    (stub / "flash_attn" / "ops" / "triton").mkdir(parents=True, exist_ok=True)
+    (stub / "flash_attn" / "ops" / "__init__.py").write_text("")
+    (stub / "flash_attn" / "ops" / "triton" / "__init__.py").write_text("")
+    (stub / "flash_attn" / "ops" / "triton" / "rotary.py").write_text(
+        '"""flash_attn stub: vLLM imports this when it finds flash_attn; vLLM ships the same kernel."""\n'
+        "from vllm.vllm_flash_attn.ops.triton.rotary import apply_rotary  # noqa: F401\n")
     return prompts, reward, stub
 
 

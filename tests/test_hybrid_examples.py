@@ -199,7 +199,7 @@ def test_grpo_hybrid_resident_trainers_zero2_on_cpu(grpo_one_rank, ray_cluster, 
 @pytest.mark.parametrize("example, extra", [
     ("grpo_hybrid", []), ("ppo_hybrid", []),
     ("grpo_hybrid", ["--zero-stage", "2", "--offload-trainers", "false"]),  # zero-copy CUDA-IPC sync from ZeRO-2
-])
+], ids=["grpo", "ppo", "grpo-zero2-resident"])
 def test_hybrid_example_on_one_gpu_with_vllm(example, extra, own_ray, tiny_model_factory, tmp_path):
     """The real thing on one GPU, small: vLLM engine with sleep mode, DeepSpeed ZeRO-3 (fp32, the default --dtype) with
     FusedAdam, CUDA-IPC sync, everything colocated (a tiny Llama with head_dim 64, which vLLM's kernels accept)."""
