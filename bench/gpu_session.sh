@@ -133,5 +133,24 @@ case $stage in
   on 0,1 z2_2gpu 230 python examples/grpo_hybrid.py --model $SMOL ${HYB/--steps 100/--steps 12} --num-gpus 2 --zero-stage 2 --offload-trainers false --out $RUNS/z2_2gpu
   pack
   ;;
+18) # round 4b, kit chunk 1: IPC bench with keep-mapped zero-copy (GPU 1), zero-copy GPU tests (GPU 0)
+  on 0 pytest_ws2 150 python -m pytest -q -p no:cacheprovider -m gpu --timeout 120 tests/test_weight_sync.py -k zero_copy &
+  on 1 ws_ipc2 200 python bench/weight_sync.py --mode ipc --out $RUNS/weight_sync_ipc2.json --deadline-s 180 &
+  wait; pack
+  ;;
+19) # round 4b, kit chunk 2: into vLLM with direct loading + keep-mapped zero-copy: tiny fp32 greedy check (GPU 0),
+    # the 1.54B random Llama (GPU 1)
+  tiny
+  on 0 ipc_vllm_tiny 150 python bench/ipc_to_vllm.py --model /tmp/tiny-hd64 --zero-copy --keep-mapped --out $RUNS/ipc_vllm_tiny_direct.json &
+  on 1 ipc_vllm_big_direct 230 python bench/ipc_to_vllm.py --random-layers 30 --dtype bfloat16 --zero-copy --keep-mapped --no-greedy --out $RUNS/ipc_vllm_big_direct.json &
+  wait; pack
+  ;;
+20) # round 4b, kit chunk 3: SmolLM2 GRPO, ZeRO-2 resident, direct loading + keep-mapped zero-copy (GPU 0); SmolLM2
+    # zero-copy into vLLM with the greedy check (GPU 1)
+  run 120 python examples/convert_smollm2.py --out $SMOL
+  on 0 z2_fast 280 python examples/grpo_hybrid.py --model $SMOL ${HYB/--steps 100/--steps 20} --zero-stage 2 --offload-trainers false --out $RUNS/z2_fast &
+  on 1 ipc_vllm_smol2 150 python bench/ipc_to_vllm.py --model $SMOL --zero-copy --keep-mapped --out $RUNS/ipc_vllm_smol_direct.json &
+  wait; pack
+  ;;
 esac
 echo "stage $stage done in $SECONDS s" | tee -a "$log"

@@ -87,7 +87,10 @@ def sync_once(engine, sender, named, ray) -> dict:
     if "report" not in result:
         raise RuntimeError("sender thread did not finish")
     report = result["report"]
+    worker = worker_reports[0] if worker_reports and isinstance(worker_reports[0], dict) else {}
     return {"seconds": time.perf_counter() - start, "sender_seconds": report.seconds, "version": report.version,
+            **{f"worker_{k}": worker[k] for k in ("begin_s", "receive_s", "finish_s", "layerwise", "seconds")
+               if k in worker},
             "bytes": report.num_bytes,
             "buckets": report.num_buckets, "worker_reports": len(worker_reports)}
 
@@ -101,6 +104,9 @@ def main() -> None:
     parser.add_argument("--noise", type=float, default=0.02, help="perturbation, in units of each weight's std")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     parser.add_argument("--zero-copy", action="store_true", help="flatten the trainer's parameters, ipc_zero_copy")
+    parser.add_argument("--keep-mapped", action="store_true", help="with --zero-copy: ipc_keep_mapped")
+    parser.add_argument("--loading", choices=("auto", "direct", "layerwise"), default="auto",
+                        help="VLLMEngineConfig.weight_loading")
     parser.add_argument("--bucket-mb", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--no-greedy", action="store_true", help="skip the greedy and log-prob comparisons")
@@ -119,12 +125,13 @@ def main() -> None:
 
     dtype = getattr(torch, args.dtype)
     results: dict = {"model": args.model, "device": torch.cuda.get_device_name(0), "dtype": args.dtype,
-                     "zero_copy": args.zero_copy, "bucket_mb": args.bucket_mb}
+                     "zero_copy": args.zero_copy, "keep_mapped": args.keep_mapped, "loading": args.loading,
+                     "bucket_mb": args.bucket_mb}
     ray.init(num_gpus=1, num_cpus=4, include_dashboard=False)
     pg = ray.util.placement_group([{"GPU": 1, "CPU": 1}])
     ray.get(pg.ready(), timeout=60)
     config = VLLMEngineConfig(model=args.model, dtype=args.dtype, gpu_memory_utilization=0.3, gpu_share=0.5,
-                              enforce_eager=True, max_model_len=1024, seed=0,
+                              enforce_eager=True, max_model_len=1024, seed=0, weight_loading=args.loading,
                               env={"VLLM_USE_FLASHINFER_SAMPLER": "0"})
     (engine,) = create_engines(config, placement_group=pg, bundle_indices=[[0]])
     tokenizer = AutoTokenizer.from_pretrained(args.model)
@@ -154,7 +161,7 @@ def main() -> None:
         results["logprob_mean_abs_diff_before_sync"] = logprob_gap(trainer, rollouts_before)
         expected = hf_greedy(trainer, prompts, args.steps, eos)
     sync_config = WeightSyncConfig(backend="cuda_ipc", bucket_bytes=args.bucket_mb * 1024**2, timeout_s=120,
-                                   ipc_zero_copy=args.zero_copy, num_buffers=2)
+                                   ipc_zero_copy=args.zero_copy, ipc_keep_mapped=args.keep_mapped, num_buffers=2)
     with WeightSender(sync_config, SyncEndpoint(world_size=2, rank=0, port=0), device=torch.device("cuda:0")) as sender:
         ray.get(engine.init_weight_sync.remote(sync_config, sender.endpoint, first_rank=1), timeout=120)
         syncs = [sync_once(engine, sender, named, ray) for _ in range(2 + args.repeats)]

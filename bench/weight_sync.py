@@ -319,11 +319,17 @@ IPC_VARIANTS = [
 # Zero-copy: the receiver copies straight out of the source's allocations (one copy instead of two). "flat": the
 # source's parameters are views of one buffer (flatten_parameters; what ZeRO-1/2 does); "per-tensor": 255 allocations.
 ZERO_COPY_VARIANTS = [
+    ("zero-copy flat, keep mapped, 512MiB x2", dict(ipc_zero_copy=True, ipc_keep_mapped=True, num_buffers=2)),
+    ("zero-copy flat, keep mapped, 4GiB x1", dict(ipc_zero_copy=True, ipc_keep_mapped=True, bucket_bytes=4 * GIB)),
     ("zero-copy flat, 512MiB x2", dict(ipc_zero_copy=True, num_buffers=2)),
     ("zero-copy flat, 4GiB x1 (one bucket)", dict(ipc_zero_copy=True, bucket_bytes=4 * GIB)),
     ("zero-copy flat, 512MiB x2, fingerprints", dict(ipc_zero_copy=True, num_buffers=2, fingerprints=True)),
 ]
-ZERO_COPY_PER_TENSOR = [("zero-copy per-tensor allocations, 4GiB x1", dict(ipc_zero_copy=True, bucket_bytes=4 * GIB))]
+ZERO_COPY_PER_TENSOR = [
+    ("zero-copy per-tensor allocations, keep mapped, 4GiB x1",
+     dict(ipc_zero_copy=True, ipc_keep_mapped=True, bucket_bytes=4 * GIB)),
+    ("zero-copy per-tensor allocations, 4GiB x1", dict(ipc_zero_copy=True, bucket_bytes=4 * GIB)),
+]
 
 
 def flat_weights(weights) -> dict[str, torch.Tensor]:
@@ -423,7 +429,7 @@ def run_small_model(peer, args, device) -> dict:
     generator = torch.Generator(device=device).manual_seed(1)
     for tensor in weights.values():  # the "trainer" moved away from the checkpoint
         tensor.add_(torch.randn(tensor.shape, generator=generator, device=device).to(tensor.dtype) * 1e-2)
-    small = bench_model(peer, flat_weights(weights), "cuda_ipc", device, ZERO_COPY_VARIANTS[:2], args.repeats,
+    small = bench_model(peer, flat_weights(weights), "cuda_ipc", device, ZERO_COPY_VARIANTS[:3], args.repeats,
                         "small")
     small["variants"] += bench_model(peer, weights, "cuda_ipc", device, [IPC_VARIANTS[0], IPC_VARIANTS[1]],
                                      args.repeats, "small")["variants"]

@@ -182,7 +182,8 @@ class ModelWorker(Worker):
         return loss, stats
 
     def open_weight_sync(self, sender: bool, *, backend: str, world_size: int, group_name: str, bucket_bytes: int,
-                         dtype: str | None, sync_timeout_s: float, zero_copy: bool = False):
+                         dtype: str | None, sync_timeout_s: float, zero_copy: bool = False,
+                         keep_mapped: bool = False):
         """Bind this rank's WeightSender (if it is one) and return its endpoint for the engines; None otherwise.
         Every rank streams its parameters at each sync: under ZeRO-3 the gathers are collective."""
         import ray
@@ -194,7 +195,7 @@ class ModelWorker(Worker):
         if not sender:
             return None
         config = WeightSyncConfig(backend=backend, bucket_bytes=bucket_bytes, dtype=self.sync_dtype,
-                                  timeout_s=sync_timeout_s, ipc_zero_copy=zero_copy)
+                                  timeout_s=sync_timeout_s, ipc_zero_copy=zero_copy, ipc_keep_mapped=keep_mapped)
         endpoint = SyncEndpoint(host=ray.util.get_node_ip_address(), world_size=world_size, group_name=group_name,
                                 label=f"actor-{self.rank}")
         device = self.model.device if backend in ("nccl", "cuda_ipc") else None

@@ -368,11 +368,13 @@ def _connect_weight_sync(run: Run) -> None:
     dtype = None if cpu else args.dtype
     zero_copy = backend == "cuda_ipc" and (args.sync_zero_copy == "true" or
                                            (args.sync_zero_copy == "auto" and args.zero_stage < 3))
+    keep_mapped = zero_copy and not args.offload_trainers  # the actor's parameters never move: map them once
     config = WeightSyncConfig(backend=backend, bucket_bytes=args.sync_bucket_mb * 1024**2,
                               dtype=getattr(torch, dtype) if dtype else None, timeout_s=args.sync_timeout,
-                              ipc_zero_copy=zero_copy)
+                              ipc_zero_copy=zero_copy, ipc_keep_mapped=keep_mapped)
     common = {"backend": backend, "bucket_bytes": config.bucket_bytes, "dtype": dtype,
-              "sync_timeout_s": args.sync_timeout, "zero_copy": zero_copy}
+              "sync_timeout_s": args.sync_timeout, "zero_copy": zero_copy,
+              "keep_mapped": keep_mapped}
     plan = run.placed.plan
     if args.colocate:
         for rank, engine in zip(plan.ranks("actor"), plan.ranks("rollout"), strict=True):

@@ -549,7 +549,8 @@ def test_real_vllm_cpu_generate_and_weight_updates(tmp_path):
     tracking = checks["discard_tracking"]
     assert tracking["missing_after_partial"] > 0 and tracking["missing_after_full"] == []
     assert tracking["fingerprint_restored"]
-    assert checks["receive_b"]["version"] == 9 and checks["receive_b"]["reports"][0]["layerwise"]
+    report = checks["receive_b"]["reports"][0]  # "auto": vLLM's CPU backend repacks linear weights -> layer-wise
+    assert checks["receive_b"]["version"] == 9 and report["layerwise"] is True and report["receive_s"] > 0
     gloo = checks["gloo_sync"]
     assert gloo["engine_version"] == gloo["sender_version"] and gloo["receiver_versions"] == [gloo["sender_version"]]
     assert gloo["num_buckets"] > 4

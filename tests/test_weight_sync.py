@@ -435,23 +435,41 @@ def flat_copy(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {name: param.data for name, param in zip(weights, module.parameters(), strict=True)}
 
 
-@pytest.mark.parametrize("num_buffers", [1, 2])
-def test_cuda_ipc_zero_copy_protocol(monkeypatch, num_buffers):
+@pytest.mark.parametrize("num_buffers, keep_mapped", [(1, False), (2, False), (2, True)])
+def test_cuda_ipc_zero_copy_protocol(monkeypatch, num_buffers, keep_mapped):
     """ipc_zero_copy: receivers read the source's own allocations (one handle per allocation, cached while it lives,
-    re-shared when the source moves), bitwise; nothing stays mapped or held after a sync."""
+    re-shared when the source moves), bitwise; nothing stays held after a sync, nor mapped unless keep_mapped (then
+    exactly the allocations still alive on the sender)."""
     import rlhfkit._weight_sync_ipc
     import rlhfkit.weight_sync
+
+    import ctypes
+
+    import numpy as np
 
     shares = []
 
     class CountingOps(FakeCudaOps):
+        """Handles alias the memory without referencing the sender's storage, as a real mapping in another process
+        does not keep the sender's tensor alive."""
+
         def share(self, tensor):
             shares.append(tensor.numel())
-            return super().share(tensor)
+            FakeCudaOps.shared[len(shares)] = (tensor.data_ptr(), tensor.numel())
+            return len(shares)
+
+        def open(self, handle, device):
+            address, size = FakeCudaOps.shared[handle]
+            return torch.from_numpy(np.ctypeslib.as_array((ctypes.c_uint8 * size).from_address(address)))
 
     monkeypatch.setattr(rlhfkit._weight_sync_ipc, "CudaOps", CountingOps)
     monkeypatch.setattr(rlhfkit.weight_sync, "_resolve_device", lambda backend, device: torch.device("cpu"))
-    group = Group(2, backend="cuda_ipc", bucket_bytes=4096, num_buffers=num_buffers, ipc_zero_copy=True)
+    group = Group(2, backend="cuda_ipc", bucket_bytes=4096, num_buffers=num_buffers, ipc_zero_copy=True,
+                  ipc_keep_mapped=keep_mapped)
+
+    def mapped():
+        return [sorted(r._side.transport._sources._mapped) for r in group.receivers]
+
     try:
         group.source = flat_copy(group.source)
         storages = {t.untyped_storage().data_ptr() for t in group.source.values()}
@@ -462,7 +480,7 @@ def test_cuda_ipc_zero_copy_protocol(monkeypatch, num_buffers):
             assert_bitwise_equal(target, group.source)
         assert len(shares) == 3, shares
         transport = group.sender._side.transport
-        assert transport._held == {} and all(r._side.transport._sources._mapped == {} for r in group.receivers)
+        assert transport._held == {} and mapped() == ([[0, 1, 2]] * 2 if keep_mapped else [[], []])
         group.source["layers.3.w"].mul_(-2)  # in place: same allocations, no new handle
         sent, received = group.sync()
         assert sent.receiver_versions == (2, 2) and len(shares) == 3
@@ -473,8 +491,11 @@ def test_cuda_ipc_zero_copy_protocol(monkeypatch, num_buffers):
         assert sent.receiver_versions == (3, 3) and len(shares) == 6
         for target in group.targets:
             assert_bitwise_equal(target, group.source)
+        assert mapped() == ([[3, 4, 5]] * 2 if keep_mapped else [[], []])  # the dead allocations were unmapped
+        transports = [r._side.transport for r in group.receivers]
     finally:
         group.close()
+    assert [t._sources._mapped for t in transports] == [{}, {}]  # close unmaps
 
 
 def test_cuda_ipc_zero_copy_checks_device_and_fingerprints(monkeypatch):
@@ -867,7 +888,7 @@ def run_process_pair(backend, sender_device, receiver_device, **config):
         sent = {n: as_bytes(t) for n, t in source.items()}
         assert outcome["state"].keys() == sent.keys()
         assert [n for n in sent if outcome["state"][n] != sent[n]] == []
-        if config.get("ipc_zero_copy"):  # the receiver unmapped it: freeing the source really frees it
+        if config.get("ipc_zero_copy") and not config.get("ipc_keep_mapped"):  # unmapped: freeing really frees
             nbytes = sum(t.untyped_storage().nbytes() for t in {t.untyped_storage().data_ptr(): t
                                                                   for t in source.values()}.values())
             before = torch.cuda.memory_allocated(sender_device)
@@ -892,10 +913,10 @@ def test_cuda_ipc_two_processes_one_gpu_bitwise(num_buffers, ipc_events):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("num_buffers", [1, 2])
-def test_cuda_ipc_zero_copy_two_processes_one_gpu_bitwise(num_buffers):
+@pytest.mark.parametrize("num_buffers, keep_mapped", [(1, False), (2, False), (2, True)])
+def test_cuda_ipc_zero_copy_two_processes_one_gpu_bitwise(num_buffers, keep_mapped):
     run_process_pair("cuda_ipc", "cuda:0", "cuda:0", bucket_bytes=4 * 1024**2, num_buffers=num_buffers,
-                     ipc_zero_copy=True, fingerprints=True)
+                     ipc_zero_copy=True, ipc_keep_mapped=keep_mapped, fingerprints=True)
 
 
 @pytest.mark.gpu

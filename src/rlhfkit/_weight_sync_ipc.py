@@ -169,7 +169,8 @@ class IpcSender:
             assert self._sources is not None and tensors is not None
             handles, placements = self._sources.describe(tensors)
             self._held[bucket.index % self.slots.num_slots] = tensors
-            message["source"] = encode({"handles": handles, "placements": placements, "fingerprint": fingerprint})
+            message["source"] = encode({"handles": handles, "placements": placements, "fingerprint": fingerprint,
+                                        "live": self._sources.live_ids()})
         if self.use_events:
             self.cuda.record(self._send_events[bucket.index % self.slots.num_slots], self.slots.device)
         else:
@@ -252,6 +253,7 @@ class IpcReceiver:
         body, self._source = self._source, None
         assert body is not None, "verify() without a received zero-copy bucket"
         specs = manifest.specs[bucket.start : bucket.stop]
+        self._sources.retain(body["live"])
         self._views = self._sources.views(specs, body["handles"], body["placements"], self.slots.device)
         sent = body["fingerprint"]
         if manifest.fingerprints:
@@ -274,7 +276,14 @@ class IpcReceiver:
         self.control.put(f"{version}/ack/{bucket.index}/{self.rank}", {"ok": 1})
 
     def end_sync(self) -> None:
-        """After the sync (loaded or failed): unmap the sender's source memory so it can free or move it."""
+        """After the sync (loaded or failed): unmap the sender's source memory so it can free or move it, unless
+        the sender asked receivers to keep it mapped."""
+        self._views = []
+        if not (self._manifest is not None and self._manifest.keep_mapped):
+            self._sources.clear()
+
+    def unmap(self) -> None:
+        """On close: drop every mapping of the sender's memory."""
         self._views = []
         self._sources.clear()
 

@@ -143,6 +143,7 @@ class Manifest:
         ipc_events: CUDA IPC only: order with interprocess CUDA events (else host synchronization).
         zero_copy: CUDA IPC only: buckets are read from the source tensors' own memory (no bucket buffers); each
             bucket's message carries the handles and placements of its tensors.
+        keep_mapped: zero-copy only: receivers keep the source's allocations mapped after the sync.
     """
 
     version: int
@@ -154,6 +155,7 @@ class Manifest:
     generation: int = 0
     ipc_events: bool = False
     zero_copy: bool = False
+    keep_mapped: bool = False
 
     @property
     def total_bytes(self) -> int:
@@ -173,6 +175,7 @@ class Manifest:
             "generation": self.generation,
             "ipc_events": self.ipc_events,
             "zero_copy": self.zero_copy,
+            "keep_mapped": self.keep_mapped,
         }
         return json.dumps(body, separators=(",", ":")).encode()
 

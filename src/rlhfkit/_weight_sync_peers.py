@@ -91,7 +91,8 @@ class SenderSide:
                             fingerprints=self.config.fingerprints, num_slots=self.slots.num_slots,
                             generation=generation,
                             ipc_events=self.config.backend == "cuda_ipc" and self.config.ipc_events,
-                            zero_copy=self.config.backend == "cuda_ipc" and self.config.ipc_zero_copy)
+                            zero_copy=self.config.backend == "cuda_ipc" and self.config.ipc_zero_copy,
+                            keep_mapped=self.config.ipc_keep_mapped)
         self.control.put_bytes(f"{manifest.version}/manifest", manifest.to_bytes())
         self.version = manifest.version
         try:
@@ -283,6 +284,9 @@ class ReceiverSide:
     def close(self) -> None:
         if self.link is not None:
             self.link.close()
+        unmap = getattr(self.transport, "unmap", None)
+        if unmap is not None:
+            unmap()
         self.slots.release()
         self.transport = self.link = self.control = None
 

@@ -57,6 +57,13 @@ class VLLMEngineConfig:
         generate_timeout_s, control_timeout_s, health_timeout_s, startup_timeout_s: timeouts of engine groups
             (generate; sleep/wake/weight loads; health checks; engine start-up).
         load_bucket_bytes: :meth:`VLLMEngine.load_weights` sends tensors to the workers in buckets of this size.
+        weight_loading: how workers apply new weights. ``"direct"``: the model's own ``load_weights`` copies each
+            tensor into its (fused) parameter as it arrives — one copy, nothing kept. ``"layerwise"``: vLLM's layer-wise
+            reload (keeps a layer's tensors until the layer is complete, then re-runs its post-load processing; what
+            quantized checkpoints need, and a clone of every tensor that arrives in a reused buffer). ``"auto"``
+            (default): direct when the model is not quantized and every parameter still carries its
+            ``weight_loader`` (post-load processing that repacks a weight replaces its parameter, as vLLM's CPU
+            backend does), else layerwise.
     """
 
     model: str
@@ -79,6 +86,7 @@ class VLLMEngineConfig:
     health_timeout_s: float = 30.0
     startup_timeout_s: float = 900.0
     load_bucket_bytes: int = 512 * 1024**2
+    weight_loading: Literal["auto", "layerwise", "direct"] = "auto"
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -93,6 +101,9 @@ class VLLMEngineConfig:
                 raise ValueError(f"VLLMEngineConfig.{name}={value!r}; must be in (0, 1]")
         if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 1):
             raise ValueError(f"VLLMEngineConfig.max_model_len={self.max_model_len!r}; must be None or an int >= 1")
+        if self.weight_loading not in ("auto", "layerwise", "direct"):
+            raise ValueError(f"VLLMEngineConfig.weight_loading={self.weight_loading!r}; expected 'auto', 'layerwise' "
+                             "or 'direct'")
         if self.dtype not in _DTYPES:
             raise ValueError(f"VLLMEngineConfig.dtype={self.dtype!r}; expected one of {_DTYPES}")
         if self.logprobs_mode not in ("processed_logprobs", "raw_logprobs"):

@@ -26,6 +26,7 @@ import importlib
 import inspect
 import logging
 import os
+import time
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
@@ -154,11 +155,22 @@ class WeightSyncExtension:
         return count
 
     # --- collective_rpc entry points ----------------------------------------------------------------------------------
-    def rlhfkit_begin_weight_update(self) -> dict[str, Any]:
+    def _rlhfkit_layerwise(self, loading: str) -> bool:
+        """Whether this update goes through vLLM's layer-wise reload (see ``VLLMEngineConfig.weight_loading``)."""
+        if loading not in ("auto", "layerwise", "direct"):
+            raise ValueError(f"weight loading {loading!r}; expected 'auto', 'layerwise' or 'direct'")
+        if loading == "auto":  # direct only where every parameter still has the loader it was built with
+            model_config = getattr(self, "model_config", None)
+            if getattr(model_config, "quantization", None) is not None:
+                return True
+            return not all(hasattr(p, "weight_loader") for p in self._rlhfkit_model().parameters())
+        return loading == "layerwise"
+
+    def rlhfkit_begin_weight_update(self, loading: str = "auto") -> dict[str, Any]:
         state = self._rlhfkit_state()
         if state["session"] is not None:
             raise RuntimeError("rlhfkit_begin_weight_update called while a weight update is open; finish it first")
-        api = layerwise_reload_api()
+        api = layerwise_reload_api() if self._rlhfkit_layerwise(loading) else None
         if api is not None:
             with self._rlhfkit_device_context():
                 api[0](self._rlhfkit_model())
@@ -217,19 +229,23 @@ class WeightSyncExtension:
         self._rlhfkit_state()["receiver"] = receiver
         return context
 
-    def rlhfkit_receive_weights(self, version: int | None = None) -> dict[str, Any]:
+    def rlhfkit_receive_weights(self, version: int | None = None, loading: str = "auto") -> dict[str, Any]:
         """Receive one full sync through the receiver in one session, loading each bucket as it arrives; returns
-        the receiver's report (plain values) with the version this rank now holds."""
+        the receiver's report (plain values) with the version this rank now holds and the session's timings."""
         state = self._rlhfkit_state()
         receiver = state["receiver"]
         if receiver is None:
             raise RuntimeError("rlhfkit_receive_weights called before rlhfkit_init_weight_sync; call "
                                "engine.init_weight_sync(...) first")
-        self.rlhfkit_begin_weight_update()
+        started = time.perf_counter()
+        self.rlhfkit_begin_weight_update(loading)
+        begun = time.perf_counter()
         try:
             report = plain_report(receiver.receive(lambda weights: self._rlhfkit_load(weights, borrowed=True)))
         finally:
+            received = time.perf_counter()
             session = self.rlhfkit_finish_weight_update(None)
+        report.update(begin_s=begun - started, receive_s=received - begun, finish_s=time.perf_counter() - received)
         reported = report.get("version")
         state["version"] = int(version if version is not None else reported if isinstance(reported, int)
                                else state["version"] + 1)

@@ -288,7 +288,7 @@ class VLLMEngine:
         new_version = self._version + 1 if version is None else int(version)
         timeout = self.config.control_timeout_s
         count, bucket, bucket_bytes = 0, [], 0
-        self._rpc("rlhfkit_begin_weight_update", timeout=timeout)
+        self._rpc("rlhfkit_begin_weight_update", self.config.weight_loading, timeout=timeout)
         try:
             for name, tensor in weights:
                 if not isinstance(name, str) or not isinstance(tensor, torch.Tensor):
@@ -346,7 +346,8 @@ class VLLMEngine:
         """Receive one sync in every worker (blocks until the sender has sent it); returns the workers' reports."""
         self._check_weights_awake("receive_weights")
         try:
-            reports = self._rpc("rlhfkit_receive_weights", version, timeout=self.config.control_timeout_s)
+            reports = self._rpc("rlhfkit_receive_weights", version, self.config.weight_loading,
+                                timeout=self.config.control_timeout_s)
         except BaseException as error:
             # A manifest mismatch fails before any byte moves; after any other failure some buckets may have landed
             # and the weights could be a mix of two versions.
