@@ -148,7 +148,7 @@ case $stage in
 20) # round 4b, kit chunk 3: SmolLM2 GRPO, ZeRO-2 resident, direct loading + keep-mapped zero-copy (GPU 0); SmolLM2
     # zero-copy into vLLM with the greedy check (GPU 1)
   run 120 python examples/convert_smollm2.py --out $SMOL
-  on 0 z2_fast 280 python examples/grpo_hybrid.py --model $SMOL ${HYB/--steps 100/--steps 20} --zero-stage 2 --offload-trainers false --out $RUNS/z2_fast &
+  on 0 z2_fast 250 python examples/grpo_hybrid.py --model $SMOL ${HYB/--steps 100/--steps 15} --zero-stage 2 --offload-trainers false --out $RUNS/z2_fast &
   on 1 ipc_vllm_smol2 150 python bench/ipc_to_vllm.py --model $SMOL --zero-copy --keep-mapped --out $RUNS/ipc_vllm_smol_direct.json &
   wait; pack
   ;;

@@ -254,7 +254,8 @@ class IpcReceiver:
         assert body is not None, "verify() without a received zero-copy bucket"
         specs = manifest.specs[bucket.start : bucket.stop]
         self._sources.retain(body["live"])
-        self._views = self._sources.views(specs, body["handles"], body["placements"], self.slots.device)
+        self._views = self._sources.views(specs, body["handles"], body["placements"], self.slots.device,
+                                          bucket=bucket.index)
         sent = body["fingerprint"]
         if manifest.fingerprints:
             got = int(self._fingerprinter.of_tensors(self._views).item())

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import replace
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -33,6 +34,7 @@ from rlhfkit._weight_sync_stream import ReceivedStream, call_load_fn, collect_bu
 __all__ = ["SenderSide", "ReceiverSide", "load_local"]
 
 logger = logging.getLogger(__name__)
+_VERSION_ZERO = b'{"version":0,'  # Manifest.to_bytes starts with the version
 AfterPack = Callable[[int, list[torch.Tensor]], None]
 
 
@@ -56,6 +58,8 @@ class SenderSide:
         self.version = 0
         self.link: CollectiveLink | None = None
         self.transport: Any = None
+        self._plan: tuple | None = None  # (specs, buckets, capacity) of the last sync
+        self._encoded: tuple[Manifest, bytes] | None = None  # the last manifest (version 0) and its encoding's tail
 
     def peer_name(self, rank: int) -> str:
         label = self.labels.get(rank)
@@ -85,15 +89,8 @@ class SenderSide:
 
     def send(self, specs: list[TensorSpec], iterator: Iterator, after_pack: AfterPack) -> tuple[Manifest, tuple]:
         self._connect()
-        buckets, capacity = plan_buckets(specs, self.config.bucket_bytes)
-        generation = self.transport.prepare(capacity)
-        manifest = Manifest(version=self.version + 1, specs=tuple(specs), buckets=buckets, capacity=capacity,
-                            fingerprints=self.config.fingerprints, num_slots=self.slots.num_slots,
-                            generation=generation,
-                            ipc_events=self.config.backend == "cuda_ipc" and self.config.ipc_events,
-                            zero_copy=self.config.backend == "cuda_ipc" and self.config.ipc_zero_copy,
-                            keep_mapped=self.config.ipc_keep_mapped)
-        self.control.put_bytes(f"{manifest.version}/manifest", manifest.to_bytes())
+        manifest, data = self._manifest(tuple(specs))
+        self.control.put_bytes(f"{manifest.version}/manifest", data)
         self.version = manifest.version
         try:
             self._check(manifest)
@@ -105,6 +102,25 @@ class SenderSide:
                 end_sync()
         self.control.delete(f"{manifest.version}/manifest")
         return manifest, versions
+
+    def _manifest(self, specs: tuple[TensorSpec, ...]) -> tuple[Manifest, bytes]:
+        """This sync's manifest and its bytes; the layout and encoding are reused while the stream's description
+        and the buffers stay the same (only the version changes from sync to sync)."""
+        if self._plan is None or self._plan[0] != specs:
+            self._plan = (specs, *plan_buckets(specs, self.config.bucket_bytes))
+        _, buckets, capacity = self._plan
+        generation = self.transport.prepare(capacity)
+        version = self.version + 1
+        manifest = Manifest(version=version, specs=specs, buckets=buckets, capacity=capacity,
+                            fingerprints=self.config.fingerprints, num_slots=self.slots.num_slots,
+                            generation=generation,
+                            ipc_events=self.config.backend == "cuda_ipc" and self.config.ipc_events,
+                            zero_copy=self.config.backend == "cuda_ipc" and self.config.ipc_zero_copy,
+                            keep_mapped=self.config.ipc_keep_mapped)
+        template = replace(manifest, version=0)
+        if self._encoded is None or self._encoded[0] != template:
+            self._encoded = (template, template.to_bytes().removeprefix(_VERSION_ZERO))
+        return manifest, b'{"version":%d,' % version + self._encoded[1]
 
     def _check(self, manifest: Manifest) -> None:
         version = manifest.version
@@ -192,6 +208,7 @@ class ReceiverSide:
         self.slots = BucketSlots(device, 1)
         self.fingerprinter = Fingerprinter()
         self.seen = 0  # the last sync whose manifest this receiver read
+        self._parsed: tuple | None = None  # (encoding after the version, expected, manifest, problems) of the last
         self.control: ControlChannel | None = None
         self.link: CollectiveLink | None = None
         self.transport: Any = None
@@ -230,7 +247,7 @@ class ReceiverSide:
         version = self.seen + 1
         data = self.control.get_bytes(f"{version}/manifest", peer=0, what=f"the manifest of sync {version}")
         started = time.perf_counter()
-        manifest = Manifest.from_bytes(data)
+        manifest = self._parse(data, expected)
         self.seen = version
         self._check(manifest, expected)
         stream = ReceivedStream(manifest, self.transport, self.slots, self.fingerprinter,
@@ -250,9 +267,28 @@ class ReceiverSide:
         self.control.put(f"{version}/done/{self.endpoint.rank}", {"version": version})
         return manifest, loaded, time.perf_counter() - started
 
+    def _parse(self, data: bytes, expected: Sequence[TensorSpec] | None) -> Manifest:
+        """The manifest in ``data``; parsed (and later checked) once while the sender's layout and ``expected``
+        stay the same — from sync to sync only the version changes."""
+        head, _, tail = data.partition(b",")
+        cached = self._parsed
+        if cached is not None and cached[0] == tail and cached[1] is expected:
+            return replace(cached[2], version=int(head.removeprefix(b'{"version":')))
+        manifest = Manifest.from_bytes(data)
+        self._parsed = None
+        if head.startswith(b'{"version":'):
+            self._parsed = (tail, expected, manifest, None)
+        return manifest
+
     def _check(self, manifest: Manifest, expected: Sequence[TensorSpec] | None) -> None:
         version, rank = manifest.version, self.endpoint.rank
-        problems = compare_manifest(manifest, expected)
+        cached = self._parsed
+        if cached is not None and cached[3] is not None and cached[1] is expected and cached[2].specs is manifest.specs:
+            problems = cached[3]
+        else:
+            problems = compare_manifest(manifest, expected)
+            if cached is not None and cached[2].specs is manifest.specs:
+                self._parsed = (*cached[:3], problems)
         if problems:
             message = _mismatch_message(manifest, self.who, problems)
             self.control.put(f"{version}/check/{rank}", {"error": "manifest", "message": message})

@@ -55,25 +55,29 @@ class SourceHandles:
         """Handles of the allocations ``tensors`` live in and one placement per tensor (id -1: an empty tensor)."""
         handles: dict[int, Any] = {}
         placements: list[Placement] = []
+        seen: dict[int, int] = {}  # data_ptr -> id, within this call (most tensors share a few allocations)
         for tensor in tensors:
             if tensor.numel() == 0:
                 placements.append((-1, 0, tuple(tensor.shape), tuple(tensor.stride())))
                 continue
-            ident, handle = self._handle(tensor)
-            handles.setdefault(ident, handle)
-            placements.append((ident, tensor.storage_offset(), tuple(tensor.shape), tuple(tensor.stride())))
+            offset = tensor.storage_offset()
+            key = tensor.data_ptr() - offset * tensor.element_size()  # the storage's base, without building it
+            ident = seen.get(key)
+            if ident is None:
+                ident, handles[ident] = self._handle(tensor.untyped_storage(), tensor.device)
+                seen[key] = ident
+            placements.append((ident, offset, tuple(tensor.shape), tuple(tensor.stride())))
         return handles, placements
 
-    def _handle(self, tensor: torch.Tensor) -> tuple[int, Any]:
+    def _handle(self, storage, device: torch.device) -> tuple[int, Any]:
         from torch.multiprocessing.reductions import StorageWeakRef
 
-        storage = tensor.untyped_storage()
         key, nbytes = storage.data_ptr(), storage.nbytes()
         entry = self._entries.get(key)
         if entry is not None and entry[3] == nbytes and not entry[0].expired():
             return entry[1], entry[2]
         self._entries = {k: e for k, e in self._entries.items() if not e[0].expired()}
-        whole = torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(storage, 0, (nbytes,), (1,))
+        whole = torch.empty(0, dtype=torch.uint8, device=device).set_(storage, 0, (nbytes,), (1,))
         ident, handle = self._next_id, self._share(whole)
         self._next_id += 1
         self._entries[key] = (StorageWeakRef(storage), ident, handle, nbytes)
@@ -93,13 +97,26 @@ class MappedSources:
     def __init__(self, open_handle) -> None:
         self._open = open_handle  # CudaOps.open: (handle, device) -> uint8 tensor over the whole allocation
         self._mapped: dict[int, torch.Tensor] = {}
+        self._cached: dict[int, tuple[Any, list[torch.Tensor]]] = {}  # bucket -> (placements, views), while mapped
 
     def views(self, specs: Sequence[TensorSpec], handles: dict[int, Any], placements: Sequence[Placement],
-              device: torch.device) -> list[torch.Tensor]:
-        """Typed views of one bucket's tensors in the sender's memory (mapping new allocations first)."""
+              device: torch.device, *, bucket: int = -1) -> list[torch.Tensor]:
+        """Typed views of one bucket's tensors in the sender's memory (mapping new allocations first). Views of a
+        bucket whose placements did not change since the last sync are reused (its allocations stayed mapped)."""
         for ident, handle in handles.items():
             if ident not in self._mapped:
                 self._mapped[ident] = self._open(handle, device)
+        key = (placements, [spec.dtype for spec in specs])
+        cached = self._cached.get(bucket)
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        views = self._build(specs, placements, device)
+        if bucket >= 0:
+            self._cached[bucket] = (key, views)
+        return views
+
+    def _build(self, specs: Sequence[TensorSpec], placements: Sequence[Placement],
+               device: torch.device) -> list[torch.Tensor]:
         views = []
         for spec, (ident, offset, shape, stride) in zip(specs, placements, strict=True):
             if tuple(shape) != tuple(spec.shape):
@@ -114,8 +131,11 @@ class MappedSources:
     def retain(self, live: Sequence[int]) -> None:
         """Unmap the allocations the sender no longer has (so it can really free them)."""
         keep = set(live)
-        self._mapped = {ident: tensor for ident, tensor in self._mapped.items() if ident in keep}
+        if not keep.issuperset(self._mapped):
+            self._mapped = {ident: tensor for ident, tensor in self._mapped.items() if ident in keep}
+            self._cached = {}
 
     def clear(self) -> None:
         """Unmap everything (the sender may free or move its memory once the sync is over)."""
         self._mapped = {}
+        self._cached = {}
