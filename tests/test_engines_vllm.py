@@ -427,6 +427,25 @@ def test_receive_weights_through_a_receiver_factory():
         fresh.init_weight_receiver("builtins:dict", {})
 
 
+def test_auto_weight_loading_detects_repacked_layers():
+    from rlhfkit.engines._vllm_worker import _repacked
+
+    def layer(with_loader: bool) -> torch.nn.Module:
+        module = torch.nn.Linear(2, 2, bias=False)
+        module.quant_method = object()  # a vLLM layer with a quantization method creates loader-carrying weights
+        if with_loader:
+            module.weight.weight_loader = lambda param, weight: param.data.copy_(weight)
+        return module
+
+    model = torch.nn.Sequential(layer(True), torch.nn.LayerNorm(2))  # a norm needs no loader of its own
+    assert not _repacked(model)
+    model.append(layer(False))  # e.g. vLLM's CPU backend swapped the weight for a repacked one
+    assert _repacked(model)
+    worker = FakeWorker(0)
+    with pytest.raises(ValueError, match="weight loading 'eager'"):
+        worker.rlhfkit_begin_weight_update("eager")
+
+
 def test_worker_helpers():
     assert resolve_factory("os.path:join") is os.path.join and resolve_factory("os.path.join") is os.path.join
     with pytest.raises(ValueError, match="must name a module and an attribute"):

@@ -61,9 +61,9 @@ class VLLMEngineConfig:
             tensor into its (fused) parameter as it arrives — one copy, nothing kept. ``"layerwise"``: vLLM's layer-wise
             reload (keeps a layer's tensors until the layer is complete, then re-runs its post-load processing; what
             quantized checkpoints need, and a clone of every tensor that arrives in a reused buffer). ``"auto"``
-            (default): direct when the model is not quantized and every parameter still carries its
-            ``weight_loader`` (post-load processing that repacks a weight replaces its parameter, as vLLM's CPU
-            backend does), else layerwise.
+            (default): direct when the model is not quantized and every weight of its quantization-method layers
+            (linear, embedding) still carries its ``weight_loader`` (post-load processing that repacks a weight
+            replaces its parameter, as vLLM's CPU backend does), else layerwise.
     """
 
     model: str

@@ -48,6 +48,19 @@ def layerwise_reload_api() -> tuple[Any, Any] | None:
     return (begin, finish) if callable(begin) and callable(finish) else None
 
 
+def _repacked(model: torch.nn.Module) -> bool:
+    """Whether post-load processing replaced a weight of a vLLM layer with a quantization method (every such layer
+    creates its parameters with a ``weight_loader``; e.g. vLLM's CPU backend swaps linear weights for repacked
+    ones that have none): then only the layer-wise reload can load new weights. Norms and other plain parameters
+    legitimately have no loader (``default_weight_loader`` serves them)."""
+    for module in model.modules():
+        if getattr(module, "quant_method", None) is None:
+            continue
+        if any(not hasattr(param, "weight_loader") for param in module.parameters(recurse=False)):
+            return True
+    return False
+
+
 def resolve_factory(path: str) -> Any:
     """Resolve ``"package.module:attribute"`` (or ``"package.module.attribute"``) to the object it names."""
     if not isinstance(path, str) or not path:
@@ -159,11 +172,9 @@ class WeightSyncExtension:
         """Whether this update goes through vLLM's layer-wise reload (see ``VLLMEngineConfig.weight_loading``)."""
         if loading not in ("auto", "layerwise", "direct"):
             raise ValueError(f"weight loading {loading!r}; expected 'auto', 'layerwise' or 'direct'")
-        if loading == "auto":  # direct only where every parameter still has the loader it was built with
+        if loading == "auto":
             model_config = getattr(self, "model_config", None)
-            if getattr(model_config, "quantization", None) is not None:
-                return True
-            return not all(hasattr(p, "weight_loader") for p in self._rlhfkit_model().parameters())
+            return getattr(model_config, "quantization", None) is not None or _repacked(self._rlhfkit_model())
         return loading == "layerwise"
 
     def rlhfkit_begin_weight_update(self, loading: str = "auto") -> dict[str, Any]:
