@@ -14,7 +14,9 @@ Backends (``WeightSyncConfig.backend``):
     ``"gloo"``: CPU process group of the channel's own (tests, CPU users).
     ``"nccl"``: GPU process group of its own; one sender broadcasting to N receivers (each tensor-parallel worker
         of an engine receives every full tensor).
-    ``"cuda_ipc"``: receivers on the sender's GPU map its bucket buffers once and copy out of them.
+    ``"cuda_ipc"``: receivers on the sender's GPU map its bucket buffers once and copy out of them; with
+        ``ipc_zero_copy`` they map the source tensors' own allocations instead (one copy per sync; pays for sources
+        in a few allocations: ZeRO-1/2 flat buffers, :func:`flatten_parameters`).
 
 The sender (rank 0) owns a ``torch.distributed.TCPStore`` that carries every control message, so the channel works
 between plain processes, Ray actors and vLLM workers alike, and never touches the default process group. What the
@@ -22,7 +24,8 @@ trainer side and the engine side share is only this module and :class:`SyncEndpo
 
 Memory: the sender holds ``num_buffers`` bucket buffers of ``max(bucket_bytes, largest tensor) + 16`` bytes (on CPU
 for gloo, on its GPU for nccl/cuda_ipc); a gloo/nccl receiver holds one; a cuda_ipc receiver none (it reads the
-sender's); fingerprints add ≈ 2 MB of temporaries. What it does not do: shard tensors for tensor parallelism (the
+sender's); zero-copy CUDA IPC none on either side (the sender keeps the last ``num_buffers`` buckets' source
+tensors alive until they are consumed); fingerprints add ≈ 2 MB of temporaries. What it does not do: shard tensors for tensor parallelism (the
 engine's loader does), gather ZeRO-3 parameters (the DeepSpeed wrapper's stream does), retry failed syncs. Needs only
 torch (``torch.distributed``; CUDA for nccl/cuda_ipc).
 """
