@@ -154,6 +154,13 @@ def _file_state_dict(path: Path) -> dict[str, torch.Tensor]:
     return load_file(str(path / "model.safetensors"))
 
 
+def _stream_storages(engine) -> int:
+    """How many distinct allocations the sync stream's tensors live in (ZeRO-3 gathers: not meaningful)."""
+    if engine.config.zero_stage == 3:
+        return -1
+    return len({tensor.untyped_storage().data_ptr() for _, tensor in engine.named_parameters_for_sync()})
+
+
 def check_train(stage: int, ctx) -> dict:
     """Reference trajectory, the same trajectory with sleeps, and a resume from a checkpoint."""
     from rlhfkit.deepspeed_engine import DeepSpeedEngine, latest_checkpoint
@@ -168,8 +175,10 @@ def check_train(stage: int, ctx) -> dict:
     engine = DeepSpeedEngine.from_pretrained(ctx.model, role="actor", config=_config(stage))
     file_state = {k: v.to(engine.dtype) for k, v in _file_state_dict(ctx.model).items()}
     initial_stream = _compare(_stream_dict(engine, bucket_bytes=4096), file_state)
+    storages = [_stream_storages(engine)]  # zero-copy weight sync pays when this is small (ZeRO-1/2 flat buffers)
     stats = [_train_step(engine, batch) for _ in range(2)]
     round_trip = _sleep_round_trip(engine, batch, baseline)
+    storages.append(_stream_storages(engine))
     root = ctx.workdir / f"ckpt-s{stage}"
     saved = engine.save_checkpoint(root)  # after a sleep: DeepSpeed's host offload buffers must not be saved
     saved_stream = _stream_dict(engine)
@@ -207,6 +216,7 @@ def check_train(stage: int, ctx) -> dict:
             "latest": latest.name if latest else None, "saved": saved.name, "partial_load": partial_load,
             "round_trip": round_trip, "kept_stream": kept_stream, "initial_stream": initial_stream,
             "deep_asleep_stream": deep_asleep_stream, "resumed_offload_keys": offload_keys,
+            "stream_storages": storages,
             "export": export, "hf_files": sorted(p.name for p in (saved / "hf").iterdir())}
 
 

@@ -259,6 +259,19 @@ def test_sleep_wake_round_trip_is_exact(ds_results, world_size, stage):
 
 
 @pytest.mark.parametrize(("world_size", "stage"), TRAIN_CASES)
+def test_zero12_stream_lives_in_flat_buffers(ds_results, world_size, stage):
+    """What makes zero-copy CUDA-IPC sync pay: under ZeRO-1/2 the 21 streamed parameters are views of DeepSpeed's
+    flat buffers (one per parameter group), also after a sleep/wake moved them; without ZeRO each is its own."""
+    before, after = _result(ds_results, world_size, f"train{stage}")["stream_storages"]
+    if stage in (1, 2):
+        assert 1 <= before <= 2 and 1 <= after <= 2, (before, after)
+    elif stage == 0:
+        assert before == after == 21
+    else:
+        assert before == after == -1
+
+
+@pytest.mark.parametrize(("world_size", "stage"), TRAIN_CASES)
 def test_actor_stream_equals_file_state_dict(ds_results, world_size, stage):
     """Before training, the (ZeRO-3: gathered) stream of an actor is exactly the checkpoint's state dict."""
     stream = _result(ds_results, world_size, f"train{stage}")["initial_stream"]
