@@ -127,7 +127,7 @@ def train_on(experience, policy, critic, optimizer, critic_optimizer, args, step
                 vloss.backward()
                 torch.nn.utils.clip_grad_norm_(critic.parameters(), 1.0)
                 critic_optimizer.step()
-                pstats["value_loss"] = float(vloss)
+                pstats["value_loss"] = float(vloss.detach())
             for key, value in pstats.items():  # average over minibatches and epochs
                 stats[key] = stats.get(key, 0.0) + value / (len(minibatches) * args.epochs)
     return stats
