@@ -152,5 +152,12 @@ case $stage in
   on 1 ipc_vllm_smol2 150 python bench/ipc_to_vllm.py --model $SMOL --zero-copy --keep-mapped --out $RUNS/ipc_vllm_smol_direct.json &
   wait; pack
   ;;
+21) # next round, kit chunk 2 (after a call carrying .carry/gpu1): the recorded copy plan into vLLM
+    # (weight_loading="planned"): tiny fp32 greedy check (GPU 0), the 1.54B random Llama (GPU 1)
+  tiny
+  on 0 ipc_vllm_tiny_planned 150 python bench/ipc_to_vllm.py --model /tmp/tiny-hd64 --zero-copy --keep-mapped --loading planned --out $RUNS/ipc_vllm_tiny_planned.json &
+  on 1 ipc_vllm_big_planned 230 python bench/ipc_to_vllm.py --random-layers 30 --dtype bfloat16 --zero-copy --keep-mapped --no-greedy --loading planned --out $RUNS/ipc_vllm_big_planned.json &
+  wait; pack
+  ;;
 esac
 echo "stage $stage done in $SECONDS s" | tee -a "$log"

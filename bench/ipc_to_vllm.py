@@ -105,7 +105,7 @@ def main() -> None:
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     parser.add_argument("--zero-copy", action="store_true", help="flatten the trainer's parameters, ipc_zero_copy")
     parser.add_argument("--keep-mapped", action="store_true", help="with --zero-copy: ipc_keep_mapped")
-    parser.add_argument("--loading", choices=("auto", "direct", "layerwise"), default="auto",
+    parser.add_argument("--loading", choices=("auto", "direct", "layerwise", "planned"), default="auto",
                         help="VLLMEngineConfig.weight_loading")
     parser.add_argument("--bucket-mb", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=5)

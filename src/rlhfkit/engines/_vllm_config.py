@@ -63,7 +63,11 @@ class VLLMEngineConfig:
             quantized checkpoints need, and a clone of every tensor that arrives in a reused buffer). ``"auto"``
             (default): direct when the model is not quantized and every weight of its quantization-method layers
             (linear, embedding) still carries its ``weight_loader`` (post-load processing that repacks a weight
-            replaces its parameter, as vLLM's CPU backend does), else layerwise.
+            replaces its parameter, as vLLM's CPU backend does), else layerwise. ``"planned"`` (opt-in, not yet
+            measured inside vLLM on a GPU): direct, but the first load records where each tensor's copies land and
+            later loads replay them with one batched copy per bucket (tensors whose loader does more than copy stay
+            on ``load_weights``; see ``rlhfkit.engines._vllm_copy_plan``); falls back to layerwise where ``"auto"``
+            would.
     """
 
     model: str
@@ -86,7 +90,7 @@ class VLLMEngineConfig:
     health_timeout_s: float = 30.0
     startup_timeout_s: float = 900.0
     load_bucket_bytes: int = 512 * 1024**2
-    weight_loading: Literal["auto", "layerwise", "direct"] = "auto"
+    weight_loading: Literal["auto", "layerwise", "direct", "planned"] = "auto"
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -101,9 +105,9 @@ class VLLMEngineConfig:
                 raise ValueError(f"VLLMEngineConfig.{name}={value!r}; must be in (0, 1]")
         if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 1):
             raise ValueError(f"VLLMEngineConfig.max_model_len={self.max_model_len!r}; must be None or an int >= 1")
-        if self.weight_loading not in ("auto", "layerwise", "direct"):
-            raise ValueError(f"VLLMEngineConfig.weight_loading={self.weight_loading!r}; expected 'auto', 'layerwise' "
-                             "or 'direct'")
+        if self.weight_loading not in ("auto", "layerwise", "direct", "planned"):
+            raise ValueError(f"VLLMEngineConfig.weight_loading={self.weight_loading!r}; expected 'auto', 'layerwise', "
+                             "'direct' or 'planned'")
         if self.dtype not in _DTYPES:
             raise ValueError(f"VLLMEngineConfig.dtype={self.dtype!r}; expected one of {_DTYPES}")
         if self.logprobs_mode not in ("processed_logprobs", "raw_logprobs"):

@@ -170,9 +170,9 @@ class WeightSyncExtension:
     # --- collective_rpc entry points ----------------------------------------------------------------------------------
     def _rlhfkit_layerwise(self, loading: str) -> bool:
         """Whether this update goes through vLLM's layer-wise reload (see ``VLLMEngineConfig.weight_loading``)."""
-        if loading not in ("auto", "layerwise", "direct"):
-            raise ValueError(f"weight loading {loading!r}; expected 'auto', 'layerwise' or 'direct'")
-        if loading == "auto":
+        if loading not in ("auto", "layerwise", "direct", "planned"):
+            raise ValueError(f"weight loading {loading!r}; expected 'auto', 'layerwise', 'direct' or 'planned'")
+        if loading in ("auto", "planned"):  # a plan only records plain copies: the same condition as direct
             model_config = getattr(self, "model_config", None)
             return getattr(model_config, "quantization", None) is not None or _repacked(self._rlhfkit_model())
         return loading == "layerwise"
@@ -185,12 +185,42 @@ class WeightSyncExtension:
         if api is not None:
             with self._rlhfkit_device_context():
                 api[0](self._rlhfkit_model())
-        state["session"] = {"layerwise": api is not None, "num_tensors": 0}
+        state["session"] = {"layerwise": api is not None, "planned": loading == "planned" and api is None,
+                            "num_tensors": 0}
         return dict(state["session"])
 
     def rlhfkit_load_weights(self, weights: Iterable[Any]) -> int:
         """Load one bucket of HF-named tensors into the open session; returns how many tensors it held."""
+        session = self._rlhfkit_state()["session"]
+        if session is not None and session.get("planned"):
+            return self._rlhfkit_load_batch(list(weights))
         return self._rlhfkit_load(weights)
+
+    def _rlhfkit_load_batch(self, batch: list[Any]) -> int:
+        """``weight_loading="planned"``: one batch (a bucket) through the recorded copy plan; tensors not seen before
+        are loaded by ``load_weights`` while their copies are recorded (see :mod:`rlhfkit.engines._vllm_copy_plan`)."""
+        from rlhfkit.engines._vllm_copy_plan import CopyPlan
+
+        state = self._rlhfkit_state()
+        model = self._rlhfkit_model()
+        plan = state.get("plan")
+        if plan is None or not plan.valid():
+            plan = state["plan"] = CopyPlan(model)
+        batch = [(str(name), tensor) for name, tensor in batch]
+        known = [(n, t) for n, t in batch if n in plan.steps or n in plan.unplanned]
+        new = [(n, t) for n, t in batch if not (n in plan.steps or n in plan.unplanned)]
+
+        def load(weights: Iterable[tuple[str, torch.Tensor]]) -> Any:
+            return model.load_weights(weights=weights)
+
+        with self._rlhfkit_device_context():
+            written = plan.apply(known, load) if known else set()
+            if new:
+                written |= plan.record(new, load)
+        if state["pending"] is not None:
+            state["pending"].difference_update(written)
+        state["session"]["num_tensors"] += len(batch)
+        return len(batch)
 
     def rlhfkit_finish_weight_update(self, version: int | None = None) -> dict[str, Any]:
         """Close the session (vLLM's layer-wise post-processing runs here); set the version when given."""
@@ -252,7 +282,13 @@ class WeightSyncExtension:
         self.rlhfkit_begin_weight_update(loading)
         begun = time.perf_counter()
         try:
-            report = plain_report(receiver.receive(lambda weights: self._rlhfkit_load(weights, borrowed=True)))
+            if state["session"]["planned"] and "by_bucket" in inspect.signature(receiver.receive).parameters:
+                def load_buckets(buckets: Iterable[list[Any]]) -> int:
+                    return sum(self._rlhfkit_load_batch(bucket) for bucket in buckets)
+
+                report = plain_report(receiver.receive(load_buckets, by_bucket=True))
+            else:
+                report = plain_report(receiver.receive(lambda weights: self._rlhfkit_load(weights, borrowed=True)))
         finally:
             received = time.perf_counter()
             session = self.rlhfkit_finish_weight_update(None)
@@ -261,6 +297,7 @@ class WeightSyncExtension:
         state["version"] = int(version if version is not None else reported if isinstance(reported, int)
                                else state["version"] + 1)
         report.update(version=state["version"], rank=session["rank"], layerwise=session["layerwise"],
+                      planned=session.get("planned", False),
                       num_loaded=session["num_tensors"])
         return report
 

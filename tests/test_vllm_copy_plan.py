@@ -1,0 +1,138 @@
+"""The recorded copy plan for vLLM weight loading (``weight_loading="planned"``), on CPU: a model whose loaders
+narrow and copy the way vLLM's do (fused q/k/v and gate/up, a tensor-parallel slice of the source, a default loader),
+plus loaders that transform or write a parameter with another op, which must stay on ``load_weights``. Expected values
+come from a twin model loaded the plain way."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+
+from rlhfkit.engines._vllm_copy_plan import CopyPlan
+from rlhfkit.engines._vllm_worker import WeightSyncExtension
+
+H = 4
+STACKED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+           "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+
+
+def stacked_loader(param, weight, shard):
+    param.data.narrow(0, shard * H, H).copy_(weight)
+
+
+class FusedModel(torch.nn.Module):
+    """vLLM-like: fused parameters with weight_loaders; ``load_weights`` maps HF names and returns the parameter names
+    it wrote. ``embed`` is this rank's half of a vocabulary-parallel embedding (rank 1 of 2: rows 3..5)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv_proj = torch.nn.Parameter(torch.zeros(3 * H, H))
+        self.gate_up_proj = torch.nn.Parameter(torch.zeros(2 * H, H))
+        self.o_proj = torch.nn.Parameter(torch.zeros(H, 2 * H))
+        self.embed = torch.nn.Parameter(torch.zeros(3, H))
+        self.norm = torch.nn.Parameter(torch.zeros(H))  # default loader: no weight_loader attribute
+        self.scaled = torch.nn.Parameter(torch.zeros(H))  # its loader transforms: must stay unplanned
+        self.padded = torch.nn.Parameter(torch.zeros(H + 2))  # its loader zero-fills first: must stay unplanned
+        self.embed.weight_loader = lambda param, weight: param.data.copy_(weight.narrow(0, 3, 3))
+        self.o_proj.weight_loader = lambda param, weight: param.data.copy_(weight.t())  # a strided source view
+        self.scaled.weight_loader = lambda param, weight: param.data.copy_(weight * 2)
+
+        def pad_loader(param, weight):
+            param.data.zero_()
+            param.data[:H].copy_(weight)
+
+        self.padded.weight_loader = pad_loader
+
+    def load_weights(self, weights):
+        written = set()
+        for name, tensor in weights:
+            key = name.split(".")[0]
+            if key in STACKED:
+                target, shard = STACKED[key]
+                stacked_loader(getattr(self, target), tensor, shard)
+                written.add(target)
+                continue
+            if key == "lm_head":  # tied to the embedding: vLLM skips it
+                continue
+            param = getattr(self, key)
+            getattr(param, "weight_loader", lambda p, w: p.data.copy_(w))(param, tensor)
+            written.add(key)
+        return written
+
+
+def hf_weights(seed: int) -> list[tuple[str, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(seed)
+    shapes = {"q_proj.weight": (H, H), "k_proj.weight": (H, H), "v_proj.weight": (H, H), "gate_proj.weight": (H, H),
+              "up_proj.weight": (H, H), "o_proj.weight": (2 * H, H), "embed.weight": (6, H), "norm.weight": (H,),
+              "scaled.weight": (H,), "padded.weight": (H,), "lm_head.weight": (6, H)}
+    flat = torch.randn(sum(torch.Size(s).numel() for s in shapes.values()), generator=generator)
+    out, start = [], 0
+    for name, shape in shapes.items():  # views of one buffer, like a zero-copy source
+        size = torch.Size(shape).numel()
+        out.append((name, flat[start : start + size].view(shape)))
+        start += size
+    return out
+
+
+def test_plan_replays_copies_and_leaves_transforming_loaders_alone():
+    model, twin = FusedModel(), FusedModel()
+    plan = CopyPlan(model)
+    first = hf_weights(0)
+    written = plan.record(first[:6], model.load_weights) | plan.record(first[6:], model.load_weights)
+    twin.load_weights(hf_weights(0))
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), twin.parameters(), strict=True))
+    everything = {"qkv_proj", "gate_up_proj", "o_proj", "embed", "norm", "scaled", "padded"}
+    assert written == everything
+    assert plan.unplanned == {"scaled.weight", "padded.weight"}
+    assert set(plan.steps) == {n for n, _ in first} - plan.unplanned  # lm_head: planned as "nothing to copy"
+    assert plan.steps["lm_head.weight"] == [] and len(plan.steps["q_proj.weight"]) == 1
+    second = hf_weights(1)
+    applied = plan.apply(second[:3], model.load_weights) | plan.apply(second[3:], model.load_weights)
+    twin.load_weights(second)
+    for (name, a), b in zip(model.named_parameters(), twin.parameters(), strict=True):
+        assert torch.equal(a, b), name
+    assert applied == everything
+    assert plan.valid()
+    model.norm.data = torch.zeros(H)  # a parameter moved (e.g. re-allocated): the plan must be rebuilt
+    assert not plan.valid()
+
+
+def test_overlapping_destinations_are_not_planned():
+    model = FusedModel()
+    model.norm.weight_loader = lambda param, weight: param.data.copy_(weight)
+    model.o_proj.weight_loader = lambda param, weight: (param.data.copy_(weight.t()), model.norm.data.copy_(
+        weight[0]))  # writes norm too: two tensors' steps overlap in "norm"
+    plan = CopyPlan(model)
+    plan.record(hf_weights(0), model.load_weights)
+    assert {"o_proj.weight", "norm.weight"} <= plan.unplanned
+
+
+class PlannedWorker(WeightSyncExtension):
+    def __init__(self) -> None:
+        self.model_runner = SimpleNamespace(model=FusedModel())
+        self.rank = 0
+        self.device = "cpu"
+
+
+def test_worker_planned_sessions_record_then_replay():
+    worker, twin = PlannedWorker(), FusedModel()
+    for seed in (0, 1, 2):
+        session = worker.rlhfkit_begin_weight_update("planned")
+        assert session["planned"] and not session["layerwise"]
+        weights = hf_weights(seed)
+        assert worker.rlhfkit_load_weights(weights[:5]) == 5 and worker.rlhfkit_load_weights(weights[5:]) == 6
+        report = worker.rlhfkit_finish_weight_update(seed + 1)
+        assert report["planned"] and report["num_tensors"] == 11 and report["version"] == seed + 1
+        twin.load_weights(weights)
+        model = worker.model_runner.model
+        assert all(torch.equal(a, b) for a, b in zip(model.parameters(), twin.parameters(), strict=True)), seed
+    assert worker._rlhfkit_state()["plan"].unplanned == {"scaled.weight", "padded.weight"}
+
+
+def test_planned_falls_back_to_layerwise_where_auto_would():
+    worker = PlannedWorker()
+    assert worker._rlhfkit_layerwise("planned") is False
+    worker.model_runner.model.qkv_proj_layer = torch.nn.Linear(2, 2)
+    worker.model_runner.model.qkv_proj_layer.quant_method = object()  # a repacked weight: no weight_loader
+    assert worker._rlhfkit_layerwise("planned") is True and worker._rlhfkit_layerwise("auto") is True
