@@ -79,14 +79,15 @@ def test_plan_replays_copies_and_leaves_transforming_loaders_alone():
     model, twin = FusedModel(), FusedModel()
     plan = CopyPlan(model)
     first = hf_weights(0)
-    written = plan.record(first[:6], model.load_weights) | plan.record(first[6:], model.load_weights)
+    written = set()
+    for part in (first[:8], first[8:10], first[10:]):  # plain copies; the two odd loaders; the skipped lm_head
+        written |= plan.record(part, model.load_weights)
     twin.load_weights(hf_weights(0))
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), twin.parameters(), strict=True))
     everything = {"qkv_proj", "gate_up_proj", "o_proj", "embed", "norm", "scaled", "padded"}
     assert written == everything
-    assert plan.unplanned == {"scaled.weight", "padded.weight"}
-    assert set(plan.steps) == {n for n, _ in first} - plan.unplanned  # lm_head: planned as "nothing to copy"
-    assert plan.steps["lm_head.weight"] == [] and len(plan.steps["q_proj.weight"]) == 1
+    assert plan.unplanned == {"scaled.weight", "padded.weight", "lm_head.weight"}
+    assert set(plan.steps) == {n for n, _ in first[:8]} and len(plan.steps["q_proj.weight"]) == 1
     second = hf_weights(1)
     applied = plan.apply(second[:3], model.load_weights) | plan.apply(second[3:], model.load_weights)
     twin.load_weights(second)
@@ -96,6 +97,14 @@ def test_plan_replays_copies_and_leaves_transforming_loaders_alone():
     assert plan.valid()
     model.norm.data = torch.zeros(H)  # a parameter moved (e.g. re-allocated): the plan must be rebuilt
     assert not plan.valid()
+
+
+def test_a_write_from_a_temporary_unplans_its_whole_batch():
+    model = FusedModel()
+    plan = CopyPlan(model)
+    weights = hf_weights(0)
+    plan.record(weights[:4] + [weights[8]], model.load_weights)  # "scaled" copies from a temporary
+    assert plan.unplanned == {n for n, _ in weights[:4]} | {"scaled.weight"} and plan.steps == {}
 
 
 def test_overlapping_destinations_are_not_planned():
@@ -127,7 +136,9 @@ def test_worker_planned_sessions_record_then_replay():
         twin.load_weights(weights)
         model = worker.model_runner.model
         assert all(torch.equal(a, b) for a, b in zip(model.parameters(), twin.parameters(), strict=True)), seed
-    assert worker._rlhfkit_state()["plan"].unplanned == {"scaled.weight", "padded.weight"}
+    plan = worker._rlhfkit_state()["plan"]  # batches [:5] (planned) and [5:] (holds the odd loaders)
+    assert set(plan.steps) == {n for n, _ in hf_weights(0)[:5]}
+    assert plan.unplanned == {n for n, _ in hf_weights(0)[5:]}
 
 
 def test_planned_falls_back_to_layerwise_where_auto_would():

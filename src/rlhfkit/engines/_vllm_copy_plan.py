@@ -10,7 +10,9 @@ a parameter and whose source is a view of the incoming tensor becomes a step of 
 region of the incoming tensor goes to this view of that parameter". A tensor whose loading did anything else (wrote a
 parameter with another op, copied from a temporary, converted first) is left to ``load_weights`` for good. After
 recording, every planned step is checked against what the loader wrote (equal values), and a parameter whose storage
-moved later invalidates the plan. Later loads apply all planned steps of a batch with one ``torch._foreach_copy_``
+moved later invalidates the plan. Conservative by construction: a tensor that produced no copy of its own (skipped,
+or deferred into a temporary), and every tensor of a batch in which some parameter was written from a temporary or by
+another in-place op, stay on ``load_weights``. Later loads apply all planned steps of a batch with one ``torch._foreach_copy_``
 and send the rest through ``load_weights``.
 
 What it does not do: quantized or repacked weights (their loaders transform, so the tensors stay unplanned — use
@@ -41,6 +43,7 @@ class _Recorder(TorchDispatchMode):
         self.recent: list[tuple[int, int, str, torch.Tensor]] = []  # (start, end, name, tensor), newest last
         self.steps: dict[str, list[Step]] = {}
         self.unplanned: set[str] = set()
+        self.opaque = False  # a parameter was written from an unknown source or by another op
 
     def incoming(self, name: str, tensor: torch.Tensor) -> None:
         start = tensor.data_ptr()
@@ -62,7 +65,7 @@ class _Recorder(TorchDispatchMode):
         elif func._schema.is_mutable and self.recent:
             written = args[0] if args and isinstance(args[0], torch.Tensor) else None
             if written is not None and written.untyped_storage().data_ptr() in self.params:
-                self.unplanned.add(self.recent[-1][2])  # a parameter written by something else than a copy
+                self.opaque = True  # a parameter written by something else than a copy
         return func(*args, **kwargs)
 
     def _record_copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -70,9 +73,8 @@ class _Recorder(TorchDispatchMode):
         if param is None:
             return  # a temporary; if it reaches a parameter later, that copy's source is unknown (below)
         found = self._source_of(src) if isinstance(src, torch.Tensor) else None
-        if found is None:
-            if self.recent:
-                self.unplanned.add(self.recent[-1][2])
+        if found is None:  # from a temporary: which incoming tensors fed it is unknown
+            self.opaque = True
             return
         name, tensor = found
         if src.dtype != tensor.dtype or not tensor.is_contiguous() or src.device != tensor.device:
@@ -113,6 +115,9 @@ class CopyPlan:
 
         with recorder:
             loaded = load_weights(stream())
+        if recorder.opaque:  # cannot tell whose data it was: the whole batch keeps the plain loader
+            recorder.unplanned |= {name for name, _ in batch}
+        recorder.unplanned |= {name for name, steps in recorder.steps.items() if not steps}  # skipped, or deferred
         self._check(recorder, dict(batch))
         self.steps.update({n: s for n, s in recorder.steps.items() if n not in recorder.unplanned})
         self.unplanned |= recorder.unplanned
