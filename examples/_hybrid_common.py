@@ -90,6 +90,8 @@ def add_arguments(parser, *, default_out: str) -> None:
       "asleep: the sync rewrites them all; 1 keeps them in host memory (vLLM 0.22 pins a fresh host buffer at "
       "every level-1 sleep, ≈ 1 GB/s)")
     a("--sync-bucket-mb", type=int, default=128)
+    a("--weight-loading", choices=("auto", "direct", "layerwise", "planned"), default="auto", help="how vLLM workers "
+      "apply synced weights (VLLMEngineConfig.weight_loading; 'planned' replays recorded copies, not yet measured)")
     a("--sync-zero-copy", choices=("auto", "true", "false"), default="auto", help="colocated CUDA-IPC sync: the "
       "engine copies straight out of the actor's parameters (one copy, no bucket); auto: with ZeRO-1/2, whose flat "
       "parameter buffers make it pay")
@@ -326,7 +328,8 @@ def _start_engines(run: Run) -> None:
             model=args.model, num_engines=len(gpus), tensor_parallel_size=args.tensor_parallel_size,
             gpu_memory_utilization=args.gpu_memory_utilization, enable_sleep_mode=args.colocate, seed=args.seed,
             enforce_eager=args.enforce_eager, max_model_len=args.max_model_len, dtype=args.dtype,
-            env=worker_env(args), startup_timeout_s=args.start_timeout, control_timeout_s=args.call_timeout)
+            env=worker_env(args), startup_timeout_s=args.start_timeout, control_timeout_s=args.call_timeout,
+            weight_loading=args.weight_loading)
         run.engine_handles = create_engines(config, placement=placed, role="rollout",
                                             engine_cls=actors.vllm_engine_class(run.store, gpus))
     else:
