@@ -145,11 +145,12 @@ case $stage in
   on 1 ipc_vllm_big_direct 230 python bench/ipc_to_vllm.py --random-layers 30 --dtype bfloat16 --zero-copy --keep-mapped --no-greedy --out $RUNS/ipc_vllm_big_direct.json &
   wait; pack
   ;;
-20) # round 4b, kit chunk 3: SmolLM2 GRPO, ZeRO-2 resident, direct loading + keep-mapped zero-copy (GPU 0); SmolLM2
-    # zero-copy into vLLM with the greedy check (GPU 1)
+20) # kit chunk 3: SmolLM2 GRPO, ZeRO-2 resident, direct loading + keep-mapped zero-copy (GPU 0); the same with the
+    # engine resident too (--engine-sleep-level 0), then SmolLM2 zero-copy into vLLM with the greedy check (GPU 1)
   run 120 python examples/convert_smollm2.py --out $SMOL
   on 0 z2_fast 250 python examples/grpo_hybrid.py --model $SMOL ${HYB/--steps 100/--steps 15} --zero-stage 2 --offload-trainers false --out $RUNS/z2_fast &
-  on 1 ipc_vllm_smol2 150 python bench/ipc_to_vllm.py --model $SMOL --zero-copy --keep-mapped --out $RUNS/ipc_vllm_smol_direct.json &
+  ( on 1 z2_all_resident 250 python examples/grpo_hybrid.py --model $SMOL ${HYB/--steps 100/--steps 15} --zero-stage 2 --offload-trainers false --engine-sleep-level 0 --out $RUNS/z2_all_resident
+    on 1 ipc_vllm_smol2 150 python bench/ipc_to_vllm.py --model $SMOL --zero-copy --keep-mapped --out $RUNS/ipc_vllm_smol_direct.json ) &
   wait; pack
   ;;
 21) # next round, kit chunk 2 (after a call carrying .carry/gpu1): the recorded copy plan into vLLM

@@ -244,14 +244,17 @@ class GuardedEngine:
         self._guard, self._gpus, self._events = PhaseGuard(store), tuple(gpus), []
 
     def guarded_sleep(self, level: int, phase: str) -> None:
+        """``level`` 0: the engine stays resident (weights and KV cache kept); only the guard's claim is released."""
+        self._resident = level == 0
         for index, gpu in enumerate(self._gpus):
-            model, kwargs = (self, {"level": level}) if index == 0 else (None, {})
+            model, kwargs = (self, {"level": level}) if index == 0 and level else (None, {})
             self._events.append(event_record(self._guard.sleep(self.role, model, gpu=gpu, phase=phase, **kwargs),
                                              rank=self.engine_index))
 
     def guarded_wake(self, tags, phase: str) -> None:
+        resident = getattr(self, "_resident", False)  # nothing was released, so there is nothing to wake
         for index, gpu in reversed(list(enumerate(self._gpus))):  # claim every GPU before waking the model
-            model, kwargs = (self, {"tags": tags}) if index == 0 else (None, {})
+            model, kwargs = (self, {"tags": tags}) if index == 0 and not resident else (None, {})
             self._events.append(event_record(self._guard.wake(self.role, model, gpu=gpu, phase=phase, **kwargs),
                                              rank=self.engine_index))
 

@@ -86,9 +86,10 @@ def add_arguments(parser, *, default_out: str) -> None:
       "colocated, 0.85 on its own GPU); the KV cache it leaves is woken at every step, so do not oversize it")
     a("--max-model-len", type=int, default=1024)
     a("--enforce-eager", action="store_true", help="no CUDA graphs in vLLM")
-    a("--engine-sleep-level", type=int, choices=(1, 2), default=2, help="2 (default) discards engine weights while "
-      "asleep: the sync rewrites them all; 1 keeps them in host memory (vLLM 0.22 pins a fresh host buffer at "
-      "every level-1 sleep, ≈ 1 GB/s)")
+    a("--engine-sleep-level", type=int, choices=(0, 1, 2), default=2, help="2 (default) discards engine weights "
+      "while asleep: the sync rewrites them all; 1 keeps them in host memory (vLLM 0.22 pins a fresh host buffer at "
+      "every level-1 sleep, ≈ 1 GB/s); 0 keeps the engine resident (weights and KV cache stay on the GPU, the guard "
+      "still orders the phases) — for small models, with --offload-trainers false")
     a("--sync-bucket-mb", type=int, default=128)
     a("--weight-loading", choices=("auto", "direct", "layerwise", "planned"), default="auto", help="how vLLM workers "
       "apply synced weights (VLLMEngineConfig.weight_loading; 'planned' replays recorded copies, not yet measured)")

@@ -180,11 +180,12 @@ def test_ppo_hybrid_colocated_on_cpu(ray_cluster, tiny_llama_path, tmp_path):
 @pytest.mark.slow
 @pytest.mark.ray
 def test_grpo_hybrid_resident_trainers_zero2_on_cpu(grpo_one_rank, ray_cluster, tiny_llama_path, tmp_path):
-    """--offload-trainers false: the guard still orders every phase, the models' sleep only empties the cache; with
-    ZeRO-2 the same seeds give the same first step as the ZeRO-3 run that offloads."""
+    """--offload-trainers false and --engine-sleep-level 0: the guard still orders every phase, the trainers' sleep
+    only empties the cache and the engine keeps everything; with ZeRO-2 the same seeds give the same first step as
+    the ZeRO-3 run that offloads."""
     summary = _load("grpo_hybrid").main(["--model", str(tiny_llama_path), "--out", str(tmp_path), *CPU,
                                          "--minibatches", "1", "--grad-accum", "2", "--steps", "2", "--no-plot",
-                                         "--zero-stage", "2", "--offload-trainers", "false"])
+                                         "--zero-stage", "2", "--offload-trainers", "false", "--engine-sleep-level", "0"])
     rows = _check_common(tmp_path, summary, steps=2)
     one = _rows(grpo_one_rank[0])[0]
     assert rows[0]["reward/mean"] == one["reward/mean"]
@@ -199,7 +200,8 @@ def test_grpo_hybrid_resident_trainers_zero2_on_cpu(grpo_one_rank, ray_cluster, 
 @pytest.mark.parametrize("example, extra", [
     ("grpo_hybrid", []), ("ppo_hybrid", []),
     ("grpo_hybrid", ["--zero-stage", "2", "--offload-trainers", "false"]),  # zero-copy CUDA-IPC sync from ZeRO-2
-], ids=["grpo", "ppo", "grpo-zero2-resident"])
+    ("grpo_hybrid", ["--zero-stage", "2", "--offload-trainers", "false", "--engine-sleep-level", "0"]),
+], ids=["grpo", "ppo", "grpo-zero2-resident", "grpo-zero2-all-resident"])
 def test_hybrid_example_on_one_gpu_with_vllm(example, extra, own_ray, tiny_model_factory, tmp_path):
     """The real thing on one GPU, small: vLLM engine with sleep mode, DeepSpeed ZeRO-3 (fp32, the default --dtype) with
     FusedAdam, CUDA-IPC sync, everything colocated (a tiny Llama with head_dim 64, which vLLM's kernels accept)."""
