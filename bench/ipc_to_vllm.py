@@ -23,6 +23,7 @@ import threading
 import time
 
 import torch
+from weight_sync import copy_bandwidth  # bench/weight_sync.py: the same floor as the channel benchmark
 
 
 def hf_greedy(model, prompts: list[list[int]], steps: int, eos: set[int]) -> list[list[int]]:
@@ -51,20 +52,6 @@ def logprob_gap(model, rollouts) -> float:
                                  for r in rollouts]).cuda()
     mask = batch.loss_mask
     return float((trainer_logprobs[mask] - engine_logprobs[mask]).abs().mean())
-
-
-def copy_bandwidth(nbytes: int, iters: int = 10) -> float:
-    """Bytes copied per second by one device-to-device ``copy_`` (each byte read once and written once)."""
-    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    for _ in range(3):
-        dst.copy_(src)
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(iters):
-        dst.copy_(src)
-    torch.cuda.synchronize()
-    return nbytes * iters / (time.perf_counter() - start)
 
 
 def build_random_model(layers: int) -> str:
@@ -149,7 +136,7 @@ def main() -> None:
     before = [r.response_token_ids.tolist() for r in rollouts_before]
     named = list(trainer.named_parameters()) if args.zero_copy else list(trainer.state_dict().items())
     model_bytes = sum(t.numel() * t.element_size() for _, t in named)
-    copy_bps = copy_bandwidth(min(model_bytes, 2 * 1024**3))
+    copy_bps = copy_bandwidth(torch.device("cuda"), torch.device("cuda"), min(model_bytes, 2 * 1024**3))
     results |= {"num_params": sum(t.numel() for _, t in named), "bytes": model_bytes, "d2d_copy_GBps": copy_bps / 1e9,
                 "floor_s": model_bytes / copy_bps}
     with torch.no_grad():  # the "training step": a small perturbation of every weight (the model stays coherent)

@@ -121,6 +121,17 @@ def test_bucket_layout_by_hand():
     assert Manifest.from_bytes(manifest.to_bytes()) == manifest
 
 
+def test_manifest_version_splits_from_its_reusable_body():
+    specs = tuple(describe_parameters(make_weights(0).items()))
+    buckets, capacity = plan_buckets(specs, 4096)
+    manifest = Manifest(version=12, specs=specs, buckets=buckets, capacity=capacity, fingerprints=False)
+    body = manifest.body_bytes()
+    assert Manifest.join_version(12, body) == manifest.to_bytes()
+    assert Manifest.split_version(manifest.to_bytes()) == (12, body)
+    assert Manifest.from_bytes(Manifest.join_version(13, body)).version == 13
+    assert Manifest.split_version(b'{"specs":[]}') is None
+
+
 def test_compare_manifest_names_each_problem():
     sent = [TensorSpec("w", (4, 2), torch.float32), TensorSpec("extra", (1,), torch.float32),
             TensorSpec("v", (3,), torch.bfloat16)]

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 import torch
@@ -33,6 +33,7 @@ __all__ = [
 
 ALIGN = 256
 TAIL_BYTES = 16
+_VERSION_HEAD = b'{"version":'  # Manifest.to_bytes writes the version first
 
 
 class TensorSpec(NamedTuple):
@@ -185,6 +186,23 @@ class Manifest:
         specs = tuple(TensorSpec(n, tuple(s), dtype_from_name(d)) for n, s, d in body.pop("specs"))
         buckets = tuple(Bucket(i, a, b, tuple(o), p) for i, (a, b, o, p) in enumerate(body.pop("buckets")))
         return cls(specs=specs, buckets=buckets, **body)
+
+    def body_bytes(self) -> bytes:
+        """The encoding without its version: equal for two syncs with the same layout (see :meth:`split_version`)."""
+        return replace(self, version=0).to_bytes().removeprefix(_VERSION_HEAD + b"0,")
+
+    @staticmethod
+    def join_version(version: int, body: bytes) -> bytes:
+        """:meth:`to_bytes` of the manifest whose :meth:`body_bytes` is ``body``, at ``version``."""
+        return _VERSION_HEAD + b"%d," % version + body
+
+    @staticmethod
+    def split_version(data: bytes) -> tuple[int, bytes] | None:
+        """``(version, body_bytes)`` of an encoded manifest (None if it is not laid out as :meth:`to_bytes` does)."""
+        head, comma, body = data.partition(b",")
+        if not (comma and head.startswith(_VERSION_HEAD) and head[len(_VERSION_HEAD):].isdigit()):
+            return None
+        return int(head[len(_VERSION_HEAD):]), body
 
 
 def compare_manifest(manifest: Manifest, expected: Sequence[TensorSpec] | None) -> list[str]:

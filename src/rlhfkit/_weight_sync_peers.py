@@ -34,7 +34,6 @@ from rlhfkit._weight_sync_stream import ReceivedStream, call_load_fn, collect_bu
 __all__ = ["SenderSide", "ReceiverSide", "load_local"]
 
 logger = logging.getLogger(__name__)
-_VERSION_ZERO = b'{"version":0,'  # Manifest.to_bytes starts with the version
 AfterPack = Callable[[int, list[torch.Tensor]], None]
 
 
@@ -119,8 +118,8 @@ class SenderSide:
                             keep_mapped=self.config.ipc_keep_mapped)
         template = replace(manifest, version=0)
         if self._encoded is None or self._encoded[0] != template:
-            self._encoded = (template, template.to_bytes().removeprefix(_VERSION_ZERO))
-        return manifest, b'{"version":%d,' % version + self._encoded[1]
+            self._encoded = (template, template.body_bytes())
+        return manifest, Manifest.join_version(version, self._encoded[1])
 
     def _check(self, manifest: Manifest) -> None:
         version = manifest.version
@@ -270,14 +269,12 @@ class ReceiverSide:
     def _parse(self, data: bytes, expected: Sequence[TensorSpec] | None) -> Manifest:
         """The manifest in ``data``; parsed (and later checked) once while the sender's layout and ``expected``
         stay the same — from sync to sync only the version changes."""
-        head, _, tail = data.partition(b",")
+        split = Manifest.split_version(data)
         cached = self._parsed
-        if cached is not None and cached[0] == tail and cached[1] is expected:
-            return replace(cached[2], version=int(head.removeprefix(b'{"version":')))
+        if split is not None and cached is not None and cached[0] == split[1] and cached[1] is expected:
+            return replace(cached[2], version=split[0])
         manifest = Manifest.from_bytes(data)
-        self._parsed = None
-        if head.startswith(b'{"version":'):
-            self._parsed = (tail, expected, manifest, None)
+        self._parsed = None if split is None else (split[1], expected, manifest, None)
         return manifest
 
     def _check(self, manifest: Manifest, expected: Sequence[TensorSpec] | None) -> None:
