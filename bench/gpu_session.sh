@@ -6,6 +6,7 @@
 #   stage 2 (kit chunk 2: vllm):           vLLM engine bench on a tiny model + sleep on a 1.5B model (+ TP 2)
 #   stage 3 (kit chunk 3: SmolLM2):        convert SmolLM2, DeepSpeed sleep bench, vLLM model/throughput, IPC→vLLM
 #   stage 4 (pytest carried):              every @pytest.mark.gpu test
+#   stages 22, 21, 23, 24 (in that order): the fifth round (varlen attention, planned loading into vLLM, TRL again)
 #   stages 14-17: the fourth round (zero-copy CUDA IPC, ZeRO-2 with resident trainers, peers again) on nvidia-h200-x2
 #   stages 8-12: the third round (hybrid examples end to end, peers, reruns) on nvidia-h200-x2; jobs that need one
 #   GPU run two at a time, one per GPU (CUDA_VISIBLE_DEVICES, each its own local Ray). Run folders are packed into
@@ -153,11 +154,42 @@ case $stage in
     on 1 ipc_vllm_smol2 150 python bench/ipc_to_vllm.py --model $SMOL --zero-copy --keep-mapped --out $RUNS/ipc_vllm_smol_direct.json ) &
   wait; pack
   ;;
-21) # next round, kit chunk 2 (after a call carrying .carry/gpu1): the recorded copy plan into vLLM
-    # (weight_loading="planned"): tiny fp32 greedy check (GPU 0), the 1.54B random Llama (GPU 1)
+21) # round 5, kit chunk 2 (after stage 22): the recorded copy plan into vLLM (weight_loading="planned"): tiny fp32
+    # greedy check, then the 1.54B random Llama with direct loading for the same-run comparison (GPU 0); the 1.54B
+    # random Llama with the plan (GPU 1)
   tiny
-  on 0 ipc_vllm_tiny_planned 150 python bench/ipc_to_vllm.py --model /tmp/tiny-hd64 --zero-copy --keep-mapped --loading planned --out $RUNS/ipc_vllm_tiny_planned.json &
+  ( on 0 ipc_vllm_tiny_planned 150 python bench/ipc_to_vllm.py --model /tmp/tiny-hd64 --zero-copy --keep-mapped --loading planned --out $RUNS/ipc_vllm_tiny_planned.json
+    on 0 ipc_vllm_big_direct 200 python bench/ipc_to_vllm.py --random-layers 30 --dtype bfloat16 --zero-copy --keep-mapped --no-greedy --loading direct --out $RUNS/ipc_vllm_big_direct.json ) &
   on 1 ipc_vllm_big_planned 230 python bench/ipc_to_vllm.py --random-layers 30 --dtype bfloat16 --zero-copy --keep-mapped --no-greedy --loading planned --out $RUNS/ipc_vllm_big_planned.json &
+  wait; pack
+  ;;
+22) # round 5, kit chunk 1 (ray, deepspeed): the packed-attention fix measured in bench/train_step.py (GPU 0); the
+    # zero-copy IPC channel again (GPU 1)
+  on 0 train_step 330 python bench/train_step.py --out $RUNS/train_step.json --config-timeout-s 110 --configs \
+      torch_fp32_sdpa torch_fp32_varlen torch_fp32_padded zero2_fp32_sdpa zero2_fp32_varlen &
+  on 1 ws_ipc3 230 python bench/weight_sync.py --mode ipc --out $RUNS/weight_sync_ipc3.json --deadline-s 200 &
+  wait; pack
+  ;;
+23) # round 5, kit chunk 3 (SmolLM2; after stage 21): GRPO ZeRO-2 resident with varlen attention and the loading
+    # stage 21 validated, engine sleeping (GPU 0) and resident (GPU 1, then the GPU tests of the packed attention);
+    # then the same on 2 GPUs
+  run 120 python examples/convert_smollm2.py --out $SMOL
+  load=auto
+  if python -c "import json,sys; t=json.load(open('$RUNS/ipc_vllm_tiny_planned.json')); b=json.load(open('$RUNS/ipc_vllm_big_planned.json')); sys.exit(0 if t.get('greedy_equal_after_sync') and b.get('median_s') else 1)" 2>>"$log"; then load=planned; fi
+  echo "weight loading: $load" | tee -a "$log"; echo $load > $RUNS/weight_loading
+  R5="${HYB/--steps 100/--steps 16} --zero-stage 2 --offload-trainers false --attn varlen --weight-loading $load"
+  on 0 r5_sleep 280 python examples/grpo_hybrid.py --model $SMOL $R5 --out $RUNS/r5_sleep &
+  ( on 1 r5_resident 280 python examples/grpo_hybrid.py --model $SMOL $R5 --engine-sleep-level 0 --out $RUNS/r5_resident
+    on 1 pytest_attn 100 python -m pytest -q -p no:cacheprovider -m gpu --timeout 80 tests/test_packing.py tests/test_losses.py ) &
+  wait
+  on 0,1 r5_2gpu 230 python examples/grpo_hybrid.py --model $SMOL ${R5/--steps 16/--steps 12} --num-gpus 2 --out $RUNS/r5_2gpu
+  pack
+  ;;
+24) # round 5, .carry/peers (after stage 23): TRL again in the same chain (GPU 0); PPO ZeRO-2 resident, varlen (GPU 1)
+  eval "$(bash bench/peers/install-peers.sh 2>>"$log")"
+  load=$(cat $RUNS/weight_loading 2>/dev/null)
+  on 0 trl 260 python bench/peer_trl.py --model $SMOL ${HYB/--steps 100/--steps 15} --gpu-memory-utilization 0.15 --out $RUNS/peer_trl.json &
+  on 1 r5_ppo 260 python examples/ppo_hybrid.py --model $SMOL ${HYB/--steps 100/--steps 12} --zero-stage 2 --offload-trainers false --attn varlen --weight-loading ${load:-auto} --out $RUNS/r5_ppo &
   wait; pack
   ;;
 esac

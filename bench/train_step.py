@@ -1,7 +1,9 @@
 """Where a hybrid GRPO step's training time goes, on one GPU: the actor's optimizer step on the grpo_hybrid workload
 (128 packed sequences, 2 micro-batches per optimizer step) through rlhfkit's DeepSpeedEngine at ZeRO-3/2 in
-fp32/bf16, with transformers' sdpa (dense block-diagonal mask) or rlhfkit's varlen attention — against plain torch
-(the model on the GPU, fused torch AdamW, the same packed forward), the floor of what DeepSpeed adds.
+fp32/bf16, with transformers' sdpa (dense block-diagonal mask) or rlhfkit's varlen attention (one padded causal sdpa
+per layer) — against plain torch (the model on the GPU, fused torch AdamW, the same packed forward), the floor of
+what DeepSpeed adds, and against plain torch on right-padded rows with an attention mask (``torch_fp32_padded``: the
+layout TRL trains on).
 
     python bench/train_step.py --out train_step.json                       # SmolLM2-135M shape, random weights
     python bench/train_step.py --model /tmp/smollm2-hf --out train_step.json
@@ -32,6 +34,8 @@ CONFIGS = {  # name -> (kind, zero stage, dtype, attention)
     "zero3_fp32_sdpa": ("deepspeed", 3, "float32", "sdpa"),
     "zero3_fp32_varlen": ("deepspeed", 3, "float32", "varlen"),
     "zero2_fp32_sdpa": ("deepspeed", 2, "float32", "sdpa"),
+    "zero2_fp32_varlen": ("deepspeed", 2, "float32", "varlen"),
+    "torch_fp32_padded": ("torch", None, "float32", "padded"),
     "zero3_bf16_sdpa": ("deepspeed", 3, "bfloat16", "sdpa"),
     "torch_bf16_sdpa": ("torch", None, "bfloat16", "sdpa"),
 }
@@ -62,6 +66,24 @@ def make_batches(args, device):
     micro = [pack_sequences(seqs[i * per:(i + 1) * per], loss_masks=masks[i * per:(i + 1) * per]).to(device)
              for i in range(args.micro)]
     return micro, pack_sequences(seqs, loss_masks=masks).to(device)
+
+
+def as_padded(batch) -> dict:
+    """TRL's layout of a packed batch: right-padded rows, an attention mask, the loss mask aligned with the ids."""
+    from rlhfkit.packing import pad_packed
+
+    return {"ids": pad_packed(batch.input_ids, batch.cu_seqlens, padding_value=0),
+            "mask": pad_packed(torch.ones_like(batch.input_ids), batch.cu_seqlens),
+            "loss_mask": pad_packed(batch.loss_mask, batch.cu_seqlens)}
+
+
+def padded_logprobs(model, rows: dict) -> torch.Tensor:
+    """Token log-probs on padded rows (entry t of a row scores ids[t] given ids[:t]; entry 0 is 0), flattened over
+    the real tokens so the training loss below reads them like packed ones."""
+    logits = model(input_ids=rows["ids"], attention_mask=rows["mask"], use_cache=False).logits[:, :-1].float()
+    chosen = torch.log_softmax(logits, -1).gather(-1, rows["ids"][:, 1:, None])[..., 0]
+    lp = torch.cat([chosen.new_zeros(chosen.shape[0], 1), chosen], dim=1)
+    return lp[rows["mask"].bool()]
 
 
 def _sync() -> None:
@@ -98,7 +120,11 @@ def run_one(name: str, args) -> dict:
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6, fused=True)
 
         def logprobs(batch):
+            if attn == "padded":
+                return padded_logprobs(model, padded[id(batch)])
             return model_logprobs(model, batch)
+
+        padded = {id(b): as_padded(b) for b in (*micro, whole)}
 
         def train_step():
             for batch in micro:

@@ -78,6 +78,9 @@ def add_arguments(parser, *, default_out: str) -> None:
     a("--dtype", choices=("float32", "bfloat16"), default="float32", help="trainer, engine and sync dtype on GPU "
       "(CPU: float32). float32 keeps the engine's log-probs within ~1e-3 of the trainer's on a 135M model; "
       "bfloat16 halves memory and sync bytes but both sides round logits to 8 bits (|Δ| ≈ 0.04 nats on SmolLM2)")
+    a("--attn", choices=("varlen", "sdpa"), default="varlen", help="trainer attention on packed micro-batches: "
+      "varlen (rlhfkit.packing.VARLEN_ATTENTION: one padded causal sdpa per layer, cost N*L^2) or sdpa "
+      "(transformers' block-diagonal mask over the whole micro-batch, cost T^2)")
     a("--gradient-checkpointing", action="store_true")
     a("--offload-trainers", type=parse_bool, default=True, help="true: DeepSpeed models sleep to pinned host "
       "memory between their phases; false: they stay on the GPU (their sleep only empties the CUDA cache) — for "
@@ -103,6 +106,13 @@ def add_arguments(parser, *, default_out: str) -> None:
     a("--sync-timeout", type=float, default=300.0, help="limit of every wait inside a weight sync")
     a("--tiny", action="store_true", help="smoke run: 3 steps of a few samples")
     a("--no-plot", action="store_true")
+
+
+def attention(args) -> str:
+    """The trainers' ``attn_implementation`` for ``--attn``."""
+    from rlhfkit.packing import VARLEN_ATTENTION
+
+    return VARLEN_ATTENTION if args.attn == "varlen" else "sdpa"
 
 
 TINY = {"steps": 3, "rollout_batch": 4, "samples_per_prompt": 4, "max_new_tokens": 8, "forward_tokens": 512,

@@ -59,7 +59,7 @@ def model_configs(args) -> dict:
 
     gpu = args.device == "cuda"
     common = {"zero_stage": args.zero_stage, "bf16": gpu and args.dtype == "bfloat16",
-              "optimizer": "fused_adam" if gpu else "torch_adamw"}
+              "optimizer": "fused_adam" if gpu else "torch_adamw", "attn_implementation": hybrid.attention(args)}
     trained = {"gradient_accumulation_steps": args.grad_accum, "loss_normalization": "global",
                "gradient_clipping": 1.0, "gradient_checkpointing": args.gradient_checkpointing}
     return {"actor": DeepSpeedEngineConfig(**common, **trained, learning_rate=args.lr),

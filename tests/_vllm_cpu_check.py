@@ -47,6 +47,37 @@ def make_file_receiver(path: str, version: int, worker_rank: int = -1) -> FileRe
     return FileReceiver(path, version, worker_rank)
 
 
+def record_copy_plan(worker, path: str) -> dict:
+    """weight_loading="planned" against vLLM's own loaders. vLLM's CPU backend repacks the served model's linear
+    weights (their loaders are gone), so this builds a second, unprocessed model of the same config in the worker,
+    records a plan while loading B's tensors (views of one flat buffer, like a zero-copy source), discards the
+    weights (NaN) and replays the plan; the replay must restore exactly what the loaders wrote."""
+    from transformers import AutoModelForCausalLM
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.model_loader.utils import initialize_model
+
+    from rlhfkit.engines._vllm_copy_plan import CopyPlan
+
+    with set_current_vllm_config(worker.vllm_config):
+        model = initialize_model(vllm_config=worker.vllm_config, prefix="plan_twin")
+    state = list(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).state_dict().items())
+    flat = torch.cat([tensor.reshape(-1) for _, tensor in state])
+    views, start = [], 0
+    for name, tensor in state:
+        views.append((name, flat[start:start + tensor.numel()].view(tensor.shape)))
+        start += tensor.numel()
+    plan = CopyPlan(model)
+    written = plan.record(views, lambda weights: model.load_weights(weights=weights))
+    loaded = {name: p.detach().clone() for name, p in model.named_parameters()}
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(float("nan"))
+    replayed = plan.apply(views, lambda weights: model.load_weights(weights=weights))
+    return {"tensors": len(views), "planned": len(plan.steps), "unplanned": sorted(plan.unplanned),
+            "fills": sorted(plan.fills), "parameters": len(loaded), "written": len(written),
+            "replayed": len(replayed), "restored": all(torch.equal(loaded[n], p) for n, p in model.named_parameters())}
+
+
 def hf_greedy(model, prompt: list[int], steps: int) -> tuple[list[int], list[float]]:
     ids, tokens, logprobs = list(prompt), [], []
     with torch.no_grad():
@@ -126,7 +157,8 @@ def main(out_dir: str) -> None:
     from rlhfkit.tiny_models import TinyModelConfig, build_tiny_model
 
     t0 = time.time()
-    shape = dict(hidden_size=128, num_heads=2, num_kv_heads=1, intermediate_size=256, num_layers=2)
+    # vocabulary 400: vLLM pads it to 448 and zero-fills the tail, which the copy-plan check must replay
+    shape = dict(hidden_size=128, num_heads=2, num_kv_heads=1, intermediate_size=256, num_layers=2, vocab_size=400)
     path_a = build_tiny_model(os.path.join(out_dir, "model_a"), TinyModelConfig(seed=0, **shape))
     path_b = build_tiny_model(os.path.join(out_dir, "model_b"), TinyModelConfig(seed=1, **shape))
     hf_a = AutoModelForCausalLM.from_pretrained(path_a, dtype=torch.float32).eval()
@@ -204,6 +236,7 @@ def main(out_dir: str) -> None:
            worker_versions=engine.worker_versions())
     check_greedy("greedy_b_after_receive", hf_b)
     check_gloo_sync(engine, hf_a, check_greedy)
+    record("copy_plan", **engine.llm.collective_rpc(record_copy_plan, args=(str(path_b),))[0])
     record("health", **{k: v for k, v in engine.health_check().items() if k != "workers"})
     try:
         engine.sleep(1)

@@ -577,6 +577,10 @@ def test_real_vllm_cpu_generate_and_weight_updates(tmp_path):
     assert "ManifestMismatchError" in mismatch["engine"] and mismatch["bad_name"] in mismatch["engine"]
     assert "ManifestMismatchError" in mismatch["sender"] and mismatch["generate_after"] == gloo["engine_version"]
     assert checks["sleep_refused"]["refused"]
+    plan = checks["copy_plan"]  # vLLM's loaders: plain copies, plus the zero-filled tail of the padded vocabulary
+    assert plan["planned"] == plan["tensors"] == 21 and plan["unplanned"] == []
+    assert "model.embed_tokens.weight" in plan["fills"] and plan["restored"]
+    assert plan["written"] == plan["replayed"] == plan["parameters"]
 
 
 # --- GPU (vLLM 0.22 on the GPU machine) -------------------------------------------------------------------------------

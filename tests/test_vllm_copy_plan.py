@@ -33,7 +33,7 @@ class FusedModel(torch.nn.Module):
         self.embed = torch.nn.Parameter(torch.zeros(3, H))
         self.norm = torch.nn.Parameter(torch.zeros(H))  # default loader: no weight_loader attribute
         self.scaled = torch.nn.Parameter(torch.zeros(H))  # its loader transforms: must stay unplanned
-        self.padded = torch.nn.Parameter(torch.zeros(H + 2))  # its loader zero-fills first: must stay unplanned
+        self.padded = torch.nn.Parameter(torch.zeros(H + 2))  # its loader zero-fills first: a replayable constant
         self.embed.weight_loader = lambda param, weight: param.data.copy_(weight.narrow(0, 3, 3))
         self.o_proj.weight_loader = lambda param, weight: param.data.copy_(weight.t())  # a strided source view
         self.scaled.weight_loader = lambda param, weight: param.data.copy_(weight * 2)
@@ -80,15 +80,20 @@ def test_plan_replays_copies_and_leaves_transforming_loaders_alone():
     plan = CopyPlan(model)
     first = hf_weights(0)
     written = set()
-    for part in (first[:8], first[8:10], first[10:]):  # plain copies; the two odd loaders; the skipped lm_head
+    # plain copies; the transforming loader; the zero-filling one; the skipped lm_head
+    for part in (first[:8], first[8:9], first[9:10], first[10:]):
         written |= plan.record(part, model.load_weights)
     twin.load_weights(hf_weights(0))
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), twin.parameters(), strict=True))
     everything = {"qkv_proj", "gate_up_proj", "o_proj", "embed", "norm", "scaled", "padded"}
     assert written == everything
-    assert plan.unplanned == {"scaled.weight", "padded.weight", "lm_head.weight"}
-    assert set(plan.steps) == {n for n, _ in first[:8]} and len(plan.steps["q_proj.weight"]) == 1
+    assert plan.unplanned == {"scaled.weight", "lm_head.weight"}
+    assert set(plan.steps) == {n for n, _ in first[:8]} | {"padded.weight"}
+    assert len(plan.steps["q_proj.weight"]) == 1 and len(plan.fills["padded.weight"]) == 1
     second = hf_weights(1)
+    with torch.no_grad():  # the weights were discarded (a level-2 sleep): the replay must rewrite everything
+        for param in model.parameters():
+            param.fill_(float("nan"))
     applied = plan.apply(second[:3], model.load_weights) | plan.apply(second[3:], model.load_weights)
     twin.load_weights(second)
     for (name, a), b in zip(model.named_parameters(), twin.parameters(), strict=True):
@@ -105,6 +110,17 @@ def test_a_write_from_a_temporary_unplans_its_whole_batch():
     weights = hf_weights(0)
     plan.record(weights[:4] + [weights[8]], model.load_weights)  # "scaled" copies from a temporary
     assert plan.unplanned == {n for n, _ in weights[:4]} | {"scaled.weight"} and plan.steps == {}
+
+
+def test_a_fill_after_another_tensors_copy_is_not_planned():
+    model = FusedModel()
+    model.norm.weight_loader = lambda param, weight: param.data.copy_(weight)
+    model.scaled.weight_loader = lambda param, weight: (param.data.copy_(weight), model.norm.data[:2].zero_())
+    plan = CopyPlan(model)  # zeroing part of "norm" while loading "scaled": replaying fills first would lose it
+    weights = hf_weights(0)
+    plan.record(weights, model.load_weights)
+    assert {"norm.weight", "scaled.weight"} <= plan.unplanned
+    assert "q_proj.weight" in plan.steps  # the rest of the batch stays planned
 
 
 def test_overlapping_destinations_are_not_planned():
@@ -136,7 +152,7 @@ def test_worker_planned_sessions_record_then_replay():
         twin.load_weights(weights)
         model = worker.model_runner.model
         assert all(torch.equal(a, b) for a, b in zip(model.parameters(), twin.parameters(), strict=True)), seed
-    plan = worker._rlhfkit_state()["plan"]  # batches [:5] (planned) and [5:] (holds the odd loaders)
+    plan = worker._rlhfkit_state()["plan"]  # batches [:5] (planned) and [5:] (holds a copy from a temporary)
     assert set(plan.steps) == {n for n, _ in hf_weights(0)[:5]}
     assert plan.unplanned == {n for n, _ in hf_weights(0)[5:]}
 

@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from rlhfkit._optional import require
+from rlhfkit._packing_attention import VARLEN_ATTENTION, register_varlen_attention
 from rlhfkit.types import PackedBatch
 
 __all__ = ["ValueModel", "as_value_model", "load_hf_model", "token_aligned_values", "sequence_scores"]
@@ -39,8 +40,15 @@ class ValueModel(torch.nn.Module):
     def backbone(self) -> torch.nn.Module:
         return getattr(self, self.base_model_prefix)
 
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-        output = self.backbone(input_ids=input_ids, position_ids=position_ids, attention_mask=None, use_cache=False)
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: None = None,
+                use_cache: bool = False, **attention_kwargs) -> torch.Tensor:
+        """Takes what :func:`rlhfkit.packing.packed_inputs` gives; ``attention_kwargs`` are the packed-sequence
+        boundaries some attention implementations take (``cu_seq_lens_q`` ...)."""
+        if attention_mask is not None or use_cache:
+            raise ValueError("ValueModel runs packed rows: attention_mask must be None and use_cache False (an "
+                             "all-ones mask or a cache would let packed sequences attend to each other)")
+        output = self.backbone(input_ids=input_ids, position_ids=position_ids, attention_mask=None, use_cache=False,
+                               **attention_kwargs)
         hidden = output.last_hidden_state if hasattr(output, "last_hidden_state") else output[0]
         return self.score(hidden).squeeze(-1).float()
 
@@ -67,6 +75,8 @@ def load_hf_model(path: str | Path, *, role: str, bf16: bool, attn_implementatio
     transformers = require("transformers", user="rlhfkit.deepspeed_engine")
     kwargs = {"dtype": torch.bfloat16 if bf16 else torch.float32, "trust_remote_code": trust_remote_code}
     if attn_implementation is not None:
+        if attn_implementation == VARLEN_ATTENTION:
+            register_varlen_attention()
         kwargs["attn_implementation"] = attn_implementation
     if role in ("actor", "reference"):
         return transformers.AutoModelForCausalLM.from_pretrained(str(path), **kwargs)

@@ -37,6 +37,7 @@ from rlhfkit._deepspeed_models import ValueModel, as_value_model, load_hf_model,
 from rlhfkit._optional import require
 from rlhfkit.checkpoint import latest_checkpoint
 from rlhfkit.losses import model_logprobs
+from rlhfkit.packing import packed_inputs
 from rlhfkit.types import PackedBatch
 
 __all__ = ["DeepSpeedEngine", "DeepSpeedEngineConfig", "Role", "ValueModel", "latest_checkpoint", "lr_factor"]
@@ -175,7 +176,7 @@ class DeepSpeedEngine:
         self._require_role(method, ("critic", "reward"))
         batch = batch.to(self.device)
         with torch.set_grad_enabled(torch.is_grad_enabled() and self.has_optimizer):
-            return self.ds_engine(input_ids=batch.input_ids[None], position_ids=batch.position_ids[None])[0]
+            return self.ds_engine(**packed_inputs(self.ds_engine, batch))[0]
 
     def forward_values(self, batch: PackedBatch) -> torch.Tensor:
         """``[T]`` float32 values token aligned like log-probs: entry ``t`` is the value of the state in which token

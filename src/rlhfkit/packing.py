@@ -40,6 +40,7 @@ __all__ = [
     "partition_by_token_budget",
     "global_counts",
     "packed_logits",
+    "packed_inputs",
     "register_varlen_attention",
     "VARLEN_ATTENTION",
     "PACKED_ATTENTION_IMPLEMENTATIONS",
@@ -231,16 +232,16 @@ def _varlen_kwargs(batch: PackedBatch) -> dict:
     return {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": max_length, "max_length_k": max_length}
 
 
-def packed_logits(model: torch.nn.Module, batch: PackedBatch) -> torch.Tensor:
-    """Run a HF causal LM on a packed batch; returns ``[T, V]`` logits, each sequence attending only to itself.
+def packed_inputs(model: torch.nn.Module, batch: PackedBatch) -> dict:
+    """The keyword arguments that run a HF model (or a module forwarding them to one) on a packed batch.
 
-    The stream goes in as one row with ``position_ids`` restarting per sequence, ``attention_mask=None`` and
-    ``use_cache=False``. Then transformers builds a block-diagonal causal mask from the position ids (eager, sdpa,
-    flex_attention: exact, but attention costs ``T^2`` for the whole row), while flash-attention and
-    :data:`VARLEN_ATTENTION` (see :func:`register_varlen_attention`) get the boundaries as ``cu_seq_lens_q/k`` and
-    only compute each sequence's own block. With an all-ones mask or a cache the sequences would silently attend to
-    each other, so this function never passes either. An attention implementation outside
-    :data:`PACKED_ATTENTION_IMPLEMENTATIONS` is refused.
+    ``input_ids``/``position_ids`` as one ``[1, T]`` row with positions restarting per sequence,
+    ``attention_mask=None`` and ``use_cache=False``. Then transformers builds a block-diagonal causal mask from the
+    position ids (eager, sdpa, flex_attention: exact, but attention costs ``T^2`` for the whole row), while
+    flash-attention and :data:`VARLEN_ATTENTION` (see :func:`register_varlen_attention`) also get the boundaries
+    (``cu_seq_lens_q/k``, ``max_length_q/k``) and only compute each sequence's own block. With an all-ones mask or a
+    cache the sequences would silently attend to each other, so neither is ever passed. An attention implementation
+    outside :data:`PACKED_ATTENTION_IMPLEMENTATIONS` is refused.
     """
     if not isinstance(batch, PackedBatch):
         raise TypeError(f"batch must be a PackedBatch, got {type(batch).__name__}")
@@ -251,8 +252,14 @@ def packed_logits(model: torch.nn.Module, batch: PackedBatch) -> torch.Tensor:
         raise ValueError(f"model uses attn_implementation={attn!r}, which is not known to respect packed sequence "
                          f"boundaries; load it with one of {PACKED_ATTENTION_IMPLEMENTATIONS}")
     extra = _varlen_kwargs(batch) if attn in _VARLEN_IMPLEMENTATIONS else {}
-    output = model(input_ids=batch.input_ids[None], position_ids=batch.position_ids[None], attention_mask=None,
-                   use_cache=False, **extra)
+    return {"input_ids": batch.input_ids[None], "position_ids": batch.position_ids[None], "attention_mask": None,
+            "use_cache": False, **extra}
+
+
+def packed_logits(model: torch.nn.Module, batch: PackedBatch) -> torch.Tensor:
+    """Run a HF causal LM on a packed batch; returns ``[T, V]`` logits, each sequence attending only to itself
+    (the model gets :func:`packed_inputs`)."""
+    output = model(**packed_inputs(model, batch))
     logits = output.logits if hasattr(output, "logits") else output[0]
     # squeeze, not [0]: select's backward would allocate a zero [1, T, V] tensor, squeeze's is a free view
     return logits.squeeze(0)

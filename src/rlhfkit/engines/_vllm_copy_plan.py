@@ -10,9 +10,10 @@ a parameter and whose source is a view of the incoming tensor becomes a step of 
 region of the incoming tensor goes to this view of that parameter". A tensor whose loading did anything else (wrote a
 parameter with another op, copied from a temporary, converted first) is left to ``load_weights`` for good. After
 recording, every planned step is checked against what the loader wrote (equal values), and a parameter whose storage
-moved later invalidates the plan. Conservative by construction: a tensor that produced no copy of its own (skipped,
-or deferred into a temporary), and every tensor of a batch in which some parameter was written from a temporary or by
-another in-place op, stay on ``load_weights``. Later loads apply all planned steps of a batch with one ``torch._foreach_copy_``
+moved later invalidates the plan. Constant fills of a parameter (vLLM zero-fills the padded tail of a vocabulary) are
+recorded with the tensor being loaded and replayed before its copies. Conservative by construction: a tensor that
+produced no copy of its own (skipped, or deferred into a temporary), and every tensor of a batch in which some
+parameter was written from a temporary or by another in-place op, stay on ``load_weights``. Later loads apply all planned steps of a batch with one ``torch._foreach_copy_``
 and send the rest through ``load_weights``.
 
 What it does not do: quantized or repacked weights (their loaders transform, so the tensors stay unplanned — use
@@ -32,6 +33,8 @@ __all__ = ["CopyPlan"]
 
 Step = tuple[str, torch.Tensor, int, tuple[int, ...], tuple[int, ...]]  # param, dst view, src offset, size, stride
 _COPY = torch.ops.aten.copy_.default
+_FILLS = (torch.ops.aten.fill_.Scalar, torch.ops.aten.zero_.default)
+Fill = tuple[str, torch.Tensor, Any]  # param, dst view, value
 
 
 class _Recorder(TorchDispatchMode):
@@ -42,6 +45,7 @@ class _Recorder(TorchDispatchMode):
         self.params = params  # storage base pointer -> parameter name
         self.recent: list[tuple[int, int, str, torch.Tensor]] = []  # (start, end, name, tensor), newest last
         self.steps: dict[str, list[Step]] = {}
+        self.fills: dict[str, list[Fill]] = {}  # constant writes, attributed to the tensor being loaded
         self.unplanned: set[str] = set()
         self.opaque = False  # a parameter was written from an unknown source or by another op
 
@@ -64,8 +68,13 @@ class _Recorder(TorchDispatchMode):
             self._record_copy(args[0], args[1])
         elif func._schema.is_mutable and self.recent:
             written = args[0] if args and isinstance(args[0], torch.Tensor) else None
-            if written is not None and written.untyped_storage().data_ptr() in self.params:
-                self.opaque = True  # a parameter written by something else than a copy
+            param = self.params.get(written.untyped_storage().data_ptr()) if written is not None else None
+            if param is not None and written.numel():
+                if func in _FILLS:  # a constant (vLLM zero-fills a padded vocabulary's tail): replayable
+                    value = args[1] if func is _FILLS[0] else 0
+                    self.fills.setdefault(self.recent[-1][2], []).append((param, written, value))
+                else:
+                    self.opaque = True  # a parameter written by something else than a copy or a constant
         return func(*args, **kwargs)
 
     def _record_copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -95,6 +104,7 @@ class CopyPlan:
         self.model = model
         self.params = {p.untyped_storage().data_ptr(): name for name, p in model.named_parameters()}
         self.steps: dict[str, list[Step]] = {}
+        self.fills: dict[str, list[Fill]] = {}
         self.unplanned: set[str] = set()
 
     def valid(self) -> bool:
@@ -120,25 +130,32 @@ class CopyPlan:
         recorder.unplanned |= {name for name, steps in recorder.steps.items() if not steps}  # skipped, or deferred
         self._check(recorder, dict(batch))
         self.steps.update({n: s for n, s in recorder.steps.items() if n not in recorder.unplanned})
+        self.fills.update({n: f for n, f in recorder.fills.items() if n in self.steps})
         self.unplanned |= recorder.unplanned
-        return set(loaded or ()) | {param for steps in recorder.steps.values() for param, *_ in steps}
+        return (set(loaded or ()) | {param for steps in recorder.steps.values() for param, *_ in steps}
+                | {param for fills in recorder.fills.values() for param, *_ in fills})
 
     @staticmethod
     def _check(recorder: _Recorder, tensors: dict[str, torch.Tensor]) -> None:
         """Unplan a tensor whose destinations overlap another step's in the same parameter (the order of a batched
-        copy is not defined), or do not hold a plain copy of the planned source once the loader is done (it
-        transformed, or something overwrote them)."""
-        spans: dict[str, list[tuple[int, int, str]]] = {}
-        for name, steps in recorder.steps.items():
-            for param, dst, *_ in steps:
-                low = dst.data_ptr()
-                high = low + (sum((n - 1) * st for n, st in zip(dst.shape, dst.stride())) + 1) * dst.element_size()
-                spans.setdefault(param, []).append((low, high, name))
+        copy is not defined; a constant fill may only precede copies of its own tensor, which replay keeps), or do
+        not hold a plain copy of the planned source once the loader is done (it transformed, or something overwrote
+        them)."""
+        spans: dict[str, list[tuple[int, int, str, bool]]] = {}
+        writes = [(name, dst, True) for name, steps in recorder.steps.items() for _, dst, *_ in steps]
+        writes += [(name, dst, False) for name, fills in recorder.fills.items() for _, dst, _ in fills]
+        for name, dst, is_copy in writes:
+            low = dst.data_ptr()
+            high = low + (sum((n - 1) * st for n, st in zip(dst.shape, dst.stride())) + 1) * dst.element_size()
+            spans.setdefault(dst.untyped_storage().data_ptr(), []).append((low, high, name, is_copy))
         for entries in spans.values():
-            entries.sort()
-            for (_, high, first), (low, _, second) in zip(entries, entries[1:]):
-                if low < high:
-                    recorder.unplanned |= {first, second}
+            entries.sort(key=lambda e: e[:2])
+            for i, (_, high, first, first_copy) in enumerate(entries):
+                for low, _, second, second_copy in entries[i + 1:]:
+                    if low >= high:
+                        break
+                    if first != second or (first_copy and second_copy):
+                        recorder.unplanned |= {first, second}
         for name, steps in recorder.steps.items():
             if name in recorder.unplanned:
                 continue
@@ -159,6 +176,9 @@ class CopyPlan:
             if steps is None or not tensor.is_contiguous():
                 rest.append((name, tensor))
                 continue
+            for param, dst, value in self.fills.get(name, ()):  # before the copies: recorded fills only precede
+                dst.fill_(value)                                 # copies of their own tensor (see _check)
+                written.add(param)
             for param, dst, offset, size, stride in steps:
                 dsts.append(dst)
                 srcs.append(tensor.as_strided(size, stride, tensor.storage_offset() + offset))
