@@ -6,6 +6,7 @@
 #   stage 2 (kit chunk 2: vllm):           vLLM engine bench on a tiny model + sleep on a 1.5B model (+ TP 2)
 #   stage 3 (kit chunk 3: SmolLM2):        convert SmolLM2, DeepSpeed sleep bench, vLLM model/throughput, IPC→vLLM
 #   stage 4 (pytest carried):              every @pytest.mark.gpu test
+#   stages 28, 25, 26, 27 (in that order): round 5b (load time split out, one micro-batch per optimizer step, TRL)
 #   stages 22, 21, 23, 24 (in that order): the fifth round (varlen attention, planned loading into vLLM, TRL again)
 #   stages 14-17: the fourth round (zero-copy CUDA IPC, ZeRO-2 with resident trainers, peers again) on nvidia-h200-x2
 #   stages 8-12: the third round (hybrid examples end to end, peers, reruns) on nvidia-h200-x2; jobs that need one
@@ -190,6 +191,31 @@ case $stage in
   load=$(cat $RUNS/weight_loading 2>/dev/null)
   on 0 trl 260 python bench/peer_trl.py --model $SMOL ${HYB/--steps 100/--steps 15} --gpu-memory-utilization 0.15 --out $RUNS/peer_trl.json &
   on 1 r5_ppo 260 python examples/ppo_hybrid.py --model $SMOL ${HYB/--steps 100/--steps 12} --zero-stage 2 --offload-trainers false --attn varlen --weight-loading ${load:-auto} --out $RUNS/r5_ppo &
+  wait; pack
+  ;;
+25) # round 5b, kit chunk 2 (after stage 28): into vLLM with the worker's load time split out, planned (GPU 1) and
+    # direct (GPU 0)
+  on 0 ipc_vllm_big_direct2 200 python bench/ipc_to_vllm.py --random-layers 30 --dtype bfloat16 --zero-copy --keep-mapped --no-greedy --loading direct --out $RUNS/ipc_vllm_big_direct2.json &
+  on 1 ipc_vllm_big_planned2 200 python bench/ipc_to_vllm.py --random-layers 30 --dtype bfloat16 --zero-copy --keep-mapped --no-greedy --loading planned --out $RUNS/ipc_vllm_big_planned2.json &
+  wait; pack
+  ;;
+26) # round 5b, kit chunk 3 (SmolLM2): GRPO ZeRO-2 resident, varlen, planned, one micro-batch per optimizer step
+    # (--grad-accum 1): engine resident (GPU 0) and sleeping at level 2 (GPU 1)
+  run 120 python examples/convert_smollm2.py --out $SMOL
+  R6="${HYB/--steps 100/--steps 16} --zero-stage 2 --offload-trainers false --attn varlen --weight-loading planned --grad-accum 1"
+  on 0 r6_resident 280 python examples/grpo_hybrid.py --model $SMOL $R6 --engine-sleep-level 0 --out $RUNS/r6_resident &
+  on 1 r6_sleep 280 python examples/grpo_hybrid.py --model $SMOL $R6 --out $RUNS/r6_sleep &
+  wait; pack
+  ;;
+27) # round 5b, .carry/peers (after stage 26): TRL with one micro-batch per optimizer step (GPU 0) and with two (GPU 1)
+  eval "$(bash bench/peers/install-peers.sh 2>>"$log")"
+  on 0 trl_ga1 260 python bench/peer_trl.py --model $SMOL ${HYB/--steps 100/--steps 15} --grad-accum 1 --gpu-memory-utilization 0.15 --out $RUNS/peer_trl_ga1.json &
+  on 1 trl_ga2 260 python bench/peer_trl.py --model $SMOL ${HYB/--steps 100/--steps 15} --gpu-memory-utilization 0.15 --out $RUNS/peer_trl_ga2.json &
+  wait; pack
+  ;;
+28) # round 5b, kit chunk 1: the actor's optimizer step on 128 sequences in 4 micro-batches (GPU 0) and in 1 (GPU 1)
+  on 0 train_step_m4 150 python bench/train_step.py --out $RUNS/train_step_m4.json --micro 4 --config-timeout-s 70 --configs torch_fp32_varlen zero2_fp32_varlen &
+  on 1 train_step_m1 150 python bench/train_step.py --out $RUNS/train_step_m1.json --micro 1 --config-timeout-s 70 --configs torch_fp32_varlen zero2_fp32_varlen &
   wait; pack
   ;;
 esac

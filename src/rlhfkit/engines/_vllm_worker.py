@@ -27,7 +27,7 @@ import inspect
 import logging
 import os
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -282,17 +282,28 @@ class WeightSyncExtension:
         self.rlhfkit_begin_weight_update(loading)
         begun = time.perf_counter()
         try:
+            loading_s = [0.0]  # host time spent inside the loads (the rest of receive_s is the channel's)
+
+            def timed(load: Callable[..., int], *args: Any, **kwargs: Any) -> int:
+                start = time.perf_counter()
+                try:
+                    return load(*args, **kwargs)
+                finally:
+                    loading_s[0] += time.perf_counter() - start
+
             if state["session"]["planned"] and "by_bucket" in inspect.signature(receiver.receive).parameters:
                 def load_buckets(buckets: Iterable[list[Any]]) -> int:
-                    return sum(self._rlhfkit_load_batch(bucket) for bucket in buckets)
+                    return sum(timed(self._rlhfkit_load_batch, bucket) for bucket in buckets)
 
                 report = plain_report(receiver.receive(load_buckets, by_bucket=True))
             else:
-                report = plain_report(receiver.receive(lambda weights: self._rlhfkit_load(weights, borrowed=True)))
+                report = plain_report(receiver.receive(
+                    lambda weights: timed(self._rlhfkit_load, weights, borrowed=True)))
         finally:
             received = time.perf_counter()
             session = self.rlhfkit_finish_weight_update(None)
-        report.update(begin_s=begun - started, receive_s=received - begun, finish_s=time.perf_counter() - received)
+        report.update(begin_s=begun - started, receive_s=received - begun, finish_s=time.perf_counter() - received,
+                      load_s=loading_s[0])
         reported = report.get("version")
         state["version"] = int(version if version is not None else reported if isinstance(reported, int)
                                else state["version"] + 1)
