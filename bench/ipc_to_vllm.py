@@ -76,8 +76,8 @@ def sync_once(engine, sender, named, ray) -> dict:
     report = result["report"]
     worker = worker_reports[0] if worker_reports and isinstance(worker_reports[0], dict) else {}
     return {"seconds": time.perf_counter() - start, "sender_seconds": report.seconds, "version": report.version,
-            **{f"worker_{k}": worker[k] for k in ("begin_s", "receive_s", "load_s", "finish_s", "layerwise", "planned", "seconds")
-               if k in worker},
+            **{f"worker_{k}": worker[k] for k in ("begin_s", "receive_s", "load_s", "finish_s", "layerwise", "planned",
+                                                  "planned_tensors", "unplanned_tensors", "seconds") if k in worker},
             "bytes": report.num_bytes,
             "buckets": report.num_buckets, "worker_reports": len(worker_reports)}
 

@@ -157,6 +157,31 @@ def test_worker_planned_sessions_record_then_replay():
     assert plan.unplanned == {n for n, _ in hf_weights(0)[5:]}
 
 
+class BucketReceiver:
+    """A receiver that hands its weights over bucket by bucket, like the IPC receivers do for planned loading."""
+
+    def __init__(self, weights) -> None:
+        self.weights = weights
+
+    def receive(self, load, by_bucket=False):
+        assert by_bucket
+        count = load(iter([self.weights[:5], self.weights[5:]]))
+        return {"num_tensors": count}
+
+
+def test_worker_receive_reports_load_time_and_plan_size():
+    worker, twin = PlannedWorker(), FusedModel()
+    for version, seed in ((3, 0), (4, 1)):
+        worker._rlhfkit_state()["receiver"] = BucketReceiver(hf_weights(seed))
+        report = worker.rlhfkit_receive_weights(version, "planned")
+        assert report["version"] == version and report["planned"] and report["num_loaded"] == 11
+        assert 0 < report["load_s"] <= report["receive_s"]
+        assert (report["planned_tensors"], report["unplanned_tensors"]) == (5, 6)  # [5:] holds a copy from a temporary
+    twin.load_weights(hf_weights(1))
+    model = worker.model_runner.model
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), twin.parameters(), strict=True))
+
+
 def test_planned_falls_back_to_layerwise_where_auto_would():
     worker = PlannedWorker()
     assert worker._rlhfkit_layerwise("planned") is False

@@ -304,6 +304,9 @@ class WeightSyncExtension:
             session = self.rlhfkit_finish_weight_update(None)
         report.update(begin_s=begun - started, receive_s=received - begun, finish_s=time.perf_counter() - received,
                       load_s=loading_s[0])
+        plan = state.get("plan")
+        if session.get("planned") and plan is not None:
+            report.update(planned_tensors=len(plan.steps), unplanned_tensors=len(plan.unplanned))
         reported = report.get("version")
         state["version"] = int(version if version is not None else reported if isinstance(reported, int)
                                else state["version"] + 1)
