@@ -104,6 +104,28 @@ def test_plan_replays_copies_and_leaves_transforming_loaders_alone():
     assert not plan.valid()
 
 
+def test_a_kept_mapping_reuses_its_source_views_and_copies_current_values():
+    model, twin = FusedModel(), FusedModel()
+    plan = CopyPlan(model)
+    weights = hf_weights(0)[:8]  # views of one flat buffer, handed over again at every sync (a kept mapping)
+    plan.record(weights, model.load_weights)
+    plan.apply(weights, model.load_weights)
+    cached = {name: plan._cut_sources(tensor, plan.steps[name]) for name, tensor in weights}
+    flat = weights[0][1].untyped_storage()
+    for seed in (1, 2):  # the trainer writes new values into the same buffer
+        fresh = hf_weights(seed)[:8]
+        with torch.no_grad():
+            for (_, view), (_, new) in zip(weights, fresh, strict=True):
+                view.copy_(new)
+        plan.apply(weights, model.load_weights)
+        twin.load_weights(fresh)
+        assert all(torch.equal(a, b) for a, b in zip(model.parameters(), twin.parameters(), strict=True)), seed
+        assert all(plan._sources[id(tensor)][1] is cached[name] for name, tensor in weights)  # cut once, reused
+    assert weights[0][1].untyped_storage().data_ptr() == flat.data_ptr()
+    del weights, cached, view  # (the loop variable holds the last view too)
+    assert len(plan._sources) == 0  # entries die with the tensors they were cut from
+
+
 def test_a_write_from_a_temporary_unplans_its_whole_batch():
     model = FusedModel()
     plan = CopyPlan(model)
@@ -169,7 +191,10 @@ class BucketReceiver:
         return {"num_tensors": count}
 
 
-def test_worker_receive_reports_load_time_and_plan_size():
+def test_worker_receive_reports_load_time_and_plan_size(monkeypatch):
+    checks = []
+    original = CopyPlan.valid
+    monkeypatch.setattr(CopyPlan, "valid", lambda plan: checks.append(1) or original(plan))
     worker, twin = PlannedWorker(), FusedModel()
     for version, seed in ((3, 0), (4, 1)):
         worker._rlhfkit_state()["receiver"] = BucketReceiver(hf_weights(seed))
@@ -177,6 +202,8 @@ def test_worker_receive_reports_load_time_and_plan_size():
         assert report["version"] == version and report["planned"] and report["num_loaded"] == 11
         assert 0 < report["load_s"] <= report["receive_s"]
         assert (report["planned_tensors"], report["unplanned_tensors"]) == (5, 6)  # [5:] holds a copy from a temporary
+        assert "plan_checked" not in report
+    assert len(checks) == 1  # the plan's storage check runs once per update (the first built it), not per bucket
     twin.load_weights(hf_weights(1))
     model = worker.model_runner.model
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), twin.parameters(), strict=True))

@@ -24,6 +24,7 @@ inside vLLM 0.22 on an H200 (docs/benchmarks.md, round 5).
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -107,6 +108,10 @@ class CopyPlan:
         self.steps: dict[str, list[Step]] = {}
         self.fills: dict[str, list[Fill]] = {}
         self.unplanned: set[str] = set()
+        # Per incoming tensor object: the source views of its steps. A receiver that keeps its mapping hands over the
+        # same view objects at every sync, so they are cut once; an entry lives as long as its tensor does.
+        # (Keyed by id with a weak reference: tensors compare elementwise, so a WeakKeyDictionary cannot hold them.)
+        self._sources: dict[int, tuple[weakref.ref, list[torch.Tensor]]] = {}
 
     def valid(self) -> bool:
         """False once a parameter's storage moved since recording (the plan's views would be stale)."""
@@ -167,6 +172,16 @@ class CopyPlan:
                     recorder.unplanned.add(name)
                     break
 
+    def _cut_sources(self, tensor: torch.Tensor, steps: list[Step]) -> list[torch.Tensor]:
+        entry = self._sources.get(id(tensor))
+        if entry is not None and entry[0]() is tensor:
+            return entry[1]
+        base = tensor.storage_offset()
+        sources = [tensor.as_strided(size, stride, base + offset) for _, _, offset, size, stride in steps]
+        key, table = id(tensor), self._sources
+        self._sources[key] = (weakref.ref(tensor, lambda _ref: table.pop(key, None)), sources)
+        return sources
+
     def apply(self, batch: Sequence[tuple[str, torch.Tensor]],
               load_weights: Callable[[Iterable[tuple[str, torch.Tensor]]], Any]) -> set[str]:
         """Load ``batch``: planned tensors with one batched copy, the others through ``load_weights``; returns the
@@ -180,10 +195,10 @@ class CopyPlan:
             for param, dst, value in self.fills.get(name, ()):  # before the copies: recorded fills only precede
                 dst.fill_(value)                                 # copies of their own tensor (see _check)
                 written.add(param)
-            for param, dst, offset, size, stride in steps:
-                dsts.append(dst)
-                srcs.append(tensor.as_strided(size, stride, tensor.storage_offset() + offset))
-                written.add(param)
+            sources = self._cut_sources(tensor, steps)
+            dsts.extend(dst for _, dst, *_ in steps)
+            srcs.extend(sources)
+            written.update(param for param, *_ in steps)
         if dsts:
             torch._foreach_copy_(dsts, srcs)
         if rest:

@@ -204,8 +204,11 @@ class WeightSyncExtension:
         state = self._rlhfkit_state()
         model = self._rlhfkit_model()
         plan = state.get("plan")
-        if plan is None or not plan.valid():
-            plan = state["plan"] = CopyPlan(model)
+        session = state["session"]
+        if plan is None or not session.get("plan_checked"):  # once per update: valid() walks every parameter
+            if plan is None or not plan.valid():
+                plan = state["plan"] = CopyPlan(model)
+            session["plan_checked"] = True
         batch = [(str(name), tensor) for name, tensor in batch]
         known = [(n, t) for n, t in batch if n in plan.steps or n in plan.unplanned]
         new = [(n, t) for n, t in batch if not (n in plan.steps or n in plan.unplanned)]
@@ -234,7 +237,8 @@ class WeightSyncExtension:
                 api[1](self._rlhfkit_model(), self.model_config)  # type: ignore[attr-defined]
         if version is not None:
             state["version"] = int(version)
-        return {**session, "version": state["version"], "rank": int(getattr(self, "rank", 0))}
+        return {**{k: v for k, v in session.items() if k != "plan_checked"}, "version": state["version"],
+                "rank": int(getattr(self, "rank", 0))}
 
     def rlhfkit_mark_weights_discarded(self) -> None:
         """Called after a level-2 sleep: every parameter must be rewritten before the weights are valid again."""
