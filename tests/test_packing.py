@@ -361,6 +361,48 @@ def test_varlen_attention_delegates_to_sdpa_for_padded_batches_and_generation(ti
         torch.testing.assert_close(plain, packed_logits(varlen, batch), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("extra", [{"sliding_window": 3}, {"softcap": 30.0}])
+def test_varlen_attention_leaves_windowed_and_softcapped_layers_to_sdpa(monkeypatch, extra):
+    from transformers.integrations import sdpa_attention
+
+    from rlhfkit._packing_attention import _varlen_sdpa_forward
+
+    calls = []
+    monkeypatch.setattr(sdpa_attention, "sdpa_attention_forward", lambda *a, **k: calls.append(k) or ("sdpa", None))
+    module = torch.nn.Module().eval()
+    q = torch.randn(1, 2, 6, 4)
+    cu = torch.tensor([0, 2, 6], dtype=torch.int32)
+    common = {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": 4}
+    assert _varlen_sdpa_forward(module, q, q, q, None, **common, **extra)[0] == "sdpa"
+    assert calls and all(calls[0][k] == v for k, v in extra.items())
+    output, _ = _varlen_sdpa_forward(module, q, q, q, None, **common, sliding_window=None)  # no window: packed path
+    assert output.shape == (1, 6, 2, 4) and len(calls) == 1
+
+
+def test_varlen_attention_equals_per_sequence_sdpa_with_grouped_heads():
+    from rlhfkit._packing_attention import _varlen_sdpa_forward
+
+    gen = torch.Generator().manual_seed(4)
+    lengths = [3, 1, 7, 5]
+    cu = torch.tensor([0, 3, 4, 11, 16], dtype=torch.int32)
+    q, k, v = (torch.randn(1, h, 16, 8, generator=gen) for h in (4, 2, 2))  # 4 query heads share 2 kv heads
+    module = torch.nn.Module().eval()
+    got, _ = _varlen_sdpa_forward(module, q, k, v, None, cu_seq_lens_q=cu, cu_seq_lens_k=cu)  # max length derived
+    given, _ = _varlen_sdpa_forward(module, q, k, v, None, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=7)
+    assert torch.equal(got, given) and got.shape == (1, 16, 4, 8)
+    start = 0
+    for length in lengths:
+        part = slice(start, start + length)
+        want = torch.nn.functional.scaled_dot_product_attention(
+            q[:, :, part], k[:, :, part].repeat_interleave(2, 1), v[:, :, part].repeat_interleave(2, 1),
+            is_causal=True)
+        torch.testing.assert_close(got[:, part], want.transpose(1, 2), atol=1e-6, rtol=1e-5)
+        start += length
+    with pytest.raises(ValueError, match="cu_seq_lens_q"):
+        bad = torch.tensor([0, 3, 20], dtype=torch.int32)
+        _varlen_sdpa_forward(module, q, k, v, None, cu_seq_lens_q=bad, cu_seq_lens_k=bad)
+
+
 def test_packed_logits_refuses_unknown_attention_and_non_batches():
     class Fake(torch.nn.Module):
         class config:  # noqa: N801 - mimics a HF config attribute

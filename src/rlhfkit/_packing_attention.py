@@ -11,7 +11,8 @@ on it and gathers the packed rows back. With right padding the causal mask alone
 padding, so the result is exact, and attention costs ``N * L_max^2`` instead of ``T^2`` while the rest of the model
 still runs on the ``T`` packed tokens only. Without boundaries it delegates to transformers' own sdpa path with the
 mask transformers built, so generation with a cache, padded batches and unpacked rows behave exactly like
-``attn_implementation="sdpa"``. Needs ``rlhfkit[hf]``.
+``attn_implementation="sdpa"``; so do layers with a sliding window or logit soft-capping, which the plain causal mask
+would get wrong. Needs ``rlhfkit[hf]``.
 """
 
 from __future__ import annotations
@@ -36,8 +37,10 @@ def _varlen_sdpa_forward(module, query, key, value, attention_mask, dropout=0.0,
                          **kwargs):
     """``query [1, H, T, D]``, ``key``/``value`` ``[1, H_kv, T, D]`` → ``([1, T, H, D], None)`` like transformers."""
     cu, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
-    packed = (cu is not None and cu_k is not None and query.shape[0] == 1 and query.shape[2] == key.shape[2]
-              and is_causal is not False and (cu_k is cu or torch.equal(cu_k, cu)))
+    window, softcap = kwargs.get("sliding_window"), kwargs.get("softcap")
+    plain_causal = (window is None or window <= 0) and softcap is None  # else transformers' mask/kernel handles it
+    packed = (plain_causal and cu is not None and cu_k is not None and query.shape[0] == 1
+              and query.shape[2] == key.shape[2] and is_causal is not False and (cu_k is cu or torch.equal(cu_k, cu)))
     if not packed:
         sdpa = require("transformers.integrations.sdpa_attention", user="rlhfkit.packing")
         return sdpa.sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
