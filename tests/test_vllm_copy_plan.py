@@ -110,7 +110,7 @@ def test_a_kept_mapping_reuses_its_source_views_and_copies_current_values():
     weights = hf_weights(0)[:8]  # views of one flat buffer, handed over again at every sync (a kept mapping)
     plan.record(weights, model.load_weights)
     plan.apply(weights, model.load_weights)
-    cached = {name: plan._cut_sources(tensor, plan.steps[name]) for name, tensor in weights}
+    cached = {name: plan._cut_sources(name, tensor) for name, tensor in weights}
     flat = weights[0][1].untyped_storage()
     for seed in (1, 2):  # the trainer writes new values into the same buffer
         fresh = hf_weights(seed)[:8]
@@ -120,9 +120,14 @@ def test_a_kept_mapping_reuses_its_source_views_and_copies_current_values():
         plan.apply(weights, model.load_weights)
         twin.load_weights(fresh)
         assert all(torch.equal(a, b) for a, b in zip(model.parameters(), twin.parameters(), strict=True)), seed
-        assert all(plan._sources[id(tensor)][1] is cached[name] for name, tensor in weights)  # cut once, reused
+        assert all(plan._sources[id(tensor), name][1] is cached[name] for name, tensor in weights)  # cut once
     assert weights[0][1].untyped_storage().data_ptr() == flat.data_ptr()
-    del weights, cached, view  # (the loop variable holds the last view too)
+    # one tensor under two names (tied weights): each name gets the views cut for its own steps
+    q_view = weights[0][1]
+    plan.steps["alias.weight"] = [("norm", model.norm.data, 0, (H,), (1,))]
+    plan.apply([("q_proj.weight", q_view), ("alias.weight", q_view)], model.load_weights)
+    assert torch.equal(model.norm.data, q_view.reshape(-1)[:H]) and torch.equal(model.qkv_proj.data[:H], q_view)
+    del weights, cached, view, q_view  # (the loop variable holds the last view too)
     assert len(plan._sources) == 0  # entries die with the tensors they were cut from
 
 

@@ -110,8 +110,9 @@ class CopyPlan:
         self.unplanned: set[str] = set()
         # Per incoming tensor object: the source views of its steps. A receiver that keeps its mapping hands over the
         # same view objects at every sync, so they are cut once; an entry lives as long as its tensor does.
-        # (Keyed by id with a weak reference: tensors compare elementwise, so a WeakKeyDictionary cannot hold them.)
-        self._sources: dict[int, tuple[weakref.ref, list[torch.Tensor]]] = {}
+        # Keyed by (id, name) with a weak reference: tensors compare elementwise, so a WeakKeyDictionary cannot hold
+        # them, and one tensor may come under two names (tied weights) with different steps.
+        self._sources: dict[tuple[int, str], tuple[weakref.ref, list[torch.Tensor]]] = {}
 
     def valid(self) -> bool:
         """False once a parameter's storage moved since recording (the plan's views would be stale)."""
@@ -147,7 +148,7 @@ class CopyPlan:
         copy is not defined; a constant fill may only precede copies of its own tensor, which replay keeps), or do
         not hold a plain copy of the planned source once the loader is done (it transformed, or something overwrote
         them)."""
-        spans: dict[str, list[tuple[int, int, str, bool]]] = {}
+        spans: dict[int, list[tuple[int, int, str, bool]]] = {}  # storage -> (low, high, name, is_copy)
         writes = [(name, dst, True) for name, steps in recorder.steps.items() for _, dst, *_ in steps]
         writes += [(name, dst, False) for name, fills in recorder.fills.items() for _, dst, _ in fills]
         for name, dst, is_copy in writes:
@@ -172,13 +173,13 @@ class CopyPlan:
                     recorder.unplanned.add(name)
                     break
 
-    def _cut_sources(self, tensor: torch.Tensor, steps: list[Step]) -> list[torch.Tensor]:
-        entry = self._sources.get(id(tensor))
+    def _cut_sources(self, name: str, tensor: torch.Tensor) -> list[torch.Tensor]:
+        key, table = (id(tensor), name), self._sources
+        entry = table.get(key)
         if entry is not None and entry[0]() is tensor:
             return entry[1]
         base = tensor.storage_offset()
-        sources = [tensor.as_strided(size, stride, base + offset) for _, _, offset, size, stride in steps]
-        key, table = id(tensor), self._sources
+        sources = [tensor.as_strided(size, stride, base + offset) for _, _, offset, size, stride in self.steps[name]]
         self._sources[key] = (weakref.ref(tensor, lambda _ref: table.pop(key, None)), sources)
         return sources
 
@@ -195,7 +196,7 @@ class CopyPlan:
             for param, dst, value in self.fills.get(name, ()):  # before the copies: recorded fills only precede
                 dst.fill_(value)                                 # copies of their own tensor (see _check)
                 written.add(param)
-            sources = self._cut_sources(tensor, steps)
+            sources = self._cut_sources(name, tensor)
             dsts.extend(dst for _, dst, *_ in steps)
             srcs.extend(sources)
             written.update(param for param, *_ in steps)
