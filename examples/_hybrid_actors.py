@@ -83,6 +83,7 @@ class ModelWorker(Worker):
         self.guard = PhaseGuard(guard_store, gpu=self.gpu)
         self.events: list[dict] = []
         self.model = self.sender = None
+        self.offload = True  # load(offload=False): the model stays on its GPU and its sleep only empties the cache
 
     def load(self, path: str, config, seed: int, offload: bool = True) -> dict:
         """Build the model while holding the GPU's claim, then put it to sleep. ``offload=False``: its sleep keeps
@@ -103,7 +104,7 @@ class ModelWorker(Worker):
 
     def _transition(self, action: str, phase: str, **kwargs) -> float:
         guard_call = self.guard.wake if action == "wake" else self.guard.sleep
-        model = self.model if getattr(self, "offload", True) or self.model is None else ResidentModel()
+        model = self.model if self.offload or self.model is None else ResidentModel()
         transition = guard_call(self.role, model, phase=phase, **kwargs)
         self.events.append(event_record(transition, rank=self.rank))
         return transition.seconds
@@ -242,6 +243,7 @@ class GuardedEngine:
 
     def _guard_setup(self, store, gpus) -> None:
         self._guard, self._gpus, self._events = PhaseGuard(store), tuple(gpus), []
+        self._resident = False  # set by a level-0 sleep: the engine kept everything, so the wake has nothing to do
 
     def guarded_sleep(self, level: int, phase: str) -> None:
         """``level`` 0: the engine stays resident (weights and KV cache kept); only the guard's claim is released."""
@@ -252,7 +254,7 @@ class GuardedEngine:
                                              rank=self.engine_index))
 
     def guarded_wake(self, tags, phase: str) -> None:
-        resident = getattr(self, "_resident", False)  # nothing was released, so there is nothing to wake
+        resident = self._resident
         for index, gpu in reversed(list(enumerate(self._gpus))):  # claim every GPU before waking the model
             model, kwargs = (self, {"tags": tags}) if index == 0 and not resident else (None, {})
             self._events.append(event_record(self._guard.wake(self.role, model, gpu=gpu, phase=phase, **kwargs),

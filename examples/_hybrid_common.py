@@ -95,7 +95,8 @@ def add_arguments(parser, *, default_out: str) -> None:
       "still orders the phases) — for small models, with --offload-trainers false")
     a("--sync-bucket-mb", type=int, default=128)
     a("--weight-loading", choices=("auto", "direct", "layerwise", "planned"), default="auto", help="how vLLM workers "
-      "apply synced weights (VLLMEngineConfig.weight_loading; 'planned' replays recorded copies, not yet measured)")
+      "apply synced weights (VLLMEngineConfig.weight_loading; 'planned' replays the copies recorded at the first "
+      "sync)")
     a("--sync-zero-copy", choices=("auto", "true", "false"), default="auto", help="colocated CUDA-IPC sync: the "
       "engine copies straight out of the actor's parameters (one copy, no bucket); auto: with ZeRO-1/2, whose flat "
       "parameter buffers make it pay")

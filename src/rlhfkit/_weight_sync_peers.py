@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import replace
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from dataclasses import replace
+from typing import Any, NamedTuple
 
 import torch
 
@@ -168,7 +168,8 @@ class SenderSide:
             return tensors, fingerprint
         views = self.slots.views(manifest, bucket)
         pack_bucket(manifest, bucket, iterator, views)
-        fingerprint = self.fingerprinter.of_payload(self.slots.buffer(bucket), bucket) if manifest.fingerprints else None
+        fingerprint = (self.fingerprinter.of_payload(self.slots.buffer(bucket), bucket) if manifest.fingerprints
+                       else None)
         self.slots.write_tail(bucket, fingerprint, STATUS_OK)
         after_pack(bucket.index, views)
         return ()
@@ -199,6 +200,13 @@ class SenderSide:
         self.transport = self.link = self.control = self.store = None  # the last reference stops the store
 
 
+class _Parsed(NamedTuple):
+    body: bytes  # the encoding after its version
+    expected: Sequence[TensorSpec] | None
+    manifest: Manifest
+    problems: list[str]
+
+
 class ReceiverSide:
     """Rank ≥ 1 of a multi-process group; joins the store and the process group at the first receive."""
 
@@ -207,7 +215,7 @@ class ReceiverSide:
         self.slots = BucketSlots(device, 1)
         self.fingerprinter = Fingerprinter()
         self.seen = 0  # the last sync whose manifest this receiver read
-        self._parsed: tuple | None = None  # (encoding after the version, expected, manifest, problems) of the last
+        self._parsed: _Parsed | None = None  # the last manifest read, while its layout and ``expected`` repeat
         self.control: ControlChannel | None = None
         self.link: CollectiveLink | None = None
         self.transport: Any = None
@@ -246,9 +254,9 @@ class ReceiverSide:
         version = self.seen + 1
         data = self.control.get_bytes(f"{version}/manifest", peer=0, what=f"the manifest of sync {version}")
         started = time.perf_counter()
-        manifest = self._parse(data, expected)
+        manifest, problems = self._parse(data, expected)
         self.seen = version
-        self._check(manifest, expected)
+        self._check(manifest, problems)
         stream = ReceivedStream(manifest, self.transport, self.slots, self.fingerprinter,
                                 abort_message=lambda: self._abort_message(version))
         end_sync = getattr(self.transport, "end_sync", lambda: None)  # CUDA IPC zero-copy: unmap the source
@@ -266,26 +274,21 @@ class ReceiverSide:
         self.control.put(f"{version}/done/{self.endpoint.rank}", {"version": version})
         return manifest, loaded, time.perf_counter() - started
 
-    def _parse(self, data: bytes, expected: Sequence[TensorSpec] | None) -> Manifest:
-        """The manifest in ``data``; parsed (and later checked) once while the sender's layout and ``expected``
-        stay the same — from sync to sync only the version changes."""
+    def _parse(self, data: bytes, expected: Sequence[TensorSpec] | None) -> tuple[Manifest, list[str]]:
+        """The manifest in ``data`` and its differences from ``expected``; parsed and compared once while the
+        sender's layout and ``expected`` stay the same (from sync to sync only the version changes)."""
         split = Manifest.split_version(data)
         cached = self._parsed
-        if split is not None and cached is not None and cached[0] == split[1] and cached[1] is expected:
-            return replace(cached[2], version=split[0])
+        if split is not None and cached is not None and cached.body == split[1] and cached.expected is expected:
+            return replace(cached.manifest, version=split[0]), cached.problems
         manifest = Manifest.from_bytes(data)
-        self._parsed = None if split is None else (split[1], expected, manifest, None)
-        return manifest
+        problems = compare_manifest(manifest, expected)
+        self._parsed = None if split is None else _Parsed(split[1], expected, manifest, problems)
+        return manifest, problems
 
-    def _check(self, manifest: Manifest, expected: Sequence[TensorSpec] | None) -> None:
+    def _check(self, manifest: Manifest, problems: list[str]) -> None:
+        """Report this receiver's verdict on the manifest, then wait for the sender's go-ahead."""
         version, rank = manifest.version, self.endpoint.rank
-        cached = self._parsed
-        if cached is not None and cached[3] is not None and cached[1] is expected and cached[2].specs is manifest.specs:
-            problems = cached[3]
-        else:
-            problems = compare_manifest(manifest, expected)
-            if cached is not None and cached[2].specs is manifest.specs:
-                self._parsed = (*cached[:3], problems)
         if problems:
             message = _mismatch_message(manifest, self.who, problems)
             self.control.put(f"{version}/check/{rank}", {"error": "manifest", "message": message})

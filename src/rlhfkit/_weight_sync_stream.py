@@ -72,7 +72,8 @@ def _copy_batch(views: list[torch.Tensor], tensors: list[torch.Tensor]) -> None:
 def pack_bucket(manifest: Manifest, bucket: Bucket, iterator: Iterator, views: Sequence[torch.Tensor]) -> None:
     """Copy the bucket's tensors from the source into its slot (casting floating dtypes); after the last bucket,
     check that the source is exhausted. Tensors are copied in batches of up to 256 MiB of source tensors (one
-    batched copy each), so a gathering source keeps at most that much (at most one bucket) alive beyond what it gathers itself."""
+    batched copy each), so a gathering source keeps at most that much (at most one bucket) alive beyond what it
+    gathers itself."""
     pending_views: list[torch.Tensor] = []
     pending: list[torch.Tensor] = []
     held = 0

@@ -25,9 +25,9 @@ trainer side and the engine side share is only this module and :class:`SyncEndpo
 Memory: the sender holds ``num_buffers`` bucket buffers of ``max(bucket_bytes, largest tensor) + 16`` bytes (on CPU
 for gloo, on its GPU for nccl/cuda_ipc); a gloo/nccl receiver holds one; a cuda_ipc receiver none (it reads the
 sender's); zero-copy CUDA IPC none on either side (the sender keeps the last ``num_buffers`` buckets' source
-tensors alive until they are consumed); fingerprints add ≈ 2 MB of temporaries. What it does not do: shard tensors for tensor parallelism (the
-engine's loader does), gather ZeRO-3 parameters (the DeepSpeed wrapper's stream does), retry failed syncs. Needs only
-torch (``torch.distributed``; CUDA for nccl/cuda_ipc).
+tensors alive until they are consumed); fingerprints add ≈ 2 MB of temporaries. What it does not do: shard tensors for
+tensor parallelism (the engine's loader does), gather ZeRO-3 parameters (the DeepSpeed wrapper's stream does), retry
+failed syncs. Needs only torch (``torch.distributed``; CUDA for nccl/cuda_ipc).
 """
 
 from __future__ import annotations

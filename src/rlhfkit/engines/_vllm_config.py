@@ -11,10 +11,11 @@ from typing import Any, Literal
 
 from rlhfkit.engines._vllm_compat import VLLMFeatureError, VLLMFeatures, require_feature
 
-__all__ = ["VLLMEngineConfig", "build_llm_kwargs", "WORKER_EXTENSION"]
+__all__ = ["VLLMEngineConfig", "build_llm_kwargs", "WORKER_EXTENSION", "WEIGHT_LOADINGS"]
 
 WORKER_EXTENSION = "rlhfkit.engines._vllm_worker.WeightSyncExtension"
 _DTYPES = ("auto", "bfloat16", "float16", "float32")
+WEIGHT_LOADINGS = ("auto", "layerwise", "direct", "planned")  # VLLMEngineConfig.weight_loading
 _OWN_KWARGS = ("model", "tensor_parallel_size", "gpu_memory_utilization", "enable_sleep_mode", "seed",
                "enable_prefix_caching", "enforce_eager", "max_model_len", "dtype", "logprobs_mode",
                "worker_extension_cls", "distributed_executor_backend")
@@ -57,17 +58,19 @@ class VLLMEngineConfig:
         generate_timeout_s, control_timeout_s, health_timeout_s, startup_timeout_s: timeouts of engine groups
             (generate; sleep/wake/weight loads; health checks; engine start-up).
         load_bucket_bytes: :meth:`VLLMEngine.load_weights` sends tensors to the workers in buckets of this size.
-        weight_loading: how workers apply new weights. ``"direct"``: the model's own ``load_weights`` copies each
-            tensor into its (fused) parameter as it arrives — one copy, nothing kept. ``"layerwise"``: vLLM's layer-wise
-            reload (keeps a layer's tensors until the layer is complete, then re-runs its post-load processing; what
-            quantized checkpoints need, and a clone of every tensor that arrives in a reused buffer). ``"auto"``
-            (default): direct when the model is not quantized and every weight of its quantization-method layers
-            (linear, embedding) still carries its ``weight_loader`` (post-load processing that repacks a weight
-            replaces its parameter, as vLLM's CPU backend does), else layerwise. ``"planned"`` (opt-in, not yet
-            measured inside vLLM on a GPU): direct, but the first load records where each tensor's copies land and
-            later loads replay them with one batched copy per bucket (tensors whose loader does more than copy stay
-            on ``load_weights``; see ``rlhfkit.engines._vllm_copy_plan``); falls back to layerwise where ``"auto"``
-            would.
+        weight_loading: how workers apply new weights.
+            ``"direct"``: the model's own ``load_weights`` copies each tensor into its (fused) parameter as it
+            arrives — one copy, nothing kept.
+            ``"layerwise"``: vLLM's layer-wise reload (keeps a layer's tensors until the layer is complete, then
+            re-runs its post-load processing; what quantized checkpoints need, and a clone of every tensor that
+            arrives in a reused buffer).
+            ``"auto"`` (default): direct when the model is not quantized and every weight of its quantization-method
+            layers (linear, embedding) still carries its ``weight_loader`` (post-load processing that repacks a
+            weight replaces its parameter, as vLLM's CPU backend does), else layerwise.
+            ``"planned"`` (opt-in): direct, but the first load records where each tensor's copies (and constant
+            fills) land and later loads replay them with one batched copy per bucket (tensors whose loader does more
+            stay on ``load_weights``; see ``rlhfkit.engines._vllm_copy_plan``); falls back to layerwise where
+            ``"auto"`` would.
     """
 
     model: str
@@ -105,9 +108,9 @@ class VLLMEngineConfig:
                 raise ValueError(f"VLLMEngineConfig.{name}={value!r}; must be in (0, 1]")
         if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 1):
             raise ValueError(f"VLLMEngineConfig.max_model_len={self.max_model_len!r}; must be None or an int >= 1")
-        if self.weight_loading not in ("auto", "layerwise", "direct", "planned"):
-            raise ValueError(f"VLLMEngineConfig.weight_loading={self.weight_loading!r}; expected 'auto', 'layerwise', "
-                             "'direct' or 'planned'")
+        if self.weight_loading not in WEIGHT_LOADINGS:
+            raise ValueError(f"VLLMEngineConfig.weight_loading={self.weight_loading!r}; expected one of "
+                             f"{WEIGHT_LOADINGS}")
         if self.dtype not in _DTYPES:
             raise ValueError(f"VLLMEngineConfig.dtype={self.dtype!r}; expected one of {_DTYPES}")
         if self.logprobs_mode not in ("processed_logprobs", "raw_logprobs"):

@@ -170,8 +170,10 @@ class WeightSyncExtension:
     # --- collective_rpc entry points ----------------------------------------------------------------------------------
     def _rlhfkit_layerwise(self, loading: str) -> bool:
         """Whether this update goes through vLLM's layer-wise reload (see ``VLLMEngineConfig.weight_loading``)."""
-        if loading not in ("auto", "layerwise", "direct", "planned"):
-            raise ValueError(f"weight loading {loading!r}; expected 'auto', 'layerwise', 'direct' or 'planned'")
+        from rlhfkit.engines._vllm_config import WEIGHT_LOADINGS
+
+        if loading not in WEIGHT_LOADINGS:
+            raise ValueError(f"weight loading {loading!r}; expected one of {WEIGHT_LOADINGS}")
         if loading in ("auto", "planned"):  # a plan only records plain copies: the same condition as direct
             model_config = getattr(self, "model_config", None)
             return getattr(model_config, "quantization", None) is not None or _repacked(self._rlhfkit_model())
@@ -185,8 +187,11 @@ class WeightSyncExtension:
         if api is not None:
             with self._rlhfkit_device_context():
                 api[0](self._rlhfkit_model())
-        state["session"] = {"layerwise": api is not None, "planned": loading == "planned" and api is None,
-                            "num_tensors": 0}
+        planned = loading == "planned" and api is None
+        plan = state.get("plan")
+        if planned and plan is not None and not plan.valid():  # a parameter moved: its recorded views are stale
+            state["plan"] = None
+        state["session"] = {"layerwise": api is not None, "planned": planned, "num_tensors": 0}
         return dict(state["session"])
 
     def rlhfkit_load_weights(self, weights: Iterable[Any]) -> int:
@@ -204,11 +209,8 @@ class WeightSyncExtension:
         state = self._rlhfkit_state()
         model = self._rlhfkit_model()
         plan = state.get("plan")
-        session = state["session"]
-        if plan is None or not session.get("plan_checked"):  # once per update: valid() walks every parameter
-            if plan is None or not plan.valid():
-                plan = state["plan"] = CopyPlan(model)
-            session["plan_checked"] = True
+        if plan is None:  # (checked once per update, in rlhfkit_begin_weight_update: valid() walks every parameter)
+            plan = state["plan"] = CopyPlan(model)
         batch = [(str(name), tensor) for name, tensor in batch]
         known = [(n, t) for n, t in batch if n in plan.steps or n in plan.unplanned]
         new = [(n, t) for n, t in batch if not (n in plan.steps or n in plan.unplanned)]
@@ -237,8 +239,7 @@ class WeightSyncExtension:
                 api[1](self._rlhfkit_model(), self.model_config)  # type: ignore[attr-defined]
         if version is not None:
             state["version"] = int(version)
-        return {**{k: v for k, v in session.items() if k != "plan_checked"}, "version": state["version"],
-                "rank": int(getattr(self, "rank", 0))}
+        return {**session, "version": state["version"], "rank": int(getattr(self, "rank", 0))}
 
     def rlhfkit_mark_weights_discarded(self) -> None:
         """Called after a level-2 sleep: every parameter must be rewritten before the weights are valid again."""
