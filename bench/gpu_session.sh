@@ -6,6 +6,8 @@
 #   stage 2 (kit chunk 2: vllm):           vLLM engine bench on a tiny model + sleep on a 1.5B model (+ TP 2)
 #   stage 3 (kit chunk 3: SmolLM2):        convert SmolLM2, DeepSpeed sleep bench, vLLM model/throughput, IPC→vLLM
 #   stage 4 (pytest carried):              every @pytest.mark.gpu test
+#   stages 29, 30, 31, 32 (in that order): round 6 (one-bucket zero-copy, once-per-update plan check, engine core
+#     in process; engine log-probs as the old log-probs; TRL again; ray job submit)
 #   stages 28, 25, 26, 27 (in that order): round 5b (load time split out, one micro-batch per optimizer step, TRL)
 #   stages 22, 21, 23, 24 (in that order): the fifth round (varlen attention, planned loading into vLLM, TRL again)
 #   stages 14-17: the fourth round (zero-copy CUDA IPC, ZeRO-2 with resident trainers, peers again) on nvidia-h200-x2
@@ -216,6 +218,54 @@ case $stage in
 28) # round 5b, kit chunk 1: the actor's optimizer step on 128 sequences in 4 micro-batches (GPU 0) and in 1 (GPU 1)
   on 0 train_step_m4 150 python bench/train_step.py --out $RUNS/train_step_m4.json --micro 4 --config-timeout-s 70 --configs torch_fp32_varlen zero2_fp32_varlen &
   on 1 train_step_m1 150 python bench/train_step.py --out $RUNS/train_step_m1.json --micro 1 --config-timeout-s 70 --configs torch_fp32_varlen zero2_fp32_varlen &
+  wait; pack
+  ;;
+29) # round 6, kit chunk 1: the channel alone again, CUDA IPC on one GPU, then NCCL from GPU 0 to GPU 1
+  on 0 ws_ipc4 150 python bench/weight_sync.py --mode ipc --out $RUNS/weight_sync_ipc4.json --deadline-s 140
+  on 0,1 ws_nccl2 150 python bench/weight_sync.py --mode nccl --out $RUNS/weight_sync_nccl2.json --deadline-s 140
+  pack
+  ;;
+30) # round 6, kit chunk 2 (after 29): into vLLM with the plan checked once per update and the prefix-cache reset
+    # deferred to the next generation: 256 MiB buckets (stage 25's setting), one bucket, one bucket with the engine
+    # core in the actor's process; direct loading, one bucket; a tiny fp32 greedy check of the fastest setting
+  tiny
+  IPC="--random-layers 30 --dtype bfloat16 --zero-copy --keep-mapped --no-greedy"
+  python -c "import sys; sys.path.insert(0, 'bench'); from ipc_to_vllm import build_random_model; build_random_model(30)" >>"$log" 2>&1
+  ( on 0 ipc_vllm_tiny_r6 150 python bench/ipc_to_vllm.py --model /tmp/tiny-hd64 --zero-copy --keep-mapped --loading planned --bucket-mb 0 --in-process --out $RUNS/ipc_vllm_tiny_r6.json
+    on 0 ipc_vllm_planned_1b 200 python bench/ipc_to_vllm.py $IPC --loading planned --bucket-mb 0 --out $RUNS/ipc_vllm_planned_1b.json
+    on 0 ipc_vllm_planned_1b_inproc 200 python bench/ipc_to_vllm.py $IPC --loading planned --bucket-mb 0 --in-process --out $RUNS/ipc_vllm_planned_1b_inproc.json ) &
+  ( on 1 ipc_vllm_planned3 200 python bench/ipc_to_vllm.py $IPC --loading planned --out $RUNS/ipc_vllm_planned3.json
+    on 1 ipc_vllm_direct_1b 200 python bench/ipc_to_vllm.py $IPC --loading direct --bucket-mb 0 --out $RUNS/ipc_vllm_direct_1b.json ) &
+  wait; pack
+  ;;
+31) # round 6, kit chunk 3 (SmolLM2): GRPO with everything resident (ZeRO-2, engine level 0), one micro-batch per
+    # optimizer step, one-bucket sync, no cache emptying: the engine's log-probs as the old log-probs (GPU 0) and
+    # the actor's forward (GPU 1); then engine log-probs on 2 GPUs
+  run 120 python examples/convert_smollm2.py --out $SMOL
+  R7="${HYB/--steps 100/--steps 16} --zero-stage 2 --offload-trainers false --attn varlen --weight-loading planned --grad-accum 1 --engine-sleep-level 0"
+  on 0 r7_engine_old 280 python examples/grpo_hybrid.py --model $SMOL $R7 --old-logprobs engine --out $RUNS/r7_engine_old &
+  on 1 r7_trainer_old 280 python examples/grpo_hybrid.py --model $SMOL $R7 --out $RUNS/r7_trainer_old &
+  wait
+  on 0,1 r7_2gpu 230 python examples/grpo_hybrid.py --model $SMOL ${R7/--steps 16/--steps 12} --old-logprobs engine --num-gpus 2 --out $RUNS/r7_2gpu
+  pack
+  ;;
+32) # round 6, .carry/peers + .carry/raydash (after 31): TRL in the same chain (GPU 0); a short GRPO run through
+    # `ray job submit` against a head started with `ray start` (GPU 1), then the hybrid examples' GPU tests (GPU 1)
+  eval "$(bash bench/peers/install-peers.sh 2>>"$log")"
+  on 0 trl_ga1_r6 260 python bench/peer_trl.py --model $SMOL ${HYB/--steps 100/--steps 15} --grad-accum 1 --gpu-memory-utilization 0.15 --out $RUNS/peer_trl_r6.json &
+  ( eval "$(bash bench/peers/install-ray-dashboard.sh 2>>"$log")"
+    JOBENV='{"py_modules": ["src/rlhfkit"], "env_vars": {"RAY_USAGE_STATS_ENABLED": "0", "TOKENIZERS_PARALLELISM": "false", "VLLM_USE_FLASHINFER_SAMPLER": "0", "TORCH_CUDA_ARCH_LIST": "9.0", "HF_HUB_OFFLINE": "1"}, "excludes": [".git", ".venv", ".carry", ".whl", "**/__pycache__", "*.egg-info", "runs", "bench/results"]}'
+    # the kit drops Ray's dashboard UI build (ray/dashboard/client/build), without which the dashboard head (the
+    # job server) refuses to start: a placeholder page is enough for the job API
+    build=$(python -c "import os, ray; print(os.path.dirname(ray.__file__))")/dashboard/client/build
+    [ -f "$build/index.html" ] || { mkdir -p "$build/static" && echo '<html>UI not packed</html>' > "$build/index.html"; }
+    CUDA_VISIBLE_DEVICES=1 timeout 90 ray start --head --num-gpus 1 --num-cpus 8 --dashboard-host 127.0.0.1 --disable-usage-stats >"$RUNS/ray_start.log" 2>&1
+    echo "ray start rc=$?" | tee -a "$log"
+    for _ in $(seq 30); do curl -sf -o /dev/null http://127.0.0.1:8265/api/version && break; sleep 1; done
+    on 1 job_submit 240 ray job submit --address http://127.0.0.1:8265 --working-dir . --runtime-env-json "$JOBENV" -- python examples/grpo_hybrid.py --model $SMOL --steps 4 --rollout-batch 16 --samples-per-prompt 8 --max-new-tokens 64 --zero-stage 2 --offload-trainers false --no-plot --out $RUNS/job_grpo
+    timeout 60 ray stop --force >>"$RUNS/ray_start.log" 2>&1
+    tiny
+    on 1 pytest_hybrid_r6 300 python -m pytest -q -p no:cacheprovider -m gpu --timeout 280 tests/test_hybrid_examples.py -k "all-resident or engine-old-logprobs" ) &
   wait; pack
   ;;
 esac

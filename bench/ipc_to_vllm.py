@@ -94,7 +94,9 @@ def main() -> None:
     parser.add_argument("--keep-mapped", action="store_true", help="with --zero-copy: ipc_keep_mapped")
     parser.add_argument("--loading", choices=("auto", "direct", "layerwise", "planned"), default="auto",
                         help="VLLMEngineConfig.weight_loading")
-    parser.add_argument("--bucket-mb", type=int, default=256)
+    parser.add_argument("--bucket-mb", type=int, default=256, help="with --zero-copy, 0: one bucket for the model")
+    parser.add_argument("--in-process", action="store_true", help="vLLM's engine core in the engine actor's "
+                        "process (VLLM_ENABLE_V1_MULTIPROCESSING=0): a collective_rpc is a call, not a ZMQ round trip")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--no-greedy", action="store_true", help="skip the greedy and log-prob comparisons")
     args = parser.parse_args()
@@ -113,13 +115,14 @@ def main() -> None:
     dtype = getattr(torch, args.dtype)
     results: dict = {"model": args.model, "device": torch.cuda.get_device_name(0), "dtype": args.dtype,
                      "zero_copy": args.zero_copy, "keep_mapped": args.keep_mapped, "loading": args.loading,
-                     "bucket_mb": args.bucket_mb}
+                     "bucket_mb": args.bucket_mb, "in_process": args.in_process}
     ray.init(num_gpus=1, num_cpus=4, include_dashboard=False)
     pg = ray.util.placement_group([{"GPU": 1, "CPU": 1}])
     ray.get(pg.ready(), timeout=60)
     config = VLLMEngineConfig(model=args.model, dtype=args.dtype, gpu_memory_utilization=0.3, gpu_share=0.5,
                               enforce_eager=True, max_model_len=1024, seed=0, weight_loading=args.loading,
-                              env={"VLLM_USE_FLASHINFER_SAMPLER": "0"})
+                              env={"VLLM_USE_FLASHINFER_SAMPLER": "0",
+                                   **({"VLLM_ENABLE_V1_MULTIPROCESSING": "0"} if args.in_process else {})})
     (engine,) = create_engines(config, placement_group=pg, bundle_indices=[[0]])
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     trainer = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).cuda().eval()
@@ -147,7 +150,10 @@ def main() -> None:
     if not args.no_greedy:
         results["logprob_mean_abs_diff_before_sync"] = logprob_gap(trainer, rollouts_before)
         expected = hf_greedy(trainer, prompts, args.steps, eos)
-    sync_config = WeightSyncConfig(backend="cuda_ipc", bucket_bytes=args.bucket_mb * 1024**2, timeout_s=120,
+    if args.bucket_mb == 0 and not args.zero_copy:
+        parser.error("--bucket-mb 0 (one bucket) needs --zero-copy: a copying sync allocates its buckets")
+    bucket_bytes = args.bucket_mb * 1024**2 if args.bucket_mb else 2 * model_bytes
+    sync_config = WeightSyncConfig(backend="cuda_ipc", bucket_bytes=bucket_bytes, timeout_s=120,
                                    ipc_zero_copy=args.zero_copy, ipc_keep_mapped=args.keep_mapped, num_buffers=2)
     with WeightSender(sync_config, SyncEndpoint(world_size=2, rank=0, port=0), device=torch.device("cuda:0")) as sender:
         ray.get(engine.init_weight_sync.remote(sync_config, sender.endpoint, first_rank=1), timeout=120)

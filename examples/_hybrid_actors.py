@@ -43,14 +43,19 @@ class TrainSettings:
     mismatch: str = "none"
     value_clip: float | None = 0.2
     seed: int = 0
+    measure_mismatch: bool = False  # |Δ| engine vs trainer log-probs in the first minibatch (before any update)
 
 
 class ResidentModel:
     """The sleep of a model that stays on its GPU: the guard still orders the phases; sleeping only returns the
-    cached activation memory to the device (``torch.cuda.empty_cache``) so the next role can allocate it."""
+    cached activation memory to the device (``torch.cuda.empty_cache``) so the next role can allocate it — unless
+    ``empty_cache=False`` (every role stays resident: the blocks are reused at the next phase, not allocated anew)."""
+
+    def __init__(self, empty_cache: bool = True) -> None:
+        self.empty_cache = empty_cache
 
     def sleep(self, **kwargs) -> None:
-        if torch.cuda.is_available():
+        if self.empty_cache and torch.cuda.is_available():
             torch.cuda.empty_cache()
 
     def wake_up(self, **kwargs) -> None:
@@ -84,13 +89,16 @@ class ModelWorker(Worker):
         self.events: list[dict] = []
         self.model = self.sender = None
         self.offload = True  # load(offload=False): the model stays on its GPU and its sleep only empties the cache
+        self.resident = ResidentModel()
 
-    def load(self, path: str, config, seed: int, offload: bool = True) -> dict:
+    def load(self, path: str, config, seed: int, offload: bool = True, empty_cache: bool = True) -> dict:
         """Build the model while holding the GPU's claim, then put it to sleep. ``offload=False``: its sleep keeps
-        every state on the GPU and only empties the CUDA cache (for models small enough to stay resident)."""
+        every state on the GPU and only empties the CUDA cache (for models small enough to stay resident), or not
+        even that with ``empty_cache=False``."""
         from rlhfkit.deepspeed_engine import DeepSpeedEngine
 
         self.offload = offload
+        self.resident = ResidentModel(empty_cache)
         self._transition("wake", "load")  # claim only: the model does not exist yet
         if self.device_kind == "cuda":
             device = self.device()
@@ -104,7 +112,7 @@ class ModelWorker(Worker):
 
     def _transition(self, action: str, phase: str, **kwargs) -> float:
         guard_call = self.guard.wake if action == "wake" else self.guard.sleep
-        model = self.model if self.offload or self.model is None else ResidentModel()
+        model = self.model if self.offload or self.model is None else self.resident
         transition = guard_call(self.role, model, phase=phase, **kwargs)
         self.events.append(event_record(transition, rank=self.rank))
         return transition.seconds
@@ -139,9 +147,11 @@ class ModelWorker(Worker):
         device = self.model.device
         group = torch.distributed.group.WORLD if self.world_size > 1 else None
         sums, counts, losses = defaultdict(float), defaultdict(int), []
+        mismatch = [0.0, 0, 0.0]  # sum |Δ|, tokens, max |Δ|
         for epoch in range(settings.epochs):
             seed = settings.seed * 100_003 + step * 101 + epoch
-            for minibatch in iterate_minibatches(shard, num_minibatches=settings.minibatches, seed=seed):
+            minibatches = iterate_minibatches(shard, num_minibatches=settings.minibatches, seed=seed)
+            for index, minibatch in enumerate(minibatches):
                 num_tokens, num_seqs = global_counts(minibatch.batch.to(device), group=group)
                 if minibatch.num_seqs < settings.grad_accum:  # DeepSpeed counts backward calls per optimizer step
                     raise ValueError(f"rank {self.rank}: a minibatch of {minibatch.num_seqs} sequences cannot make "
@@ -152,7 +162,8 @@ class ModelWorker(Worker):
                 minibatch_loss = 0.0
                 for part in parts:
                     micro = select_experience(minibatch, part).to(device)
-                    loss, stats = self._loss(micro, settings, num_tokens, num_seqs)
+                    measure = settings.measure_mismatch and epoch == 0 and index == 0
+                    loss, stats = self._loss(micro, settings, num_tokens, num_seqs, mismatch if measure else None)
                     self.model.backward(loss)
                     minibatch_loss += float(loss.detach())
                     stats |= {k: v for k, v in self.model.step().items() if k in ("grad_norm", "lr")}
@@ -161,9 +172,12 @@ class ModelWorker(Worker):
                         counts[key] += 1
                 losses.append(minibatch_loss)
         result = {f"{self.role}/{key}": sums[key] / counts[key] for key in sums if key != "loss"}
+        if mismatch[1]:
+            result |= {"engine_vs_trainer/mean_abs_logprob_diff": mismatch[0] / mismatch[1],
+                       "engine_vs_trainer/max_abs_logprob_diff": mismatch[2]}
         return result | {f"{self.role}/loss": sum(losses) / len(losses), "peak_gib": _peak_gib()}
 
-    def _loss(self, micro, s: TrainSettings, num_tokens: float, num_seqs: float):
+    def _loss(self, micro, s: TrainSettings, num_tokens: float, num_seqs: float, mismatch: list | None = None):
         from rlhfkit.losses import kl_loss, policy_loss, value_loss
 
         batch = micro.batch
@@ -173,6 +187,11 @@ class ModelWorker(Worker):
             values = self.model.forward_values(batch)
             return value_loss(values, micro.values, micro.returns, mask, cu, clip=s.value_clip, **counts)
         logprobs = self.model.forward_logprobs(batch, temperature=s.temperature)
+        if mismatch is not None and micro.engine_logprobs is not None:  # the weights the engine generated with
+            delta = (logprobs.detach().float() - micro.engine_logprobs.float())[mask].abs()
+            mismatch[0] += float(delta.sum())
+            mismatch[1] += int(delta.numel())
+            mismatch[2] = max(mismatch[2], float(delta.max())) if delta.numel() else mismatch[2]
         loss, stats = policy_loss(logprobs, micro.old_logprobs, micro.advantages, mask, cu, clip_low=s.clip,
                                   clip_high=s.clip, engine_logprobs=micro.engine_logprobs, mismatch=s.mismatch,
                                   **counts)

@@ -73,6 +73,10 @@ def add_arguments(parser, *, default_out: str) -> None:
     a("--epochs", type=int, default=1, help="passes over each step's experience")
     a("--minibatches", type=int, default=2, help="optimizer steps per epoch")
     a("--grad-accum", type=int, default=2, help="micro-batches per optimizer step")
+    a("--old-logprobs", choices=("trainer", "engine"), default="trainer", help="the behaviour log-probs of the PPO "
+      "ratio: trainer (the actor's forward before training, as TRL and OpenRLHF do) or engine (the rollout engine's "
+      "own log-probs of its tokens: one forward fewer; the engine-vs-trainer mismatch is then measured on the first "
+      "minibatch's training forward, before any update)")
     a("--forward-tokens", type=int, default=8192, help="token budget of one no-grad forward micro-batch")
     a("--zero-stage", type=int, default=3)
     a("--dtype", choices=("float32", "bfloat16"), default="float32", help="trainer, engine and sync dtype on GPU "
@@ -93,7 +97,8 @@ def add_arguments(parser, *, default_out: str) -> None:
       "while asleep: the sync rewrites them all; 1 keeps them in host memory (vLLM 0.22 pins a fresh host buffer at "
       "every level-1 sleep, ≈ 1 GB/s); 0 keeps the engine resident (weights and KV cache stay on the GPU, the guard "
       "still orders the phases) — for small models, with --offload-trainers false")
-    a("--sync-bucket-mb", type=int, default=128)
+    a("--sync-bucket-mb", type=int, default=None, help="weight-sync bucket size (default 128; with a zero-copy "
+      "sync, whose buckets are only lists of the actor's own tensors, one bucket for the whole model)")
     a("--weight-loading", choices=("auto", "direct", "layerwise", "planned"), default="auto", help="how vLLM workers "
       "apply synced weights (VLLMEngineConfig.weight_loading; 'planned' replays the copies recorded at the first "
       "sync)")
@@ -216,7 +221,9 @@ class Run:
         """Add the step's timing, memory, mismatch and throughput to ``stats``; append it to metrics.jsonl."""
         generated = float(experience.response_lengths.sum())
         stats = {k: v for k, v in stats.items() if not k.startswith("time/")}  # make_experience's own sub-timings
-        stats |= mismatch_metrics(experience) | clock.metrics()
+        if "engine_vs_trainer/mean_abs_logprob_diff" not in stats:  # (--old-logprobs engine: measured in training)
+            stats |= mismatch_metrics(experience)
+        stats |= clock.metrics()
         stats |= {"step": step, "accuracy": accuracy, "tokens/generated": generated,
                   "tokens/per_s": generated / stats["time/step_s"]}
         row = {k: v for k, v in stats.items() if isinstance(v, (int, float))}
@@ -313,7 +320,9 @@ def launch(args, configs: dict, *, reward_model: str | None = None) -> Run:
             engines.result()
         run.startup["processes_s"] = time.perf_counter() - started
         for role, config in configs.items():  # one role at a time: each claims the GPU while it loads
+            # resident trainers next to a resident engine: nobody needs their cached blocks back between phases
             info = run.workers[role].call("load", paths[role], config, args.seed, args.offload_trainers,
+                                          empty_cache=args.engine_sleep_level > 0 or not args.colocate,
                                           timeout_s=args.start_timeout)
             print(f"{role}: {info[0]['parameters'] / 1e6:.1f}M parameters on {len(info)} rank(s)", flush=True)
         run.startup["models_s"] = time.perf_counter() - started - run.startup["processes_s"]
@@ -384,7 +393,9 @@ def _connect_weight_sync(run: Run) -> None:
     zero_copy = backend == "cuda_ipc" and (args.sync_zero_copy == "true" or
                                            (args.sync_zero_copy == "auto" and args.zero_stage < 3))
     keep_mapped = zero_copy and not args.offload_trainers  # the actor's parameters never move: map them once
-    config = WeightSyncConfig(backend=backend, bucket_bytes=args.sync_bucket_mb * 1024**2,
+    # zero-copy from ZeRO-1/2's resident buffers: 1 TiB = a single bucket (ZeRO-3 gathers a bucket at a time)
+    bucket_mb = args.sync_bucket_mb or (1 << 20 if zero_copy and args.zero_stage < 3 else 128)
+    config = WeightSyncConfig(backend=backend, bucket_bytes=bucket_mb * 1024**2,
                               dtype=getattr(torch, dtype) if dtype else None, timeout_s=args.sync_timeout,
                               ipc_zero_copy=zero_copy, ipc_keep_mapped=keep_mapped)
     common = {"backend": backend, "bucket_bytes": config.bucket_bytes, "dtype": dtype,
@@ -465,6 +476,22 @@ def dp_forward(group, kind: str, batch, *, max_tokens: int, temperature: float =
     return out, max(result["peak_gib"] for result in results)
 
 
+def behaviour_logprobs(clock, actor, batch, rollouts, args) -> torch.Tensor:
+    """``[T]`` log-probs of the policy that generated ``rollouts`` (packed as ``batch``): the awake actor's forward,
+    or with ``--old-logprobs engine`` the engine's own log-probs of its tokens (0 off the responses)."""
+    if args.old_logprobs == "trainer":
+        with clock.phase("forward_actor"):
+            values, clock.extra["mem_process/forward_actor_peak_gib"] = dp_forward(
+                actor, "logprobs", batch, max_tokens=args.forward_tokens, temperature=args.temperature)
+        return values
+    missing = [i for i, r in enumerate(rollouts) if r.response_logprobs is None]
+    if missing:
+        raise ValueError(f"--old-logprobs engine: rollouts {missing[:5]} carry no engine log-probs")
+    values = torch.zeros(batch.num_tokens)
+    values[batch.loss_mask] = torch.cat([r.response_logprobs.float().cpu() for r in rollouts])
+    return values
+
+
 def dp_train(group, experience, settings: TrainSettings, step: int) -> dict:
     """Train every rank on its token-balanced shard of the step's experience; ranks' stats averaged (loss summed:
     each rank's is its share of the global objective)."""
@@ -474,7 +501,7 @@ def dp_train(group, experience, settings: TrainSettings, step: int) -> dict:
     merged = {}
     for key in results[0]:
         values = [result[key] for result in results]
-        merged[key] = sum(values) if key.endswith("/loss") else (max(values) if key == "peak_gib"
+        merged[key] = sum(values) if key.endswith("/loss") else (max(values) if key == "peak_gib" or "/max_" in key
                                                                    else sum(values) / len(values))
     role = group.role
     merged[f"mem_process/train_{role}_peak_gib"] = merged.pop("peak_gib")

@@ -73,7 +73,7 @@ def main(argv=None) -> dict:
     settings = hybrid.TrainSettings(epochs=args.epochs, minibatches=args.minibatches, grad_accum=args.grad_accum,
                                     temperature=args.temperature, clip=args.clip, kl_coef=args.kl_coef,
                                     aggregation="seq_mean_token_sum" if args.dr_grpo else "token_mean",
-                                    seed=args.seed)
+                                    seed=args.seed, measure_mismatch=args.old_logprobs == "engine")
     stops = hybrid.stop_tokens(tokenizer, args.model)
     run = hybrid.launch(args, model_configs(args))
     actor, reference = run.workers["actor"], run.workers["reference"]
@@ -91,9 +91,7 @@ def main(argv=None) -> dict:
             # 3. The actor wakes for its own forward and the training; GRPO advantages are computed here, on CPU.
             with clock.phase("sleep_wake"):
                 actor.call("wake", "train")
-            with clock.phase("forward_actor"):
-                old_logprobs, clock.extra["mem_process/forward_actor_peak_gib"] = hybrid.dp_forward(
-                    actor, "logprobs", batch, max_tokens=args.forward_tokens, temperature=args.temperature)
+            old_logprobs = hybrid.behaviour_logprobs(clock, actor, batch, rollouts, args)
             with clock.phase("experience"):
                 experience, stats = make_experience(rollouts, scores, config=config,
                                                     policy_logprobs_fn=hybrid.precomputed(old_logprobs),

@@ -87,7 +87,8 @@ def main(argv=None) -> dict:
                               kl_in_reward=True)
     common = {"epochs": args.epochs, "minibatches": args.minibatches, "grad_accum": args.grad_accum,
               "seed": args.seed}
-    actor_settings = hybrid.TrainSettings(**common, temperature=args.temperature, clip=args.clip)
+    actor_settings = hybrid.TrainSettings(**common, temperature=args.temperature, clip=args.clip,
+                                          measure_mismatch=args.old_logprobs == "engine")
     critic_settings = hybrid.TrainSettings(**common, value_clip=args.value_clip)
     stops = hybrid.stop_tokens(tokenizer, args.model)
     run = hybrid.launch(args, model_configs(args), reward_model=args.reward_model)
@@ -110,9 +111,7 @@ def main(argv=None) -> dict:
             # 3. The actor wakes: its log-probs, then KL-shaped rewards and GAE on CPU, then PPO-clip training.
             with clock.phase("sleep_wake"):
                 actor.call("wake", "train")
-            with clock.phase("forward_actor"):
-                old_logprobs, clock.extra["mem_process/forward_actor_peak_gib"] = hybrid.dp_forward(
-                    actor, "logprobs", batch, max_tokens=args.forward_tokens, temperature=args.temperature)
+            old_logprobs = hybrid.behaviour_logprobs(clock, actor, batch, rollouts, args)
             with clock.phase("experience"):
                 experience, stats = make_experience(rollouts, rewards, config=config,
                                                     policy_logprobs_fn=hybrid.precomputed(old_logprobs),

@@ -329,7 +329,13 @@ def test_sleep_wake_state_machine_and_prefix_cache_reset():
     engine.load_weights([("head", torch.ones(3))])  # weights awake, KV cache still asleep: reset deferred
     assert ("reset_prefix_cache",) not in llm.calls
     engine.wake_up(["kv_cache"])
-    assert llm.calls.count(("reset_prefix_cache",)) == 1 and engine.asleep_tags == ()
+    assert ("reset_prefix_cache",) not in llm.calls and engine.asleep_tags == ()  # deferred to the next generation
+    engine.load_weights([("head", torch.full((3,), 2.0))])  # a second change before generating: still one reset
+    engine.generate([[1]], SamplingConfig(max_new_tokens=1))
+    engine.generate([[1]], SamplingConfig(max_new_tokens=1))
+    assert llm.calls.count(("reset_prefix_cache",)) == 1
+    first_generate = next(i for i, c in enumerate(llm.calls) if c[0] == "generate")
+    assert llm.calls.index(("reset_prefix_cache",)) < first_generate
     engine.wake_up()  # awake already: nothing to do
     assert [c for c in llm.calls if c[0] in ("sleep", "wake_up")] == [("sleep", 1), ("wake_up", ["weights"]),
                                                                       ("wake_up", ["kv_cache"])]

@@ -182,14 +182,23 @@ def test_ppo_hybrid_colocated_on_cpu(ray_cluster, tiny_llama_path, tmp_path):
 def test_grpo_hybrid_resident_trainers_zero2_on_cpu(grpo_one_rank, ray_cluster, tiny_llama_path, tmp_path):
     """--offload-trainers false and --engine-sleep-level 0: the guard still orders every phase, the trainers' sleep
     only empties the cache and the engine keeps everything; with ZeRO-2 the same seeds give the same first step as
-    the ZeRO-3 run that offloads."""
+    the ZeRO-3 run that offloads. With --old-logprobs engine the actor's forward is skipped (the engine's log-probs
+    are the behaviour policy's) and the mismatch is measured on the first minibatch's training forward instead."""
     summary = _load("grpo_hybrid").main(["--model", str(tiny_llama_path), "--out", str(tmp_path), *CPU,
                                          "--minibatches", "1", "--grad-accum", "2", "--steps", "2", "--no-plot",
-                                         "--zero-stage", "2", "--offload-trainers", "false", "--engine-sleep-level", "0"])
+                                         "--zero-stage", "2", "--offload-trainers", "false", "--engine-sleep-level", "0",
+                                         "--old-logprobs", "engine"])
     rows = _check_common(tmp_path, summary, steps=2)
-    one = _rows(grpo_one_rank[0])[0]
+    one_rows = _rows(grpo_one_rank[0])
+    one = one_rows[0]
     assert rows[0]["reward/mean"] == one["reward/mean"]
     assert rows[0]["actor/loss"] == pytest.approx(one["actor/loss"], rel=1e-4, abs=1e-7)
+    for row, reference in zip(rows, one_rows, strict=False):
+        assert "time/forward_actor_s" not in row and "time/forward_actor_s" in reference
+        # the same quantity both ways (engine vs trainer log-probs with the engine's weights), from the training
+        # forward here and from the old-log-prob forward there: HF engine and trainer agree to float32 rounding
+        assert row["engine_vs_trainer/mean_abs_logprob_diff"] < 1e-3
+        assert row["engine_vs_trainer/max_abs_logprob_diff"] >= row["engine_vs_trainer/mean_abs_logprob_diff"]
     one_step = [("sleep", "rollout"), ("wake", "reference"), ("sleep", "reference"), ("wake", "actor"),
                 ("sleep", "actor"), ("wake", "rollout"), ("sleep", "actor"), ("wake", "rollout")]
     assert _replay_guard(_events(tmp_path)) == {"node0/gpu0": [("wake", "rollout")] + one_step * 2}
@@ -201,7 +210,9 @@ def test_grpo_hybrid_resident_trainers_zero2_on_cpu(grpo_one_rank, ray_cluster, 
     ("grpo_hybrid", []), ("ppo_hybrid", []),
     ("grpo_hybrid", ["--zero-stage", "2", "--offload-trainers", "false"]),  # zero-copy CUDA-IPC sync from ZeRO-2
     ("grpo_hybrid", ["--zero-stage", "2", "--offload-trainers", "false", "--engine-sleep-level", "0"]),
-], ids=["grpo", "ppo", "grpo-zero2-resident", "grpo-zero2-all-resident"])
+    ("grpo_hybrid", ["--zero-stage", "2", "--offload-trainers", "false", "--engine-sleep-level", "0",
+                     "--old-logprobs", "engine"]),
+], ids=["grpo", "ppo", "grpo-zero2-resident", "grpo-zero2-all-resident", "grpo-engine-old-logprobs"])
 def test_hybrid_example_on_one_gpu_with_vllm(example, extra, own_ray, tiny_model_factory, tmp_path):
     """The real thing on one GPU, small: vLLM engine with sleep mode, DeepSpeed ZeRO-3 (fp32, the default --dtype) with
     FusedAdam, CUDA-IPC sync, everything colocated (a tiny Llama with head_dim 64, which vLLM's kernels accept)."""

@@ -99,7 +99,9 @@ class WeightSyncConfig:
             tensors live in a few large allocations: ZeRO-1/2 (DeepSpeed's flat parameter buffers) or a model passed
             through :func:`flatten_parameters`; each distinct allocation costs one handle per sync on the receiver.
             The sender holds references to the tensors of the last ``num_buffers`` buckets until receivers consumed
-            them, and none after ``send`` returns.
+            them, and none after ``send`` returns. ``bucket_bytes`` then bounds only what those references keep
+            alive (the cast temporaries, or a gathering source's tensors): for tensors that stay put anyway, a
+            ``bucket_bytes`` as large as the model makes a sync one message instead of one round trip per bucket.
         ipc_keep_mapped: with ``ipc_zero_copy``: receivers keep the source's allocations mapped between syncs instead
             of mapping them again at every sync (≈ 1 ms per GB on H200). For sources whose memory stays put between
             syncs (a trainer that does not offload): memory the source frees while a receiver maps it stays

@@ -181,6 +181,7 @@ class VLLMEngine:
             raise ValueError(f"prompt_indices has {len(indices)} entries for {len(prompts)} prompts")
         if not prompts:
             return [], [], []
+        self._reset_prefix_cache_if_stale()  # prefixes cached before a weight change would reuse stale KV
         make = lambda seed: make_sampling_params(  # noqa: E731
             sampling, sampling_params_cls=self._vllm.SamplingParams, features=self.features, seed=seed)
         params = make(None) if sampling.seed is None else [make(request_seed(sampling.seed, i)) for i in indices]
@@ -244,7 +245,6 @@ class VLLMEngine:
         self._asleep.difference_update(wanted)
         if not self._asleep:
             self._sleep_level = 0
-        self._reset_prefix_cache_if_stale()
 
     def _reset_prefix_cache_if_stale(self) -> None:
         if self._prefix_cache_stale and "kv_cache" not in self._asleep and self.features.reset_prefix_cache:
@@ -252,7 +252,9 @@ class VLLMEngine:
             self._prefix_cache_stale = False
 
     def reset_prefix_cache(self) -> None:
-        """Drop cached prefixes (computed with old weights). Done automatically after every weight change."""
+        """Drop cached prefixes (computed with old weights) now. After a weight change this happens by itself, at
+        the next generation: a sync does not wait for the engine core's round trip, and several syncs between two
+        generations reset once."""
         self._prefix_cache_stale = True
         self._reset_prefix_cache_if_stale()
 
@@ -278,7 +280,7 @@ class VLLMEngine:
             self._weights_valid = not missing
             if missing:
                 self._invalid_reason = f"{len(missing)} parameter(s) not rewritten since {self._invalid_reason}"
-        self.reset_prefix_cache()
+        self._prefix_cache_stale = True  # reset before the next generation (_run), not inside the sync
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], *, version: int | None = None) -> int:
         """Load HF-named tensors into every worker in one update session (buckets of ``config.load_bucket_bytes``
