@@ -6,6 +6,7 @@
 #   stage 2 (kit chunk 2: vllm):           vLLM engine bench on a tiny model + sleep on a 1.5B model (+ TP 2)
 #   stage 3 (kit chunk 3: SmolLM2):        convert SmolLM2, DeepSpeed sleep bench, vLLM model/throughput, IPC→vLLM
 #   stage 4 (pytest carried):              every @pytest.mark.gpu test
+#   stages 33, 34 (after a kit-chunk-1 call): round 6b (cheaper plan check; response-token log-probs)
 #   stages 29, 30, 31, 32 (in that order): round 6 (one-bucket zero-copy, once-per-update plan check, engine core
 #     in process; engine log-probs as the old log-probs; TRL again; ray job submit)
 #   stages 28, 25, 26, 27 (in that order): round 5b (load time split out, one micro-batch per optimizer step, TRL)
@@ -266,6 +267,22 @@ case $stage in
     timeout 60 ray stop --force >>"$RUNS/ray_start.log" 2>&1
     tiny
     on 1 pytest_hybrid_r6 300 python -m pytest -q -p no:cacheprovider -m gpu --timeout 280 tests/test_hybrid_examples.py -k "all-resident or engine-old-logprobs" ) &
+  wait; pack
+  ;;
+33) # round 6b, kit chunk 2 (after a call with kit chunk 1): into vLLM with the cheaper plan check (one bucket), the
+    # engine core in the actor's process (GPU 0) and in its own (GPU 1)
+  IPC="--random-layers 30 --dtype bfloat16 --zero-copy --keep-mapped --no-greedy --loading planned --bucket-mb 0"
+  python -c "import sys; sys.path.insert(0, 'bench'); from ipc_to_vllm import build_random_model; build_random_model(30)" >>"$log" 2>&1
+  on 0 ipc_vllm_planned_1b_inproc2 200 python bench/ipc_to_vllm.py $IPC --in-process --out $RUNS/ipc_vllm_planned_1b_inproc2.json &
+  on 1 ipc_vllm_planned_1b2 200 python bench/ipc_to_vllm.py $IPC --out $RUNS/ipc_vllm_planned_1b2.json &
+  wait; pack
+  ;;
+34) # round 6b, kit chunk 3 (SmolLM2): stage 31's GRPO runs with log-probs of the response tokens only (the LM head
+    # on those rows): engine log-probs as the old log-probs (GPU 0), the actor's forward (GPU 1)
+  run 120 python examples/convert_smollm2.py --out $SMOL
+  R7="${HYB/--steps 100/--steps 14} --zero-stage 2 --offload-trainers false --attn varlen --weight-loading planned --grad-accum 1 --engine-sleep-level 0"
+  on 0 r8_engine_old 260 python examples/grpo_hybrid.py --model $SMOL $R7 --old-logprobs engine --out $RUNS/r8_engine_old &
+  on 1 r8_trainer_old 260 python examples/grpo_hybrid.py --model $SMOL $R7 --out $RUNS/r8_trainer_old &
   wait; pack
   ;;
 esac

@@ -130,7 +130,9 @@ class ModelWorker(Worker):
     def forward(self, batches: list, *, kind: str, temperature: float = 1.0) -> dict:
         """No-grad forwards over this rank's micro-batches: ``[T]`` log-probs or values, or ``[N]`` rewards each."""
         _reset_peak()
-        run = {"logprobs": lambda b: self.model.forward_logprobs(b, temperature=temperature),
+        # log-probs of the response tokens only (all the losses read): the LM head runs on those rows alone
+        run = {"logprobs": lambda b: self.model.forward_logprobs(b, temperature=temperature,
+                                                                 loss_tokens_only=True),
                "values": self.model.forward_values, "rewards": self.model.forward_rewards}[kind]
         with torch.no_grad():
             outputs = [run(batch).float().cpu() for batch in batches]
@@ -147,7 +149,7 @@ class ModelWorker(Worker):
         device = self.model.device
         group = torch.distributed.group.WORLD if self.world_size > 1 else None
         sums, counts, losses = defaultdict(float), defaultdict(int), []
-        mismatch = [0.0, 0, 0.0]  # sum |Δ|, tokens, max |Δ|
+        mismatch: list = []  # per micro-batch of the first minibatch: [sum |Δ|, tokens, max |Δ|] on the GPU
         for epoch in range(settings.epochs):
             seed = settings.seed * 100_003 + step * 101 + epoch
             minibatches = iterate_minibatches(shard, num_minibatches=settings.minibatches, seed=seed)
@@ -172,9 +174,11 @@ class ModelWorker(Worker):
                         counts[key] += 1
                 losses.append(minibatch_loss)
         result = {f"{self.role}/{key}": sums[key] / counts[key] for key in sums if key != "loss"}
-        if mismatch[1]:
-            result |= {"engine_vs_trainer/mean_abs_logprob_diff": mismatch[0] / mismatch[1],
-                       "engine_vs_trainer/max_abs_logprob_diff": mismatch[2]}
+        if mismatch:  # one transfer at the end: a sync between a forward and its backward would stall the launches
+            total, tokens, largest = torch.stack([torch.stack(m) for m in mismatch]).cpu().unbind(1)
+            if tokens.sum() > 0:
+                result |= {"engine_vs_trainer/mean_abs_logprob_diff": float(total.sum() / tokens.sum()),
+                           "engine_vs_trainer/max_abs_logprob_diff": float(largest.max())}
         return result | {f"{self.role}/loss": sum(losses) / len(losses), "peak_gib": _peak_gib()}
 
     def _loss(self, micro, s: TrainSettings, num_tokens: float, num_seqs: float, mismatch: list | None = None):
@@ -186,12 +190,10 @@ class ModelWorker(Worker):
         if self.role == "critic":
             values = self.model.forward_values(batch)
             return value_loss(values, micro.values, micro.returns, mask, cu, clip=s.value_clip, **counts)
-        logprobs = self.model.forward_logprobs(batch, temperature=s.temperature)
+        logprobs = self.model.forward_logprobs(batch, temperature=s.temperature, loss_tokens_only=True)
         if mismatch is not None and micro.engine_logprobs is not None:  # the weights the engine generated with
-            delta = (logprobs.detach().float() - micro.engine_logprobs.float())[mask].abs()
-            mismatch[0] += float(delta.sum())
-            mismatch[1] += int(delta.numel())
-            mismatch[2] = max(mismatch[2], float(delta.max())) if delta.numel() else mismatch[2]
+            delta = torch.where(mask, (logprobs.detach().float() - micro.engine_logprobs.float()).abs(), 0.0)
+            mismatch.append([delta.sum(), mask.sum().to(delta.dtype), delta.max()])
         loss, stats = policy_loss(logprobs, micro.old_logprobs, micro.advantages, mask, cu, clip_low=s.clip,
                                   clip_high=s.clip, engine_logprobs=micro.engine_logprobs, mismatch=s.mismatch,
                                   **counts)

@@ -186,8 +186,8 @@ def test_grpo_hybrid_resident_trainers_zero2_on_cpu(grpo_one_rank, ray_cluster, 
     are the behaviour policy's) and the mismatch is measured on the first minibatch's training forward instead."""
     summary = _load("grpo_hybrid").main(["--model", str(tiny_llama_path), "--out", str(tmp_path), *CPU,
                                          "--minibatches", "1", "--grad-accum", "2", "--steps", "2", "--no-plot",
-                                         "--zero-stage", "2", "--offload-trainers", "false", "--engine-sleep-level", "0",
-                                         "--old-logprobs", "engine"])
+                                         "--zero-stage", "2", "--offload-trainers", "false",
+                                         "--engine-sleep-level", "0", "--old-logprobs", "engine"])
     rows = _check_common(tmp_path, summary, steps=2)
     one_rows = _rows(grpo_one_rank[0])
     one = one_rows[0]

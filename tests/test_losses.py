@@ -19,7 +19,14 @@ from rlhfkit.losses import (
     token_logprobs,
     value_loss,
 )
-from rlhfkit.packing import global_counts, pack_sequences, pad_packed, partition_by_token_budget, select_sequences
+from rlhfkit.packing import (
+    global_counts,
+    pack_sequences,
+    packed_logits,
+    pad_packed,
+    partition_by_token_budget,
+    select_sequences,
+)
 
 MODES = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum")
 
@@ -202,6 +209,53 @@ def test_model_logprobs_packed_equal_padded_values_and_gradients(arch, tiny_llam
     want = -(torch.softmax(logits, -1) * torch.log_softmax(logits, -1)).sum(-1)
     torch.testing.assert_close(entropy[start + 1: start + len(seqs[2])], want[:-1], atol=1e-5, rtol=1e-5)
     assert entropy[start] == 0 and bool((entropy[int(batch.cu_seqlens[-1]):] == 0).all())
+
+
+class _NoLogitsToKeep(torch.nn.Module):
+    """A wrapper whose forward does not take ``logits_to_keep``: packed_logits must compute every row and index."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.inner = model
+        self.config = model.config
+
+    def forward(self, input_ids, position_ids, attention_mask=None, use_cache=False):
+        return self.inner(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
+                          use_cache=use_cache)
+
+
+def test_model_logprobs_on_loss_tokens_only_equal_full_and_run_the_head_on_those_rows(tiny_llama_path):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_path, attn_implementation="sdpa", dtype=torch.float32)
+    gen = torch.Generator().manual_seed(11)
+    seqs = [torch.randint(3, model.config.vocab_size, (n,), generator=gen) for n in (9, 3, 14, 6)]
+    masks = [torch.arange(len(s)) >= p for s, p in zip(seqs, (4, 1, 9, 2), strict=True)]
+    batch = pack_sequences(seqs, loss_masks=masks, pad_to_multiple_of=8)
+    mask = batch.loss_mask
+    weights = torch.randn(batch.num_tokens, generator=gen) * mask
+    head_rows = []
+    hook = model.lm_head.register_forward_hook(lambda _m, args, _out: head_rows.append(args[0].shape[1]))
+    results = {}
+    wrapped = _NoLogitsToKeep(model)
+    for name, target, only in (("full", model, False), ("loss", model, True), ("wrapped", wrapped, True)):
+        model.zero_grad()
+        logprobs, entropy = model_logprobs(target, batch, temperature=0.8, return_entropy=True,
+                                           loss_tokens_only=only)
+        ((logprobs + 0.1 * entropy) * weights).sum().backward()
+        results[name] = (logprobs.detach(), entropy.detach(), {n: p.grad.clone() for n, p in model.named_parameters()})
+    hook.remove()
+    assert head_rows == [batch.num_tokens, int(mask.sum()), batch.num_tokens]  # K rows through the head, else T
+    full_lp, full_ent, full_grads = results["full"]
+    for name in ("loss", "wrapped"):
+        logprobs, entropy, grads = results[name]
+        torch.testing.assert_close(logprobs[mask], full_lp[mask], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(entropy[mask], full_ent[mask], atol=1e-5, rtol=1e-5)
+        assert bool((logprobs[~mask] == 0).all()) and bool((entropy[~mask] == 0).all())
+        for param, grad in grads.items():
+            torch.testing.assert_close(grad, full_grads[param], atol=1e-5, rtol=1e-4, msg=param)
+    with pytest.raises(ValueError, match="rows must be a"):
+        packed_logits(model, batch, rows=torch.tensor([0.5]))
 
 
 # ----------------------------------------------------------------------------------------- aggregation

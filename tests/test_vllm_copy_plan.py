@@ -102,6 +102,10 @@ def test_plan_replays_copies_and_leaves_transforming_loaders_alone():
     assert plan.valid()
     model.norm.data = torch.zeros(H)  # a parameter moved (e.g. re-allocated): the plan must be rebuilt
     assert not plan.valid()
+    replaced = CopyPlan(model)
+    assert replaced.valid()
+    model.norm = torch.nn.Parameter(model.norm.detach().clone())  # a new parameter object: stale as well
+    assert not replaced.valid()
 
 
 def test_a_kept_mapping_reuses_its_source_views_and_copies_current_values():
@@ -214,9 +218,17 @@ def test_worker_receive_reports_load_time_and_plan_size(monkeypatch):
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), twin.parameters(), strict=True))
 
 
-def test_planned_falls_back_to_layerwise_where_auto_would():
+def test_planned_falls_back_to_layerwise_where_auto_would(monkeypatch):
+    from rlhfkit.engines import _vllm_worker
+
+    walks = []
+    original = _vllm_worker._repacked
+    monkeypatch.setattr(_vllm_worker, "_repacked", lambda model: walks.append(1) or original(model))
     worker = PlannedWorker()
-    assert worker._rlhfkit_layerwise("planned") is False
-    worker.model_runner.model.qkv_proj_layer = torch.nn.Linear(2, 2)
-    worker.model_runner.model.qkv_proj_layer.quant_method = object()  # a repacked weight: no weight_loader
-    assert worker._rlhfkit_layerwise("planned") is True and worker._rlhfkit_layerwise("auto") is True
+    assert worker._rlhfkit_layerwise("planned") is False and worker._rlhfkit_layerwise("auto") is False
+    assert len(walks) == 1  # the model's modules are walked once, not at every update
+    repacked = PlannedWorker()
+    repacked.model_runner.model.qkv_proj_layer = torch.nn.Linear(2, 2)
+    repacked.model_runner.model.qkv_proj_layer.quant_method = object()  # a repacked weight: no weight_loader
+    assert repacked._rlhfkit_layerwise("planned") is True and repacked._rlhfkit_layerwise("auto") is True
+    assert len(walks) == 2

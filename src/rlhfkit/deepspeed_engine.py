@@ -163,13 +163,16 @@ class DeepSpeedEngine:
                                f"in {roles}")
 
     # ------------------------------------------------------------------ forward / backward / step
-    def forward_logprobs(self, batch: PackedBatch, *, temperature: float = 1.0) -> torch.Tensor:
-        """``[T]`` float32 token-aligned log-probs (see :func:`rlhfkit.losses.model_logprobs`). Differentiable on the
+    def forward_logprobs(self, batch: PackedBatch, *, temperature: float = 1.0,
+                         loss_tokens_only: bool = False) -> torch.Tensor:
+        """``[T]`` float32 token-aligned log-probs (see :func:`rlhfkit.losses.model_logprobs`; ``loss_tokens_only``:
+        only of the loss-mask tokens, 0 elsewhere, with the LM head on those rows only). Differentiable on the
         actor when grad is enabled; the reference model always runs without grad."""
         self._require_awake("forward_logprobs")
         self._require_role("forward_logprobs", ("actor", "reference"))
         with torch.set_grad_enabled(torch.is_grad_enabled() and self.has_optimizer):
-            return model_logprobs(self.ds_engine, batch.to(self.device), temperature=temperature)
+            return model_logprobs(self.ds_engine, batch.to(self.device), temperature=temperature,
+                                  loss_tokens_only=loss_tokens_only)
 
     def _raw_values(self, batch: PackedBatch, method: str) -> torch.Tensor:
         self._require_awake(method)

@@ -109,7 +109,7 @@ def packed_logprobs(logits: torch.Tensor, batch: PackedBatch, *, temperature: fl
 
 
 def model_logprobs(model: torch.nn.Module, batch: PackedBatch, *, temperature: float = 1.0,
-                   chunk_size: int | None = None, return_entropy: bool = False
+                   chunk_size: int | None = None, return_entropy: bool = False, loss_tokens_only: bool = False
                    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """:func:`rlhfkit.packing.packed_logits` then :func:`packed_logprobs`: ``[T]`` float32 log-probs of a model.
 
@@ -118,7 +118,15 @@ def model_logprobs(model: torch.nn.Module, batch: PackedBatch, *, temperature: f
     returns ``(logprobs, entropy)``, entropy ``[T]`` token aligned like the log-probs (the entropy of the
     distribution that predicted token ``t``; 0 at sequence starts and padding) — the gradient then needs its own
     buffer.
+
+    ``loss_tokens_only=True``: log-probs (and entropy) only of the tokens in ``batch.loss_mask`` (the responses), 0
+    elsewhere — what every rlhfkit loss and estimator reads. The LM head, the softmax and their backward then run
+    on those rows only (through transformers' ``logits_to_keep``; see :func:`rlhfkit.packing.packed_logits`):
+    with a 49k vocabulary and prompts as long as the responses, about a tenth of a small model's forward and
+    backward.
     """
+    if loss_tokens_only:
+        return _loss_token_logprobs(model, batch, temperature, chunk_size, return_entropy)
     logits = packed_logits(model, batch)
     logprobs = packed_logprobs(logits, batch, temperature=temperature, chunk_size=chunk_size,
                                inplace_backward=not return_entropy)
@@ -126,6 +134,21 @@ def model_logprobs(model: torch.nn.Module, batch: PackedBatch, *, temperature: f
         return logprobs
     entropy = entropy_from_logits(logits, temperature=temperature, chunk_size=chunk_size)
     return logprobs, shift_to_tokens(entropy, batch)
+
+
+def _loss_token_logprobs(model, batch: PackedBatch, temperature: float, chunk_size: int | None,
+                         return_entropy: bool) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    if not isinstance(batch, PackedBatch):
+        raise TypeError(f"batch must be a PackedBatch, got {type(batch).__name__}")
+    tokens = torch.nonzero(batch.loss_mask).squeeze(1)  # never a sequence's first token (PackedBatch checks it)
+    logits = packed_logits(model, batch, rows=tokens - 1)  # row t - 1 predicts token t
+    values = token_logprobs(logits, batch.input_ids[tokens], temperature=temperature, chunk_size=chunk_size,
+                            inplace_backward=not return_entropy)
+    logprobs = values.new_zeros(batch.num_tokens).index_copy(0, tokens, values)
+    if not return_entropy:
+        return logprobs
+    entropy = entropy_from_logits(logits, temperature=temperature, chunk_size=chunk_size)
+    return logprobs, entropy.new_zeros(batch.num_tokens).index_copy(0, tokens, entropy)
 
 
 def _masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

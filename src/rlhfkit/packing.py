@@ -256,10 +256,34 @@ def packed_inputs(model: torch.nn.Module, batch: PackedBatch) -> dict:
             "use_cache": False, **extra}
 
 
-def packed_logits(model: torch.nn.Module, batch: PackedBatch) -> torch.Tensor:
+def _takes_logits_to_keep(model: torch.nn.Module) -> bool:
+    """Whether the HF model (inside a DeepSpeed engine: its ``module``) accepts ``logits_to_keep``."""
+    import inspect
+
+    target = getattr(model, "module", model)
+    try:
+        return "logits_to_keep" in inspect.signature(target.forward).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def packed_logits(model: torch.nn.Module, batch: PackedBatch, *, rows: torch.Tensor | None = None) -> torch.Tensor:
     """Run a HF causal LM on a packed batch; returns ``[T, V]`` logits, each sequence attending only to itself
-    (the model gets :func:`packed_inputs`)."""
-    output = model(**packed_inputs(model, batch))
+    (the model gets :func:`packed_inputs`).
+
+    ``rows``: ``[K]`` int64 positions; only their logits are returned (``[K, V]``). Models that take transformers'
+    ``logits_to_keep`` get the positions there, so the LM head (and everything after it) runs on ``K`` rows, not
+    ``T``; other models compute every row and the result is indexed."""
+    inputs = packed_inputs(model, batch)
+    if rows is not None:
+        if not isinstance(rows, torch.Tensor) or rows.ndim != 1 or rows.dtype != torch.int64:
+            raise ValueError(f"rows must be a [K] int64 tensor of positions, got {getattr(rows, 'shape', rows)!r}")
+        if _takes_logits_to_keep(model):
+            inputs["logits_to_keep"] = rows.to(batch.input_ids.device)
+    output = model(**inputs)
     logits = output.logits if hasattr(output, "logits") else output[0]
     # squeeze, not [0]: select's backward would allocate a zero [1, T, V] tensor, squeeze's is a free view
-    return logits.squeeze(0)
+    logits = logits.squeeze(0)
+    if rows is not None and logits.shape[0] != rows.shape[0]:  # the model computed every row (K < T always)
+        logits = logits[rows.to(logits.device)]
+    return logits

@@ -105,6 +105,10 @@ class CopyPlan:
     def __init__(self, model: torch.nn.Module) -> None:
         self.model = model
         self.params = {p.untyped_storage().data_ptr(): name for name, p in model.named_parameters()}
+        # what valid() compares: each module's parameter object and where its data lies (a dict lookup and a pointer
+        # per parameter: ≈ 0.1 ms for 273 parameters, where walking named_parameters() took 1.7-2 ms in vLLM)
+        self._slots = [(module, key, param, param.data_ptr()) for module in model.modules()
+                       for key, param in module._parameters.items() if param is not None]
         self.steps: dict[str, list[Step]] = {}
         self.fills: dict[str, list[Fill]] = {}
         self.unplanned: set[str] = set()
@@ -115,9 +119,10 @@ class CopyPlan:
         self._sources: dict[tuple[int, str], tuple[weakref.ref, list[torch.Tensor]]] = {}
 
     def valid(self) -> bool:
-        """False once a parameter's storage moved since recording (the plan's views would be stale)."""
-        current = {p.untyped_storage().data_ptr(): name for name, p in self.model.named_parameters()}
-        return current == self.params
+        """False once a parameter was replaced or its data moved since recording (the plan's views would be
+        stale)."""
+        return all(module._parameters.get(key) is param and param.data_ptr() == pointer
+                   for module, key, param, pointer in self._slots)
 
     def record(self, batch: Sequence[tuple[str, torch.Tensor]],
                load_weights: Callable[[Iterable[tuple[str, torch.Tensor]]], Any]) -> set[str]:
