@@ -106,7 +106,7 @@ class CopyPlan:
         self.model = model
         self.params = {p.untyped_storage().data_ptr(): name for name, p in model.named_parameters()}
         # what valid() compares: each module's parameter object and where its data lies (a dict lookup and a pointer
-        # per parameter: ≈ 0.1 ms for 273 parameters, where walking named_parameters() took 1.7-2 ms in vLLM)
+        # per parameter, instead of rebuilding the storage map through named_parameters())
         self._slots = [(module, key, param, param.data_ptr()) for module in model.modules()
                        for key, param in module._parameters.items() if param is not None]
         self.steps: dict[str, list[Step]] = {}

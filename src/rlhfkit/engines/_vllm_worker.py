@@ -177,7 +177,8 @@ class WeightSyncExtension:
         if loading in ("auto", "planned"):  # a plan only records plain copies: the same condition as direct
             state = self._rlhfkit_state()
             model = self._rlhfkit_model()
-            cached = state.get("transforms")  # walking every module costs ≈ 2 ms on a 1.5B Llama: once per model
+            # walked once per model: with this walk at every update, beginning one took ≈ 2 ms on a 1.54B Llama
+            cached = state.get("transforms")
             if cached is None or cached[0] is not model:
                 model_config = getattr(self, "model_config", None)
                 cached = state["transforms"] = (model, getattr(model_config, "quantization", None) is not None
