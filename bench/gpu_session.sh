@@ -6,7 +6,9 @@
 #   stage 2 (kit chunk 2: vllm):           vLLM engine bench on a tiny model + sleep on a 1.5B model (+ TP 2)
 #   stage 3 (kit chunk 3: SmolLM2):        convert SmolLM2, DeepSpeed sleep bench, vLLM model/throughput, IPC→vLLM
 #   stage 4 (pytest carried):              every @pytest.mark.gpu test
-#   stages 33, 34 (after a kit-chunk-1 call): round 6b (cheaper plan check; response-token log-probs)
+#   stages 33, 34 (after a kit-chunk-1 call): round 6b (cheaper plan check; response-token log-probs); stage 34 ran
+#     14 steps then and runs 16 now, like stage 31. To measure what changed after round 6 (the worker's repacked-layer
+#     walk once per model, the mismatch gathered without syncs): a gpu1 call, then 33, 34 and 32 (TRL in the chain)
 #   stages 29, 30, 31, 32 (in that order): round 6 (one-bucket zero-copy, once-per-update plan check, engine core
 #     in process; engine log-probs as the old log-probs; TRL again; ray job submit)
 #   stages 28, 25, 26, 27 (in that order): round 5b (load time split out, one micro-batch per optimizer step, TRL)
@@ -280,7 +282,7 @@ case $stage in
 34) # round 6b, kit chunk 3 (SmolLM2): stage 31's GRPO runs with log-probs of the response tokens only (the LM head
     # on those rows): engine log-probs as the old log-probs (GPU 0), the actor's forward (GPU 1)
   run 120 python examples/convert_smollm2.py --out $SMOL
-  R7="${HYB/--steps 100/--steps 14} --zero-stage 2 --offload-trainers false --attn varlen --weight-loading planned --grad-accum 1 --engine-sleep-level 0"
+  R7="${HYB/--steps 100/--steps 16} --zero-stage 2 --offload-trainers false --attn varlen --weight-loading planned --grad-accum 1 --engine-sleep-level 0"
   on 0 r8_engine_old 260 python examples/grpo_hybrid.py --model $SMOL $R7 --old-logprobs engine --out $RUNS/r8_engine_old &
   on 1 r8_trainer_old 260 python examples/grpo_hybrid.py --model $SMOL $R7 --out $RUNS/r8_trainer_old &
   wait; pack
