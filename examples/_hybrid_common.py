@@ -29,7 +29,7 @@ import _hybrid_actors as actors
 import torch
 from _hybrid_actors import TrainSettings, gpu_key
 
-from rlhfkit.experience import select_experience
+from rlhfkit.experience import engine_token_logprobs, select_experience
 from rlhfkit.packing import partition_by_token_budget, select_sequences
 from rlhfkit.phase import TCPPhaseStore
 
@@ -484,11 +484,9 @@ def behaviour_logprobs(clock, actor, batch, rollouts, args) -> torch.Tensor:
             values, clock.extra["mem_process/forward_actor_peak_gib"] = dp_forward(
                 actor, "logprobs", batch, max_tokens=args.forward_tokens, temperature=args.temperature)
         return values
-    missing = [i for i, r in enumerate(rollouts) if r.response_logprobs is None]
-    if missing:
-        raise ValueError(f"--old-logprobs engine: rollouts {missing[:5]} carry no engine log-probs")
-    values = torch.zeros(batch.num_tokens)
-    values[batch.loss_mask] = torch.cat([r.response_logprobs.float().cpu() for r in rollouts])
+    values = engine_token_logprobs(rollouts, batch)
+    if values is None:
+        raise ValueError("--old-logprobs engine: the rollouts carry no engine log-probs")
     return values
 
 

@@ -7,7 +7,13 @@ import math
 import pytest
 import torch
 
-from rlhfkit.experience import ExperienceConfig, iterate_minibatches, make_experience, select_experience
+from rlhfkit.experience import (
+    ExperienceConfig,
+    engine_token_logprobs,
+    iterate_minibatches,
+    make_experience,
+    select_experience,
+)
 from rlhfkit.types import Rollout
 
 ESTIMATORS = ("gae", "reinforce", "reinforce++", "reinforce++_baseline", "rloo", "grpo", "dr_grpo")
@@ -141,6 +147,10 @@ def test_make_experience_fields_are_token_aligned():
     assert experience.truncated.tolist() == [True, False] * 3
     assert experience.response_lengths.tolist() == [r.response_length for r in rollouts]
     assert experience.values is None and experience.engine_logprobs is not None
+    # the engine's log-probs as the behaviour policy's: old log-probs are then the engine's own
+    engine_old, _ = make_experience(rollouts, [1.0] * 6, config=ExperienceConfig(kl_estimator="k1"),
+                                    policy_logprobs_fn=lambda batch: engine_token_logprobs(rollouts, batch))
+    assert torch.equal(engine_old.old_logprobs, experience.engine_logprobs)
 
 
 def test_grpo_experience_is_invariant_to_rollout_order():

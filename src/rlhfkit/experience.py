@@ -34,7 +34,7 @@ from rlhfkit.packing import pack_rollouts, partition_by_token_budget, select_seq
 from rlhfkit.types import Experience, PackedBatch, Rollout
 
 __all__ = ["Estimator", "ExperienceConfig", "ForwardFn", "make_experience", "iterate_minibatches",
-           "select_experience"]
+           "select_experience", "engine_token_logprobs"]
 
 logger = logging.getLogger(__name__)
 
@@ -175,8 +175,10 @@ def _check_groups(rollouts: Sequence[Rollout]) -> None:
             )
 
 
-def _engine_logprobs(rollouts: Sequence[Rollout], batch: PackedBatch) -> torch.Tensor | None:
-    """``[T]`` engine log-probs on the response tokens (0 elsewhere), or None if no rollout carries them."""
+def engine_token_logprobs(rollouts: Sequence[Rollout], batch: PackedBatch) -> torch.Tensor | None:
+    """``[T]`` engine log-probs on the response tokens of ``batch`` (``pack_rollouts(rollouts)``; 0 elsewhere), or
+    None if no rollout carries them. What :func:`make_experience` stores as ``Experience.engine_logprobs``; also a
+    ``policy_logprobs_fn`` that takes the engine's log-probs as the behaviour policy's."""
     have = [r.response_logprobs is not None for r in rollouts]
     if not any(have):
         return None
@@ -289,7 +291,7 @@ def make_experience(
     timings["advantages"] = time.perf_counter() - advantage_start
     experience = Experience(
         batch=batch, old_logprobs=old_logprobs, advantages=advantages, returns=returns, values=values,
-        ref_logprobs=ref_logprobs, engine_logprobs=_engine_logprobs(rollouts, batch), kl=kl, rewards=seq_rewards,
+        ref_logprobs=ref_logprobs, engine_logprobs=engine_token_logprobs(rollouts, batch), kl=kl, rewards=seq_rewards,
         prompt_index=prompt_index.to(device),
         response_lengths=torch.tensor([r.response_length for r in rollouts], dtype=torch.long, device=device),
         truncated=torch.tensor([r.truncated for r in rollouts], dtype=torch.bool, device=device),

@@ -103,7 +103,6 @@ class CopyPlan:
     """Per incoming HF name, the copies its ``load_weights`` makes; built by :meth:`record`."""
 
     def __init__(self, model: torch.nn.Module) -> None:
-        self.model = model
         self.params = {p.untyped_storage().data_ptr(): name for name, p in model.named_parameters()}
         # what valid() compares: each module's parameter object and where its data lies (a dict lookup and a pointer
         # per parameter, instead of rebuilding the storage map through named_parameters())
