@@ -6,6 +6,8 @@
 #   stage 2 (kit chunk 2: vllm):           vLLM engine bench on a tiny model + sleep on a 1.5B model (+ TP 2)
 #   stage 3 (kit chunk 3: SmolLM2):        convert SmolLM2, DeepSpeed sleep bench, vLLM model/throughput, IPC→vLLM
 #   stage 4 (pytest carried):              every @pytest.mark.gpu test
+#   stages 35, 36, 37, 38 (in that order): round 7 (armed syncs: the channel alone, into vLLM, the GRPO example on
+#     1 and 2 GPUs, TRL again and the GPU tests)
 #   stages 33, 34 (after a kit-chunk-1 call): round 6b (cheaper plan check; response-token log-probs); stage 34 ran
 #     14 steps then and runs 16 now, like stage 31. To measure what changed after round 6 (the worker's repacked-layer
 #     walk once per model, the mismatch gathered without syncs): a gpu1 call, then 33, 34 and 32 (TRL in the chain)
@@ -285,6 +287,42 @@ case $stage in
   R7="${HYB/--steps 100/--steps 16} --zero-stage 2 --offload-trainers false --attn varlen --weight-loading planned --grad-accum 1 --engine-sleep-level 0"
   on 0 r8_engine_old 260 python examples/grpo_hybrid.py --model $SMOL $R7 --old-logprobs engine --out $RUNS/r8_engine_old &
   on 1 r8_trainer_old 260 python examples/grpo_hybrid.py --model $SMOL $R7 --out $RUNS/r8_trainer_old &
+  wait; pack
+  ;;
+35) # round 7, kit chunk 1: the channel alone after the protocol change (manifest by compare-and-set, then a start
+    # key: one store write more per sync) on GPU 0; then NCCL (the sender joins the group after publishing)
+  on 0 ws_ipc_r7 150 python bench/weight_sync.py --mode ipc --out $RUNS/weight_sync_ipc_r7.json --deadline-s 140
+  on 0,1 ws_nccl_r7 150 python bench/weight_sync.py --mode nccl --out $RUNS/weight_sync_nccl_r7.json --deadline-s 140
+  pack
+  ;;
+36) # round 7, kit chunk 2 (after 35): into vLLM with the engine armed before each sync (the sync is the sender's
+    # send alone) against the RPC way, same machine: armed, engine core in its own process and in the actor's (GPU 0);
+    # RPC, own process, then a tiny fp32 greedy check through an armed sync (GPU 1)
+  tiny
+  IPC="--random-layers 30 --dtype bfloat16 --zero-copy --keep-mapped --no-greedy --loading planned --bucket-mb 0"
+  python -c "import sys; sys.path.insert(0, 'bench'); from ipc_to_vllm import build_random_model; build_random_model(30)" >>"$log" 2>&1
+  ( on 0 ipc_vllm_armed 200 python bench/ipc_to_vllm.py $IPC --armed --out $RUNS/ipc_vllm_armed.json
+    on 0 ipc_vllm_armed_inproc 200 python bench/ipc_to_vllm.py $IPC --armed --in-process --out $RUNS/ipc_vllm_armed_inproc.json ) &
+  ( on 1 ipc_vllm_rpc_r7 200 python bench/ipc_to_vllm.py $IPC --out $RUNS/ipc_vllm_rpc_r7.json
+    on 1 ipc_vllm_tiny_armed 150 python bench/ipc_to_vllm.py --model /tmp/tiny-hd64 --zero-copy --keep-mapped --loading planned --bucket-mb 0 --armed --out $RUNS/ipc_vllm_tiny_armed.json ) &
+  wait; pack
+  ;;
+37) # round 7, kit chunk 3 (SmolLM2): stage 31's GRPO (everything resident, engine log-probs as the old log-probs)
+    # with the engine armed at each wake (GPU 0) and the RPC sync (GPU 1); then the armed run on 2 GPUs
+  run 120 python examples/convert_smollm2.py --out $SMOL
+  R7="${HYB/--steps 100/--steps 16} --zero-stage 2 --offload-trainers false --attn varlen --weight-loading planned --grad-accum 1 --engine-sleep-level 0 --old-logprobs engine"
+  on 0 r9_armed 280 python examples/grpo_hybrid.py --model $SMOL $R7 --sync-mode armed --out $RUNS/r9_armed &
+  on 1 r9_rpc 280 python examples/grpo_hybrid.py --model $SMOL $R7 --out $RUNS/r9_rpc &
+  wait
+  on 0,1 r9_2gpu 230 python examples/grpo_hybrid.py --model $SMOL ${R7/--steps 16/--steps 12} --sync-mode armed --num-gpus 2 --out $RUNS/r9_2gpu
+  pack
+  ;;
+38) # round 7, .carry/peers (after 37): TRL in the same chain (GPU 0); the hybrid examples' GPU tests with armed
+    # syncs, ZeRO-2 resident and ZeRO-3 with the engine at sleep level 2 (GPU 1)
+  eval "$(bash bench/peers/install-peers.sh 2>>"$log")"
+  on 0 trl_r7 260 python bench/peer_trl.py --model $SMOL ${HYB/--steps 100/--steps 15} --grad-accum 1 --gpu-memory-utilization 0.15 --out $RUNS/peer_trl_r7.json &
+  ( tiny
+    on 1 pytest_hybrid_r7 300 python -m pytest -q -p no:cacheprovider -m gpu --timeout 280 tests/test_hybrid_examples.py -k "armed" ) &
   wait; pack
   ;;
 esac

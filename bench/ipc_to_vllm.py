@@ -8,6 +8,7 @@ device-to-device copy of the model's bytes).
 
     python bench/ipc_to_vllm.py --model /tmp/smollm2-hf --out ipc_to_vllm.json [--zero-copy]
     python bench/ipc_to_vllm.py --random-layers 30 --dtype bfloat16 --zero-copy --no-greedy --out big.json  # 1.54B
+    ... --armed   # the engine armed before each sync: the timed sync is the trainer's send() alone
 
 ``--random-layers N`` builds a random-weight Llama (hidden 2048, intermediate 5632, 16 heads, N layers; a locally
 trained tokenizer) with ``rlhfkit.tiny_models`` first; greedy equality is only meaningful on a real checkpoint.
@@ -82,6 +83,25 @@ def sync_once(engine, sender, named, ray) -> dict:
             "buckets": report.num_buckets, "worker_reports": len(worker_reports)}
 
 
+def armed_sync_once(engine, sender, named, ray) -> dict:
+    """The engine's workers are armed (waiting in a thread) before the clock starts: the sync is the sender's
+    ``send`` alone, which returns once every worker has loaded the weights. The settle after it (the engine's next
+    operation would do it) collects the workers' reports and is timed apart."""
+    ray.get(engine.arm_weight_sync.remote(), timeout=120)
+    time.sleep(0.05)  # the workers are waiting before the sender starts, as after a training phase
+    start = time.perf_counter()
+    report = sender.send(named)
+    seconds = time.perf_counter() - start
+    settle_start = time.perf_counter()
+    worker_reports = ray.get(engine.settle_weight_sync.remote(), timeout=300) or []
+    worker = worker_reports[0] if worker_reports and isinstance(worker_reports[0], dict) else {}
+    return {"seconds": seconds, "sender_seconds": report.seconds, "version": report.version,
+            "settle_s": time.perf_counter() - settle_start,
+            **{f"worker_{k}": worker[k] for k in ("begin_s", "receive_s", "load_s", "finish_s", "layerwise", "planned",
+                                                  "planned_tensors", "unplanned_tensors", "seconds") if k in worker},
+            "bytes": report.num_bytes, "buckets": report.num_buckets, "worker_reports": len(worker_reports)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default=None)
@@ -97,6 +117,8 @@ def main() -> None:
     parser.add_argument("--bucket-mb", type=int, default=256, help="with --zero-copy, 0: one bucket for the model")
     parser.add_argument("--in-process", action="store_true", help="vLLM's engine core in the engine actor's "
                         "process (VLLM_ENABLE_V1_MULTIPROCESSING=0): a collective_rpc is a call, not a ZMQ round trip")
+    parser.add_argument("--armed", action="store_true", help="arm the engine before each sync "
+                        "(VLLMEngine.arm_weight_sync): the timed sync is the sender's send() alone")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--no-greedy", action="store_true", help="skip the greedy and log-prob comparisons")
     args = parser.parse_args()
@@ -115,7 +137,7 @@ def main() -> None:
     dtype = getattr(torch, args.dtype)
     results: dict = {"model": args.model, "device": torch.cuda.get_device_name(0), "dtype": args.dtype,
                      "zero_copy": args.zero_copy, "keep_mapped": args.keep_mapped, "loading": args.loading,
-                     "bucket_mb": args.bucket_mb, "in_process": args.in_process}
+                     "bucket_mb": args.bucket_mb, "in_process": args.in_process, "armed": args.armed}
     ray.init(num_gpus=1, num_cpus=4, include_dashboard=False)
     pg = ray.util.placement_group([{"GPU": 1, "CPU": 1}])
     ray.get(pg.ready(), timeout=60)
@@ -157,7 +179,8 @@ def main() -> None:
                                    ipc_zero_copy=args.zero_copy, ipc_keep_mapped=args.keep_mapped, num_buffers=2)
     with WeightSender(sync_config, SyncEndpoint(world_size=2, rank=0, port=0), device=torch.device("cuda:0")) as sender:
         ray.get(engine.init_weight_sync.remote(sync_config, sender.endpoint, first_rank=1), timeout=120)
-        syncs = [sync_once(engine, sender, named, ray) for _ in range(2 + args.repeats)]
+        once = armed_sync_once if args.armed else sync_once
+        syncs = [once(engine, sender, named, ray) for _ in range(2 + args.repeats)]
         rollouts_after = ray.get(engine.generate.remote(prompts, greedy), timeout=300)
         after = [r.response_token_ids.tolist() for r in rollouts_after]
         if not args.no_greedy:

@@ -274,12 +274,16 @@ class GuardedEngine:
             self._events.append(event_record(self._guard.sleep(self.role, model, gpu=gpu, phase=phase, **kwargs),
                                              rank=self.engine_index))
 
-    def guarded_wake(self, tags, phase: str) -> None:
+    def guarded_wake(self, tags, phase: str, arm_sync: bool = False) -> None:
+        """``arm_sync``: then arm the weight sync (``arm_weight_sync``) in the same call, so the sync that follows is
+        the actor's send alone."""
         resident = self._resident
         for index, gpu in reversed(list(enumerate(self._gpus))):  # claim every GPU before waking the model
             model, kwargs = (self, {"tags": tags}) if index == 0 and not resident else (None, {})
             self._events.append(event_record(self._guard.wake(self.role, model, gpu=gpu, phase=phase, **kwargs),
                                              rank=self.engine_index))
+        if arm_sync:
+            self.arm_weight_sync()
 
     def guard_events(self) -> list[dict]:
         events, self._events = self._events, []
@@ -297,18 +301,22 @@ class HFEngineActor(GuardedEngine):
         self.engine_index = engine_index
         self.engine = HFEngine(HFEngineConfig(model=model_path, device=device, dtype=dtype, seed=seed + engine_index))
         self.receiver = None
+        self.armed = None  # an ArmedReceive between arm_weight_sync and the next operation
         self._guard_setup(guard_store, gpus)
 
     def ready(self) -> dict:
         return {"engine_index": self.engine_index, "pid": os.getpid()}
 
     def generate(self, prompts, sampling, prompt_indices=None):
+        self.settle_weight_sync()
         return self.engine.generate(prompts, sampling)  # the EngineGroup maps prompt indices back
 
     def sleep(self, level: int = 1) -> None:
+        self.settle_weight_sync()
         self.engine.sleep(level)
 
     def wake_up(self, tags=None) -> None:
+        self.settle_weight_sync()
         self.engine.wake_up(tags)
 
     def get_weight_version(self) -> int:
@@ -324,8 +332,23 @@ class HFEngineActor(GuardedEngine):
         return [{"rank": first_rank}]
 
     def receive_weights(self, *, version=None) -> list[dict]:
+        self.settle_weight_sync()
         report = self.receiver.receive(self.engine.load_weights)
         return [{"version": report.version, "seconds": report.seconds, "bytes": report.num_bytes}]
+
+    def arm_weight_sync(self, *, version=None) -> list[dict]:
+        """Wait for the next sync in a thread (rlhfkit.weight_sync.ArmedReceive); settled by the next operation."""
+        from rlhfkit.weight_sync import ArmedReceive
+
+        self.settle_weight_sync()
+        self.armed = ArmedReceive(self.receiver, lambda: self.receiver.receive(self.engine.load_weights))
+        return [{"armed": True}]
+
+    def settle_weight_sync(self) -> list[dict] | None:
+        armed, self.armed = self.armed, None
+        report = armed.settle() if armed is not None else None
+        return None if report is None else [{"version": report.version, "seconds": report.seconds,
+                                             "bytes": report.num_bytes}]
 
 
 def vllm_engine_class(guard_store, gpus_by_engine):

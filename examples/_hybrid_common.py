@@ -105,6 +105,10 @@ def add_arguments(parser, *, default_out: str) -> None:
     a("--sync-zero-copy", choices=("auto", "true", "false"), default="auto", help="colocated CUDA-IPC sync: the "
       "engine copies straight out of the actor's parameters (one copy, no bucket); auto: with ZeRO-1/2, whose flat "
       "parameter buffers make it pay")
+    a("--sync-mode", choices=("rpc", "armed"), default="rpc", help="how engines take a weight sync: rpc (a "
+      "receive call to every engine, concurrent with the actor's send) or armed (the engines start waiting when "
+      "they wake for the sync, in the same call; the sync is then the actor's send alone, and each engine settles "
+      "it before its next operation)")
     a("--seed", type=int, default=0)
     a("--ray-address", default=None, help="join a running cluster (default: $RAY_ADDRESS, else a new local one)")
     a("--start-timeout", type=float, default=900.0)
@@ -533,11 +537,15 @@ def generate(run: Run, clock, prompt_ids, sampling):
 def sync_to_engines(run: Run, clock) -> dict:
     """With the actor asleep but for its weights (``sleep(keep_weights=True)``) and no other role awake: the engines
     wake their weights, take the actor's, the actor sleeps fully and the engines wake their KV cache."""
+    armed = run.args.sync_mode == "armed"
     if run.args.colocate:
         with clock.phase("sleep_wake"):
-            run.engines.call("guarded_wake", ["weights"], "sync")
+            run.engines.call("guarded_wake", ["weights"], "sync", arm_sync=armed)
+    elif armed:
+        with clock.phase("sleep_wake"):
+            run.engines.call("arm_weight_sync")
     with clock.phase("weight_sync"):
-        stats = sync_weights(run)
+        stats = sync_weights(run, armed=armed)
     with clock.phase("sleep_wake"):
         run.workers["actor"].call("sleep", "sync")
         if run.args.colocate:
@@ -545,10 +553,15 @@ def sync_to_engines(run: Run, clock) -> dict:
     return stats
 
 
-def sync_weights(run: Run) -> dict:
-    """One weight sync: every engine starts receiving, every actor rank streams (rank(s) with a sender send)."""
+def sync_weights(run: Run, armed: bool = False) -> dict:
+    """One weight sync: every engine starts receiving (unless armed already: then each settles the sync before its
+    next operation), every actor rank streams (rank(s) with a sender send)."""
     import ray
 
+    if armed:  # the sender returns once every engine has loaded the weights, with the versions they hold
+        report = next(item for item in run.workers["actor"].call("sync_weights") if item)
+        return {"sync/version": report["version"], "sync/bytes": report["bytes"], "sync/sender_s": report["seconds"],
+                "engine/weight_version": min(report["receiver_versions"])}
     receiving = [handle.receive_weights.remote() for handle in run.engine_handles]
     try:
         sent = run.workers["actor"].call("sync_weights")

@@ -122,8 +122,17 @@ class FakeLLM:
         return outputs
 
     def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
+        """Every worker runs the method (as vLLM's workers do); the first error is raised afterwards."""
         self.calls.append(("rpc", method))
-        return [getattr(worker, method)(*args, **(kwargs or {})) for worker in self.workers]
+        results, errors = [], []
+        for worker in self.workers:
+            try:
+                results.append(getattr(worker, method)(*args, **(kwargs or {})))
+            except Exception as error:
+                errors.append(error)
+        if errors:
+            raise errors[0]
+        return results
 
     def sleep(self, level=1, mode="abort"):
         self.calls.append(("sleep", level))
@@ -431,6 +440,74 @@ def test_receive_weights_through_a_receiver_factory():
         fresh.receive_weights()
     with pytest.raises(TypeError, match="has no receive"):
         fresh.init_weight_receiver("builtins:dict", {})
+
+
+def test_armed_weight_sync_needs_no_engine_call_during_the_sync():
+    """Workers armed ahead of the sender (threads polling a real gloo channel): ``send`` alone moves the weights;
+    the engine settles before its next operation; an unused arm is called off; failures surface at settle."""
+    from rlhfkit.weight_sync import (
+        ManifestMismatchError,
+        SyncEndpoint,
+        WeightSender,
+        WeightSyncAborted,
+        WeightSyncConfig,
+    )
+
+    engine = make_engine(tensor_parallel_size=2, enable_sleep_mode=True)
+    config = WeightSyncConfig(backend="gloo", timeout_s=3.0)
+    sender = WeightSender(config, SyncEndpoint(world_size=3, group_name="armed"))
+    expected = [("embed", (4, 3), torch.float32), ("head", (3,), torch.float32)]
+    engine.init_weight_sync(config, sender.endpoint, first_rank=1, expected=expected)
+    workers = engine.llm.workers
+    try:
+        assert engine.settle_weight_sync() is None  # nothing armed
+        for step in (1, 2):  # the first sync also joins the gloo group from the armed thread
+            weights = {"embed": torch.arange(12.0).view(4, 3) * step, "head": torch.tensor([1.0, 2.0, 3.0]) * step}
+            armed = engine.arm_weight_sync()
+            assert [a["rank"] for a in armed] == [0, 1]
+            time.sleep(0.05)  # the workers poll before the sender starts
+            calls = len(engine.llm.calls)
+            report = sender.send(weights.items())
+            assert report.receiver_versions == (step, step) and len(engine.llm.calls) == calls  # no RPC in between
+            for worker in workers:  # loaded before anyone settled
+                assert torch.equal(worker.model_runner.model.embed, weights["embed"])
+            reports = engine.settle_weight_sync()
+            assert [r["version"] for r in reports] == [step, step] and engine.weight_version == step
+            assert engine.settle_weight_sync() is None
+        # armed but never sent: the next operation calls it off, and the late sender fails at once, naming it
+        engine.arm_weight_sync()
+        time.sleep(0.05)
+        assert engine.generate([[1]], SamplingConfig(max_new_tokens=1))
+        assert engine.weight_version == 2
+        started = time.monotonic()
+        with pytest.raises(WeightSyncAborted, match=r"sync 3 .* called off by receiver rank \d \('engine-0/tp-\d'\)"):
+            sender.send({"embed": torch.zeros(4, 3), "head": torch.zeros(3)}.items())
+        assert time.monotonic() - started < 1.0
+        engine.arm_weight_sync()  # the next version goes through
+        assert sender.send(weights.items()).version == 4 and engine.settle_weight_sync()[0]["version"] == 4
+    finally:
+        sender.close()
+        engine.close_weight_sync()
+    # a mismatch reaches the sender and, at settle, the engine; the weights stay valid (nothing moved)
+    sender = WeightSender(config, SyncEndpoint(world_size=3, group_name="armed2"))
+    engine.init_weight_sync(config, sender.endpoint, first_rank=1, expected=expected)
+    try:
+        engine.arm_weight_sync()
+        with pytest.raises(ManifestMismatchError, match="'head'"):
+            sender.send({"embed": torch.zeros(4, 3), "head": torch.zeros(4)}.items())
+        with pytest.raises(ManifestMismatchError, match="'head'"):
+            engine.sleep(1)  # settles first
+        assert engine.weight_version == 4 and engine.generate([[1]], SamplingConfig(max_new_tokens=1))
+    finally:
+        sender.close()
+        engine.close_weight_sync()
+    # the worker's own checks
+    worker = FakeWorker(0)
+    with pytest.raises(RuntimeError, match="before rlhfkit_init_weight_sync"):
+        worker.rlhfkit_arm_weight_sync()
+    worker.rlhfkit_init_weight_sync(f"{__name__}:make_fake_receiver", {"value": 1.0})
+    with pytest.raises(TypeError, match=r"has no wait_for_sync\(\)/call_off\(\)"):
+        worker.rlhfkit_arm_weight_sync()
 
 
 def test_auto_weight_loading_detects_repacked_layers():

@@ -134,13 +134,15 @@ def test_grpo_hybrid_colocated_on_cpu(grpo_one_rank):
 @pytest.mark.slow
 @pytest.mark.ray
 def test_grpo_two_data_parallel_ranks_match_one(grpo_one_rank, ray_cluster, tiny_llama_path, tmp_path):
-    """Engine on its own logical GPU (broadcast sync), actor and reference on two ranks each: with one minibatch per
-    step the two ranks' summed gradients are the whole batch's, so losses, gradient norms and the next step's KL
-    equal the single-rank run's."""
+    """Engine on its own logical GPU (broadcast sync, the engine armed before each: the first sync joins the gloo
+    group from the engine's waiting thread), actor and reference on two ranks each: with one minibatch per step the
+    two ranks' summed gradients are the whole batch's, so losses, gradient norms and the next step's KL equal the
+    single-rank run's."""
     one_rank_out, _ = grpo_one_rank
     summary = _load("grpo_hybrid").main(["--model", str(tiny_llama_path), "--out", str(tmp_path), *CPU,
                                          "--minibatches", "1", "--grad-accum", "2", "--steps", "2", "--no-plot",
-                                         "--num-gpus", "3", "--colocate", "false", "--engine-gpus", "1"])
+                                         "--num-gpus", "3", "--colocate", "false", "--engine-gpus", "1",
+                                         "--sync-mode", "armed"])
     rows = _check_common(tmp_path, summary, steps=2)
     assert summary["startup"]["guard_refused_wrong_order"] is False  # the engine does not share a GPU
     single = _rows(one_rank_out)[:2]
@@ -183,11 +185,13 @@ def test_grpo_hybrid_resident_trainers_zero2_on_cpu(grpo_one_rank, ray_cluster, 
     """--offload-trainers false and --engine-sleep-level 0: the guard still orders every phase, the trainers' sleep
     only empties the cache and the engine keeps everything; with ZeRO-2 the same seeds give the same first step as
     the ZeRO-3 run that offloads. With --old-logprobs engine the actor's forward is skipped (the engine's log-probs
-    are the behaviour policy's) and the mismatch is measured on the first minibatch's training forward instead."""
+    are the behaviour policy's) and the mismatch is measured on the first minibatch's training forward instead.
+    With --sync-mode armed the engine waits for each sync from its wake-up call: the sync is the actor's send."""
     summary = _load("grpo_hybrid").main(["--model", str(tiny_llama_path), "--out", str(tmp_path), *CPU,
                                          "--minibatches", "1", "--grad-accum", "2", "--steps", "2", "--no-plot",
                                          "--zero-stage", "2", "--offload-trainers", "false",
-                                         "--engine-sleep-level", "0", "--old-logprobs", "engine"])
+                                         "--engine-sleep-level", "0", "--old-logprobs", "engine",
+                                         "--sync-mode", "armed"])
     rows = _check_common(tmp_path, summary, steps=2)
     one_rows = _rows(grpo_one_rank[0])
     one = one_rows[0]
@@ -212,7 +216,11 @@ def test_grpo_hybrid_resident_trainers_zero2_on_cpu(grpo_one_rank, ray_cluster, 
     ("grpo_hybrid", ["--zero-stage", "2", "--offload-trainers", "false", "--engine-sleep-level", "0"]),
     ("grpo_hybrid", ["--zero-stage", "2", "--offload-trainers", "false", "--engine-sleep-level", "0",
                      "--old-logprobs", "engine"]),
-], ids=["grpo", "ppo", "grpo-zero2-resident", "grpo-zero2-all-resident", "grpo-engine-old-logprobs"])
+    ("grpo_hybrid", ["--zero-stage", "2", "--offload-trainers", "false", "--engine-sleep-level", "0",
+                     "--old-logprobs", "engine", "--sync-mode", "armed"]),
+    ("grpo_hybrid", ["--sync-mode", "armed"]),  # ZeRO-3, engine at sleep level 2: armed when its weights wake
+], ids=["grpo", "ppo", "grpo-zero2-resident", "grpo-zero2-all-resident", "grpo-engine-old-logprobs", "grpo-armed",
+        "grpo-zero3-armed"])
 def test_hybrid_example_on_one_gpu_with_vllm(example, extra, own_ray, tiny_model_factory, tmp_path):
     """The real thing on one GPU, small: vLLM engine with sleep mode, DeepSpeed ZeRO-3 (fp32, the default --dtype) with
     FusedAdam, CUDA-IPC sync, everything colocated (a tiny Llama with head_dim 64, which vLLM's kernels accept)."""

@@ -380,6 +380,68 @@ class Group:
         self.sender.close()
 
 
+def test_wait_for_sync_and_call_off(backend):
+    """Receivers waiting ahead of the sender (as an armed engine does): the first gloo sync joins the group from
+    there; a called-off sync fails the sender at once, naming the receiver; the next version goes through; a
+    receiver that did not wait skips the called-off version."""
+    group = Group(2, backend=backend, bucket_bytes=4096)
+    first, second = group.receivers
+    try:
+        def armed_sync():
+            waited, received = [None, None], [None, None]
+
+            def wait_then_receive(index):
+                waited[index] = group.receivers[index].wait_for_sync(5.0)
+                received[index] = group.receivers[index].receive(copy_into(group.targets[index]))
+
+            threads = [threading.Thread(target=wait_then_receive, args=(i,), daemon=True) for i in range(2)]
+            for thread in threads:
+                thread.start()
+            time.sleep(0.05)
+            assert waited == [None, None]  # nobody has sent yet
+            sent = group.sender.send(group.source.items())
+            for thread in threads:
+                thread.join(5)
+            return waited, sent, received
+
+        waited, sent, received = armed_sync()
+        assert waited == [True, True] and sent.receiver_versions == (1, 1)
+        assert all(r.version == 1 for r in received)
+        for target in group.targets:
+            assert_bitwise_equal(target, group.source)
+        # called off while waiting: the wait ends False; the sender fails fast and names the receiver
+        outcome: list = []
+        waiter = threading.Thread(target=lambda: outcome.append(first.wait_for_sync(5.0)), daemon=True)
+        waiter.start()
+        time.sleep(0.05)
+        assert first.call_off() is True
+        waiter.join(5)
+        assert outcome == [False] and first.call_off() is True  # still off, nothing more claimed
+        started = time.monotonic()
+        with pytest.raises(WeightSyncAborted, match=r"sync 2 .* called off by receiver rank 1 \('engine-0'\)"):
+            group.sender.send(group.source.items())
+        assert time.monotonic() - started < 2.0
+        # the second receiver never waited: its next receive skips version 2 and takes version 3
+        group.source["layers.3.w"].mul_(-2)
+        sent, received = group.sync()
+        assert sent.version == 3 and [r.version for r in received] == [3, 3]
+        for target in group.targets:
+            assert_bitwise_equal(target, group.source)
+        # called off before anyone waits: the next wait returns False at once
+        assert second.call_off() is True and second.wait_for_sync(5.0) is False
+        with pytest.raises(WeightSyncAborted, match="called off by receiver rank 2"):
+            group.sender.send(group.source.items())
+        with pytest.raises(ValueError, match="timeout_s=0"):
+            first.wait_for_sync(0)
+        group.sender.close()
+        with pytest.raises(WeightSyncError, match="lost the control channel"):
+            first.wait_for_sync(2.0)  # the sender is gone: an error, not a timeout
+    finally:
+        group.close()
+    with pytest.raises(RuntimeError, match=r"wait_for_sync\(\) after close\(\)"):
+        first.wait_for_sync(1.0)
+
+
 @pytest.mark.parametrize("num_buffers", [1, 2])
 def test_two_receivers_bitwise_and_versions(backend, num_buffers):
     group = Group(2, backend=backend, bucket_bytes=4096, num_buffers=num_buffers)

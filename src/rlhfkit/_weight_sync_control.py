@@ -5,7 +5,9 @@ completion reports) travel as keys of a ``torch.distributed.TCPStore`` owned by 
 same between plain processes, Ray actors and vLLM workers, and never touches the default process group. Every wait
 has a deadline; a timeout or a lost connection raises an error that names the peer and what was awaited.
 
-Key layout under the group's prefix: ``hello/{rank}``, ``{version}/manifest``, ``{version}/check/{rank}``,
+Key layout under the group's prefix: ``hello/{rank}``, ``{version}/manifest`` (set with compare-and-set: a receiver
+may claim it first to call the sync off), ``{version}/start`` (set after the manifest: what receivers wait on, since a
+compare-and-set wakes no waiter), ``{version}/check/{rank}``,
 ``{version}/go``, ``{version}/b/{bucket}``, ``{version}/ack/{bucket}/{rank}``, ``{version}/done/{rank}``,
 ``ipc/{generation}`` and ``ipc/{generation}/recv/{rank}``. The previous sync's manifest is deleted after each sync;
 the other keys are a few dozen bytes each and stay until the sender closes.
@@ -57,8 +59,10 @@ class ControlChannel:
     def put_bytes(self, key: str, data: bytes) -> None:
         self.store.set(key, data)
 
-    def get_bytes(self, key: str, *, peer: int, what: str, deadline: float | None = None) -> bytes:
-        """Wait for ``key`` (set by rank ``peer``) until ``deadline`` (``time.monotonic()``; default now+timeout)."""
+    def get_bytes(self, key: str, *, peer: int, what: str, deadline: float | None = None,
+                  then_get: str | None = None) -> bytes:
+        """Wait for ``key`` (set by rank ``peer``) until ``deadline`` (``time.monotonic()``; default now+timeout);
+        return its value, or that of ``then_get`` (a key set before ``key``)."""
         deadline = time.monotonic() + self.timeout_s if deadline is None else deadline
         remaining = deadline - time.monotonic()
         started = time.monotonic()
@@ -66,7 +70,7 @@ class ControlChannel:
             if remaining <= 0:
                 raise TimeoutError
             self.store.wait([key], timedelta(seconds=remaining))
-            return self.store.get(key)
+            return self.store.get(then_get or key)
         except (RuntimeError, OSError, TimeoutError) as error:
             waited = time.monotonic() - started
             if isinstance(error, TimeoutError) or waited >= remaining - 0.05:

@@ -12,6 +12,7 @@ Protocol of one sync, version ``v`` (keys in :mod:`rlhfkit._weight_sync_control`
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
@@ -24,6 +25,7 @@ from rlhfkit._weight_sync_collective import CollectiveLink, CollectiveReceiver, 
 from rlhfkit._weight_sync_control import ControlChannel, open_store
 from rlhfkit._weight_sync_errors import (
     ManifestMismatchError,
+    WeightSyncAborted,
     WeightSyncError,
     error_from_report,
     error_kind,
@@ -34,6 +36,7 @@ from rlhfkit._weight_sync_stream import ReceivedStream, call_load_fn, collect_bu
 __all__ = ["SenderSide", "ReceiverSide", "load_local"]
 
 logger = logging.getLogger(__name__)
+CALLED_OFF = b"\x00called-off:"  # a manifest key's value when a receiver called that sync off before it started
 AfterPack = Callable[[int, list[torch.Tensor]], None]
 
 
@@ -80,18 +83,20 @@ class SenderSide:
             self.transport = IpcSender(self.control, self.slots, self.peers, use_events=self.config.ipc_events,
                                        zero_copy=self.config.ipc_zero_copy)
             return
+        # joined in send(), after the first manifest is out: receivers waiting for it join then
         self.link = CollectiveLink(self.store, backend=self.config.backend, rank=0,
                                    world_size=self.endpoint.world_size, timeout_s=self.config.timeout_s,
                                    device=self.slots.device, describe_group=self.describe_group)
-        self.link.connect()
         self.transport = CollectiveSender(self.link, self.slots)
 
     def send(self, specs: list[TensorSpec], iterator: Iterator, after_pack: AfterPack) -> tuple[Manifest, tuple]:
         self._connect()
         manifest, data = self._manifest(tuple(specs))
-        self.control.put_bytes(f"{manifest.version}/manifest", data)
-        self.version = manifest.version
+        self.version = manifest.version  # used even if the sync fails: a version is never reused
+        self._publish(manifest.version, data)
         try:
+            if self.link is not None and self.link.group is None:
+                self.link.connect()
             self._check(manifest)
             self._stream(manifest, iterator, after_pack)
             versions = self._done(manifest)
@@ -101,6 +106,17 @@ class SenderSide:
                 end_sync()
         self.control.delete(f"{manifest.version}/manifest")
         return manifest, versions
+
+    def _publish(self, version: int, data: bytes) -> None:
+        """Publish the manifest unless a receiver called this sync off first (see ``ReceiverSide.call_off``), then
+        wake the receivers."""
+        current = self.store.compare_set(f"{version}/manifest", b"", data)
+        if current != data:
+            who = current[len(CALLED_OFF):].decode(errors="replace") if current.startswith(CALLED_OFF) else "?"
+            raise WeightSyncAborted(
+                f"sync {version} of {self.describe_group()} was called off by {who} before it started: its engine "
+                f"settled an armed sync that had not begun (arm the engine again, then send)")
+        self.control.put_bytes(f"{version}/start", b"1")
 
     def _manifest(self, specs: tuple[TensorSpec, ...]) -> tuple[Manifest, bytes]:
         """This sync's manifest and its bytes; the layout and encoding are reused while the stream's description
@@ -219,6 +235,12 @@ class ReceiverSide:
         self.control: ControlChannel | None = None
         self.link: CollectiveLink | None = None
         self.transport: Any = None
+        # waiting ahead of the sender (wait_for_sync / call_off, from two threads): "idle", "awaiting" (version) or
+        # "started" (its manifest read, not yet received)
+        self._lock = threading.Lock()
+        self._phase: tuple[str, int] = ("idle", 0)
+        self._started: tuple[int, bytes] | None = None
+        self._called_off = 0  # the last version whose wait ended called off
 
     @property
     def who(self) -> str:
@@ -229,14 +251,78 @@ class ReceiverSide:
         e = self.endpoint
         return f"the sender (rank {rank}) of group {e.group_name!r} at {e.host}:{e.port}"
 
+    def _connect_control(self) -> ControlChannel:
+        if self.control is None:
+            e = self.endpoint
+            store = open_store(host=e.host, port=e.port, is_master=False, timeout_s=self.config.timeout_s,
+                               peer=self._sender_name(0))
+            self.control = ControlChannel(store, timeout_s=self.config.timeout_s, peer_name=self._sender_name)
+            self.control.put(f"hello/{e.rank}", {"label": e.label, **self.hello})
+        return self.control
+
+    def _next_manifest(self, deadline: float | None = None) -> tuple[int, bytes] | None:
+        """Wait for the next sync's manifest: ``(version, bytes)``, or None when it was called off. Versions other
+        receivers called off are skipped."""
+        control = self._connect_control()
+        while True:
+            version = self.seen + 1
+            data = control.get_bytes(f"{version}/start", peer=0, what=f"the manifest of sync {version}",
+                                     deadline=deadline, then_get=f"{version}/manifest")
+            if not data.startswith(CALLED_OFF):
+                return version, data
+            self.seen = version  # the sender fails this version; the next sync is version + 1
+            with self._lock:
+                if self._phase == ("awaiting", version):
+                    return None
+
+    def wait_for_sync(self, timeout_s: float) -> bool:
+        """Block until the sender starts the next sync (True) or :meth:`call_off` ends the wait (False)."""
+        with self._lock:
+            if self._phase[0] != "idle":
+                raise RuntimeError(f"{self.who}: wait_for_sync called while {self._phase[0]}")
+            self._phase = ("awaiting", self.seen + 1)
+        try:
+            started = self._next_manifest(time.monotonic() + timeout_s)
+        except BaseException:
+            with self._lock:
+                self._phase = ("idle", 0)
+            raise
+        with self._lock:
+            self._phase = ("started", started[0]) if started is not None else ("idle", 0)
+            if started is None:
+                self._called_off = self.seen
+        self._started = started
+        return started is not None
+
+    def call_off(self) -> bool:
+        """From another thread: make the next sync (the one after the last received) not happen here unless it has
+        already started. Returns False when it has (receive it as usual); True when it is called off — a waiting
+        or later :meth:`wait_for_sync` returns False, and the sender's ``send`` of it fails at once, naming this
+        receiver."""
+        with self._lock:
+            phase, version = self._phase
+            if phase == "started":
+                return False
+            if phase == "idle":
+                if self._called_off == self.seen > 0:
+                    return True  # the last wait already ended called off (by another receiver, perhaps)
+                version = self.seen + 1
+        # a client of its own: the waiting thread is using the control store's connection
+        e = self.endpoint
+        store = open_store(host=e.host, port=e.port, is_master=False, timeout_s=self.config.timeout_s,
+                           peer=self._sender_name(0))
+        mark = CALLED_OFF + self.who.encode()
+        current = store.compare_set(f"{version}/manifest", b"", mark)
+        if current != mark:
+            return False  # the sender was first: the sync is under way
+        store.set(f"{version}/start", b"1")  # wakes the waiting thread (and any other receiver of this group)
+        return True
+
     def _connect(self) -> None:
         if self.transport is not None:
             return
         e = self.endpoint
-        store = open_store(host=e.host, port=e.port, is_master=False, timeout_s=self.config.timeout_s,
-                           peer=self._sender_name(0))
-        self.control = ControlChannel(store, timeout_s=self.config.timeout_s, peer_name=self._sender_name)
-        self.control.put(f"hello/{e.rank}", {"label": e.label, **self.hello})
+        store = self._connect_control().store
         if self.config.backend == "cuda_ipc":
             from rlhfkit._weight_sync_ipc import IpcReceiver
 
@@ -250,9 +336,16 @@ class ReceiverSide:
 
     def receive(self, load_fn: Callable, expected: Sequence[TensorSpec] | None,
                 held: int, *, by_bucket: bool = False) -> tuple[Manifest, Any, float]:
-        self._connect()
-        version = self.seen + 1
-        data = self.control.get_bytes(f"{version}/manifest", peer=0, what=f"the manifest of sync {version}")
+        with self._lock:
+            phase = self._phase[0]
+            self._phase = ("idle", 0)
+        if phase == "awaiting":
+            raise RuntimeError(f"{self.who}: receive called while another thread waits in wait_for_sync")
+        found, self._started = (self._started if phase == "started" else None), None
+        while found is None:  # skips versions called off
+            found = self._next_manifest()
+        version, data = found
+        self._connect()  # gloo/NCCL: the first sync joins the group here, as the sender does after publishing
         started = time.perf_counter()
         manifest, problems = self._parse(data, expected)
         self.seen = version

@@ -35,10 +35,11 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
@@ -59,6 +60,7 @@ __all__ = [
     "SyncReport",
     "WeightSender",
     "WeightReceiver",
+    "ArmedReceive",
     "Manifest",
     "TensorSpec",
     "describe_parameters",
@@ -430,6 +432,32 @@ class WeightReceiver:
                           num_tensors=len(manifest.specs), num_bytes=manifest.total_bytes,
                           num_buckets=len(manifest.buckets), seconds=seconds, loaded=loaded)
 
+    def wait_for_sync(self, timeout_s: float | None = None) -> bool:
+        """Block until the sender starts the next sync — True; :meth:`receive` then takes it without waiting — or
+        until :meth:`call_off`, from another thread, ends the wait — False. For receivers armed ahead of the sender
+        (a thread in the engine, e.g. ``VLLMEngine.arm_weight_sync``). Raises :class:`WeightSyncTimeout` after
+        ``timeout_s`` (default ``config.timeout_s``)."""
+        if self._side is None:
+            if self.config.backend != "inprocess":
+                raise RuntimeError("wait_for_sync() after close(); create a new WeightReceiver")
+            raise RuntimeError("an in-process receiver is driven by its sender's send(); it has nothing to wait for")
+        if timeout_s is None:
+            timeout_s = self.config.timeout_s
+        if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
+            raise ValueError(f"timeout_s={timeout_s!r}; must be a number of seconds > 0")
+        return self._side.wait_for_sync(float(timeout_s))
+
+    def call_off(self) -> bool:
+        """Thread-safe: the next sync will not be received here unless it has already started. True when it is
+        called off: a :meth:`wait_for_sync` in progress returns False (a later one returns False once), and the
+        sender's ``send`` of that sync fails at once with :class:`WeightSyncAborted` naming this receiver (a version
+        is never reused: the next send works). False when the sender started it first: receive it as usual."""
+        if self._side is None:
+            if self.config.backend != "inprocess":
+                raise RuntimeError("call_off() after close(); create a new WeightReceiver")
+            raise RuntimeError("an in-process receiver is driven by its sender's send(); it has nothing to call off")
+        return self._side.call_off()
+
     def _load_local(self, manifest: Manifest, iterator, load_fn: LoadFn, fingerprinter: Fingerprinter,
                     after_pack: Callable[[int, list[torch.Tensor]], None]) -> object:
         from rlhfkit._weight_sync_peers import load_local
@@ -449,4 +477,68 @@ class WeightReceiver:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+class ArmedReceive:
+    """One sync received ahead of time: a background thread waits until the sender starts it (re-waiting after each
+    ``wait_for_sync`` timeout, so a long training phase is fine), then runs ``receive()`` — e.g. an engine's own
+    receive-and-load. The sender's ``send`` is then the whole sync: nothing has to reach the engine first.
+
+    :meth:`settle` ends it: a sync the sender has started is waited for (its result returned, its error raised); one
+    it has not is called off (``WeightReceiver.call_off``; the sender's ``send`` of it then fails at once, naming
+    the receiver) and None is returned. Nothing may touch what ``receive`` writes until ``settle`` has returned.
+
+    Args:
+        receiver: a :class:`WeightReceiver` (anything with ``wait_for_sync()`` and ``call_off()``).
+        receive: called in the thread once the sync has started; its return value is :meth:`settle`'s.
+        device: a CUDA device to make current in the thread (a new thread starts on device 0).
+    """
+
+    def __init__(self, receiver: Any, receive: Callable[[], Any], *, device: torch.device | str | None = None,
+                 name: str = "rlhfkit-armed-receive") -> None:
+        if not (callable(getattr(receiver, "wait_for_sync", None)) and callable(getattr(receiver, "call_off", None))):
+            raise TypeError(f"the weight receiver {type(receiver).__name__} has no wait_for_sync()/call_off(), which "
+                            "an armed receive needs")
+        self.receiver, self._receive = receiver, receive
+        self._device = torch.device(device) if device is not None else None
+        self.started = False  # the sender started the sync (set before receive() runs)
+        self._result: Any = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            if self._device is not None and self._device.type == "cuda":
+                torch.cuda.set_device(self._device)
+            while True:
+                try:
+                    if not self.receiver.wait_for_sync():
+                        return  # called off
+                    break
+                except WeightSyncTimeout:
+                    continue
+            self.started = True
+            self._result = self._receive()
+        except BaseException as error:  # handed to settle()
+            self._error = error
+
+    @property
+    def running(self) -> bool:
+        """Whether the thread is still waiting or receiving."""
+        return self._thread.is_alive()
+
+    def settle(self, timeout_s: float | None = None) -> Any:
+        """Call the sync off if it has not started, else wait for it (up to ``timeout_s``; default: no limit — the
+        channel's own timeouts end a stuck sync); return ``receive()``'s result (None if called off) or raise its
+        error. Raises TimeoutError, leaving the thread running, when it is still receiving after ``timeout_s``."""
+        if not self.started:
+            self.receiver.call_off()  # False when the sender got there first: then wait for that sync below
+        self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            raise TimeoutError(f"an armed weight sync is still receiving after {timeout_s:g}s; the sender may be "
+                               "stuck (the channel's timeout will end it)")
+        if self._error is not None:
+            raise self._error
+        return self._result
 

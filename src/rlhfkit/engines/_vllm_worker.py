@@ -121,7 +121,8 @@ class WeightSyncExtension:
     """Mixed into each vLLM worker; every method runs on every tensor-parallel rank via ``collective_rpc``.
 
     A weight update is a session: ``rlhfkit_begin_weight_update``, any number of ``rlhfkit_load_weights`` buckets,
-    ``rlhfkit_finish_weight_update(version)``; ``rlhfkit_receive_weights`` runs a whole session around one sync.
+    ``rlhfkit_finish_weight_update(version)``; ``rlhfkit_receive_weights`` runs a whole session around one sync;
+    ``rlhfkit_arm_weight_sync`` runs it in a thread that waits for the sender, ``rlhfkit_settle_weight_sync`` ends it.
     """
 
     # --- state kept on the worker (created lazily: vLLM builds the worker before the extension is used) -------------
@@ -327,7 +328,47 @@ class WeightSyncExtension:
                       num_loaded=session["num_tensors"])
         return report
 
+    # --- armed receiving: the worker waits for the next sync in a thread, so a sync needs no RPC ------------------
+    def rlhfkit_arm_weight_sync(self, version: int | None = None, loading: str = "auto") -> dict[str, Any]:
+        """Start receiving the next sync in a background thread and return at once
+        (:class:`rlhfkit.weight_sync.ArmedReceive` around :meth:`rlhfkit_receive_weights`): the sync then costs
+        the trainer only its ``send``, since no RPC has to reach the worker, which is already waiting.
+
+        Nothing may touch the weights (generate, sleep, load) until :meth:`rlhfkit_settle_weight_sync` has
+        returned: ``VLLMEngine`` settles before each of its operations."""
+        from rlhfkit.weight_sync import ArmedReceive
+
+        state = self._rlhfkit_state()
+        receiver = state["receiver"]
+        if receiver is None:
+            raise RuntimeError("rlhfkit_arm_weight_sync called before rlhfkit_init_weight_sync; call "
+                               "engine.init_weight_sync(...) first")
+        if state.get("armed") is not None:
+            raise RuntimeError("rlhfkit_arm_weight_sync called while a sync is already armed; settle it first")
+        if state["session"] is not None:
+            raise RuntimeError("rlhfkit_arm_weight_sync called while a weight update is open")
+        device = getattr(self, "device", None)
+        state["armed"] = ArmedReceive(receiver, lambda: self.rlhfkit_receive_weights(version, loading),
+                                      device=device if isinstance(device, torch.device) else None,
+                                      name="rlhfkit-armed-weight-sync")
+        return {"armed": True, "rank": int(getattr(self, "rank", 0))}
+
+    def rlhfkit_settle_weight_sync(self, timeout_s: float = 600.0) -> dict[str, Any] | None:
+        """End an armed sync: if the sender has started it, wait (up to ``timeout_s``) until it is loaded and return
+        its report (as :meth:`rlhfkit_receive_weights`), or raise its error; if not, call it off (the sender's
+        ``send`` of it then fails at once, naming this worker) and return None."""
+        state = self._rlhfkit_state()
+        armed = state.get("armed")
+        if armed is None:
+            return None
+        try:
+            return armed.settle(timeout_s)
+        finally:
+            if not armed.running:  # (still receiving after timeout_s: stays armed, a later settle waits again)
+                state["armed"] = None
+
     def rlhfkit_close_weight_sync(self) -> None:
+        self.rlhfkit_settle_weight_sync()
         state = self._rlhfkit_state()
         receiver, state["receiver"] = state["receiver"], None
         if receiver is not None and callable(getattr(receiver, "close", None)):

@@ -4,7 +4,8 @@ class (:class:`VLLMEngine`, usable in-process) and as Ray actors (:func:`create_
 What it does: token-in/token-out generation with ``n`` samples and the sampled tokens' log-probs; ``sleep(level)`` and
 staged ``wake_up(tags)``; weight loading by HF parameter name (:meth:`VLLMEngine.load_weights`, for small models and
 tests) and weight receiving through rlhfkit's weight-sync channel inside every vLLM worker
-(:meth:`VLLMEngine.init_weight_sync` / :meth:`VLLMEngine.receive_weights`, through the worker extension in
+(:meth:`VLLMEngine.init_weight_sync` / :meth:`VLLMEngine.receive_weights`, or armed ahead of the sender with
+:meth:`VLLMEngine.arm_weight_sync` / :meth:`VLLMEngine.settle_weight_sync`, through the worker extension in
 :mod:`rlhfkit.engines._vllm_worker` and ``LLM.collective_rpc``); prefix-cache reset after every weight change; a weight
 version. Ray helpers place engines on a placement plan (:mod:`rlhfkit.placement`) or a shared placement group, with
 tensor parallelism through vLLM's Ray executor; :class:`~rlhfkit.engines.router.EngineGroup` spreads requests.
@@ -99,6 +100,7 @@ class VLLMEngine:
         self._weights_valid = True
         self._invalid_reason = ""
         self._prefix_cache_stale = False
+        self._armed = False  # a sync armed in the workers (arm_weight_sync), not settled yet
 
     # --- protocol: state ----------------------------------------------------------------------------------------------
     @property
@@ -171,6 +173,7 @@ class VLLMEngine:
              prompt_indices: Sequence[int] | None) -> tuple[list[list[int]], list[int], list[Any]]:
         if not isinstance(sampling, SamplingConfig):
             raise TypeError(f"sampling must be a SamplingConfig, got {type(sampling).__name__}")
+        self.settle_weight_sync()
         self._check_ready("generate")
         prompts = [[int(t) for t in (p.tolist() if hasattr(p, "tolist") else p)] for p in prompt_token_ids]
         for index, prompt in enumerate(prompts):
@@ -223,6 +226,7 @@ class VLLMEngine:
         if self._asleep:
             raise RuntimeError(f"engine {self.engine_index}: sleep(level={level}) called while {sorted(self._asleep)}"
                                " already asleep; call wake_up() first")
+        self.settle_weight_sync()
         self._llm.sleep(level=level)
         self._asleep = set(WAKE_TAGS)
         self._sleep_level = level
@@ -236,6 +240,7 @@ class VLLMEngine:
         wanted = [tag for tag in (WAKE_TAGS if tags is None else tags) if tag in self._asleep]
         if not wanted:
             return
+        self.settle_weight_sync()
         if self.features.sleep_tags:
             self._llm.wake_up(tags=wanted)
         elif len(wanted) < len(self._asleep):
@@ -255,6 +260,7 @@ class VLLMEngine:
         """Drop cached prefixes (computed with old weights) now. After a weight change this happens by itself, at
         the next generation: a sync does not wait for the engine core's round trip, and several syncs between two
         generations reset once."""
+        self.settle_weight_sync()
         self._prefix_cache_stale = True
         self._reset_prefix_cache_if_stale()
 
@@ -286,6 +292,7 @@ class VLLMEngine:
         """Load HF-named tensors into every worker in one update session (buckets of ``config.load_bucket_bytes``
         through ``collective_rpc``); returns how many tensors were loaded. ``version`` defaults to the current + 1.
         A failure part-way marks the weights invalid (generation is refused until a complete load)."""
+        self.settle_weight_sync()
         self._check_weights_awake("load_weights")
         new_version = self._version + 1 if version is None else int(version)
         timeout = self.config.control_timeout_s
@@ -341,21 +348,61 @@ class VLLMEngine:
         """Build any weight receiver in every vLLM worker: ``factory`` is a dotted path (``"pkg.mod:function"``)
         called there with ``kwargs`` (plain data; plus ``worker_rank``, ``worker_world_size``, ``device`` if it
         accepts them); the result needs ``receive(load_fn)``, where ``load_fn`` takes an iterable of (name, tensor)."""
+        self.settle_weight_sync()
         return self._rpc("rlhfkit_init_weight_sync", factory, dict(kwargs or {}),
                          timeout=self.config.control_timeout_s)
 
     def receive_weights(self, *, version: int | None = None) -> list[dict[str, Any]]:
         """Receive one sync in every worker (blocks until the sender has sent it); returns the workers' reports."""
+        self.settle_weight_sync()
         self._check_weights_awake("receive_weights")
+        return self._received(lambda: self._rpc("rlhfkit_receive_weights", version, self.config.weight_loading,
+                                                timeout=self.config.control_timeout_s))
+
+    def arm_weight_sync(self, *, version: int | None = None) -> list[dict[str, Any]]:
+        """Make every worker wait for the next sync in a thread of its own, and return at once.
+
+        The sync then costs the trainer only its ``WeightSender.send`` (which returns once every worker has loaded
+        the weights): no RPC has to reach the workers first. Arm ahead of the sync — e.g. when waking the weights,
+        or right after generating when the engine stays resident. Every other operation of this engine (generate,
+        sleep, wake_up, load_weights, receive_weights, ...) first settles the armed sync
+        (:meth:`settle_weight_sync`), so nothing touches the weights while they load; arm only when the sync will
+        come before the engine's next operation: one that comes first calls the sync off, and the sender's ``send``
+        then fails at once, naming the engine."""
+        self.settle_weight_sync()
+        self._check_weights_awake("arm_weight_sync")
+        reports = self._rpc("rlhfkit_arm_weight_sync", version, self.config.weight_loading,
+                            timeout=self.config.control_timeout_s)
+        self._armed = True
+        return reports
+
+    def settle_weight_sync(self) -> list[dict[str, Any]] | None:
+        """End the armed sync, if any: wait until a sync the sender has started is loaded and return the workers'
+        reports (as :meth:`receive_weights`), or raise its error; if the sender has not started one, call it off
+        and return None."""
+        if not self._armed:
+            return None
+        self._armed = False
+        timeout = self.config.control_timeout_s
+        reports = self._received(lambda: self._rpc("rlhfkit_settle_weight_sync", timeout, timeout=timeout + 30.0))
+        return reports or None
+
+    def _received(self, call: Any) -> list[dict[str, Any]]:
+        """Run a receiving RPC and take its reports (workers whose armed sync was called off report None)."""
         try:
-            reports = self._rpc("rlhfkit_receive_weights", version, self.config.weight_loading,
-                                timeout=self.config.control_timeout_s)
+            reports = call()
         except BaseException as error:
             # A manifest mismatch fails before any byte moves; after any other failure some buckets may have landed
             # and the weights could be a mix of two versions.
             if "ManifestMismatchError" not in {cls.__name__ for cls in type(error).__mro__}:
                 self._invalidate("a weight sync failed part-way")
             raise
+        if all(report is None for report in reports):  # an armed sync that never started
+            return []
+        if any(report is None for report in reports):
+            self._invalidate("a weight sync reached only some of the workers")
+            raise RuntimeError(f"engine {self.engine_index}: an armed weight sync reached only some of the workers "
+                               f"(reports: {reports}); sync again")
         versions = {int(report["version"]) for report in reports}
         if len(versions) != 1:
             raise RuntimeError(f"engine {self.engine_index}: workers report different weight versions {versions}")
@@ -363,13 +410,16 @@ class VLLMEngine:
         return reports
 
     def close_weight_sync(self) -> None:
+        self._armed = False  # the workers settle (or call off) an armed sync before closing
         self._rpc("rlhfkit_close_weight_sync", timeout=self.config.control_timeout_s)
 
     def weight_fingerprint(self) -> list[dict[str, list[float]]]:
         """Per worker: ``{vLLM parameter name: [sum, sum of squares]}`` (see the worker extension)."""
+        self.settle_weight_sync()
         return self._rpc("rlhfkit_weight_fingerprint", timeout=self.config.control_timeout_s)
 
     def worker_versions(self) -> list[int]:
+        self.settle_weight_sync()
         return [int(version) for version in self._rpc("rlhfkit_report_version",
                                                       timeout=self.config.health_timeout_s)]
 
