@@ -6,6 +6,7 @@
 #   stage 2 (kit chunk 2: vllm):           vLLM engine bench on a tiny model + sleep on a 1.5B model (+ TP 2)
 #   stage 3 (kit chunk 3: SmolLM2):        convert SmolLM2, DeepSpeed sleep bench, vLLM model/throughput, IPC→vLLM
 #   stage 4 (pytest carried):              every @pytest.mark.gpu test
+#   stages 39, 40: round 7b (the phases of each end of a sync, channel alone and into vLLM)
 #   stages 35, 36, 37, 38 (in that order): round 7 (armed syncs: the channel alone, into vLLM, the GRPO example on
 #     1 and 2 GPUs, TRL again and the GPU tests)
 #   stages 33, 34 (after a kit-chunk-1 call): round 6b (cheaper plan check; response-token log-probs); stage 34 ran
@@ -323,6 +324,19 @@ case $stage in
   on 0 trl_r7 260 python bench/peer_trl.py --model $SMOL ${HYB/--steps 100/--steps 15} --grad-accum 1 --gpu-memory-utilization 0.15 --out $RUNS/peer_trl_r7.json &
   ( tiny
     on 1 pytest_hybrid_r7 300 python -m pytest -q -p no:cacheprovider -m gpu --timeout 280 tests/test_hybrid_examples.py -k "armed" ) &
+  wait; pack
+  ;;
+39) # round 7b, kit chunk 1: the channel alone again, now with each end's phases (SyncReport.phases)
+  on 0 ws_ipc_r7b 150 python bench/weight_sync.py --mode ipc --out $RUNS/weight_sync_ipc_r7b.json --deadline-s 140
+  pack
+  ;;
+40) # round 7b, kit chunk 2 (after 39): into vLLM, armed and RPC, with the phases of both ends: armed in the engine
+    # core's own process, then in the actor's (GPU 0); RPC (GPU 1)
+  IPC="--random-layers 30 --dtype bfloat16 --zero-copy --keep-mapped --no-greedy --loading planned --bucket-mb 0"
+  python -c "import sys; sys.path.insert(0, 'bench'); from ipc_to_vllm import build_random_model; build_random_model(30)" >>"$log" 2>&1
+  ( on 0 ipc_vllm_armed_b 200 python bench/ipc_to_vllm.py $IPC --armed --out $RUNS/ipc_vllm_armed_b.json
+    on 0 ipc_vllm_armed_inproc_b 200 python bench/ipc_to_vllm.py $IPC --armed --in-process --out $RUNS/ipc_vllm_armed_inproc_b.json ) &
+  on 1 ipc_vllm_rpc_b 200 python bench/ipc_to_vllm.py $IPC --out $RUNS/ipc_vllm_rpc_b.json &
   wait; pack
   ;;
 esac

@@ -79,6 +79,8 @@ def sync_once(engine, sender, named, ray) -> dict:
     return {"seconds": time.perf_counter() - start, "sender_seconds": report.seconds, "version": report.version,
             **{f"worker_{k}": worker[k] for k in ("begin_s", "receive_s", "load_s", "finish_s", "layerwise", "planned",
                                                   "planned_tensors", "unplanned_tensors", "seconds") if k in worker},
+            **{f"worker_{k}": v for k, v in worker.items() if k.startswith("channel_")},
+            **{f"sender_{name}_s": v for name, v in report.phases},
             "bytes": report.num_bytes,
             "buckets": report.num_buckets, "worker_reports": len(worker_reports)}
 
@@ -99,6 +101,8 @@ def armed_sync_once(engine, sender, named, ray) -> dict:
             "settle_s": time.perf_counter() - settle_start,
             **{f"worker_{k}": worker[k] for k in ("begin_s", "receive_s", "load_s", "finish_s", "layerwise", "planned",
                                                   "planned_tensors", "unplanned_tensors", "seconds") if k in worker},
+            **{f"worker_{k}": v for k, v in worker.items() if k.startswith("channel_")},
+            **{f"sender_{name}_s": v for name, v in report.phases},
             "bytes": report.num_bytes, "buckets": report.num_buckets, "worker_reports": len(worker_reports)}
 
 

@@ -197,7 +197,8 @@ def handle(command, args, state, device):
             return loaded
 
         try:
-            return [receiver.receive(load_fn, by_bucket=True).seconds for _ in range(count)]
+            reports = [receiver.receive(load_fn, by_bucket=True) for _ in range(count)]
+            return [(report.seconds, dict(report.phases)) for report in reports]
         finally:
             receiver.close()
     if command == "per_parameter":
@@ -263,17 +264,25 @@ def run_variant(peer, weights, backend, device, name, repeats, **config) -> dict
     peer.start("channel", (sender.endpoint.for_rank(1, "bench-receiver"), backend, total))
     result = {"variant": name, "config": {k: str(v) for k, v in config.items()}}
     try:
-        seconds = []
+        seconds, sender_phases = [], []
         for i in range(2 + repeats):
             report = sender.send(weights.items())
             if i >= 2:
                 seconds.append(report.seconds)
+                sender_phases.append(dict(report.phases))
         first = next(iter(weights.values()))
         first.neg_()
         sender.send(weights.items())
-        receiver_seconds = peer.result(timeout=TIMEOUT_S * 2)
+        received = peer.result(timeout=TIMEOUT_S * 2)
+        receiver_seconds = [r[0] for r in received]
+
+        def medians(phases: list[dict]) -> dict:
+            return {name: statistics.median(p.get(name, 0.0) for p in phases) for name in (phases[0] if phases else {})}
+
         result.update(median_s=statistics.median(seconds), min_s=min(seconds), all_s=seconds,
                       receiver_median_s=statistics.median(receiver_seconds[2:-1]),
+                      sender_phases_median_s=medians(sender_phases),
+                      receiver_phases_median_s=medians([r[1] for r in received[2:-1]]),
                       bitwise_equal=peer.call("fingerprint") == fingerprint(weights))
     except Exception as error:  # recorded; the next variant still runs
         result["error"] = f"{type(error).__name__}: {error}"

@@ -473,6 +473,9 @@ def test_armed_weight_sync_needs_no_engine_call_during_the_sync():
                 assert torch.equal(worker.model_runner.model.embed, weights["embed"])
             reports = engine.settle_weight_sync()
             assert [r["version"] for r in reports] == [step, step] and engine.weight_version == step
+            # the channel's phases (SyncReport.phases) come back flattened, and account for the receive
+            phases = [reports[0][f"channel_{name}_s"] for name in ("check", "load", "wait_buckets", "finish")]
+            assert min(phases) >= 0 and sum(phases) == pytest.approx(reports[0]["seconds"], rel=1e-6)
             assert engine.settle_weight_sync() is None
         # armed but never sent: the next operation calls it off, and the late sender fails at once, naming it
         engine.arm_weight_sync()

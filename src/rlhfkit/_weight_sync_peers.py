@@ -45,6 +45,31 @@ def _mismatch_message(manifest: Manifest, who: str, problems: list[str]) -> str:
     return f"the manifest of sync {manifest.version} does not match what {who} accepts: {shown}"
 
 
+class _Phases:
+    """Where one end's time went in a sync: consecutive marks since creation (``minus`` moves time to another
+    phase added with :meth:`add`)."""
+
+    def __init__(self) -> None:
+        self.started = self.last = time.perf_counter()
+        self._phases: dict[str, float] = {}
+
+    def mark(self, name: str, *, minus: float = 0.0) -> None:
+        now = time.perf_counter()
+        self.add(name, now - self.last - minus)
+        self.last = now
+
+    def add(self, name: str, seconds: float) -> None:
+        self._phases[name] = self._phases.get(name, 0.0) + seconds
+
+    @property
+    def phases(self) -> tuple[tuple[str, float], ...]:
+        return tuple(self._phases.items())
+
+    @property
+    def total(self) -> float:
+        return self.last - self.started
+
+
 class SenderSide:
     """Rank 0 of a multi-process group: owns the control store, the bucket buffers and the version counter."""
 
@@ -60,6 +85,7 @@ class SenderSide:
         self.version = 0
         self.link: CollectiveLink | None = None
         self.transport: Any = None
+        self.phases: tuple[tuple[str, float], ...] = ()  # of the last sync, for SyncReport.phases
         self._plan: tuple | None = None  # (specs, buckets, capacity) of the last sync
         self._encoded: tuple[Manifest, bytes] | None = None  # the last manifest (version 0) and its encoding's tail
 
@@ -90,16 +116,23 @@ class SenderSide:
         self.transport = CollectiveSender(self.link, self.slots)
 
     def send(self, specs: list[TensorSpec], iterator: Iterator, after_pack: AfterPack) -> tuple[Manifest, tuple]:
+        clock = _Phases()
         self._connect()
         manifest, data = self._manifest(tuple(specs))
         self.version = manifest.version  # used even if the sync fails: a version is never reused
+        clock.mark("prepare")
         self._publish(manifest.version, data)
+        clock.mark("publish")
         try:
             if self.link is not None and self.link.group is None:
                 self.link.connect()
             self._check(manifest)
+            clock.mark("check")
             self._stream(manifest, iterator, after_pack)
+            clock.mark("stream")
             versions = self._done(manifest)
+            clock.mark("wait_done")
+            self.phases = clock.phases
         finally:
             end_sync = getattr(self.transport, "end_sync", None)
             if end_sync is not None:
@@ -241,6 +274,7 @@ class ReceiverSide:
         self._phase: tuple[str, int] = ("idle", 0)
         self._started: tuple[int, bytes] | None = None
         self._called_off = 0  # the last version whose wait ended called off
+        self.phases: tuple[tuple[str, float], ...] = ()  # of the last sync, for SyncReport.phases
 
     @property
     def who(self) -> str:
@@ -346,10 +380,11 @@ class ReceiverSide:
             found = self._next_manifest()
         version, data = found
         self._connect()  # gloo/NCCL: the first sync joins the group here, as the sender does after publishing
-        started = time.perf_counter()
+        clock = _Phases()
         manifest, problems = self._parse(data, expected)
         self.seen = version
         self._check(manifest, problems)
+        clock.mark("check")
         stream = ReceivedStream(manifest, self.transport, self.slots, self.fingerprinter,
                                 abort_message=lambda: self._abort_message(version))
         end_sync = getattr(self.transport, "end_sync", lambda: None)  # CUDA IPC zero-copy: unmap the source
@@ -361,11 +396,15 @@ class ReceiverSide:
             end_sync()
             self._report_failure(stream, error, held)
             raise
+        clock.mark("load", minus=stream.waited)
+        clock.add("wait_buckets", stream.waited)
         if self.slots.device.type == "cuda":
             torch.cuda.current_stream(self.slots.device).synchronize()  # "done" means loaded, not just enqueued
         end_sync()
         self.control.put(f"{version}/done/{self.endpoint.rank}", {"version": version})
-        return manifest, loaded, time.perf_counter() - started
+        clock.mark("finish")
+        self.phases = clock.phases
+        return manifest, loaded, clock.total
 
     def _parse(self, data: bytes, expected: Sequence[TensorSpec] | None) -> tuple[Manifest, list[str]]:
         """The manifest in ``data`` and its differences from ``expected``; parsed and compared once while the

@@ -9,6 +9,7 @@ first tensor is yielded, and released when the iterator moves past its last tens
 from __future__ import annotations
 
 import inspect
+import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol
 
@@ -137,6 +138,7 @@ class ReceivedStream:
         self.open_bucket: Bucket | None = None  # received, handed out, not yet released
         self.error: WeightSyncError | None = None  # raised by the iterator (kept in case load_fn swallows it)
         self.stopped = False  # the sender aborted or the transport broke: nothing more will arrive
+        self.waited = 0.0  # seconds spent receiving and verifying buckets (the rest of load_fn's time is loading)
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         for bucket in self.manifest.buckets:
@@ -163,6 +165,7 @@ class ReceivedStream:
 
     def _open(self, bucket: Bucket) -> None:
         self.next_bucket = bucket.index + 1
+        started = time.perf_counter()
         try:
             self.transport.receive(self.manifest.version, bucket)
             self.open_bucket = bucket
@@ -171,6 +174,8 @@ class ReceivedStream:
             self.error = error
             self.stopped = self.open_bucket is not bucket or isinstance(error, WeightSyncAborted)
             raise
+        finally:
+            self.waited += time.perf_counter() - started
 
     def _close(self) -> None:
         bucket, self.open_bucket = self.open_bucket, None

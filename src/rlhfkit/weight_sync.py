@@ -189,6 +189,10 @@ class SyncReport:
         seconds: wall time of the sync on this end (sender: until every receiver reported done).
         receiver_versions: sender only: the version each receiver reports holding, by rank 1..N.
         loaded: receiver only: what ``load_fn`` returned.
+        phases: where this end's time went, ``(name, seconds)`` in order. Sender: ``prepare`` (manifest),
+            ``publish``, ``check`` (the receivers' verdicts and the go-ahead), ``stream`` (buckets sent),
+            ``wait_done`` (until every receiver reported). Receiver, from its manifest on: ``check``, ``load``
+            (inside ``load_fn``), ``wait_buckets`` (bucket messages and checks), ``finish`` (device sync, report).
     """
 
     version: int
@@ -200,6 +204,7 @@ class SyncReport:
     seconds: float
     receiver_versions: tuple[int, ...] = ()
     loaded: object = None
+    phases: tuple[tuple[str, float], ...] = ()
 
     @property
     def gb_per_s(self) -> float:
@@ -333,7 +338,7 @@ class WeightSender:
         return SyncReport(version=manifest.version, role="sender", backend=self.config.backend,
                           num_tensors=len(manifest.specs), num_bytes=manifest.total_bytes,
                           num_buckets=len(manifest.buckets), seconds=time.perf_counter() - started,
-                          receiver_versions=versions)
+                          receiver_versions=versions, phases=self._side.phases if self._side is not None else ())
 
     def _describe(self, named_tensors, description) -> tuple[Iterable[tuple[str, torch.Tensor]], list[TensorSpec]]:
         if description is None:
@@ -430,7 +435,8 @@ class WeightReceiver:
         self._version = manifest.version
         return SyncReport(version=manifest.version, role="receiver", backend=self.config.backend,
                           num_tensors=len(manifest.specs), num_bytes=manifest.total_bytes,
-                          num_buckets=len(manifest.buckets), seconds=seconds, loaded=loaded)
+                          num_buckets=len(manifest.buckets), seconds=seconds, loaded=loaded,
+                          phases=self._side.phases)
 
     def wait_for_sync(self, timeout_s: float | None = None) -> bool:
         """Block until the sender starts the next sync — True; :meth:`receive` then takes it without waiting — or

@@ -75,11 +75,15 @@ def resolve_factory(path: str) -> Any:
 
 
 def plain_report(report: Any) -> dict[str, Any]:
-    """A receiver's report as a dict of plain values (collective_rpc results cross process boundaries)."""
+    """A receiver's report as a dict of plain values (collective_rpc results cross process boundaries); a
+    ``SyncReport``'s ``phases`` become ``channel_<phase>_s`` entries."""
     if report is None:
         return {}
     if dataclasses.is_dataclass(report) and not isinstance(report, type):
+        phases = getattr(report, "phases", ())
         report = dataclasses.asdict(report)
+        report.pop("phases", None)
+        report.update({f"channel_{name}_s": float(seconds) for name, seconds in phases})
     if not isinstance(report, Mapping):
         return {"report": repr(report)}
     plain: dict[str, Any] = {}
