@@ -6,6 +6,7 @@
 #   stage 2 (kit chunk 2: vllm):           vLLM engine bench on a tiny model + sleep on a 1.5B model (+ TP 2)
 #   stage 3 (kit chunk 3: SmolLM2):        convert SmolLM2, DeepSpeed sleep bench, vLLM model/throughput, IPC→vLLM
 #   stage 4 (pytest carried):              every @pytest.mark.gpu test
+#   stages 41, 42: round 7c (no per-tensor detach on the sender, no check round for a repeated manifest)
 #   stages 39, 40: round 7b (the phases of each end of a sync, channel alone and into vLLM)
 #   stages 35, 36, 37, 38 (in that order): round 7 (armed syncs: the channel alone, into vLLM, the GRPO example on
 #     1 and 2 GPUs, TRL again and the GPU tests)
@@ -337,6 +338,18 @@ case $stage in
   ( on 0 ipc_vllm_armed_b 200 python bench/ipc_to_vllm.py $IPC --armed --out $RUNS/ipc_vllm_armed_b.json
     on 0 ipc_vllm_armed_inproc_b 200 python bench/ipc_to_vllm.py $IPC --armed --in-process --out $RUNS/ipc_vllm_armed_inproc_b.json ) &
   on 1 ipc_vllm_rpc_b 200 python bench/ipc_to_vllm.py $IPC --out $RUNS/ipc_vllm_rpc_b.json &
+  wait; pack
+  ;;
+41) # round 7c, kit chunk 1: the channel alone after dropping the per-tensor detach and the check round of a
+    # repeated manifest
+  on 0 ws_ipc_r7c 150 python bench/weight_sync.py --mode ipc --out $RUNS/weight_sync_ipc_r7c.json --deadline-s 140
+  pack
+  ;;
+42) # round 7c, kit chunk 2 (after 41): into vLLM, armed (GPU 0) and RPC (GPU 1), same changes
+  IPC="--random-layers 30 --dtype bfloat16 --zero-copy --keep-mapped --no-greedy --loading planned --bucket-mb 0"
+  python -c "import sys; sys.path.insert(0, 'bench'); from ipc_to_vllm import build_random_model; build_random_model(30)" >>"$log" 2>&1
+  on 0 ipc_vllm_armed_c 200 python bench/ipc_to_vllm.py $IPC --armed --out $RUNS/ipc_vllm_armed_c.json &
+  on 1 ipc_vllm_rpc_c 200 python bench/ipc_to_vllm.py $IPC --out $RUNS/ipc_vllm_rpc_c.json &
   wait; pack
   ;;
 esac

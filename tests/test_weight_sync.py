@@ -622,6 +622,36 @@ def test_flatten_parameters_keeps_parameters_values_and_training():
         flatten_parameters(model, align_bytes=0)
 
 
+@pytest.mark.parametrize("num_buffers", [1, 2])
+def test_repeated_manifest_skips_the_check_round_but_still_refuses(backend, num_buffers):
+    """A manifest every receiver accepted last time is not checked again in a round of its own (the sender goes
+    straight to the buckets); a receiver whose own expectations changed since still refuses before loading, and the
+    sender fails with its verdict instead of hanging."""
+    group = Group(2, backend=backend, bucket_bytes=4096, num_buffers=num_buffers)
+    try:
+        sent, _ = group.sync()
+        assert "check" in dict(sent.phases)  # the first sync has its check round
+        group.source["layers.3.w"].mul_(-2)
+        sent, received = group.sync()
+        assert "check" not in dict(sent.phases) and sent.receiver_versions == (2, 2)
+        for target in group.targets:
+            assert_bitwise_equal(target, group.source)
+        before = {k: v.clone() for k, v in group.targets[1].items()}
+        stricter = describe_parameters(group.source.items())
+        stricter[2] = stricter[2]._replace(shape=(1, 1))
+        group.source["layers.3.w"].mul_(-2)
+        sent, received = group.sync(receive_kwargs={"expected": stricter})
+        assert isinstance(sent, ManifestMismatchError) and "receiver rank 1 ('engine-0')" in str(sent), sent
+        assert all(isinstance(r, ManifestMismatchError) for r in received), received
+        assert_bitwise_equal(group.targets[1], before)  # the refusing receivers loaded nothing
+        sent, received = group.sync()  # after a failure the next sync checks in full again
+        assert "check" in dict(sent.phases) and sent.receiver_versions == (4, 4)
+        for target in group.targets:
+            assert_bitwise_equal(target, group.source)
+    finally:
+        group.close()
+
+
 def test_manifest_mismatch_fails_everywhere_before_transfer(backend):
     source = make_weights(0)
     bad = describe_parameters(source.items())

@@ -7,7 +7,7 @@ has a deadline; a timeout or a lost connection raises an error that names the pe
 
 Key layout under the group's prefix: ``hello/{rank}``, ``{version}/manifest`` (set with compare-and-set: a receiver
 may claim it first to call the sync off), ``{version}/start`` (set after the manifest: what receivers wait on, since a
-compare-and-set wakes no waiter), ``{version}/check/{rank}``,
+compare-and-set wakes no waiter; ``go`` when the manifest repeats one every receiver accepted: no check round), ``{version}/check/{rank}``,
 ``{version}/go``, ``{version}/b/{bucket}``, ``{version}/ack/{bucket}/{rank}``, ``{version}/done/{rank}``,
 ``ipc/{generation}`` and ``ipc/{generation}/recv/{rank}``. The previous sync's manifest is deleted after each sync;
 the other keys are a few dozen bytes each and stay until the sender closes.
@@ -60,9 +60,9 @@ class ControlChannel:
         self.store.set(key, data)
 
     def get_bytes(self, key: str, *, peer: int, what: str, deadline: float | None = None,
-                  then_get: str | None = None) -> bytes:
+                  then_get: list[str] | None = None) -> Any:
         """Wait for ``key`` (set by rank ``peer``) until ``deadline`` (``time.monotonic()``; default now+timeout);
-        return its value, or that of ``then_get`` (a key set before ``key``)."""
+        return its value, or the values of the keys ``then_get`` (set before ``key``), in one request."""
         deadline = time.monotonic() + self.timeout_s if deadline is None else deadline
         remaining = deadline - time.monotonic()
         started = time.monotonic()
@@ -70,7 +70,10 @@ class ControlChannel:
             if remaining <= 0:
                 raise TimeoutError
             self.store.wait([key], timedelta(seconds=remaining))
-            return self.store.get(then_get or key)
+            if then_get is None:
+                return self.store.get(key)
+            multi_get = getattr(self.store, "multi_get", None)
+            return multi_get(then_get) if multi_get is not None else [self.store.get(k) for k in then_get]
         except (RuntimeError, OSError, TimeoutError) as error:
             waited = time.monotonic() - started
             if isinstance(error, TimeoutError) or waited >= remaining - 0.05:

@@ -37,7 +37,7 @@ __all__ = ["SenderSide", "ReceiverSide", "load_local"]
 
 logger = logging.getLogger(__name__)
 CALLED_OFF = b"\x00called-off:"  # a manifest key's value when a receiver called that sync off before it started
-AfterPack = Callable[[int, list[torch.Tensor]], None]
+AfterPack = Callable[[int, list[torch.Tensor]], None] | None  # a test hook (None: no hook)
 
 
 def _mismatch_message(manifest: Manifest, who: str, problems: list[str]) -> str:
@@ -86,6 +86,7 @@ class SenderSide:
         self.link: CollectiveLink | None = None
         self.transport: Any = None
         self.phases: tuple[tuple[str, float], ...] = ()  # of the last sync, for SyncReport.phases
+        self._accepted: bytes | None = None  # the manifest body every receiver accepted and loaded last time
         self._plan: tuple | None = None  # (specs, buckets, capacity) of the last sync
         self._encoded: tuple[Manifest, bytes] | None = None  # the last manifest (version 0) and its encoding's tail
 
@@ -120,19 +121,26 @@ class SenderSide:
         self._connect()
         manifest, data = self._manifest(tuple(specs))
         self.version = manifest.version  # used even if the sync fails: a version is never reused
+        body = self._encoded[1] if self._encoded is not None else None
+        # the same manifest as the last sync, which every receiver accepted: its verdicts cannot differ, so the
+        # check round is skipped (a receiver whose own expectations changed meanwhile still refuses, before loading)
+        prechecked = body is not None and body == self._accepted
+        self._accepted = None  # until this sync has succeeded
         clock.mark("prepare")
-        self._publish(manifest.version, data)
+        self._publish(manifest.version, data, prechecked=prechecked)
         clock.mark("publish")
         try:
             if self.link is not None and self.link.group is None:
                 self.link.connect()
-            self._check(manifest)
-            clock.mark("check")
+            if not prechecked:
+                self._check(manifest)
+                clock.mark("check")
             self._stream(manifest, iterator, after_pack)
             clock.mark("stream")
             versions = self._done(manifest)
             clock.mark("wait_done")
             self.phases = clock.phases
+            self._accepted = body
         finally:
             end_sync = getattr(self.transport, "end_sync", None)
             if end_sync is not None:
@@ -140,7 +148,7 @@ class SenderSide:
         self.control.delete(f"{manifest.version}/manifest")
         return manifest, versions
 
-    def _publish(self, version: int, data: bytes) -> None:
+    def _publish(self, version: int, data: bytes, *, prechecked: bool = False) -> None:
         """Publish the manifest unless a receiver called this sync off first (see ``ReceiverSide.call_off``), then
         wake the receivers."""
         current = self.store.compare_set(f"{version}/manifest", b"", data)
@@ -149,7 +157,7 @@ class SenderSide:
             raise WeightSyncAborted(
                 f"sync {version} of {self.describe_group()} was called off by {who} before it started: its engine "
                 f"settled an armed sync that had not begun (arm the engine again, then send)")
-        self.control.put_bytes(f"{version}/start", b"1")
+        self.control.put_bytes(f"{version}/start", b"go" if prechecked else b"check")
 
     def _manifest(self, specs: tuple[TensorSpec, ...]) -> tuple[Manifest, bytes]:
         """This sync's manifest and its bytes; the layout and encoding are reused while the stream's description
@@ -212,15 +220,20 @@ class SenderSide:
         """Make bucket ``bucket`` ready; returns the extra arguments of the transport's ``publish``."""
         if manifest.zero_copy:  # receivers read the source tensors where they are
             tensors = collect_bucket(manifest, bucket, iterator, self.slots.device)
-            fingerprint = int(self.fingerprinter.of_tensors(tensors).item()) if manifest.fingerprints else None
-            after_pack(bucket.index, tensors)
-            return tensors, fingerprint
+            if manifest.fingerprints or after_pack is not None:
+                detached = [t.detach() for t in tensors]
+                fingerprint = int(self.fingerprinter.of_tensors(detached).item()) if manifest.fingerprints else None
+                if after_pack is not None:
+                    after_pack(bucket.index, detached)
+                return tensors, fingerprint
+            return tensors, None
         views = self.slots.views(manifest, bucket)
         pack_bucket(manifest, bucket, iterator, views)
         fingerprint = (self.fingerprinter.of_payload(self.slots.buffer(bucket), bucket) if manifest.fingerprints
                        else None)
         self.slots.write_tail(bucket, fingerprint, STATUS_OK)
-        after_pack(bucket.index, views)
+        if after_pack is not None:
+            after_pack(bucket.index, views)
         return ()
 
     def _abort(self, manifest: Manifest, bucket: Any, message: str, *, peer_failed: bool) -> None:
@@ -272,7 +285,7 @@ class ReceiverSide:
         # "started" (its manifest read, not yet received)
         self._lock = threading.Lock()
         self._phase: tuple[str, int] = ("idle", 0)
-        self._started: tuple[int, bytes] | None = None
+        self._started: tuple[int, bytes, bool] | None = None
         self._called_off = 0  # the last version whose wait ended called off
         self.phases: tuple[tuple[str, float], ...] = ()  # of the last sync, for SyncReport.phases
 
@@ -294,16 +307,16 @@ class ReceiverSide:
             self.control.put(f"hello/{e.rank}", {"label": e.label, **self.hello})
         return self.control
 
-    def _next_manifest(self, deadline: float | None = None) -> tuple[int, bytes] | None:
-        """Wait for the next sync's manifest: ``(version, bytes)``, or None when it was called off. Versions other
-        receivers called off are skipped."""
+    def _next_manifest(self, deadline: float | None = None) -> tuple[int, bytes, bool] | None:
+        """Wait for the next sync's manifest: ``(version, bytes, prechecked)``, or None when it was called off.
+        Versions other receivers called off are skipped."""
         control = self._connect_control()
         while True:
             version = self.seen + 1
-            data = control.get_bytes(f"{version}/start", peer=0, what=f"the manifest of sync {version}",
-                                     deadline=deadline, then_get=f"{version}/manifest")
+            start, data = control.get_bytes(f"{version}/start", peer=0, what=f"the manifest of sync {version}",
+                                            deadline=deadline, then_get=[f"{version}/start", f"{version}/manifest"])
             if not data.startswith(CALLED_OFF):
-                return version, data
+                return version, data, start == b"go"
             self.seen = version  # the sender fails this version; the next sync is version + 1
             with self._lock:
                 if self._phase == ("awaiting", version):
@@ -378,18 +391,21 @@ class ReceiverSide:
         found, self._started = (self._started if phase == "started" else None), None
         while found is None:  # skips versions called off
             found = self._next_manifest()
-        version, data = found
+        version, data, prechecked = found
         self._connect()  # gloo/NCCL: the first sync joins the group here, as the sender does after publishing
         clock = _Phases()
         manifest, problems = self._parse(data, expected)
         self.seen = version
-        self._check(manifest, problems)
+        if not prechecked:
+            self._check(manifest, problems)
         clock.mark("check")
         stream = ReceivedStream(manifest, self.transport, self.slots, self.fingerprinter,
                                 abort_message=lambda: self._abort_message(version))
         end_sync = getattr(self.transport, "end_sync", lambda: None)  # CUDA IPC zero-copy: unmap the source
         try:
             self.transport.prepare(manifest)
+            if prechecked and problems:  # no check round to refuse in: fail the sync before loading anything
+                raise ManifestMismatchError(_mismatch_message(manifest, self.who, problems))
             loaded = call_load_fn(load_fn, stream.by_bucket() if by_bucket else iter(stream), version)
             stream.finish()
         except Exception as error:

@@ -109,9 +109,8 @@ def collect_bucket(manifest: Manifest, bucket: Bucket, iterator: Iterator, devic
             raise ValueError(f"tensor {spec.name!r} is on {tensor.device}, not on the sender's {device}; with "
                              f"ipc_zero_copy=True receivers read the source's own memory, so every tensor must live "
                              f"on the sender's GPU (or set WeightSyncConfig.ipc_zero_copy=False)")
-        if tensor.requires_grad:
-            tensor = tensor.detach()
-        tensors.append(tensor if tensor.dtype == spec.dtype else tensor.to(spec.dtype))
+        # a parameter stays as it is (no detach: ≈ 5 µs a tensor): only its memory is described and read
+        tensors.append(tensor if tensor.dtype == spec.dtype else tensor.detach().to(spec.dtype))
     if bucket.index == len(manifest.buckets) - 1:
         _check_exhausted(manifest, iterator)
     return tensors

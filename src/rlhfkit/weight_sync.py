@@ -334,7 +334,8 @@ class WeightSender:
             receiver._load_local(manifest, iterator, load_fn, self._fingerprinter, self._after_pack)
             versions: tuple[int, ...] = (receiver.version,)
         else:
-            manifest, versions = self._side.send(specs, iterator, self._after_pack)
+            hooked = type(self)._after_pack is not WeightSender._after_pack  # the default hook does nothing
+            manifest, versions = self._side.send(specs, iterator, self._after_pack if hooked else None)
         return SyncReport(version=manifest.version, role="sender", backend=self.config.backend,
                           num_tensors=len(manifest.specs), num_bytes=manifest.total_bytes,
                           num_buckets=len(manifest.buckets), seconds=time.perf_counter() - started,
