@@ -6,6 +6,7 @@
 #   stage 2 (kit chunk 2: vllm):           vLLM engine bench on a tiny model + sleep on a 1.5B model (+ TP 2)
 #   stage 3 (kit chunk 3: SmolLM2):        convert SmolLM2, DeepSpeed sleep bench, vLLM model/throughput, IPC→vLLM
 #   stage 4 (pytest carried):              every @pytest.mark.gpu test
+#   stages 43, 44: round 7d (cached zero-copy messages and planned batches)
 #   stages 41, 42: round 7c (no per-tensor detach on the sender, no check round for a repeated manifest)
 #   stages 39, 40: round 7b (the phases of each end of a sync, channel alone and into vLLM)
 #   stages 35, 36, 37, 38 (in that order): round 7 (armed syncs: the channel alone, into vLLM, the GRPO example on
@@ -350,6 +351,16 @@ case $stage in
   python -c "import sys; sys.path.insert(0, 'bench'); from ipc_to_vllm import build_random_model; build_random_model(30)" >>"$log" 2>&1
   on 0 ipc_vllm_armed_c 200 python bench/ipc_to_vllm.py $IPC --armed --out $RUNS/ipc_vllm_armed_c.json &
   on 1 ipc_vllm_rpc_c 200 python bench/ipc_to_vllm.py $IPC --out $RUNS/ipc_vllm_rpc_c.json &
+  wait; pack
+  ;;
+43) # round 7d, kit chunk 1: only build the 1.54B random model for stage 44 (a short call)
+  python -c "import sys; sys.path.insert(0, 'bench'); from ipc_to_vllm import build_random_model; build_random_model(30)" >>"$log" 2>&1
+  ;;
+44) # round 7d, kit chunk 2 (after 43): into vLLM, armed (GPU 0) and RPC (GPU 1), after caching the sender's bucket
+    # message, the receiver's decoding of it and the worker's whole planned batch (one foreach copy per sync)
+  IPC="--random-layers 30 --dtype bfloat16 --zero-copy --keep-mapped --no-greedy --loading planned --bucket-mb 0"
+  on 0 ipc_vllm_armed_d 180 python bench/ipc_to_vllm.py $IPC --armed --out $RUNS/ipc_vllm_armed_d.json &
+  on 1 ipc_vllm_rpc_d 180 python bench/ipc_to_vllm.py $IPC --out $RUNS/ipc_vllm_rpc_d.json &
   wait; pack
   ;;
 esac

@@ -116,6 +116,10 @@ def test_a_kept_mapping_reuses_its_source_views_and_copies_current_values():
     plan.apply(weights, model.load_weights)
     cached = {name: plan._cut_sources(name, tensor) for name, tensor in weights}
     flat = weights[0][1].untyped_storage()
+    assert plan._replay is not None and plan._replay[0] == [name for name, _ in weights]
+    cut = plan._cut_sources
+    cuts: list = []
+    plan._cut_sources = lambda *args: cuts.append(args) or cut(*args)  # a replayed batch cuts nothing
     for seed in (1, 2):  # the trainer writes new values into the same buffer
         fresh = hf_weights(seed)[:8]
         with torch.no_grad():
@@ -125,6 +129,8 @@ def test_a_kept_mapping_reuses_its_source_views_and_copies_current_values():
         twin.load_weights(fresh)
         assert all(torch.equal(a, b) for a, b in zip(model.parameters(), twin.parameters(), strict=True)), seed
         assert all(plan._sources[id(tensor), name][1] is cached[name] for name, tensor in weights)  # cut once
+    assert cuts == []  # both syncs replayed the whole batch: one list comparison and one foreach copy
+    del plan._cut_sources
     assert weights[0][1].untyped_storage().data_ptr() == flat.data_ptr()
     # one tensor under two names (tied weights): each name gets the views cut for its own steps
     q_view = weights[0][1]
@@ -133,6 +139,7 @@ def test_a_kept_mapping_reuses_its_source_views_and_copies_current_values():
     assert torch.equal(model.norm.data, q_view.reshape(-1)[:H]) and torch.equal(model.qkv_proj.data[:H], q_view)
     del weights, cached, view, q_view  # (the loop variable holds the last view too)
     assert len(plan._sources) == 0  # entries die with the tensors they were cut from
+    assert plan._replay is None  # and so does the replay of a batch whose tensors are gone
 
 
 def test_a_write_from_a_temporary_unplans_its_whole_batch():

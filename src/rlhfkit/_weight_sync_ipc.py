@@ -21,6 +21,7 @@ alive (``num_slots`` buckets), not a buffer.
 from __future__ import annotations
 
 import pickle
+import weakref
 
 import torch
 
@@ -114,6 +115,9 @@ class IpcSender:
         self._recv_events: dict[int, list] | None = None
         self._sources = SourceHandles(self.cuda.share) if zero_copy else None
         self._held: dict[int, list[torch.Tensor]] = {}  # zero-copy: source tensors of the buckets in flight, by slot
+        # zero-copy, per bucket: (weak refs to its tensors, their data pointers, fingerprint, live ids, encoded
+        # message) of the last sync; the same tensors where they were reuse the message (no describe, no pickling)
+        self._messages: dict[int, tuple] = {}
 
     def prepare(self, capacity: int) -> int:
         if self.zero_copy:
@@ -167,15 +171,30 @@ class IpcSender:
         message: dict = {"ok": 1}
         if self.zero_copy:
             assert self._sources is not None and tensors is not None
-            handles, placements = self._sources.describe(tensors)
             self._held[bucket.index % self.slots.num_slots] = tensors
-            message["source"] = encode({"handles": handles, "placements": placements, "fingerprint": fingerprint,
-                                        "live": self._sources.live_ids()})
+            message["source"] = self._describe(bucket.index, tensors, fingerprint)
         if self.use_events:
             self.cuda.record(self._send_events[bucket.index % self.slots.num_slots], self.slots.device)
         else:
             self.cuda.synchronize(self.slots.device)
         self.control.put(f"{version}/b/{bucket.index}", message)
+
+    def _describe(self, index: int, tensors: list[torch.Tensor], fingerprint: int | None) -> str:
+        """Bucket ``index``'s zero-copy message: where each tensor lies in which shared allocation. Reused while
+        the bucket's tensors are the same objects at the same addresses (a parameter updated in place) and the
+        sender's shared allocations have not changed."""
+        assert self._sources is not None
+        pointers = [t.data_ptr() for t in tensors]
+        live = self._sources.live_ids()
+        cached = self._messages.get(index)
+        if (cached is not None and cached[1] == pointers and cached[2] == fingerprint and cached[3] == live
+                and all(ref() is t for ref, t in zip(cached[0], tensors, strict=True))):
+            return cached[4]
+        handles, placements = self._sources.describe(tensors)
+        live = self._sources.live_ids()  # describe may have shared a new allocation
+        text = encode({"handles": handles, "placements": placements, "fingerprint": fingerprint, "live": live})
+        self._messages[index] = ([weakref.ref(t) for t in tensors], pointers, fingerprint, live, text)
+        return text
 
     def end_sync(self) -> None:
         """After every receiver reported done (or the sync failed): keep no source tensor alive."""
@@ -206,6 +225,7 @@ class IpcReceiver:
         self._sources = MappedSources(self.cuda.open)
         self._views: list[torch.Tensor] = []
         self._source: dict | None = None
+        self._decoded: dict[int, tuple[str, dict]] = {}  # bucket -> (message text, its body), the last sync's
         self._fingerprinter = Fingerprinter()
 
     @property
@@ -243,7 +263,16 @@ class IpcReceiver:
             raise WeightSyncAborted(f"{self.control.peer_name(0)} aborted sync {version}: {message['abort']}")
         if self.use_events:
             self.cuda.wait(self._send_events[bucket.index % self.num_slots], self.slots.device)
-        self._source = decode(message["source"]) if self.zero_copy else None
+        self._source = self._decode(bucket.index, message["source"]) if self.zero_copy else None
+
+    def _decode(self, index: int, text: str) -> dict:
+        """A zero-copy message's body; the sender resends the same text while its tensors stay put."""
+        cached = self._decoded.get(index)
+        if cached is not None and cached[0] == text:
+            return cached[1]
+        body = decode(text)
+        self._decoded[index] = (text, body)
+        return body
 
     def verify(self, manifest: Manifest, bucket: Bucket) -> None:
         """Zero-copy: map the bucket's source allocations, build its views and check its fingerprint (a failure
