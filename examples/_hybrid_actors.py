@@ -102,7 +102,8 @@ class ModelWorker(Worker):
         self._transition("wake", "load")  # claim only: the model does not exist yet
         if self.device_kind == "cuda":
             device = self.device()
-            torch.cuda.set_device(device)  # WorkerGroup already made LOCAL_RANK this device's index (DeepSpeed reads it)
+            # WorkerGroup already made LOCAL_RANK this device's index (DeepSpeed reads it)
+            torch.cuda.set_device(device)
         torch.manual_seed(seed)
         self.model = DeepSpeedEngine.from_pretrained(path, role=self.role, config=config)
         gc.collect()

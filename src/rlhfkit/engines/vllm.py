@@ -22,7 +22,8 @@ weight anyway (a weight sync right after waking), because it saves the device→
 after it, generation is refused until a load or sync has rewritten every parameter (checked per vLLM parameter).
 
 What it does not do: text prompts, LoRA, speculative decoding; quantized checkpoints are untested (weights are loaded
-through vLLM's layer-wise reload, which is meant to handle them). Needs ``rlhfkit[vllm]`` (and ``rlhfkit[ray]`` for the actor helpers); nothing is imported at module import.
+through vLLM's layer-wise reload, which is meant to handle them). Needs ``rlhfkit[vllm]`` (and ``rlhfkit[ray]`` for
+the actor helpers); nothing is imported at module import.
 """
 
 from __future__ import annotations
