@@ -442,6 +442,51 @@ def test_wait_for_sync_and_call_off(backend):
         first.wait_for_sync(1.0)
 
 
+def test_armed_receive_settles_called_off_slow_and_failed_syncs():
+    """ArmedReceive against a scripted receiver: an unstarted sync is called off; a slow one makes settle time out
+    and stay armed, then returns its result; a timeout of the wait is waited through; errors reach settle."""
+    from rlhfkit.weight_sync import ArmedReceive
+
+    class Scripted:
+        def __init__(self, script):
+            self.script, self.go, self.calls = list(script), threading.Event(), []
+
+        def wait_for_sync(self, timeout_s=None):
+            step = self.script.pop(0)
+            self.calls.append(step)
+            if step == "timeout":
+                raise WeightSyncTimeout("no sync yet")
+            if step == "lost":
+                raise WeightSyncError("lost the control channel")
+            self.go.wait(5)
+            return step == "start"
+
+        def call_off(self):
+            self.calls.append("call_off")
+            self.go.set()
+            return True
+
+    idle = Scripted(["timeout", "wait"])
+    armed = ArmedReceive(idle, lambda: pytest.fail("a called-off sync must not be received"))
+    time.sleep(0.05)
+    assert armed.settle(timeout_s=5) is None and idle.calls == ["timeout", "wait", "call_off"]
+    release = threading.Event()
+    started = Scripted(["start"])
+    started.go.set()
+    armed = ArmedReceive(started, lambda: release.wait(5) and "loaded")
+    while not armed.started:
+        time.sleep(0.01)
+    with pytest.raises(TimeoutError, match="still receiving after 0.05s"):
+        armed.settle(timeout_s=0.05)
+    assert armed.running and "call_off" not in started.calls  # a started sync is never called off
+    release.set()
+    assert armed.settle(timeout_s=5) == "loaded" and not armed.running
+    with pytest.raises(WeightSyncError, match="lost the control channel"):
+        ArmedReceive(Scripted(["lost"]), lambda: None).settle(timeout_s=5)
+    with pytest.raises(TypeError, match=r"no wait_for_sync\(\)/call_off\(\)"):
+        ArmedReceive(object(), lambda: None)
+
+
 @pytest.mark.parametrize("num_buffers", [1, 2])
 def test_two_receivers_bitwise_and_versions(backend, num_buffers):
     group = Group(2, backend=backend, bucket_bytes=4096, num_buffers=num_buffers)

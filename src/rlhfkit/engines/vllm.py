@@ -385,7 +385,13 @@ class VLLMEngine:
             return None
         self._armed = False
         timeout = self.config.control_timeout_s
-        reports = self._received(lambda: self._rpc("rlhfkit_settle_weight_sync", timeout, timeout=timeout + 30.0))
+        try:
+            reports = self._received(lambda: self._rpc("rlhfkit_settle_weight_sync", timeout,
+                                                       timeout=timeout + 30.0))
+        except BaseException as error:
+            if "still receiving" in str(error):  # (ArmedReceive.settle's timeout) the workers stay armed
+                self._armed = True
+            raise
         return reports or None
 
     def _received(self, call: Any) -> list[dict[str, Any]]:
