@@ -41,8 +41,11 @@ on() { local gpu=$1 name=$2 limit=$3; shift 3; echo "=== $(date +%T) [gpu $gpu] 
        CUDA_VISIBLE_DEVICES=$gpu timeout "$limit" "$@" >"$RUNS/$name.log" 2>&1;
        echo "=== $(date +%T) [gpu $gpu] $name rc=$? after $SECONDS s" | tee -a "$log"; tail -3 "$RUNS/$name.log" >>"$log"; }
 tiny() { python -c "from rlhfkit.tiny_models import *; build_tiny_model('/tmp/tiny-hd64', TinyModelConfig(hidden_size=256, num_heads=4, num_kv_heads=2, intermediate_size=512))" >>"$log" 2>&1; }
+big() { python -c "import sys; sys.path.insert(0, 'bench'); from ipc_to_vllm import build_random_model; build_random_model(30)" >>"$log" 2>&1; }
 pack() { tar czf "$OUT/stage$stage.tgz" -C $RUNS --exclude='*/tiny_model' . 2>>"$log"; }
 HYB="--steps 100 --rollout-batch 16 --samples-per-prompt 8 --max-new-tokens 64 --lr 1e-5"
+# rounds 6-7: GRPO with everything resident (ZeRO-2, engine level 0), one micro-batch per optimizer step, 16 steps
+RESIDENT="${HYB/--steps 100/--steps 16} --zero-stage 2 --offload-trainers false --attn varlen --weight-loading planned --grad-accum 1 --engine-sleep-level 0"
 nvidia-smi -L | tee -a "$log"
 python -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" >>"$log" 2>&1
 case $stage in
@@ -238,7 +241,7 @@ case $stage in
     # core in the actor's process; direct loading, one bucket; a tiny fp32 greedy check of the fastest setting
   tiny
   IPC="--random-layers 30 --dtype bfloat16 --zero-copy --keep-mapped --no-greedy"
-  python -c "import sys; sys.path.insert(0, 'bench'); from ipc_to_vllm import build_random_model; build_random_model(30)" >>"$log" 2>&1
+  big
   ( on 0 ipc_vllm_tiny_r6 150 python bench/ipc_to_vllm.py --model /tmp/tiny-hd64 --zero-copy --keep-mapped --loading planned --bucket-mb 0 --in-process --out $RUNS/ipc_vllm_tiny_r6.json
     on 0 ipc_vllm_planned_1b 200 python bench/ipc_to_vllm.py $IPC --loading planned --bucket-mb 0 --out $RUNS/ipc_vllm_planned_1b.json
     on 0 ipc_vllm_planned_1b_inproc 200 python bench/ipc_to_vllm.py $IPC --loading planned --bucket-mb 0 --in-process --out $RUNS/ipc_vllm_planned_1b_inproc.json ) &
@@ -250,7 +253,7 @@ case $stage in
     # optimizer step, one-bucket sync, no cache emptying: the engine's log-probs as the old log-probs (GPU 0) and
     # the actor's forward (GPU 1); then engine log-probs on 2 GPUs
   run 120 python examples/convert_smollm2.py --out $SMOL
-  R7="${HYB/--steps 100/--steps 16} --zero-stage 2 --offload-trainers false --attn varlen --weight-loading planned --grad-accum 1 --engine-sleep-level 0"
+  R7="$RESIDENT"
   on 0 r7_engine_old 280 python examples/grpo_hybrid.py --model $SMOL $R7 --old-logprobs engine --out $RUNS/r7_engine_old &
   on 1 r7_trainer_old 280 python examples/grpo_hybrid.py --model $SMOL $R7 --out $RUNS/r7_trainer_old &
   wait
@@ -279,7 +282,7 @@ case $stage in
 33) # round 6b, kit chunk 2 (after a call with kit chunk 1): into vLLM with the cheaper plan check (one bucket), the
     # engine core in the actor's process (GPU 0) and in its own (GPU 1)
   IPC="--random-layers 30 --dtype bfloat16 --zero-copy --keep-mapped --no-greedy --loading planned --bucket-mb 0"
-  python -c "import sys; sys.path.insert(0, 'bench'); from ipc_to_vllm import build_random_model; build_random_model(30)" >>"$log" 2>&1
+  big
   on 0 ipc_vllm_planned_1b_inproc2 200 python bench/ipc_to_vllm.py $IPC --in-process --out $RUNS/ipc_vllm_planned_1b_inproc2.json &
   on 1 ipc_vllm_planned_1b2 200 python bench/ipc_to_vllm.py $IPC --out $RUNS/ipc_vllm_planned_1b2.json &
   wait; pack
@@ -287,7 +290,7 @@ case $stage in
 34) # round 6b, kit chunk 3 (SmolLM2): stage 31's GRPO runs with log-probs of the response tokens only (the LM head
     # on those rows): engine log-probs as the old log-probs (GPU 0), the actor's forward (GPU 1)
   run 120 python examples/convert_smollm2.py --out $SMOL
-  R7="${HYB/--steps 100/--steps 16} --zero-stage 2 --offload-trainers false --attn varlen --weight-loading planned --grad-accum 1 --engine-sleep-level 0"
+  R7="$RESIDENT"
   on 0 r8_engine_old 260 python examples/grpo_hybrid.py --model $SMOL $R7 --old-logprobs engine --out $RUNS/r8_engine_old &
   on 1 r8_trainer_old 260 python examples/grpo_hybrid.py --model $SMOL $R7 --out $RUNS/r8_trainer_old &
   wait; pack
@@ -303,7 +306,7 @@ case $stage in
     # RPC, own process, then a tiny fp32 greedy check through an armed sync (GPU 1)
   tiny
   IPC="--random-layers 30 --dtype bfloat16 --zero-copy --keep-mapped --no-greedy --loading planned --bucket-mb 0"
-  python -c "import sys; sys.path.insert(0, 'bench'); from ipc_to_vllm import build_random_model; build_random_model(30)" >>"$log" 2>&1
+  big
   ( on 0 ipc_vllm_armed 200 python bench/ipc_to_vllm.py $IPC --armed --out $RUNS/ipc_vllm_armed.json
     on 0 ipc_vllm_armed_inproc 200 python bench/ipc_to_vllm.py $IPC --armed --in-process --out $RUNS/ipc_vllm_armed_inproc.json ) &
   ( on 1 ipc_vllm_rpc_r7 200 python bench/ipc_to_vllm.py $IPC --out $RUNS/ipc_vllm_rpc_r7.json
@@ -313,7 +316,7 @@ case $stage in
 37) # round 7, kit chunk 3 (SmolLM2): stage 31's GRPO (everything resident, engine log-probs as the old log-probs)
     # with the engine armed at each wake (GPU 0) and the RPC sync (GPU 1); then the armed run on 2 GPUs
   run 120 python examples/convert_smollm2.py --out $SMOL
-  R7="${HYB/--steps 100/--steps 16} --zero-stage 2 --offload-trainers false --attn varlen --weight-loading planned --grad-accum 1 --engine-sleep-level 0 --old-logprobs engine"
+  R7="$RESIDENT --old-logprobs engine"
   on 0 r9_armed 280 python examples/grpo_hybrid.py --model $SMOL $R7 --sync-mode armed --out $RUNS/r9_armed &
   on 1 r9_rpc 280 python examples/grpo_hybrid.py --model $SMOL $R7 --out $RUNS/r9_rpc &
   wait
@@ -335,7 +338,7 @@ case $stage in
 40) # round 7b, kit chunk 2 (after 39): into vLLM, armed and RPC, with the phases of both ends: armed in the engine
     # core's own process, then in the actor's (GPU 0); RPC (GPU 1)
   IPC="--random-layers 30 --dtype bfloat16 --zero-copy --keep-mapped --no-greedy --loading planned --bucket-mb 0"
-  python -c "import sys; sys.path.insert(0, 'bench'); from ipc_to_vllm import build_random_model; build_random_model(30)" >>"$log" 2>&1
+  big
   ( on 0 ipc_vllm_armed_b 200 python bench/ipc_to_vllm.py $IPC --armed --out $RUNS/ipc_vllm_armed_b.json
     on 0 ipc_vllm_armed_inproc_b 200 python bench/ipc_to_vllm.py $IPC --armed --in-process --out $RUNS/ipc_vllm_armed_inproc_b.json ) &
   on 1 ipc_vllm_rpc_b 200 python bench/ipc_to_vllm.py $IPC --out $RUNS/ipc_vllm_rpc_b.json &
@@ -348,13 +351,13 @@ case $stage in
   ;;
 42) # round 7c, kit chunk 2 (after 41): into vLLM, armed (GPU 0) and RPC (GPU 1), same changes
   IPC="--random-layers 30 --dtype bfloat16 --zero-copy --keep-mapped --no-greedy --loading planned --bucket-mb 0"
-  python -c "import sys; sys.path.insert(0, 'bench'); from ipc_to_vllm import build_random_model; build_random_model(30)" >>"$log" 2>&1
+  big
   on 0 ipc_vllm_armed_c 200 python bench/ipc_to_vllm.py $IPC --armed --out $RUNS/ipc_vllm_armed_c.json &
   on 1 ipc_vllm_rpc_c 200 python bench/ipc_to_vllm.py $IPC --out $RUNS/ipc_vllm_rpc_c.json &
   wait; pack
   ;;
 43) # round 7d, kit chunk 1: only build the 1.54B random model for stage 44 (a short call)
-  python -c "import sys; sys.path.insert(0, 'bench'); from ipc_to_vllm import build_random_model; build_random_model(30)" >>"$log" 2>&1
+  big
   ;;
 44) # round 7d, kit chunk 2 (after 43): into vLLM, armed (GPU 0) and RPC (GPU 1), after caching the sender's bucket
     # message, the receiver's decoding of it and the worker's whole planned batch (one foreach copy per sync)

@@ -558,11 +558,7 @@ def sync_weights(run: Run, armed: bool = False) -> dict:
     next operation), every actor rank streams (rank(s) with a sender send)."""
     import ray
 
-    if armed:  # the sender returns once every engine has loaded the weights, with the versions they hold
-        report = next(item for item in run.workers["actor"].call("sync_weights") if item)
-        return {"sync/version": report["version"], "sync/bytes": report["bytes"], "sync/sender_s": report["seconds"],
-                "engine/weight_version": min(report["receiver_versions"])}
-    receiving = [handle.receive_weights.remote() for handle in run.engine_handles]
+    receiving = [] if armed else [handle.receive_weights.remote() for handle in run.engine_handles]
     try:
         sent = run.workers["actor"].call("sync_weights")
     except Exception:
@@ -570,9 +566,12 @@ def sync_weights(run: Run, armed: bool = False) -> dict:
         for ref in ready:
             ray.get(ref)  # an engine's own error, if it has one, says more than the sender's timeout
         raise
-    received = ray.get(receiving, timeout=run.args.sync_timeout)
-    versions = [int(worker_report["version"]) for reports in received for worker_report in reports]
     report = next(item for item in sent if item)
+    if armed:  # the sender returned once every engine had loaded the weights, with the versions they hold
+        versions = list(report["receiver_versions"])
+    else:
+        received = ray.get(receiving, timeout=run.args.sync_timeout)
+        versions = [int(worker_report["version"]) for reports in received for worker_report in reports]
     return {"sync/version": report["version"], "sync/bytes": report["bytes"], "sync/sender_s": report["seconds"],
             "engine/weight_version": min(versions)}
 
