@@ -6,6 +6,7 @@
 #   stage 2 (kit chunk 2: vllm):           vLLM engine bench on a tiny model + sleep on a 1.5B model (+ TP 2)
 #   stage 3 (kit chunk 3: SmolLM2):        convert SmolLM2, DeepSpeed sleep bench, vLLM model/throughput, IPC→vLLM
 #   stage 4 (pytest carried):              every @pytest.mark.gpu test
+#   stages 45, 46: round 8 (copy-plan replay as a CUDA graph, the plan checked when armed; training profiled)
 #   stages 43, 44: round 7d (cached zero-copy messages and planned batches)
 #   stages 41, 42: round 7c (no per-tensor detach on the sender, no check round for a repeated manifest)
 #   stages 39, 40: round 7b (the phases of each end of a sync, channel alone and into vLLM)
@@ -364,6 +365,25 @@ case $stage in
   IPC="--random-layers 30 --dtype bfloat16 --zero-copy --keep-mapped --no-greedy --loading planned --bucket-mb 0"
   on 0 ipc_vllm_armed_d 180 python bench/ipc_to_vllm.py $IPC --armed --out $RUNS/ipc_vllm_armed_d.json &
   on 1 ipc_vllm_rpc_d 180 python bench/ipc_to_vllm.py $IPC --out $RUNS/ipc_vllm_rpc_d.json &
+  wait; pack
+  ;;
+45) # round 8, kit chunk 1: the copy-plan replay ways against one device copy (GPU 0) and the GPU test of the CUDA-graph
+    # replay; the actor's optimizer step profiled in fp32, TF32 and bf16 (ZeRO-2, varlen, 64 sequences in one
+    # micro-batch: one of the example's two optimizer steps) (GPU 1); the 1.54B model for stage 46
+  ( on 0 copy_replay 120 python bench/copy_replay.py --out $RUNS/copy_replay.json
+    on 0 pytest_copy_plan 120 python -m pytest -q -p no:cacheprovider -m gpu tests/test_vllm_copy_plan.py
+    on 0 train_step_bf16 120 python bench/train_step.py --out $RUNS/train_step_bf16.json --seqs 64 --micro 1 --profile --config-timeout-s 110 --configs zero2_bf16_varlen ) &
+  on 1 train_step_r8 240 python bench/train_step.py --out $RUNS/train_step_r8.json --seqs 64 --micro 1 --profile --config-timeout-s 110 --configs zero2_fp32_varlen zero2_tf32_varlen &
+  big
+  wait; pack
+  ;;
+46) # round 8, kit chunk 2 (after 45): into vLLM with the plan checked when the engine is armed and the replay as one
+    # CUDA graph: armed (GPU 0), RPC then the tiny fp32 greedy check through armed replayed syncs (GPU 1)
+  tiny
+  IPC="--random-layers 30 --dtype bfloat16 --zero-copy --keep-mapped --no-greedy --loading planned --bucket-mb 0"
+  on 0 ipc_vllm_armed_r8 180 python bench/ipc_to_vllm.py $IPC --armed --out $RUNS/ipc_vllm_armed_r8.json &
+  ( on 1 ipc_vllm_rpc_r8 180 python bench/ipc_to_vllm.py $IPC --out $RUNS/ipc_vllm_rpc_r8.json
+    on 1 ipc_vllm_tiny_r8 150 python bench/ipc_to_vllm.py --model /tmp/tiny-hd64 --zero-copy --keep-mapped --loading planned --bucket-mb 0 --armed --out $RUNS/ipc_vllm_tiny_r8.json ) &
   wait; pack
   ;;
 esac

@@ -3,7 +3,9 @@
 The trainer (this process) holds an HF model on cuda:0 with perturbed weights; a vLLM engine (a Ray actor with a
 fractional GPU share on the same GPU) starts from the original checkpoint. One ``rlhfkit.weight_sync`` CUDA-IPC sync
 later, the engine's greedy generations must equal the trainer model's (fp32 on both sides, so numerics agree) and
-the engine must report the new weight version. Also times the syncs against the floor measured in the same run (one
+the engine must report the new weight version. The timed syncs repeat the same weights; then the trainer's weights
+change in place and one more sync (``final_sync``: replayed, where the loading replays) delivers what the greedy check
+compares. Also times the syncs against the floor measured in the same run (one
 device-to-device copy of the model's bytes).
 
     python bench/ipc_to_vllm.py --model /tmp/smollm2-hf --out ipc_to_vllm.json [--zero-copy]
@@ -78,7 +80,7 @@ def sync_once(engine, sender, named, ray) -> dict:
     worker = worker_reports[0] if worker_reports and isinstance(worker_reports[0], dict) else {}
     return {"seconds": time.perf_counter() - start, "sender_seconds": report.seconds, "version": report.version,
             **{f"worker_{k}": worker[k] for k in ("begin_s", "receive_s", "load_s", "finish_s", "layerwise", "planned",
-                                                  "planned_tensors", "unplanned_tensors", "seconds") if k in worker},
+                                                  "planned_tensors", "unplanned_tensors", "replay", "seconds") if k in worker},
             **{f"worker_{k}": v for k, v in worker.items() if k.startswith("channel_")},
             **{f"sender_{name}_s": v for name, v in report.phases},
             "bytes": report.num_bytes,
@@ -100,7 +102,7 @@ def armed_sync_once(engine, sender, named, ray) -> dict:
     return {"seconds": seconds, "sender_seconds": report.seconds, "version": report.version,
             "settle_s": time.perf_counter() - settle_start,
             **{f"worker_{k}": worker[k] for k in ("begin_s", "receive_s", "load_s", "finish_s", "layerwise", "planned",
-                                                  "planned_tensors", "unplanned_tensors", "seconds") if k in worker},
+                                                  "planned_tensors", "unplanned_tensors", "replay", "seconds") if k in worker},
             **{f"worker_{k}": v for k, v in worker.items() if k.startswith("channel_")},
             **{f"sender_{name}_s": v for name, v in report.phases},
             "bytes": report.num_bytes, "buckets": report.num_buckets, "worker_reports": len(worker_reports)}
@@ -168,14 +170,14 @@ def main() -> None:
     copy_bps = copy_bandwidth(torch.device("cuda"), torch.device("cuda"), min(model_bytes, 2 * 1024**3))
     results |= {"num_params": sum(t.numel() for _, t in named), "bytes": model_bytes, "d2d_copy_GBps": copy_bps / 1e9,
                 "floor_s": model_bytes / copy_bps}
-    with torch.no_grad():  # the "training step": a small perturbation of every weight (the model stays coherent)
-        generator = torch.Generator(device="cuda").manual_seed(0)
-        for param in trainer.parameters():
-            param.add_(torch.randn(param.shape, device="cuda", generator=generator) * param.std() * args.noise)
-    # the engine's log-probs of its own tokens vs the trainer's, before the sync (stale weights) and after
-    if not args.no_greedy:
-        results["logprob_mean_abs_diff_before_sync"] = logprob_gap(trainer, rollouts_before)
-        expected = hf_greedy(trainer, prompts, args.steps, eos)
+    generator = torch.Generator(device="cuda").manual_seed(0)
+
+    def train_step() -> None:  # a small perturbation of every weight, in place (the model stays coherent)
+        with torch.no_grad():
+            for param in trainer.parameters():
+                param.add_(torch.randn(param.shape, device="cuda", generator=generator) * param.std() * args.noise)
+
+    train_step()
     if args.bucket_mb == 0 and not args.zero_copy:
         parser.error("--bucket-mb 0 (one bucket) needs --zero-copy: a copying sync allocates its buckets")
     bucket_bytes = args.bucket_mb * 1024**2 if args.bucket_mb else 2 * model_bytes
@@ -185,6 +187,13 @@ def main() -> None:
         ray.get(engine.init_weight_sync.remote(sync_config, sender.endpoint, first_rank=1), timeout=120)
         once = armed_sync_once if args.armed else sync_once
         syncs = [once(engine, sender, named, ray) for _ in range(2 + args.repeats)]
+        # then new weights in the same tensors, and one more sync: the greedy check sees what a replayed sync
+        # (the same tensors as the last ones: a recorded plan, a CUDA graph) delivered, not the first sync's values
+        train_step()
+        if not args.no_greedy:  # the engine's log-probs of its own tokens vs the trainer's, stale and after the sync
+            results["logprob_mean_abs_diff_before_sync"] = logprob_gap(trainer, rollouts_before)
+            expected = hf_greedy(trainer, prompts, args.steps, eos)
+        results["final_sync"] = once(engine, sender, named, ray)
         rollouts_after = ray.get(engine.generate.remote(prompts, greedy), timeout=300)
         after = [r.response_token_ids.tolist() for r in rollouts_after]
         if not args.no_greedy:

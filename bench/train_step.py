@@ -38,6 +38,10 @@ CONFIGS = {  # name -> (kind, zero stage, dtype, attention)
     "torch_fp32_padded": ("torch", None, "float32", "padded"),
     "zero3_bf16_sdpa": ("deepspeed", 3, "bfloat16", "sdpa"),
     "torch_bf16_sdpa": ("torch", None, "bfloat16", "sdpa"),
+    # fp32 weights and activations with TF32 tensor-core matmuls (torch.backends.cuda.matmul.allow_tf32)
+    "torch_tf32_varlen": ("torch", None, "tf32", "varlen"),
+    "zero2_tf32_varlen": ("deepspeed", 2, "tf32", "varlen"),
+    "zero2_bf16_varlen": ("deepspeed", 2, "bfloat16", "varlen"),
 }
 
 
@@ -108,6 +112,9 @@ def run_one(name: str, args) -> dict:
     from rlhfkit.packing import register_varlen_attention
 
     kind, stage, dtype_name, attn = CONFIGS[name]
+    if dtype_name == "tf32":
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+        dtype_name = "float32"
     dtype = getattr(torch, dtype_name)
     attn_impl = register_varlen_attention() if attn == "varlen" else "sdpa"
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")  # cpu: plumbing only
@@ -163,10 +170,33 @@ def run_one(name: str, args) -> dict:
 
     steps = timed(train_step, args.repeats, args.warmup)
     forwards = timed(forward, args.repeats, 1)
-    return {"config": name, "kind": kind, "zero_stage": stage, "dtype": dtype_name, "attention": attn,
-            "optimizer_step_s": statistics.median(steps), "optimizer_steps_s": steps,
-            "forward_s": statistics.median(forwards), "tokens": int(whole.num_tokens),
-            "peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None}
+    result = {"config": name, "kind": kind, "zero_stage": stage, "dtype": CONFIGS[name][2], "attention": attn,
+              "optimizer_step_s": statistics.median(steps), "optimizer_steps_s": steps,
+              "forward_s": statistics.median(forwards), "tokens": int(whole.num_tokens),
+              "peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None}
+    if args.profile and device.type == "cuda":
+        result["profile"] = profile(train_step)
+    return result
+
+
+def profile(fn) -> dict:
+    """One more call of ``fn`` under torch.profiler: its wall time, the device time of its kernels and memory
+    operations (their sum: they rarely overlap on one stream), how many there were, and the ops that took the most
+    device time. wall − device is the time the GPU waited for the host."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    _sync()
+    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
+        fn()
+        _sync()
+        wall = time.perf_counter() - start
+    device_events = [e for e in prof.events() if e.device_type.name == "CUDA"]
+    busy = sum(e.device_time_total for e in device_events) / 1e6  # (microseconds)
+    table = prof.key_averages().table(sort_by="device_time_total", row_limit=15, max_name_column_width=60)
+    return {"wall_s": wall, "device_busy_s": busy, "device_ops": len(device_events),
+            "host_bound_share": max(0.0, 1 - busy / wall), "top": table}
 
 
 def main() -> None:
@@ -180,6 +210,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--config-timeout-s", type=float, default=120.0)
+    parser.add_argument("--profile", action="store_true", help="profile one more optimizer step per configuration "
+                        "(torch.profiler): device busy time against wall time, and the top ops")
     parser.add_argument("--one", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
@@ -191,7 +223,8 @@ def main() -> None:
         part = args.out.with_suffix(f".{name}.json")
         argv = [sys.executable, __file__, "--one", name, "--out", str(part)] + [
             f"--{k.replace('_', '-')}={getattr(args, k)}" for k in ("seqs", "prompt_len", "response_len", "micro",
-                                                                     "repeats", "warmup")]
+                                                                     "repeats", "warmup")] + (
+            ["--profile"] if args.profile else [])
         start = time.perf_counter()
         try:
             done = subprocess.run(argv, timeout=args.config_timeout_s, capture_output=True, text=True, check=False)
@@ -202,6 +235,8 @@ def main() -> None:
         result["wall_s"] = time.perf_counter() - start
         results["runs"][name] = result
         print(name, {k: v for k, v in result.items() if k in ("optimizer_step_s", "forward_s", "error")}, flush=True)
+        if "profile" in result:
+            print({k: v for k, v in result["profile"].items() if k != "top"}, "\n" + result["profile"]["top"], flush=True)
         args.out.write_text(json.dumps(results, indent=1))
 
 

@@ -44,6 +44,8 @@ class TrainSettings:
     value_clip: float | None = 0.2
     seed: int = 0
     measure_mismatch: bool = False  # |Δ| engine vs trainer log-probs in the first minibatch (before any update)
+    profile_step: int = -1  # this step's training runs under torch.profiler (see ModelWorker.train)
+    profile_dir: str | None = None  # where each rank writes its table of the ops that took the most device time
 
 
 class ResidentModel:
@@ -91,12 +93,14 @@ class ModelWorker(Worker):
         self.offload = True  # load(offload=False): the model stays on its GPU and its sleep only empties the cache
         self.resident = ResidentModel()
 
-    def load(self, path: str, config, seed: int, offload: bool = True, empty_cache: bool = True) -> dict:
+    def load(self, path: str, config, seed: int, offload: bool = True, empty_cache: bool = True,
+             tf32: bool = False) -> dict:
         """Build the model while holding the GPU's claim, then put it to sleep. ``offload=False``: its sleep keeps
         every state on the GPU and only empties the CUDA cache (for models small enough to stay resident), or not
-        even that with ``empty_cache=False``."""
+        even that with ``empty_cache=False``. ``tf32``: this process's float32 matmuls use TF32 tensor cores."""
         from rlhfkit.deepspeed_engine import DeepSpeedEngine
 
+        torch.set_float32_matmul_precision("high" if tf32 else "highest")  # "high": TF32 tensor cores
         self.offload = offload
         self.resident = ResidentModel(empty_cache)
         self._transition("wake", "load")  # claim only: the model does not exist yet
@@ -146,6 +150,11 @@ class ModelWorker(Worker):
         ranks sum are exactly the whole minibatch's (``loss_normalization="global"``). Every rank makes the same
         number of forward/backward/step calls, as ZeRO's collectives require.
         """
+        if step == settings.profile_step:
+            return self._profiled(lambda: self._train(shard, settings, step), settings, step)
+        return self._train(shard, settings, step)
+
+    def _train(self, shard, settings: TrainSettings, step: int) -> dict:
         _reset_peak()
         device = self.model.device
         group = torch.distributed.group.WORLD if self.world_size > 1 else None
@@ -181,6 +190,29 @@ class ModelWorker(Worker):
                 result |= {"engine_vs_trainer/mean_abs_logprob_diff": float(total.sum() / tokens.sum()),
                            "engine_vs_trainer/max_abs_logprob_diff": float(largest.max())}
         return result | {f"{self.role}/loss": sum(losses) / len(losses), "peak_gib": _peak_gib()}
+
+    def _profiled(self, run, settings: TrainSettings, step: int) -> dict:
+        """``run()`` under torch.profiler: adds its wall time, the device time of its kernels and copies (summed: one
+        stream rarely overlaps them), and how many there were; writes the top ops to ``profile_dir``."""
+        from torch.profiler import ProfilerActivity, profile
+
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+        with profile(activities=activities) as prof:
+            started = time.perf_counter()
+            result = run()
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            wall = time.perf_counter() - started
+        device_events = [e for e in prof.events() if e.device_type.name == "CUDA"]
+        busy = sum(e.device_time_total for e in device_events) / 1e6
+        if settings.profile_dir:
+            table = prof.key_averages().table(sort_by="device_time_total" if device_events else "cpu_time_total",
+                                              row_limit=25, max_name_column_width=70)
+            path = os.path.join(settings.profile_dir, f"profile_{self.role}_step{step}_rank{self.rank}.txt")
+            with open(path, "w") as file:
+                file.write(f"wall {wall:.4f} s, device busy {busy:.4f} s, {len(device_events)} device ops\n{table}")
+        return result | {f"{self.role}/profile_wall_s": wall, f"{self.role}/profile_device_busy_s": busy,
+                         f"{self.role}/profile_device_ops": float(len(device_events))}
 
     def _loss(self, micro, s: TrainSettings, num_tokens: float, num_seqs: float, mismatch: list | None = None):
         from rlhfkit.losses import kl_loss, policy_loss, value_loss

@@ -85,6 +85,11 @@ def add_arguments(parser, *, default_out: str) -> None:
     a("--attn", choices=("varlen", "sdpa"), default="varlen", help="trainer attention on packed micro-batches: "
       "varlen (rlhfkit.packing.VARLEN_ATTENTION: one padded causal sdpa per layer, cost N*L^2) or sdpa "
       "(transformers' block-diagonal mask over the whole micro-batch, cost T^2)")
+    a("--tf32", action="store_true", help="float32 trainers multiply on TF32 tensor cores "
+      "(torch.set_float32_matmul_precision('high'); the engine keeps full float32): faster forwards and backwards "
+      "where fp32 matmuls bound them, and a larger engine-vs-trainer log-prob gap (logged every step)")
+    a("--profile-step", type=int, default=-1, help="run this step's training under torch.profiler: device busy "
+      "time against wall time in the metrics, each rank's top ops in --out/profile_*.txt")
     a("--gradient-checkpointing", action="store_true")
     a("--offload-trainers", type=parse_bool, default=True, help="true: DeepSpeed models sleep to pinned host "
       "memory between their phases; false: they stay on the GPU (their sleep only empties the CUDA cache) — for "
@@ -327,7 +332,7 @@ def launch(args, configs: dict, *, reward_model: str | None = None) -> Run:
             # resident trainers next to a resident engine: nobody needs their cached blocks back between phases
             info = run.workers[role].call("load", paths[role], config, args.seed, args.offload_trainers,
                                           empty_cache=args.engine_sleep_level > 0 or not args.colocate,
-                                          timeout_s=args.start_timeout)
+                                          tf32=args.tf32, timeout_s=args.start_timeout)
             print(f"{role}: {info[0]['parameters'] / 1e6:.1f}M parameters on {len(info)} rank(s)", flush=True)
         run.startup["models_s"] = time.perf_counter() - started - run.startup["processes_s"]
         _connect_weight_sync(run)

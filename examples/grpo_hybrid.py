@@ -73,7 +73,8 @@ def main(argv=None) -> dict:
     settings = hybrid.TrainSettings(epochs=args.epochs, minibatches=args.minibatches, grad_accum=args.grad_accum,
                                     temperature=args.temperature, clip=args.clip, kl_coef=args.kl_coef,
                                     aggregation="seq_mean_token_sum" if args.dr_grpo else "token_mean",
-                                    seed=args.seed, measure_mismatch=args.old_logprobs == "engine")
+                                    seed=args.seed, measure_mismatch=args.old_logprobs == "engine",
+                                    profile_step=args.profile_step, profile_dir=str(args.out.resolve()))
     stops = hybrid.stop_tokens(tokenizer, args.model)
     run = hybrid.launch(args, model_configs(args))
     actor, reference = run.workers["actor"], run.workers["reference"]

@@ -86,7 +86,7 @@ def main(argv=None) -> dict:
     config = ExperienceConfig(estimator="gae", gamma=args.gamma, lam=args.lam, kl_coef=args.kl_coef,
                               kl_in_reward=True)
     common = {"epochs": args.epochs, "minibatches": args.minibatches, "grad_accum": args.grad_accum,
-              "seed": args.seed}
+              "seed": args.seed, "profile_step": args.profile_step, "profile_dir": str(args.out.resolve())}
     actor_settings = hybrid.TrainSettings(**common, temperature=args.temperature, clip=args.clip,
                                           measure_mismatch=args.old_logprobs == "engine")
     critic_settings = hybrid.TrainSettings(**common, value_clip=args.value_clip)

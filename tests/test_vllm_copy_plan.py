@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from rlhfkit.engines._vllm_copy_plan import CopyPlan
@@ -239,3 +240,110 @@ def test_planned_falls_back_to_layerwise_where_auto_would(monkeypatch):
     repacked.model_runner.model.qkv_proj_layer.quant_method = object()  # a repacked weight: no weight_loader
     assert repacked._rlhfkit_layerwise("planned") is True and repacked._rlhfkit_layerwise("auto") is True
     assert len(walks) == 2
+
+
+def test_coalesce_copies_merges_runs_that_continue_each_other():
+    from rlhfkit.engines._vllm_copy_plan import coalesce_copies
+
+    flat = torch.randn(4 * H * H + H)
+    qkv, other, norm = torch.zeros(3 * H, H), torch.zeros(H, H), torch.zeros(H)
+    q, k, v, o = (flat[i * H * H:(i + 1) * H * H].view(H, H) for i in range(4))
+    n = flat[4 * H * H:]
+    transposed = torch.zeros(H, H)
+    dsts = [qkv[:H], qkv[H:2 * H], qkv[2 * H:], other, norm, transposed]
+    srcs = [q, k, v, o, n, o.t()]
+    pairs = coalesce_copies(dsts, srcs)
+    # q, k, v land back to back in qkv and come back to back from flat: one copy; o and norm go to other
+    # allocations; the transposed source is not contiguous and stays as it is
+    assert len(pairs) == 4
+    assert pairs[0][0].numel() == 3 * H * H and pairs[0][0].data_ptr() == qkv.data_ptr()
+    assert pairs[-1][1] is srcs[-1]
+    for dst, src in pairs:
+        dst.copy_(src)
+    assert torch.equal(qkv, flat[:3 * H * H].view(3 * H, H)) and torch.equal(other, o) and torch.equal(norm, n)
+    assert torch.equal(transposed, o.t())
+    # a gap in the source breaks the run
+    assert len(coalesce_copies([qkv[:H], qkv[H:2 * H]], [q, v])) == 2
+    assert coalesce_copies([], []) == []
+
+
+class ArmedBuckets:
+    """An armed receiver: ``wait_for_sync`` returns once the test starts the sync; then buckets like BucketReceiver."""
+
+    def __init__(self, weights) -> None:
+        import threading
+
+        self.weights, self.started, self.called_off = weights, threading.Event(), False
+
+    def wait_for_sync(self, timeout_s=None):
+        self.started.wait(10)
+        return not self.called_off
+
+    def call_off(self):
+        if self.started.is_set():
+            return False
+        self.called_off = True
+        self.started.set()
+        return True
+
+    def receive(self, load, by_bucket=False):
+        assert by_bucket
+        return {"num_tensors": load(iter([self.weights[:5], self.weights[5:]]))}
+
+
+def test_an_armed_sync_checks_the_plan_when_armed_not_when_the_sync_starts(monkeypatch):
+    worker, twin = PlannedWorker(), FusedModel()
+    state = worker._rlhfkit_state()
+    state["receiver"] = BucketReceiver(hf_weights(0))
+    worker.rlhfkit_receive_weights(1, "planned")  # builds the plan
+    checks = []
+    original = CopyPlan.valid
+    monkeypatch.setattr(CopyPlan, "valid", lambda plan: checks.append(len(checks)) or original(plan))
+    state["receiver"] = receiver = ArmedBuckets(hf_weights(1))
+    worker.rlhfkit_arm_weight_sync(2, "planned")
+    assert checks == [0] and state["plan_checked"]  # checked while arming, before any sync started
+    receiver.started.set()
+    report = worker.rlhfkit_settle_weight_sync(10)
+    assert report["version"] == 2 and checks == [0] and "plan_checked" not in state  # not checked again
+    twin.load_weights(hf_weights(1))
+    assert all(torch.equal(a, b) for a, b in zip(worker.model_runner.model.parameters(), twin.parameters(),
+                                                 strict=True))
+    # called off: the check is not carried over to the next update, which checks again
+    state["receiver"] = ArmedBuckets(hf_weights(2))
+    worker.rlhfkit_arm_weight_sync(3, "planned")
+    assert worker.rlhfkit_settle_weight_sync(10) is None and "plan_checked" not in state
+    worker.model_runner.model.norm.data = torch.zeros(H)  # a parameter moved while nothing was armed
+    state["receiver"] = BucketReceiver(hf_weights(3))
+    worker.rlhfkit_receive_weights(4, "planned")
+    assert len(checks) == 3 and state["plan"].valid()  # the stale plan was dropped and a new one recorded
+
+
+@pytest.mark.gpu
+def test_a_replayed_batch_runs_as_one_cuda_graph_of_current_values():
+    device = torch.device("cuda", 0)
+    model, twin = FusedModel().to(device), FusedModel().to(device)
+    plan = CopyPlan(model)
+    flat = torch.cat([t.reshape(-1) for _, t in hf_weights(0)]).to(device)
+    weights, start = [], 0  # views of one device buffer, handed over again at every sync (a kept mapping)
+    for name, tensor in hf_weights(0):
+        weights.append((name, flat[start:start + tensor.numel()].view(tensor.shape)))
+        start += tensor.numel()
+    planned = [w for w in weights if w[0] not in ("scaled.weight", "lm_head.weight")]
+    plan.record(planned, model.load_weights)
+    for seed in (1, 2, 3, 4):  # the trainer writes new values into the same buffer
+        fresh = [(n, t.to(device)) for n, t in hf_weights(seed) if n not in ("scaled.weight", "lm_head.weight")]
+        with torch.no_grad():
+            for (_, view), (_, new) in zip(planned, fresh, strict=True):
+                view.copy_(new)
+            model.padded.fill_(float("nan"))  # the replayed fill must run too
+        plan.apply(planned, model.load_weights)
+        twin.load_weights(fresh)
+        for (name, a), b in zip(model.named_parameters(), twin.parameters(), strict=True):
+            if name != "scaled":
+                assert torch.equal(a, b), (seed, name)
+        assert plan.last_replay == (None if seed == 1 else "graph"), seed  # remembered at 1, captured at 2
+    foreach = CopyPlan(model, replay="foreach")
+    foreach.record(planned, model.load_weights)
+    foreach.apply(planned, model.load_weights)
+    foreach.apply(planned, model.load_weights)
+    assert foreach.last_replay == "foreach"

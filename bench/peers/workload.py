@@ -24,6 +24,7 @@ def add_workload_arguments(parser: argparse.ArgumentParser, *, dtype_default: st
     a("--minibatches", type=int, default=2, help="optimizer steps per generation")
     a("--grad-accum", type=int, default=2, help="micro-batches per optimizer step")
     a("--dtype", choices=("float32", "bfloat16"), default=dtype_default, help=dtype_help)
+    a("--tf32", action="store_true", help="float32 training matmuls on TF32 tensor cores")
     a("--gpu-memory-utilization", type=float, default=0.3)
     a("--max-model-len", type=int, default=1024)
     a("--seed", type=int, default=0)

@@ -45,7 +45,7 @@ def take_tensor(iterator: Iterator[tuple[str, torch.Tensor]], spec: TensorSpec, 
                          f"{spec.name!r}; the stream must follow the description's order")
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"named_tensors yielded {type(tensor).__name__} for {name!r}; expected a torch.Tensor")
-    if tuple(tensor.shape) != tuple(spec.shape):
+    if tensor.shape != spec.shape:  # (torch.Size compares with the spec's tuple as a tuple)
         raise ValueError(f"tensor {name!r} has shape {tuple(tensor.shape)} but the description says "
                          f"{tuple(spec.shape)}")
     if tensor.dtype != spec.dtype and not (tensor.dtype.is_floating_point and spec.dtype.is_floating_point):

@@ -14,7 +14,10 @@ moved later invalidates the plan. Constant fills of a parameter (vLLM zero-fills
 recorded with the tensor being loaded and replayed before its copies. Conservative by construction: a tensor that
 produced no copy of its own (skipped, or deferred into a temporary), and every tensor of a batch in which some
 parameter was written from a temporary or by another in-place op, stay on ``load_weights``. Later loads apply all
-planned steps of a batch with one ``torch._foreach_copy_`` and send the rest through ``load_weights``.
+planned steps of a batch with one ``torch._foreach_copy_`` and send the rest through ``load_weights``. A batch of the
+very same tensor objects as the last (a receiver that keeps the sender's memory mapped) is replayed: on CUDA, from the
+third time on, as one CUDA graph of its copies (runs of copies that continue each other merged: q, k and v into
+``qkv_proj`` from a flat trainer buffer are one copy), which costs the host one launch instead of dozens.
 
 What it does not do: quantized or repacked weights (their loaders transform, so the tensors stay unplanned — use
 the layer-wise reload for those); sources that are not contiguous (they are loaded the plain way). Needs torch only;
@@ -31,7 +34,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["CopyPlan"]
+__all__ = ["CopyPlan", "coalesce_copies", "capture_copies"]
 
 Step = tuple[str, torch.Tensor, int, tuple[int, ...], tuple[int, ...]]  # param, dst view, src offset, size, stride
 _COPY = torch.ops.aten.copy_.default
@@ -99,10 +102,86 @@ def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
+def _flat(first: torch.Tensor, numel: int) -> torch.Tensor:
+    """A 1-D view of ``numel`` elements of ``first``'s storage, starting where ``first`` starts."""
+    return torch.empty(0, dtype=first.dtype, device=first.device).set_(
+        first.untyped_storage(), first.storage_offset(), (numel,), (1,))
+
+
+def coalesce_copies(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The copies ``dst.copy_(src)`` in order, with each run of copies that continue each other — contiguous, same
+    dtype, the next destination right after the previous one in the same storage, and likewise its source — merged
+    into one copy (vLLM's ``qkv_proj`` takes q, k and v back to back from a trainer's flat buffer: one copy)."""
+    pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+    run: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def close() -> None:
+        if len(run) == 1:
+            pairs.append(run[0])
+        elif run:
+            numel = sum(dst.numel() for dst, _ in run)
+            pairs.append((_flat(run[0][0], numel), _flat(run[0][1], numel)))
+        run.clear()
+
+    for dst, src in zip(dsts, srcs, strict=True):
+        plain = (dst.dtype == src.dtype and dst.is_contiguous() and src.is_contiguous() and dst.numel() > 0
+                 and dst.shape == src.shape)
+        if run and plain:
+            last_dst, last_src = run[-1]
+            if (dst.dtype == last_dst.dtype and dst.device == last_dst.device and src.device == last_src.device
+                    and dst.untyped_storage().data_ptr() == last_dst.untyped_storage().data_ptr()
+                    and src.untyped_storage().data_ptr() == last_src.untyped_storage().data_ptr()
+                    and dst.data_ptr() == last_dst.data_ptr() + _nbytes(last_dst)
+                    and src.data_ptr() == last_src.data_ptr() + _nbytes(last_src)):
+                run.append((dst, src))
+                continue
+        close()
+        if plain:
+            run.append((dst, src))
+        else:
+            pairs.append((dst, src))
+    close()
+    return pairs
+
+
+def capture_copies(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], fills: Sequence[tuple[torch.Tensor, Any]],
+                   device: torch.device) -> Any:
+    """The fills, then the copies, captured once in a CUDA graph (``torch.cuda.CUDAGraph``): a replay is one launch
+    on the current stream, whose device copies run back to back at copy speed, where ``_foreach_copy_`` launches
+    dozens of kernels from the host. Nothing is allocated. Returns None if the capture fails (the caller copies the
+    plain way); the capture runs on a side stream, in thread-local mode (another thread may use the GPU meanwhile)."""
+    graph = torch.cuda.CUDAGraph()
+    current = torch.cuda.current_stream(device)
+    side = torch.cuda.Stream(device)
+    side.wait_stream(current)
+    try:
+        with torch.cuda.stream(side):
+            graph.capture_begin(capture_error_mode="thread_local")
+            try:
+                for dst, value in fills:
+                    dst.fill_(value)
+                for dst, src in pairs:
+                    dst.copy_(src)
+            finally:
+                graph.capture_end()
+    except RuntimeError:
+        return None
+    finally:
+        current.wait_stream(side)
+    return graph
+
+
 class CopyPlan:
     """Per incoming HF name, the copies its ``load_weights`` makes; built by :meth:`record`."""
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: torch.nn.Module, *, replay: str = "auto") -> None:
+        if replay not in ("auto", "graph", "foreach"):
+            raise ValueError(f"replay={replay!r}; expected 'auto', 'graph' or 'foreach'")
+        # how a repeated batch is replayed: "graph" captures its copies in a CUDA graph at the second time it comes
+        # (one launch per sync; a failed capture falls back to foreach), "foreach" one torch._foreach_copy_; "auto"
+        # is "graph" on CUDA
+        self.replay_mode = replay
+        self.last_replay: str | None = None  # how the last apply() copied: "graph", "foreach" or None (not replayed)
         self.params = {p.untyped_storage().data_ptr(): name for name, p in model.named_parameters()}
         # what valid() compares: each module's parameter object and where its data lies (a dict lookup and a pointer
         # per parameter, instead of rebuilding the storage map through named_parameters())
@@ -120,7 +199,7 @@ class CopyPlan:
         # destinations, sources, parameters written, token). A receiver that keeps its mapping hands over the same
         # tensor objects at every sync; then a batch is one list comparison, its fills and one foreach copy. It is
         # dropped as soon as one of those tensors dies (so it never keeps a sender's memory mapped).
-        self._replay: tuple | None = None
+        self._replay: list | None = None
 
     def valid(self) -> bool:
         """False once a parameter was replaced or its data moved since recording (the plan's views would be
@@ -200,11 +279,19 @@ class CopyPlan:
         if (replay is not None and len(replay[0]) == len(batch)
                 and all(name == known and ref() is tensor
                         for (name, tensor), known, ref in zip(batch, replay[0], replay[1], strict=True))):
-            _, _, fills, dsts, srcs, written, _ = replay
-            for dst, value in fills:
-                dst.fill_(value)
-            torch._foreach_copy_(dsts, srcs)
+            _, _, fills, dsts, srcs, written, _, graph = replay
+            if graph is None and self._graphs(dsts):
+                graph = replay[7] = capture_copies(coalesce_copies(dsts, srcs), fills, dsts[0].device) or False
+            if graph:
+                graph.replay()
+                self.last_replay = "graph"
+            else:
+                for dst, value in fills:
+                    dst.fill_(value)
+                torch._foreach_copy_(dsts, srcs)
+                self.last_replay = "foreach"
             return set(written)
+        self.last_replay = None
         dsts, srcs, written, rest, fills = [], [], set(), [], []
         for name, tensor in batch:
             steps = self.steps.get(name)
@@ -228,6 +315,12 @@ class CopyPlan:
             self._remember(batch, fills, dsts, srcs, written)
         return written
 
+    def _graphs(self, dsts: list[torch.Tensor]) -> bool:
+        """Whether to capture this batch's replay in a CUDA graph: every tensor on one CUDA device."""
+        if self.replay_mode == "foreach" or not dsts or dsts[0].device.type != "cuda":
+            return False
+        return True
+
     def _remember(self, batch: Sequence[tuple[str, torch.Tensor]], fills: list, dsts: list, srcs: list,
                   written: set[str]) -> None:
         token = object()
@@ -235,8 +328,10 @@ class CopyPlan:
 
         def forget(_ref: weakref.ref) -> None:  # one of the batch's tensors died: its replay must not outlive it
             owner = plan()
-            if owner is not None and owner._replay is not None and owner._replay[-1] is token:
+            if owner is not None and owner._replay is not None and owner._replay[6] is token:
                 owner._replay = None
 
-        self._replay = ([name for name, _ in batch], [weakref.ref(tensor, forget) for _, tensor in batch], fills,
-                        dsts, srcs, frozenset(written), token)
+        # a list: its last entry, the CUDA graph of the replay (None: not captured yet; False: not to be), is set on
+        # the first replay
+        self._replay = [[name for name, _ in batch], [weakref.ref(tensor, forget) for _, tensor in batch], fills,
+                        dsts, srcs, frozenset(written), token, None]

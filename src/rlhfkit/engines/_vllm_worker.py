@@ -201,7 +201,8 @@ class WeightSyncExtension:
                 api[0](self._rlhfkit_model())
         planned = loading == "planned" and api is None
         plan = state.get("plan")
-        if planned and plan is not None and not plan.valid():  # a parameter moved: its recorded views are stale
+        checked = state.pop("plan_checked", False)  # an armed sync checked it before waiting (nothing ran since)
+        if planned and plan is not None and not checked and not plan.valid():  # a parameter moved: stale views
             state["plan"] = None
         state["session"] = {"layerwise": api is not None, "planned": planned, "num_tensors": 0}
         return dict(state["session"])
@@ -323,7 +324,8 @@ class WeightSyncExtension:
                       load_s=loading_s[0])
         plan = state.get("plan")
         if session.get("planned") and plan is not None:
-            report.update(planned_tensors=len(plan.steps), unplanned_tensors=len(plan.unplanned))
+            report.update(planned_tensors=len(plan.steps), unplanned_tensors=len(plan.unplanned),
+                          replay=plan.last_replay)
         reported = report.get("version")
         state["version"] = int(version if version is not None else reported if isinstance(reported, int)
                                else state["version"] + 1)
@@ -351,6 +353,11 @@ class WeightSyncExtension:
             raise RuntimeError("rlhfkit_arm_weight_sync called while a sync is already armed; settle it first")
         if state["session"] is not None:
             raise RuntimeError("rlhfkit_arm_weight_sync called while a weight update is open")
+        plan = state.get("plan")
+        if loading == "planned" and plan is not None:  # checked now, off the sync's path: until the sync is
+            if not plan.valid():                       # settled nothing may touch the weights (see above)
+                state["plan"] = None
+            state["plan_checked"] = True
         device = getattr(self, "device", None)
         state["armed"] = ArmedReceive(receiver, lambda: self.rlhfkit_receive_weights(version, loading),
                                       device=device if isinstance(device, torch.device) else None,
@@ -370,6 +377,7 @@ class WeightSyncExtension:
         finally:
             if not armed.running:  # (still receiving after timeout_s: stays armed, a later settle waits again)
                 state["armed"] = None
+                state.pop("plan_checked", None)  # a called-off sync did not use its check
 
     def rlhfkit_close_weight_sync(self) -> None:
         self.rlhfkit_settle_weight_sync()
