@@ -6,6 +6,8 @@
 #   stage 2 (kit chunk 2: vllm):           vLLM engine bench on a tiny model + sleep on a 1.5B model (+ TP 2)
 #   stage 3 (kit chunk 3: SmolLM2):        convert SmolLM2, DeepSpeed sleep bench, vLLM model/throughput, IPC→vLLM
 #   stage 4 (pytest carried):              every @pytest.mark.gpu test
+#   stages 47, 48, 49, 50: round 8b (bucket 0 before the manifest; GRPO with TF32 trainers, the engine sleeping,
+#     2 GPUs at the same per-GPU batch; TRL fp32 and TF32)
 #   stages 45, 46: round 8 (copy-plan replay as a CUDA graph, the plan checked when armed; training profiled)
 #   stages 43, 44: round 7d (cached zero-copy messages and planned batches)
 #   stages 41, 42: round 7c (no per-tensor detach on the sender, no check round for a repeated manifest)
@@ -384,6 +386,38 @@ case $stage in
   on 0 ipc_vllm_armed_r8 180 python bench/ipc_to_vllm.py $IPC --armed --out $RUNS/ipc_vllm_armed_r8.json &
   ( on 1 ipc_vllm_rpc_r8 180 python bench/ipc_to_vllm.py $IPC --out $RUNS/ipc_vllm_rpc_r8.json
     on 1 ipc_vllm_tiny_r8 150 python bench/ipc_to_vllm.py --model /tmp/tiny-hd64 --zero-copy --keep-mapped --loading planned --bucket-mb 0 --armed --out $RUNS/ipc_vllm_tiny_r8.json ) &
+  wait; pack
+  ;;
+47) # round 8b, kit chunk 1: the weight-sync GPU tests (CUDA IPC, zero-copy, NCCL) after bucket 0 moved before the
+    # manifest; then the optimizer step with TF32 matmuls at ZeRO-0/1 and in plain torch (GPU 0, GPU 1)
+  run 200 python -m pytest -q -p no:cacheprovider -m gpu tests/test_weight_sync.py
+  on 0 train_step_z01 150 python bench/train_step.py --out $RUNS/train_step_z01.json --seqs 64 --micro 1 --profile --config-timeout-s 70 --configs zero0_tf32_varlen zero1_tf32_varlen &
+  on 1 train_step_torch 100 python bench/train_step.py --out $RUNS/train_step_torch.json --seqs 64 --micro 1 --profile --config-timeout-s 90 --configs torch_tf32_varlen &
+  big
+  wait; pack
+  ;;
+48) # round 8b, kit chunk 2 (after 47): into vLLM again, armed (GPU 0) and RPC (GPU 1), bucket 0 ready before the
+    # manifest goes out
+  IPC="--random-layers 30 --dtype bfloat16 --zero-copy --keep-mapped --no-greedy --loading planned --bucket-mb 0"
+  on 0 ipc_vllm_armed_r8b 180 python bench/ipc_to_vllm.py $IPC --armed --out $RUNS/ipc_vllm_armed_r8b.json &
+  on 1 ipc_vllm_rpc_r8b 180 python bench/ipc_to_vllm.py $IPC --out $RUNS/ipc_vllm_rpc_r8b.json &
+  wait; pack
+  ;;
+49) # round 8b, kit chunk 3 (SmolLM2): GRPO, armed, TF32 trainers: everything resident (GPU 0, training profiled at
+    # step 5) and the engine sleeping at level 2 with a KV pool sized to the workload (GPU 1); then 2 GPUs with twice
+    # the prompts (the same per-GPU batch as GPU 0's run)
+  run 120 python examples/convert_smollm2.py --out $SMOL
+  R8="$RESIDENT --old-logprobs engine --sync-mode armed --tf32"
+  on 0 r10_res 300 python examples/grpo_hybrid.py --model $SMOL $R8 --profile-step 5 --out $RUNS/r10_res &
+  on 1 r10_sleep 300 python examples/grpo_hybrid.py --model $SMOL ${R8/--engine-sleep-level 0/--engine-sleep-level 2} --gpu-memory-utilization 0.05 --out $RUNS/r10_sleep &
+  wait
+  on 0,1 r10_2gpu 260 python examples/grpo_hybrid.py --model $SMOL ${R8/--steps 16/--steps 12} --rollout-batch 32 --num-gpus 2 --out $RUNS/r10_2gpu
+  pack
+  ;;
+50) # round 8b, .carry/peers (after 49): TRL in the same chain, fp32 (GPU 0) and with TF32 training matmuls (GPU 1)
+  eval "$(bash bench/peers/install-peers.sh 2>>"$log")"
+  on 0 trl_r8 280 python bench/peer_trl.py --model $SMOL ${HYB/--steps 100/--steps 15} --grad-accum 1 --gpu-memory-utilization 0.15 --out $RUNS/peer_trl_r8.json &
+  on 1 trl_r8_tf32 280 python bench/peer_trl.py --model $SMOL ${HYB/--steps 100/--steps 15} --grad-accum 1 --gpu-memory-utilization 0.15 --tf32 --out $RUNS/peer_trl_r8_tf32.json &
   wait; pack
   ;;
 esac

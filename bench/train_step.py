@@ -42,6 +42,8 @@ CONFIGS = {  # name -> (kind, zero stage, dtype, attention)
     "torch_tf32_varlen": ("torch", None, "tf32", "varlen"),
     "zero2_tf32_varlen": ("deepspeed", 2, "tf32", "varlen"),
     "zero2_bf16_varlen": ("deepspeed", 2, "bfloat16", "varlen"),
+    "zero1_tf32_varlen": ("deepspeed", 1, "tf32", "varlen"),
+    "zero0_tf32_varlen": ("deepspeed", 0, "tf32", "varlen"),
 }
 
 

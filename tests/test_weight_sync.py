@@ -742,13 +742,18 @@ def test_sender_stream_error_aborts_receivers(backend):
     group = Group(2, backend=backend, bucket_bytes=4096)
     try:
         description = describe_parameters(group.source.items())
-        stream = [(n, t.T if n == "layers.5.w" else t) for n, t in group.source.items()]
-        sent, received = group.sync(stream=iter(stream), description=description)
-        assert isinstance(sent, ValueError) and "'layers.5.w' has shape (19, 42)" in str(sent)
-        for result in received:
-            assert isinstance(result, WeightSyncAborted) and "'layers.5.w' has shape (19, 42)" in str(result)
+        first = next(iter(group.source))
+        # a later bucket, and bucket 0 (made ready before the manifest goes out: its failure must reach the
+        # receivers all the same)
+        for version, bad in ((1, "layers.5.w"), (2, first)):
+            stream = [(n, t.T if n == bad else t) for n, t in group.source.items()]
+            shape = tuple(group.source[bad].T.shape)
+            sent, received = group.sync(stream=iter(stream), description=description)
+            assert isinstance(sent, ValueError) and f"{bad!r} has shape {shape}" in str(sent), version
+            for result in received:
+                assert isinstance(result, WeightSyncAborted) and f"{bad!r} has shape {shape}" in str(result)
         sent, received = group.sync()
-        assert sent.receiver_versions == (2, 2)
+        assert sent.receiver_versions == (3, 3)
     finally:
         group.close()
 

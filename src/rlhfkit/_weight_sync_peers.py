@@ -120,6 +120,16 @@ class SenderSide:
         clock = _Phases()
         self._connect()
         manifest, data = self._manifest(tuple(specs))
+        # bucket 0 is made ready before anyone hears of the sync (its slot is free: the last sync ended with every
+        # receiver done), so receivers find it waiting instead of waiting for it; if that fails, the sync goes on
+        # until bucket 0 is due and is aborted there, as if it had failed then (receivers learn it at once)
+        first: tuple | Exception | None = None
+        if manifest.buckets:
+            self.transport.acquire(manifest.version, manifest.buckets[0])
+            try:
+                first = self._fill(manifest, manifest.buckets[0], iterator, after_pack)
+            except Exception as error:  # noqa: BLE001 — re-raised in _stream, after the receivers are told
+                first = error
         self.version = manifest.version  # used even if the sync fails: a version is never reused
         body = self._encoded[1] if self._encoded is not None else None
         # the same manifest as the last sync, which every receiver accepted: its verdicts cannot differ, so the
@@ -135,7 +145,7 @@ class SenderSide:
             if not prechecked:
                 self._check(manifest)
                 clock.mark("check")
-            self._stream(manifest, iterator, after_pack)
+            self._stream(manifest, iterator, after_pack, first)
             clock.mark("stream")
             versions = self._done(manifest)
             clock.mark("wait_done")
@@ -193,7 +203,9 @@ class SenderSide:
             raise ManifestMismatchError(message)
         self.control.put(f"{version}/go", {"go": 1})
 
-    def _stream(self, manifest: Manifest, iterator: Iterator, after_pack: AfterPack) -> None:
+    def _stream(self, manifest: Manifest, iterator: Iterator, after_pack: AfterPack,
+                first: tuple | Exception | None) -> None:
+        """Publish every bucket in order; bucket 0 is ``first``, filled (or failed) before the manifest went out."""
         version, transport = manifest.version, self.transport
         for bucket in manifest.buckets:
             try:
@@ -202,7 +214,12 @@ class SenderSide:
                 self._abort(manifest, bucket, f"{error}", peer_failed=True)
                 raise
             try:
-                published = self._fill(manifest, bucket, iterator, after_pack)
+                if bucket.index == 0 and first is not None:
+                    if isinstance(first, Exception):
+                        raise first
+                    published = first
+                else:
+                    published = self._fill(manifest, bucket, iterator, after_pack)
             except Exception as error:
                 self._abort(manifest, bucket, f"the sender failed while packing bucket {bucket.index}: "
                                               f"{type(error).__name__}: {error}", peer_failed=False)
