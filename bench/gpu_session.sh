@@ -6,6 +6,7 @@
 #   stage 2 (kit chunk 2: vllm):           vLLM engine bench on a tiny model + sleep on a 1.5B model (+ TP 2)
 #   stage 3 (kit chunk 3: SmolLM2):        convert SmolLM2, DeepSpeed sleep bench, vLLM model/throughput, IPC→vLLM
 #   stage 4 (pytest carried):              every @pytest.mark.gpu test
+#   stages 51, 52, 53, 54: round 8c (ZeRO-1 with TF32 in the actor's backward only; TRL in the same chain)
 #   stages 47, 48, 49, 50: round 8b (bucket 0 before the manifest; GRPO with TF32 trainers, the engine sleeping,
 #     2 GPUs at the same per-GPU batch; TRL fp32 and TF32)
 #   stages 45, 46: round 8 (copy-plan replay as a CUDA graph, the plan checked when armed; training profiled)
@@ -407,7 +408,7 @@ case $stage in
     # step 5) and the engine sleeping at level 2 with a KV pool sized to the workload (GPU 1); then 2 GPUs with twice
     # the prompts (the same per-GPU batch as GPU 0's run)
   run 120 python examples/convert_smollm2.py --out $SMOL
-  R8="$RESIDENT --old-logprobs engine --sync-mode armed --tf32"
+  R8="$RESIDENT --old-logprobs engine --sync-mode armed --tf32 all"
   on 0 r10_res 300 python examples/grpo_hybrid.py --model $SMOL $R8 --profile-step 5 --out $RUNS/r10_res &
   on 1 r10_sleep 300 python examples/grpo_hybrid.py --model $SMOL ${R8/--engine-sleep-level 0/--engine-sleep-level 2} --gpu-memory-utilization 0.05 --out $RUNS/r10_sleep &
   wait
@@ -418,6 +419,27 @@ case $stage in
   eval "$(bash bench/peers/install-peers.sh 2>>"$log")"
   on 0 trl_r8 280 python bench/peer_trl.py --model $SMOL ${HYB/--steps 100/--steps 15} --grad-accum 1 --gpu-memory-utilization 0.15 --out $RUNS/peer_trl_r8.json &
   on 1 trl_r8_tf32 280 python bench/peer_trl.py --model $SMOL ${HYB/--steps 100/--steps 15} --grad-accum 1 --gpu-memory-utilization 0.15 --tf32 --out $RUNS/peer_trl_r8_tf32.json &
+  wait; pack
+  ;;
+51) # round 8c, kit chunk 1 then 52, kit chunk 2: install only (vLLM needs both before stage 53)
+  ;;
+52)
+  ;;
+53) # round 8c, kit chunk 3 (SmolLM2, after 51, 52): GRPO, armed, everything resident: ZeRO-1 with TF32 only in the
+    # actor's backward passes (GPU 0) against round 7's ZeRO-2 fp32 (GPU 1); then the first on 2 GPUs with twice the
+    # prompts (the same per-GPU batch)
+  run 120 python examples/convert_smollm2.py --out $SMOL
+  R8="$RESIDENT --old-logprobs engine --sync-mode armed"
+  on 0 r11_z1bwd 300 python examples/grpo_hybrid.py --model $SMOL ${R8/--zero-stage 2/--zero-stage 1} --tf32 backward --out $RUNS/r11_z1bwd &
+  on 1 r11_z2fp32 300 python examples/grpo_hybrid.py --model $SMOL $R8 --out $RUNS/r11_z2fp32 &
+  wait
+  on 0,1 r11_2gpu 260 python examples/grpo_hybrid.py --model $SMOL ${R8/--steps 16/--steps 12} --rollout-batch 32 --num-gpus 2 --zero-stage 1 --tf32 backward --out $RUNS/r11_2gpu
+  pack
+  ;;
+54) # round 8c, .carry/peers (after 53): TRL in the same chain, fp32 (GPU 0) and TF32 (GPU 1)
+  eval "$(bash bench/peers/install-peers.sh 2>>"$log")"
+  on 0 trl_r8c 280 python bench/peer_trl.py --model $SMOL ${HYB/--steps 100/--steps 15} --grad-accum 1 --gpu-memory-utilization 0.15 --out $RUNS/peer_trl_r8c.json &
+  on 1 trl_r8c_tf32 280 python bench/peer_trl.py --model $SMOL ${HYB/--steps 100/--steps 15} --grad-accum 1 --gpu-memory-utilization 0.15 --tf32 --out $RUNS/peer_trl_r8c_tf32.json &
   wait; pack
   ;;
 esac

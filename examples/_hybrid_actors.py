@@ -91,16 +91,19 @@ class ModelWorker(Worker):
         self.events: list[dict] = []
         self.model = self.sender = None
         self.offload = True  # load(offload=False): the model stays on its GPU and its sleep only empties the cache
+        self.tf32 = "off"
         self.resident = ResidentModel()
 
     def load(self, path: str, config, seed: int, offload: bool = True, empty_cache: bool = True,
-             tf32: bool = False) -> dict:
+             tf32: str = "off") -> dict:
         """Build the model while holding the GPU's claim, then put it to sleep. ``offload=False``: its sleep keeps
         every state on the GPU and only empties the CUDA cache (for models small enough to stay resident), or not
-        even that with ``empty_cache=False``. ``tf32``: this process's float32 matmuls use TF32 tensor cores."""
+        even that with ``empty_cache=False``. ``tf32``: where this process's float32 matmuls use TF32 tensor cores
+        ("off", "backward": only inside ``train``'s backward passes, "all")."""
         from rlhfkit.deepspeed_engine import DeepSpeedEngine
 
-        torch.set_float32_matmul_precision("high" if tf32 else "highest")  # "high": TF32 tensor cores
+        self.tf32 = tf32
+        torch.set_float32_matmul_precision("high" if tf32 == "all" else "highest")  # "high": TF32 tensor cores
         self.offload = offload
         self.resident = ResidentModel(empty_cache)
         self._transition("wake", "load")  # claim only: the model does not exist yet
@@ -176,7 +179,13 @@ class ModelWorker(Worker):
                     micro = select_experience(minibatch, part).to(device)
                     measure = settings.measure_mismatch and epoch == 0 and index == 0
                     loss, stats = self._loss(micro, settings, num_tokens, num_seqs, mismatch if measure else None)
-                    self.model.backward(loss)
+                    if self.tf32 == "backward":  # (a process-wide setting: the autograd threads see it too)
+                        torch.set_float32_matmul_precision("high")
+                    try:
+                        self.model.backward(loss)
+                    finally:
+                        if self.tf32 == "backward":
+                            torch.set_float32_matmul_precision("highest")
                     minibatch_loss += float(loss.detach())
                     stats |= {k: v for k, v in self.model.step().items() if k in ("grad_norm", "lr")}
                     for key, value in stats.items():
