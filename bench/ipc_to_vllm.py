@@ -126,6 +126,9 @@ def main() -> None:
     parser.add_argument("--armed", action="store_true", help="arm the engine before each sync "
                         "(VLLMEngine.arm_weight_sync): the timed sync is the sender's send() alone")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=3, help="untimed syncs first: with --loading planned the plan "
+                        "is recorded at the first, its batch remembered at the second and captured as a CUDA graph "
+                        "at the third (≈ 15-20 ms once)")
     parser.add_argument("--no-greedy", action="store_true", help="skip the greedy and log-prob comparisons")
     args = parser.parse_args()
     if bool(args.model) == bool(args.random_layers):
@@ -186,7 +189,7 @@ def main() -> None:
     with WeightSender(sync_config, SyncEndpoint(world_size=2, rank=0, port=0), device=torch.device("cuda:0")) as sender:
         ray.get(engine.init_weight_sync.remote(sync_config, sender.endpoint, first_rank=1), timeout=120)
         once = armed_sync_once if args.armed else sync_once
-        syncs = [once(engine, sender, named, ray) for _ in range(2 + args.repeats)]
+        syncs = [once(engine, sender, named, ray) for _ in range(args.warmup + args.repeats)]
         # then new weights in the same tensors, and one more sync: the greedy check sees what a replayed sync
         # (the same tensors as the last ones: a recorded plan, a CUDA graph) delivered, not the first sync's values
         train_step()
@@ -199,8 +202,8 @@ def main() -> None:
         if not args.no_greedy:
             results["logprob_mean_abs_diff_after_sync"] = logprob_gap(trainer, rollouts_after)
         ray.get(engine.close_weight_sync.remote(), timeout=60)
-    timed = sorted(s["seconds"] for s in syncs[2:])
-    sender_timed = sorted(s["sender_seconds"] for s in syncs[2:])
+    timed = sorted(s["seconds"] for s in syncs[args.warmup:])
+    sender_timed = sorted(s["sender_seconds"] for s in syncs[args.warmup:])
     results |= {
         "syncs": syncs,
         "median_s": timed[len(timed) // 2], "sender_median_s": sender_timed[len(timed) // 2],
