@@ -6,6 +6,7 @@
 #   stage 2 (kit chunk 2: vllm):           vLLM engine bench on a tiny model + sleep on a 1.5B model (+ TP 2)
 #   stage 3 (kit chunk 3: SmolLM2):        convert SmolLM2, DeepSpeed sleep bench, vLLM model/throughput, IPC→vLLM
 #   stage 4 (pytest carried):              every @pytest.mark.gpu test
+#   stages 55, 56: round 8d (bucket 0's message before the start key; into vLLM again)
 #   stages 51, 52, 53, 54: round 8c (ZeRO-1 with TF32 in the actor's backward only; TRL in the same chain)
 #   stages 47, 48, 49, 50: round 8b (bucket 0 before the manifest; GRPO with TF32 trainers, the engine sleeping,
 #     2 GPUs at the same per-GPU batch; TRL fp32 and TF32)
@@ -440,6 +441,16 @@ case $stage in
   eval "$(bash bench/peers/install-peers.sh 2>>"$log")"
   on 0 trl_r8c 280 python bench/peer_trl.py --model $SMOL ${HYB/--steps 100/--steps 15} --grad-accum 1 --gpu-memory-utilization 0.15 --out $RUNS/peer_trl_r8c.json &
   on 1 trl_r8c_tf32 280 python bench/peer_trl.py --model $SMOL ${HYB/--steps 100/--steps 15} --grad-accum 1 --gpu-memory-utilization 0.15 --tf32 --out $RUNS/peer_trl_r8c_tf32.json &
+  wait; pack
+  ;;
+55) # round 8d, kit chunk 1: install only (stage 56 needs vLLM)
+  ;;
+56) # round 8d, kit chunk 2 (after 55): into vLLM, armed (GPU 0) and RPC (GPU 1), bucket 0's message published
+    # before the start key when there is no check round; 3 warm-up syncs (the CUDA graph is captured at the third)
+  IPC="--random-layers 30 --dtype bfloat16 --zero-copy --keep-mapped --no-greedy --loading planned --bucket-mb 0"
+  big
+  on 0 ipc_vllm_armed_r8d 180 python bench/ipc_to_vllm.py $IPC --armed --out $RUNS/ipc_vllm_armed_r8d.json &
+  on 1 ipc_vllm_rpc_r8d 180 python bench/ipc_to_vllm.py $IPC --out $RUNS/ipc_vllm_rpc_r8d.json &
   wait; pack
   ;;
 esac
