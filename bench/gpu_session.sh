@@ -446,7 +446,8 @@ case $stage in
 55) # round 8d, kit chunk 1: install only (stage 56 needs vLLM)
   ;;
 56) # round 8d, kit chunk 2 (after 55): into vLLM, armed (GPU 0) and RPC (GPU 1), bucket 0's message published
-    # before the start key when there is no check round; 3 warm-up syncs (the CUDA graph is captured at the third)
+    # before the start key when there is no check round (measured no gain, then reverted: this stage now runs
+    # stage 48's code); 3 warm-up syncs (the CUDA graph is captured at the third)
   IPC="--random-layers 30 --dtype bfloat16 --zero-copy --keep-mapped --no-greedy --loading planned --bucket-mb 0"
   big
   on 0 ipc_vllm_armed_r8d 180 python bench/ipc_to_vllm.py $IPC --armed --out $RUNS/ipc_vllm_armed_r8d.json &

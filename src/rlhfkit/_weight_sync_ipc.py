@@ -105,10 +105,6 @@ class CudaOps:
 class IpcSender:
     """Sender half. ``peers``: the receiver ranks."""
 
-    # a bucket's "ready" is a store message: it may be published before the receivers are woken (they read it once
-    # they have accepted the manifest)
-    publishes_before_start = True
-
     def __init__(self, control: ControlChannel, slots: BucketSlots, peers: list[int], *, use_events: bool,
                  zero_copy: bool = False) -> None:
         self.control, self.slots, self.peers, self.use_events = control, slots, peers, use_events

@@ -137,17 +137,7 @@ class SenderSide:
         prechecked = body is not None and body == self._accepted
         self._accepted = None  # until this sync has succeeded
         clock.mark("prepare")
-        self._claim(manifest.version, data)
-        # CUDA IPC, no check round: bucket 0's message goes out before the start key, so a receiver reads it at once
-        # (one that refuses the manifest never reads it; its refusal reaches the sender in its report)
-        early = False
-        if prechecked and isinstance(first, tuple) and getattr(self.transport, "publishes_before_start", False):
-            try:
-                self.transport.publish(manifest.version, manifest.buckets[0], *first)
-                early = True
-            except Exception as error:  # noqa: BLE001 — aborted at bucket 0 in _stream, as a failed fill
-                first = error
-        self.control.put_bytes(f"{manifest.version}/start", b"go" if prechecked else b"check")
+        self._publish(manifest.version, data, prechecked=prechecked)
         clock.mark("publish")
         try:
             if self.link is not None and self.link.group is None:
@@ -155,7 +145,7 @@ class SenderSide:
             if not prechecked:
                 self._check(manifest)
                 clock.mark("check")
-            self._stream(manifest, iterator, after_pack, first, published_first=early)
+            self._stream(manifest, iterator, after_pack, first)
             clock.mark("stream")
             versions = self._done(manifest)
             clock.mark("wait_done")
@@ -168,15 +158,16 @@ class SenderSide:
         self.control.delete(f"{manifest.version}/manifest")
         return manifest, versions
 
-    def _claim(self, version: int, data: bytes) -> None:
-        """Publish the manifest unless a receiver called this sync off first (see ``ReceiverSide.call_off``); the
-        receivers wake at the start key, set next."""
+    def _publish(self, version: int, data: bytes, *, prechecked: bool = False) -> None:
+        """Publish the manifest unless a receiver called this sync off first (see ``ReceiverSide.call_off``), then
+        wake the receivers."""
         current = self.store.compare_set(f"{version}/manifest", b"", data)
         if current != data:
             who = current[len(CALLED_OFF):].decode(errors="replace") if current.startswith(CALLED_OFF) else "?"
             raise WeightSyncAborted(
                 f"sync {version} of {self.describe_group()} was called off by {who} before it started: its engine "
                 f"settled an armed sync that had not begun (arm the engine again, then send)")
+        self.control.put_bytes(f"{version}/start", b"go" if prechecked else b"check")
 
     def _manifest(self, specs: tuple[TensorSpec, ...]) -> tuple[Manifest, bytes]:
         """This sync's manifest and its bytes; the layout and encoding are reused while the stream's description
@@ -213,13 +204,10 @@ class SenderSide:
         self.control.put(f"{version}/go", {"go": 1})
 
     def _stream(self, manifest: Manifest, iterator: Iterator, after_pack: AfterPack,
-                first: tuple | Exception | None, *, published_first: bool = False) -> None:
-        """Publish every bucket in order; bucket 0 is ``first``, filled (or failed) before the manifest went out,
-        and already published if ``published_first``."""
+                first: tuple | Exception | None) -> None:
+        """Publish every bucket in order; bucket 0 is ``first``, filled (or failed) before the manifest went out."""
         version, transport = manifest.version, self.transport
         for bucket in manifest.buckets:
-            if bucket.index == 0 and published_first:
-                continue
             try:
                 transport.acquire(version, bucket)
             except WeightSyncError as error:
