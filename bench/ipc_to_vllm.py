@@ -80,7 +80,8 @@ def sync_once(engine, sender, named, ray) -> dict:
     worker = worker_reports[0] if worker_reports and isinstance(worker_reports[0], dict) else {}
     return {"seconds": time.perf_counter() - start, "sender_seconds": report.seconds, "version": report.version,
             **{f"worker_{k}": worker[k] for k in ("begin_s", "receive_s", "load_s", "finish_s", "layerwise", "planned",
-                                                  "planned_tensors", "unplanned_tensors", "replay", "seconds") if k in worker},
+                                                  "planned_tensors", "unplanned_tensors", "replay", "seconds")
+               if k in worker},
             **{f"worker_{k}": v for k, v in worker.items() if k.startswith("channel_")},
             **{f"sender_{name}_s": v for name, v in report.phases},
             "bytes": report.num_bytes,
@@ -102,7 +103,8 @@ def armed_sync_once(engine, sender, named, ray) -> dict:
     return {"seconds": seconds, "sender_seconds": report.seconds, "version": report.version,
             "settle_s": time.perf_counter() - settle_start,
             **{f"worker_{k}": worker[k] for k in ("begin_s", "receive_s", "load_s", "finish_s", "layerwise", "planned",
-                                                  "planned_tensors", "unplanned_tensors", "replay", "seconds") if k in worker},
+                                                  "planned_tensors", "unplanned_tensors", "replay", "seconds")
+               if k in worker},
             **{f"worker_{k}": v for k, v in worker.items() if k.startswith("channel_")},
             **{f"sender_{name}_s": v for name, v in report.phases},
             "bytes": report.num_bytes, "buckets": report.num_buckets, "worker_reports": len(worker_reports)}

@@ -90,7 +90,8 @@ def grpo_config(args, work_dir: Path):
         shuffle_dataset=False, max_completion_length=args.max_new_tokens, temperature=args.temperature,
         learning_rate=args.lr, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0,
         beta=args.kl_coef, epsilon=args.clip, loss_type="dapo", scale_rewards="group",  # dapo = global token mean
-        bf16=args.dtype == "bfloat16", fp16=False, tf32=True if args.tf32 else None, model_init_kwargs={"dtype": getattr(torch, args.dtype)},
+        bf16=args.dtype == "bfloat16", fp16=False, tf32=True if args.tf32 else None,
+        model_init_kwargs={"dtype": getattr(torch, args.dtype)},
         disable_dropout=True, log_completions=False, dataloader_num_workers=0,
         use_vllm=use_vllm, vllm_mode="colocate", vllm_enable_sleep_mode=use_vllm and not args.no_sleep,
         vllm_gpu_memory_utilization=args.gpu_memory_utilization, vllm_max_model_length=args.max_model_len,

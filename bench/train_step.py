@@ -238,7 +238,8 @@ def main() -> None:
         results["runs"][name] = result
         print(name, {k: v for k, v in result.items() if k in ("optimizer_step_s", "forward_s", "error")}, flush=True)
         if "profile" in result:
-            print({k: v for k, v in result["profile"].items() if k != "top"}, "\n" + result["profile"]["top"], flush=True)
+            summary = {k: v for k, v in result["profile"].items() if k != "top"}
+            print(summary, "\n" + result["profile"]["top"], flush=True)
         args.out.write_text(json.dumps(results, indent=1))
 
 

@@ -90,7 +90,7 @@ def add_arguments(parser, *, default_out: str) -> None:
       "actor's backward passes (forwards, log-probs and the engine-vs-trainer gap stay float32), 'all' everywhere "
       "(on SmolLM2 the gap grows from ~0.002 to 0.03-0.06 nats)")
     a("--profile-step", type=int, default=-1, help="run this step's training under torch.profiler: device busy "
-      "time against wall time in the metrics, each rank's top ops in --out/profile_*.txt")
+      "time against wall time in the metrics, each rank's top ops in --out/profile_*.txt (on that rank's node)")
     a("--gradient-checkpointing", action="store_true")
     a("--offload-trainers", type=parse_bool, default=True, help="true: DeepSpeed models sleep to pinned host "
       "memory between their phases; false: they stay on the GPU (their sleep only empties the CUDA cache) — for "

@@ -127,6 +127,7 @@ def test_a_kept_mapping_reuses_its_source_views_and_copies_current_values():
             for (_, view), (_, new) in zip(weights, fresh, strict=True):
                 view.copy_(new)
         plan.apply(weights, model.load_weights)
+        assert plan.last_replay == "foreach"  # (a CUDA graph only on CUDA)
         twin.load_weights(fresh)
         assert all(torch.equal(a, b) for a, b in zip(model.parameters(), twin.parameters(), strict=True)), seed
         assert all(plan._sources[id(tensor), name][1] is cached[name] for name, tensor in weights)  # cut once
@@ -242,6 +243,11 @@ def test_planned_falls_back_to_layerwise_where_auto_would(monkeypatch):
     assert len(walks) == 2
 
 
+def test_replay_mode_is_checked():
+    with pytest.raises(ValueError, match="replay='graphs'"):
+        CopyPlan(FusedModel(), replay="graphs")
+
+
 def test_coalesce_copies_merges_runs_that_continue_each_other():
     from rlhfkit.engines._vllm_copy_plan import coalesce_copies
 
@@ -342,6 +348,8 @@ def test_a_replayed_batch_runs_as_one_cuda_graph_of_current_values():
             if name != "scaled":
                 assert torch.equal(a, b), (seed, name)
         assert plan.last_replay == (None if seed == 1 else "graph"), seed  # remembered at 1, captured at 2
+    with pytest.raises(ValueError, match="replay='cuda'"):
+        CopyPlan(model, replay="cuda")
     foreach = CopyPlan(model, replay="foreach")
     foreach.record(planned, model.load_weights)
     foreach.apply(planned, model.load_weights)

@@ -108,7 +108,8 @@ def _flat(first: torch.Tensor, numel: int) -> torch.Tensor:
         first.untyped_storage(), first.storage_offset(), (numel,), (1,))
 
 
-def coalesce_copies(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def coalesce_copies(dsts: Sequence[torch.Tensor],
+                    srcs: Sequence[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """The copies ``dst.copy_(src)`` in order, with each run of copies that continue each other — contiguous, same
     dtype, the next destination right after the previous one in the same storage, and likewise its source — merged
     into one copy (vLLM's ``qkv_proj`` takes q, k and v back to back from a trainer's flat buffer: one copy)."""
