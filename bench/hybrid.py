@@ -10,8 +10,15 @@ mismatch into one JSON. One command per device kind:
     python bench/hybrid.py --summarize runs/grpo100 --out grpo100.json    # summarise a run dir (+ its curve.png)
 
 Runs per kind (``--runs a,b`` picks a subset, ``--list`` shows them): 1 GPU: GRPO and PPO, everything colocated.
-2 GPUs: GRPO on 1 GPU (the scaling baseline, same global batch), GRPO on 2 GPUs colocated (2 engines, DP 2, CUDA
-IPC), GRPO with the engine on its own GPU (NCCL sync); ``ppo_2gpu`` on request. The JSON is rewritten after every
+2 GPUs: GRPO on 1 GPU (the scaling baseline), GRPO on 2 GPUs colocated (2 engines, DP 2, CUDA IPC) with the same
+global batch and with twice the prompts (the same batch per GPU), GRPO with the engine on its own GPU (NCCL sync);
+``ppo_2gpu`` on request. Runs go one after another, so none shares the host with another (a host-bound step slows
+down beside a second run). ``--extra "..."`` adds arguments to every run, e.g. round 8's resident configuration:
+
+    python bench/hybrid.py --kind h200-x2 --out scaling.json --steps 16 --extra "--rollout-batch 16 \
+        --samples-per-prompt 8 --max-new-tokens 64 --lr 1e-5 --zero-stage 2 --offload-trainers false --attn varlen \
+        --weight-loading planned --grad-accum 1 --engine-sleep-level 0 --old-logprobs engine --sync-mode armed"
+ The JSON is rewritten after every
 run, so a harness cut short still leaves the runs it finished. A missing ``--model`` folder is converted from the
 SmolLM2 GGUF first (examples/convert_smollm2.py). Step statistics are medians over the steps after ``--warmup``.
 """
@@ -22,6 +29,7 @@ import argparse
 import json
 import os
 import platform
+import shlex
 import statistics
 import subprocess
 import sys
@@ -40,6 +48,8 @@ RUNS = {
         "ppo_1gpu": ("ppo_hybrid", ["--engine", "hf", "--device", "cpu", "--tiny", "--steps", "5"]),
         "grpo_2gpu_separate": ("grpo_hybrid", ["--engine", "hf", "--device", "cpu", "--tiny", "--steps", "5",
                                                "--num-gpus", "2", "--colocate", "false"]),
+        "grpo_2gpu_per_gpu_batch": ("grpo_hybrid", ["--engine", "hf", "--device", "cpu", "--tiny", "--steps", "5",
+                                                    "--num-gpus", "2", "--rollout-batch", "8"]),  # (--tiny: 4)
     },
     "1gpu": {
         "grpo_1gpu": ("grpo_hybrid", ["--model", "{model}"]),
@@ -48,13 +58,17 @@ RUNS = {
     "2gpu": {
         "grpo_1gpu": ("grpo_hybrid", ["--model", "{model}", "--num-gpus", "1"]),
         "grpo_2gpu_colocated": ("grpo_hybrid", ["--model", "{model}", "--num-gpus", "2"]),
+        # twice the prompts: each GPU has the batch of grpo_1gpu
+        "grpo_2gpu_per_gpu_batch": ("grpo_hybrid", ["--model", "{model}", "--num-gpus", "2",
+                                                    "--rollout-batch", "{rollout_batch_x2}"]),
         "grpo_2gpu_separate": ("grpo_hybrid", ["--model", "{model}", "--num-gpus", "2", "--colocate", "false"]),
         "ppo_2gpu": ("ppo_hybrid", ["--model", "{model}", "--num-gpus", "2"]),
     },
 }
 KINDS = {"cpu": ("cpu", ["grpo_1gpu", "ppo_1gpu"]), "h100": ("1gpu", ["grpo_1gpu", "ppo_1gpu"]),
          "h200": ("1gpu", ["grpo_1gpu", "ppo_1gpu"]),
-         "h200-x2": ("2gpu", ["grpo_1gpu", "grpo_2gpu_colocated", "grpo_2gpu_separate"])}
+         "h200-x2": ("2gpu", ["grpo_1gpu", "grpo_2gpu_colocated", "grpo_2gpu_per_gpu_batch", "grpo_2gpu_separate"])}
+DEFAULT_ROLLOUT_BATCH = 32  # examples/_hybrid_common.py's --rollout-batch
 PARTS = ("generate", "reward", "experience_forwards", "experience", "training", "sleep_wake", "weight_sync")
 
 
@@ -111,6 +125,18 @@ def summarize_run(out: Path, *, warmup: int) -> dict:
     return result
 
 
+def run_argv(argv: list[str], args) -> list[str]:
+    """A run's example arguments: ``--extra`` first (the run's own win where both set an option), placeholders
+    filled in."""
+    extra = shlex.split(args.extra or "")
+    rollout = DEFAULT_ROLLOUT_BATCH
+    for flag, value in zip(extra, extra[1:]):
+        if flag == "--rollout-batch":
+            rollout = int(value)
+    fill = {"{model}": args.model, "{rollout_batch_x2}": str(2 * rollout)}
+    return extra + [fill.get(a, a) for a in argv]
+
+
 def run_one(name: str, script: str, argv: list[str], args, results_dir: Path) -> dict:
     out = results_dir / name
     command = [sys.executable, str(REPO / "examples" / f"{script}.py"), *argv, "--out", str(out), "--no-plot"]
@@ -138,11 +164,15 @@ def run_one(name: str, script: str, argv: list[str], args, results_dir: Path) ->
 
 
 def derived(runs: dict) -> dict:
-    """Scaling 1 → 2 GPUs (same global batch, so the ratio of step times is the throughput ratio)."""
+    """Scaling 1 → 2 GPUs in samples per second: the ratio of step times at the same global batch, twice that ratio
+    with twice the prompts."""
     out = {}
     one, two = runs.get("grpo_1gpu", {}), runs.get("grpo_2gpu_colocated", {})
     if one.get("step_s") and two.get("step_s"):
         out["scaling_1_to_2_gpus_colocated"] = one["step_s"] / two["step_s"]
+    per_gpu = runs.get("grpo_2gpu_per_gpu_batch", {})
+    if one.get("step_s") and per_gpu.get("step_s"):
+        out["scaling_1_to_2_gpus_same_per_gpu_batch"] = 2 * one["step_s"] / per_gpu["step_s"]
     separate = runs.get("grpo_2gpu_separate", {})
     if one.get("step_s") and separate.get("step_s"):
         out["scaling_1_to_2_gpus_separate_engine"] = one["step_s"] / separate["step_s"]
@@ -198,6 +228,7 @@ def main() -> None:
     parser.add_argument("--run-timeout", type=float, default=420.0, help="seconds per run")
     parser.add_argument("--results-dir", type=Path, default=None, help="run folders (default: next to --out)")
     parser.add_argument("--summarize", type=Path, default=None, help="only summarise this finished run folder")
+    parser.add_argument("--extra", default=None, help="arguments added to every run (one quoted string)")
     parser.add_argument("--list", action="store_true")
     args = parser.parse_args()
     if args.summarize is not None:
@@ -226,8 +257,7 @@ def main() -> None:
                "runs": {}}
     for name in names:
         script, argv = RUNS[table][name]
-        argv = [a.replace("{model}", args.model) for a in argv]
-        results["runs"][name] = run_one(name, script, argv, args, results_dir)
+        results["runs"][name] = run_one(name, script, run_argv(argv, args), args, results_dir)
         results["derived"] = derived(results["runs"])
         args.out.write_text(json.dumps(results, indent=2, default=str) + "\n")
     print_table(results)
