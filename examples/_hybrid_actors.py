@@ -6,6 +6,7 @@ installed), so it imports nothing heavy at module level.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import importlib
 import os
@@ -179,13 +180,8 @@ class ModelWorker(Worker):
                     micro = select_experience(minibatch, part).to(device)
                     measure = settings.measure_mismatch and epoch == 0 and index == 0
                     loss, stats = self._loss(micro, settings, num_tokens, num_seqs, mismatch if measure else None)
-                    if self.tf32 == "backward":  # (a process-wide setting: the autograd threads see it too)
-                        torch.set_float32_matmul_precision("high")
-                    try:
+                    with tf32_matmuls(self.tf32 == "backward"):
                         self.model.backward(loss)
-                    finally:
-                        if self.tf32 == "backward":
-                            torch.set_float32_matmul_precision("highest")
                     minibatch_loss += float(loss.detach())
                     stats |= {k: v for k, v in self.model.step().items() if k in ("grad_norm", "lr")}
                     for key, value in stats.items():
@@ -277,6 +273,19 @@ class ModelWorker(Worker):
         report = self.sender.send(stream, description=self.description)
         return {"version": report.version, "bytes": report.num_bytes, "seconds": report.seconds,
                 "receiver_versions": list(report.receiver_versions)}
+
+
+@contextlib.contextmanager
+def tf32_matmuls(enabled: bool):
+    """float32 matmuls on TF32 tensor cores inside the block (a process-wide setting: autograd's threads see it)."""
+    if not enabled:
+        yield
+        return
+    torch.set_float32_matmul_precision("high")
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision("highest")
 
 
 def event_record(transition, **extra) -> dict:

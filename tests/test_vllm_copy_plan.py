@@ -117,7 +117,7 @@ def test_a_kept_mapping_reuses_its_source_views_and_copies_current_values():
     plan.apply(weights, model.load_weights)
     cached = {name: plan._cut_sources(name, tensor) for name, tensor in weights}
     flat = weights[0][1].untyped_storage()
-    assert plan._replay is not None and plan._replay[0] == [name for name, _ in weights]
+    assert plan._replay is not None and plan._replay.names == [name for name, _ in weights]
     cut = plan._cut_sources
     cuts: list = []
     plan._cut_sources = lambda *args: cuts.append(args) or cut(*args)  # a replayed batch cuts nothing
@@ -244,8 +244,8 @@ def test_planned_falls_back_to_layerwise_where_auto_would(monkeypatch):
 
 
 def test_replay_mode_is_checked():
-    with pytest.raises(ValueError, match="replay='graphs'"):
-        CopyPlan(FusedModel(), replay="graphs")
+    with pytest.raises(ValueError, match="replay='auto'"):
+        CopyPlan(FusedModel(), replay="auto")
 
 
 def test_coalesce_copies_merges_runs_that_continue_each_other():

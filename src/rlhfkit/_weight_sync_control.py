@@ -8,9 +8,9 @@ has a deadline; a timeout or a lost connection raises an error that names the pe
 Key layout under the group's prefix: ``hello/{rank}``, ``{version}/manifest`` (set with compare-and-set: a receiver
 may claim it first to call the sync off), ``{version}/start`` (set after the manifest: what receivers wait on, since a
 compare-and-set wakes no waiter; ``go`` when the manifest repeats one every receiver accepted: no check round),
-``{version}/check/{rank}``, ``{version}/go``, ``{version}/b/{bucket}``, ``{version}/ack/{bucket}/{rank}``, ``{version}/done/{rank}``,
-``ipc/{generation}`` and ``ipc/{generation}/recv/{rank}``. The previous sync's manifest is deleted after each sync;
-the other keys are a few dozen bytes each and stay until the sender closes.
+``{version}/check/{rank}``, ``{version}/go``, ``{version}/b/{bucket}``, ``{version}/ack/{bucket}/{rank}``,
+``{version}/done/{rank}``, ``ipc/{generation}`` and ``ipc/{generation}/recv/{rank}``. The previous sync's manifest
+is deleted after each sync; the other keys are a few dozen bytes each and stay until the sender closes.
 """
 
 from __future__ import annotations

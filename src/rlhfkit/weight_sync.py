@@ -189,7 +189,7 @@ class SyncReport:
         seconds: wall time of the sync on this end (sender: until every receiver reported done).
         receiver_versions: sender only: the version each receiver reports holding, by rank 1..N.
         loaded: receiver only: what ``load_fn`` returned.
-        phases: where this end's time went, ``(name, seconds)`` in order. Sender: ``prepare`` (manifest),
+        phases: where this end's time went, ``(name, seconds)`` in order. Sender: ``prepare`` (manifest, bucket 0),
             ``publish``, ``check`` (the receivers' verdicts and the go-ahead), ``stream`` (buckets sent),
             ``wait_done`` (until every receiver reported). Receiver, from its manifest on: ``check``, ``load``
             (inside ``load_fn``), ``wait_buckets`` (bucket messages and checks), ``finish`` (device sync, report).

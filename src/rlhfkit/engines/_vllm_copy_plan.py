@@ -16,8 +16,8 @@ produced no copy of its own (skipped, or deferred into a temporary), and every t
 parameter was written from a temporary or by another in-place op, stay on ``load_weights``. Later loads apply all
 planned steps of a batch with one ``torch._foreach_copy_`` and send the rest through ``load_weights``. A batch of the
 very same tensor objects as the last (a receiver that keeps the sender's memory mapped) is replayed: on CUDA, from the
-third time on, as one CUDA graph of its copies (runs of copies that continue each other merged: q, k and v into
-``qkv_proj`` from a flat trainer buffer are one copy), which costs the host one launch instead of dozens.
+third time on, as one CUDA graph of its fills and copies (runs of copies that continue each other merged: q, k and
+v into ``qkv_proj`` from a flat trainer buffer are one copy), which costs the host one launch instead of dozens.
 
 What it does not do: quantized or repacked weights (their loaders transform, so the tensors stay unplanned — use
 the layer-wise reload for those); sources that are not contiguous (they are loaded the plain way). Needs torch only;
@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -172,15 +173,34 @@ def capture_copies(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], fills: Se
     return graph
 
 
+@dataclass(eq=False)
+class _Replay:
+    """The last batch that was planned in full, ready to replay: its names, weak references to its tensors (a
+    receiver that keeps its mapping hands over the same tensor objects at every sync), its fills and copies, the
+    parameters it writes, and its CUDA graph (None: not captured yet; False: not to be)."""
+
+    names: list[str]
+    refs: list[weakref.ref]
+    fills: list[tuple[torch.Tensor, Any]]
+    dsts: list[torch.Tensor]
+    srcs: list[torch.Tensor]
+    written: frozenset[str]
+    graph: Any = None
+
+    def matches(self, batch: Sequence[tuple[str, torch.Tensor]]) -> bool:
+        return len(self.names) == len(batch) and all(
+            name == known and ref() is tensor
+            for (name, tensor), known, ref in zip(batch, self.names, self.refs, strict=True))
+
+
 class CopyPlan:
     """Per incoming HF name, the copies its ``load_weights`` makes; built by :meth:`record`."""
 
-    def __init__(self, model: torch.nn.Module, *, replay: str = "auto") -> None:
-        if replay not in ("auto", "graph", "foreach"):
-            raise ValueError(f"replay={replay!r}; expected 'auto', 'graph' or 'foreach'")
-        # how a repeated batch is replayed: "graph" captures its copies in a CUDA graph at the second time it comes
-        # (one launch per sync; a failed capture falls back to foreach), "foreach" one torch._foreach_copy_; "auto"
-        # is "graph" on CUDA
+    def __init__(self, model: torch.nn.Module, *, replay: str = "graph") -> None:
+        if replay not in ("graph", "foreach"):
+            raise ValueError(f"replay={replay!r}; expected 'graph' or 'foreach'")
+        # how a repeated batch is replayed: "graph" captures its fills and copies in a CUDA graph the first time it
+        # repeats (CUDA only; elsewhere, or if the capture fails, one torch._foreach_copy_ as with "foreach")
         self.replay_mode = replay
         self.last_replay: str | None = None  # how the last apply() copied: "graph", "foreach" or None (not replayed)
         self.params = {p.untyped_storage().data_ptr(): name for name, p in model.named_parameters()}
@@ -196,11 +216,9 @@ class CopyPlan:
         # Keyed by (id, name) with a weak reference: tensors compare elementwise, so a WeakKeyDictionary cannot hold
         # them, and one tensor may come under two names (tied weights) with different steps.
         self._sources: dict[tuple[int, str], tuple[weakref.ref, list[torch.Tensor]]] = {}
-        # The last batch that was planned in full, ready to replay: (names, weak refs to its tensors, fills,
-        # destinations, sources, parameters written, token). A receiver that keeps its mapping hands over the same
-        # tensor objects at every sync; then a batch is one list comparison, its fills and one foreach copy. It is
-        # dropped as soon as one of those tensors dies (so it never keeps a sender's memory mapped).
-        self._replay: list | None = None
+        # The last batch planned in full; dropped as soon as one of its tensors dies (so it never keeps a sender's
+        # memory mapped).
+        self._replay: _Replay | None = None
 
     def valid(self) -> bool:
         """False once a parameter was replaced or its data moved since recording (the plan's views would be
@@ -277,21 +295,21 @@ class CopyPlan:
         """Load ``batch``: planned tensors with one batched copy, the others through ``load_weights``; returns the
         parameter names written."""
         replay = self._replay
-        if (replay is not None and len(replay[0]) == len(batch)
-                and all(name == known and ref() is tensor
-                        for (name, tensor), known, ref in zip(batch, replay[0], replay[1], strict=True))):
-            _, _, fills, dsts, srcs, written, _, graph = replay
-            if graph is None and self._graphs(dsts):
-                graph = replay[7] = capture_copies(coalesce_copies(dsts, srcs), fills, dsts[0].device) or False
-            if graph:
-                graph.replay()
+        if replay is not None and replay.matches(batch):
+            if replay.graph is None:  # the first repeat: capture once (CUDA only)
+                replay.graph = False
+                if self.replay_mode == "graph" and replay.dsts[0].device.type == "cuda":
+                    pairs = coalesce_copies(replay.dsts, replay.srcs)
+                    replay.graph = capture_copies(pairs, replay.fills, replay.dsts[0].device) or False
+            if replay.graph:
+                replay.graph.replay()
                 self.last_replay = "graph"
             else:
-                for dst, value in fills:
+                for dst, value in replay.fills:
                     dst.fill_(value)
-                torch._foreach_copy_(dsts, srcs)
+                torch._foreach_copy_(replay.dsts, replay.srcs)
                 self.last_replay = "foreach"
-            return set(written)
+            return set(replay.written)
         self.last_replay = None
         dsts, srcs, written, rest, fills = [], [], set(), [], []
         for name, tensor in batch:
@@ -316,23 +334,16 @@ class CopyPlan:
             self._remember(batch, fills, dsts, srcs, written)
         return written
 
-    def _graphs(self, dsts: list[torch.Tensor]) -> bool:
-        """Whether to capture this batch's replay in a CUDA graph: every tensor on one CUDA device."""
-        if self.replay_mode == "foreach" or not dsts or dsts[0].device.type != "cuda":
-            return False
-        return True
-
     def _remember(self, batch: Sequence[tuple[str, torch.Tensor]], fills: list, dsts: list, srcs: list,
                   written: set[str]) -> None:
-        token = object()
         plan = weakref.ref(self)
+        replay: _Replay | None = None
 
         def forget(_ref: weakref.ref) -> None:  # one of the batch's tensors died: its replay must not outlive it
             owner = plan()
-            if owner is not None and owner._replay is not None and owner._replay[6] is token:
+            if owner is not None and owner._replay is replay:
                 owner._replay = None
 
-        # a list: its last entry, the CUDA graph of the replay (None: not captured yet; False: not to be), is set on
-        # the first replay
-        self._replay = [[name for name, _ in batch], [weakref.ref(tensor, forget) for _, tensor in batch], fills,
-                        dsts, srcs, frozenset(written), token, None]
+        replay = _Replay([name for name, _ in batch], [weakref.ref(tensor, forget) for _, tensor in batch], fills,
+                         dsts, srcs, frozenset(written))
+        self._replay = replay
