@@ -4,6 +4,7 @@ HF engine), and CUDA IPC / NCCL between processes on GPUs."""
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import threading
@@ -324,6 +325,9 @@ class FakeCudaOps:
     def synchronize(self, device):
         pass
 
+    def event_synchronize(self, event):
+        pass
+
 
 @pytest.fixture(params=["gloo", "cuda_ipc_on_cpu"])
 def backend(request, monkeypatch):
@@ -614,6 +618,56 @@ def test_cuda_ipc_zero_copy_protocol(monkeypatch, num_buffers, keep_mapped):
     finally:
         group.close()
     assert [t._sources._mapped for t in transports] == [{}, {}]  # close unmaps
+
+
+@pytest.mark.parametrize("mode", ["bucketed", "zero_copy", "zero_copy_keep_mapped"])
+@pytest.mark.parametrize("num_buffers", [1, 2])
+def test_cuda_ipc_control_traffic(monkeypatch, mode, num_buffers):
+    """What crosses the control store in a CUDA IPC sync: bucket 0's message rides on the start key (no key of its
+    own); only acknowledgements the sender waits for are sent (none for the last num_buffers buckets); a receiver whose
+    copies are ordered by events reports done while they run and the sender waits on its event instead (not when
+    zero-copy mappings are dropped after the sync: that receiver waits for its copies itself); the last sync's
+    manifest is deleted during the next one."""
+    import rlhfkit._weight_sync_ipc
+    import rlhfkit.weight_sync
+
+    awaited = []
+
+    class EventOps(FakeCudaOps):
+        def event_synchronize(self, event):
+            awaited.append(event)
+
+    monkeypatch.setattr(rlhfkit._weight_sync_ipc, "CudaOps", EventOps)
+    monkeypatch.setattr(rlhfkit.weight_sync, "_resolve_device", lambda backend, device: torch.device("cpu"))
+    group = Group(2, backend="cuda_ipc", bucket_bytes=4096, num_buffers=num_buffers,
+                  ipc_zero_copy=mode != "bucketed", ipc_keep_mapped=mode == "zero_copy_keep_mapped")
+    store = group.sender._side.store
+
+    def present(*keys):
+        return [bool(store.check([key])) for key in keys]
+
+    try:
+        if mode != "bucketed":
+            group.source = flat_copy(group.source)
+        for version in (1, 2):
+            sent, received = group.sync()
+            assert sent.receiver_versions == (version, version), (sent, received)
+            for target in group.targets:
+                assert_bitwise_equal(target, group.source)
+            last = sent.num_buckets - 1
+            assert last >= 3
+            assert present(*(f"{version}/b/{i}" for i in range(sent.num_buckets))) == [False] + [True] * last
+            acked = [i < sent.num_buckets - num_buffers for i in range(sent.num_buckets)]
+            for rank in (1, 2):
+                assert present(*(f"{version}/ack/{i}/{rank}" for i in range(sent.num_buckets))) == acked
+            queued = mode != "zero_copy"
+            assert len(awaited) == (2 * version if queued else 0)
+            reports = [json.loads(store.get(f"{version}/done/{rank}")) for rank in (1, 2)]
+            assert [bool(r.get("queued")) for r in reports] == [queued, queued]
+            assert present(f"{version}/manifest") == [True]
+            assert present(f"{version - 1}/manifest") == [False]
+    finally:
+        group.close()
 
 
 def test_cuda_ipc_zero_copy_checks_device_and_fingerprints(monkeypatch):

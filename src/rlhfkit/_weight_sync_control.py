@@ -59,21 +59,18 @@ class ControlChannel:
     def put_bytes(self, key: str, data: bytes) -> None:
         self.store.set(key, data)
 
-    def get_bytes(self, key: str, *, peer: int, what: str, deadline: float | None = None,
-                  then_get: list[str] | None = None) -> Any:
-        """Wait for ``key`` (set by rank ``peer``) until ``deadline`` (``time.monotonic()``; default now+timeout);
-        return its value, or the values of the keys ``then_get`` (set before ``key``), in one request."""
+    def get_bytes(self, key: str, *, peer: int, what: str, deadline: float | None = None) -> bytes:
+        """Wait for ``key`` (set by rank ``peer``) until ``deadline`` (``time.monotonic()``; default now+timeout) and
+        return its value. (The store's ``get`` waits for its key, up to the store's timeout, then reads it: one
+        request fewer than ``wait`` then ``get``. Only a ``set`` wakes a waiter, never a ``compare_set``.)"""
         deadline = time.monotonic() + self.timeout_s if deadline is None else deadline
         remaining = deadline - time.monotonic()
         started = time.monotonic()
         try:
             if remaining <= 0:
                 raise TimeoutError
-            self.store.wait([key], timedelta(seconds=remaining))
-            if then_get is None:
-                return self.store.get(key)
-            multi_get = getattr(self.store, "multi_get", None)
-            return multi_get(then_get) if multi_get is not None else [self.store.get(k) for k in then_get]
+            self.store.set_timeout(timedelta(seconds=remaining))
+            return self.store.get(key)
         except (RuntimeError, OSError, TimeoutError) as error:
             waited = time.monotonic() - started
             if isinstance(error, TimeoutError) or waited >= remaining - 0.05:

@@ -101,9 +101,15 @@ class CudaOps:
     def synchronize(device: torch.device) -> None:
         torch.cuda.current_stream(device).synchronize()
 
+    @staticmethod
+    def event_synchronize(event: torch.cuda.Event) -> None:
+        event.synchronize()
+
 
 class IpcSender:
     """Sender half. ``peers``: the receiver ranks."""
+
+    inline_first = True  # bucket 0's "ready" message may travel with the sync's start (see SenderSide.send)
 
     def __init__(self, control: ControlChannel, slots: BucketSlots, peers: list[int], *, use_events: bool,
                  zero_copy: bool = False) -> None:
@@ -165,9 +171,10 @@ class IpcSender:
                 self.cuda.wait(events[slot], self.slots.device)
         self._held.pop(slot, None)  # the receivers' reads are ordered before anything the source does next
 
-    def publish(self, version: int, bucket: Bucket, tensors: list[torch.Tensor] | None = None,
-                fingerprint: int | None = None) -> None:
-        """Bucket ``bucket`` is ready: packed in its slot, or (zero-copy) these source ``tensors``."""
+    def ready(self, version: int, bucket: Bucket, tensors: list[torch.Tensor] | None = None,
+              fingerprint: int | None = None) -> dict:
+        """Bucket ``bucket`` is ready — packed in its slot, or (zero-copy) these source ``tensors``: order the
+        receivers' reads after this stream's work so far and return its "ready" message (not sent yet)."""
         message: dict = {"ok": 1}
         if self.zero_copy:
             assert self._sources is not None and tensors is not None
@@ -177,7 +184,21 @@ class IpcSender:
             self.cuda.record(self._send_events[bucket.index % self.slots.num_slots], self.slots.device)
         else:
             self.cuda.synchronize(self.slots.device)
-        self.control.put(f"{version}/b/{bucket.index}", message)
+        return message
+
+    def publish(self, version: int, bucket: Bucket, tensors: list[torch.Tensor] | None = None,
+                fingerprint: int | None = None) -> None:
+        """:meth:`ready`, then send its message."""
+        self.control.put(f"{version}/b/{bucket.index}", self.ready(version, bucket, tensors, fingerprint))
+
+    def await_loaded(self, last: Bucket, ranks: list[int]) -> None:
+        """For receivers that reported done as soon as their copies were queued (``IpcReceiver.pipelined_done``):
+        order this stream after their reads (the event each recorded after its last bucket) and wait for them."""
+        slot = last.index % self.slots.num_slots
+        events = self._receiver_events()
+        for rank in ranks:
+            self.cuda.wait(events[rank][slot], self.slots.device)
+            self.cuda.event_synchronize(events[rank][slot])
 
     def _describe(self, index: int, tensors: list[torch.Tensor], fingerprint: int | None) -> str:
         """Bucket ``index``'s zero-copy message: where each tensor lies in which shared allocation. Reused while
@@ -226,6 +247,7 @@ class IpcReceiver:
         self._views: list[torch.Tensor] = []
         self._source: dict | None = None
         self._decoded: dict[int, tuple[str, dict]] = {}  # bucket -> (message text, its body), the last sync's
+        self._early: tuple[int, int, dict] | None = None  # (version, bucket, message) that came with the start
         self._fingerprinter = Fingerprinter()
 
     @property
@@ -237,6 +259,18 @@ class IpcReceiver:
     def verifies_itself(self) -> bool:
         """Zero-copy buckets have no tail: their fingerprint travels in the message and is checked here."""
         return self.zero_copy
+
+    @property
+    def pipelined_done(self) -> bool:
+        """Whether this receiver may report a sync done once its copies are queued, before they ran: with events
+        the last bucket's release records one after every copy, and the sender waits on it (:meth:`IpcSender.
+        await_loaded`). Not when zero-copy mappings are dropped after the sync: that waits for the copies here."""
+        manifest = self._manifest
+        return self.use_events and manifest is not None and not (manifest.zero_copy and not manifest.keep_mapped)
+
+    def preload(self, version: int, index: int, message: dict) -> None:
+        """Bucket ``index``'s "ready" message, which came with the sync's start: :meth:`receive` takes it from here."""
+        self._early = (version, index, message)
 
     def prepare(self, manifest: Manifest) -> None:
         self.use_events = manifest.ipc_events
@@ -257,8 +291,12 @@ class IpcReceiver:
         self.generation = manifest.generation
 
     def receive(self, version: int, bucket: Bucket) -> None:
-        message = self.control.get(f"{version}/b/{bucket.index}", peer=0,
-                                   what=f"bucket {bucket.index} of sync {version}")
+        early, self._early = self._early, None
+        if early is not None and early[:2] == (version, bucket.index):
+            message = early[2]
+        else:
+            message = self.control.get(f"{version}/b/{bucket.index}", peer=0,
+                                       what=f"bucket {bucket.index} of sync {version}")
         if "abort" in message:
             raise WeightSyncAborted(f"{self.control.peer_name(0)} aborted sync {version}: {message['abort']}")
         if self.use_events:
@@ -303,7 +341,11 @@ class IpcReceiver:
             self.cuda.record(self._recv_events[bucket.index % self.num_slots], self.slots.device)
         else:
             self.cuda.synchronize(self.slots.device)
-        self.control.put(f"{version}/ack/{bucket.index}/{self.rank}", {"ok": 1})
+        # the sender waits for bucket k's acknowledgement before reusing its slot for bucket k + num_slots; the last
+        # num_slots buckets' slots are not reused in this sync (the done report covers them)
+        assert self._manifest is not None
+        if bucket.index < len(self._manifest.buckets) - self.num_slots:
+            self.control.put(f"{version}/ack/{bucket.index}/{self.rank}", {"ok": 1})
 
     def end_sync(self) -> None:
         """After the sync (loaded or failed): unmap the sender's source memory so it can free or move it, unless

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
 import torch
@@ -89,10 +89,15 @@ def describe_parameters(
     ``dtype``: floating-point tensors are described in this dtype (what the sender casts them to); others keep theirs.
     """
     specs = []
+    make = tuple.__new__  # TensorSpec(...) without its keyword-handling constructor (run once per tensor per sync)
     for name, tensor in named_tensors:
-        shape = tuple(getattr(tensor, "ds_shape", None) or tensor.shape)
-        travel = dtype if dtype is not None and tensor.dtype.is_floating_point else tensor.dtype
-        specs.append(TensorSpec(name, tuple(int(d) for d in shape), travel))
+        full = getattr(tensor, "__dict__", {}).get("ds_shape")  # (a dict lookup: cheaper than a missed getattr)
+        # a torch.Size holds ints already; a ZeRO-3 ds_shape may be any sequence
+        shape = tuple(tensor.shape) if not full else tuple(int(d) for d in full)
+        travel = tensor.dtype
+        if dtype is not None and travel.is_floating_point:
+            travel = dtype
+        specs.append(make(TensorSpec, (name, shape, travel)))
     return specs
 
 
@@ -145,6 +150,7 @@ class Manifest:
         zero_copy: CUDA IPC only: buckets are read from the source tensors' own memory (no bucket buffers); each
             bucket's message carries the handles and placements of its tensors.
         keep_mapped: zero-copy only: receivers keep the source's allocations mapped after the sync.
+        total_bytes: the specs' bytes in their travel dtypes (computed when not given; not encoded, not compared).
     """
 
     version: int
@@ -157,10 +163,11 @@ class Manifest:
     ipc_events: bool = False
     zero_copy: bool = False
     keep_mapped: bool = False
+    total_bytes: int = field(default=-1, compare=False, repr=False)
 
-    @property
-    def total_bytes(self) -> int:
-        return sum(spec.nbytes for spec in self.specs)
+    def __post_init__(self) -> None:
+        if self.total_bytes < 0:  # (kept by dataclasses.replace: a new version of the same layout sums nothing)
+            object.__setattr__(self, "total_bytes", sum(spec.nbytes for spec in self.specs))
 
     def tensor_names(self, bucket: Bucket) -> list[str]:
         return [spec.name for spec in self.specs[bucket.start : bucket.stop]]

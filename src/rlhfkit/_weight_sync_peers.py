@@ -11,6 +11,7 @@ Protocol of one sync, version ``v`` (keys in :mod:`rlhfkit._weight_sync_control`
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
@@ -36,7 +37,7 @@ from rlhfkit._weight_sync_stream import ReceivedStream, call_load_fn, collect_bu
 __all__ = ["SenderSide", "ReceiverSide", "load_local"]
 
 logger = logging.getLogger(__name__)
-CALLED_OFF = b"\x00called-off:"  # a manifest key's value when a receiver called that sync off before it started
+CALLED_OFF = b"\x00called-off:"  # a sync's manifest and start keys when a receiver called it off before it started
 AfterPack = Callable[[int, list[torch.Tensor]], None] | None  # a test hook (None: no hook)
 
 
@@ -87,7 +88,8 @@ class SenderSide:
         self.transport: Any = None
         self.phases: tuple[tuple[str, float], ...] = ()  # of the last sync, for SyncReport.phases
         self._accepted: bytes | None = None  # the manifest body every receiver accepted and loaded last time
-        self._plan: tuple | None = None  # (specs, buckets, capacity) of the last sync
+        self._plan: tuple | None = None  # (specs, buckets, capacity, total bytes) of the last sync
+        self._stale: str | None = None  # the last sync's manifest key, deleted while the next sync waits
         self._encoded: tuple[Manifest, bytes] | None = None  # the last manifest (version 0) and its encoding's tail
 
     def peer_name(self, rank: int) -> str:
@@ -116,18 +118,26 @@ class SenderSide:
                                    device=self.slots.device, describe_group=self.describe_group)
         self.transport = CollectiveSender(self.link, self.slots)
 
-    def send(self, specs: list[TensorSpec], iterator: Iterator, after_pack: AfterPack) -> tuple[Manifest, tuple]:
+    def send(self, specs: list[TensorSpec], iterator: Iterator, after_pack: AfterPack, *,
+             trusted: bool = False) -> tuple[Manifest, tuple]:
+        """One sync. ``trusted``: ``specs`` were just read off the very tensors ``iterator`` yields (no need to check
+        each tensor against its spec again)."""
         clock = _Phases()
         self._connect()
         manifest, data = self._manifest(tuple(specs))
         # bucket 0 is made ready before anyone hears of the sync (its slot is free: the last sync ended with every
-        # receiver done), so receivers find it waiting instead of waiting for it; if that fails, the sync goes on
-        # until bucket 0 is due and is aborted there, as if it had failed then (receivers learn it at once)
+        # receiver done), so receivers find it waiting instead of waiting for it — its "ready" message even travels
+        # with the start when the transport allows; if that fails, the sync goes on until bucket 0 is due and is
+        # aborted there, as if it had failed then (receivers learn it at once)
         first: tuple | Exception | None = None
+        first_message: bytes | None = None
         if manifest.buckets:
-            self.transport.acquire(manifest.version, manifest.buckets[0])
+            bucket = manifest.buckets[0]
+            self.transport.acquire(manifest.version, bucket)
             try:
-                first = self._fill(manifest, manifest.buckets[0], iterator, after_pack)
+                first = self._fill(manifest, bucket, iterator, after_pack, trusted=trusted)
+                if getattr(self.transport, "inline_first", False):
+                    first_message = json.dumps(self.transport.ready(manifest.version, bucket, *first)).encode()
             except Exception as error:  # noqa: BLE001 — re-raised in _stream, after the receivers are told
                 first = error
         self.version = manifest.version  # used even if the sync fails: a version is never reused
@@ -137,7 +147,7 @@ class SenderSide:
         prechecked = body is not None and body == self._accepted
         self._accepted = None  # until this sync has succeeded
         clock.mark("prepare")
-        self._publish(manifest.version, data, prechecked=prechecked)
+        self._publish(manifest.version, data, prechecked=prechecked, first=first_message)
         clock.mark("publish")
         try:
             if self.link is not None and self.link.group is None:
@@ -145,36 +155,44 @@ class SenderSide:
             if not prechecked:
                 self._check(manifest)
                 clock.mark("check")
-            self._stream(manifest, iterator, after_pack, first)
+            self._stream(manifest, iterator, after_pack, first, sent_first=first_message is not None,
+                         trusted=trusted)
             clock.mark("stream")
+            if self._stale is not None:  # the last sync's manifest, now that receivers are busy loading
+                self.control.delete(self._stale)
+                self._stale = None
             versions = self._done(manifest)
             clock.mark("wait_done")
             self.phases = clock.phases
             self._accepted = body
         finally:
+            if self._stale is not None:  # not deleted above: this sync failed first
+                self.control.delete(self._stale)
+            self._stale = f"{manifest.version}/manifest"
             end_sync = getattr(self.transport, "end_sync", None)
             if end_sync is not None:
                 end_sync()
-        self.control.delete(f"{manifest.version}/manifest")
         return manifest, versions
 
-    def _publish(self, version: int, data: bytes, *, prechecked: bool = False) -> None:
+    def _publish(self, version: int, data: bytes, *, prechecked: bool = False, first: bytes | None = None) -> None:
         """Publish the manifest unless a receiver called this sync off first (see ``ReceiverSide.call_off``), then
-        wake the receivers."""
+        wake the receivers: the start key says whether a check round follows, and may carry bucket 0's message."""
         current = self.store.compare_set(f"{version}/manifest", b"", data)
         if current != data:
             who = current[len(CALLED_OFF):].decode(errors="replace") if current.startswith(CALLED_OFF) else "?"
             raise WeightSyncAborted(
                 f"sync {version} of {self.describe_group()} was called off by {who} before it started: its engine "
                 f"settled an armed sync that had not begun (arm the engine again, then send)")
-        self.control.put_bytes(f"{version}/start", b"go" if prechecked else b"check")
+        verdict = b"go" if prechecked else b"check"
+        self.control.put_bytes(f"{version}/start", b"\n".join((verdict, first or b"", data)))
 
     def _manifest(self, specs: tuple[TensorSpec, ...]) -> tuple[Manifest, bytes]:
         """This sync's manifest and its bytes; the layout and encoding are reused while the stream's description
         and the buffers stay the same (only the version changes from sync to sync)."""
         if self._plan is None or self._plan[0] != specs:
-            self._plan = (specs, *plan_buckets(specs, self.config.bucket_bytes))
-        _, buckets, capacity = self._plan
+            self._plan = (specs, *plan_buckets(specs, self.config.bucket_bytes),
+                          sum(spec.nbytes for spec in specs))
+        _, buckets, capacity, total = self._plan
         generation = self.transport.prepare(capacity)
         version = self.version + 1
         manifest = Manifest(version=version, specs=specs, buckets=buckets, capacity=capacity,
@@ -182,7 +200,7 @@ class SenderSide:
                             generation=generation,
                             ipc_events=self.config.backend == "cuda_ipc" and self.config.ipc_events,
                             zero_copy=self.config.backend == "cuda_ipc" and self.config.ipc_zero_copy,
-                            keep_mapped=self.config.ipc_keep_mapped)
+                            keep_mapped=self.config.ipc_keep_mapped, total_bytes=total)
         template = replace(manifest, version=0)
         if self._encoded is None or self._encoded[0] != template:
             self._encoded = (template, template.body_bytes())
@@ -204,8 +222,9 @@ class SenderSide:
         self.control.put(f"{version}/go", {"go": 1})
 
     def _stream(self, manifest: Manifest, iterator: Iterator, after_pack: AfterPack,
-                first: tuple | Exception | None) -> None:
-        """Publish every bucket in order; bucket 0 is ``first``, filled (or failed) before the manifest went out."""
+                first: tuple | Exception | None, *, sent_first: bool = False, trusted: bool = False) -> None:
+        """Publish every bucket in order; bucket 0 is ``first``, filled (or failed) before the manifest went out
+        (``sent_first``: its message went with the start)."""
         version, transport = manifest.version, self.transport
         for bucket in manifest.buckets:
             try:
@@ -217,9 +236,11 @@ class SenderSide:
                 if bucket.index == 0 and first is not None:
                     if isinstance(first, Exception):
                         raise first
+                    if sent_first:
+                        continue
                     published = first
                 else:
-                    published = self._fill(manifest, bucket, iterator, after_pack)
+                    published = self._fill(manifest, bucket, iterator, after_pack, trusted=trusted)
             except Exception as error:
                 self._abort(manifest, bucket, f"the sender failed while packing bucket {bucket.index}: "
                                               f"{type(error).__name__}: {error}", peer_failed=False)
@@ -233,10 +254,11 @@ class SenderSide:
         except WeightSyncError as error:
             raise WeightSyncError(f"{error} (while sending to {self.describe_group()})") from error
 
-    def _fill(self, manifest: Manifest, bucket: Any, iterator: Iterator, after_pack: AfterPack) -> tuple:
+    def _fill(self, manifest: Manifest, bucket: Any, iterator: Iterator, after_pack: AfterPack, *,
+              trusted: bool = False) -> tuple:
         """Make bucket ``bucket`` ready; returns the extra arguments of the transport's ``publish``."""
         if manifest.zero_copy:  # receivers read the source tensors where they are
-            tensors = collect_bucket(manifest, bucket, iterator, self.slots.device)
+            tensors = collect_bucket(manifest, bucket, iterator, self.slots.device, trusted=trusted)
             if manifest.fingerprints or after_pack is not None:
                 detached = [t.detach() for t in tensors]
                 fingerprint = int(self.fingerprinter.of_tensors(detached).item()) if manifest.fingerprints else None
@@ -270,6 +292,9 @@ class SenderSide:
             if "error" in report:
                 raise error_from_report(report["error"], f"{self.peer_name(rank)} failed sync {version}: "
                                                          f"{report['message']}")
+        queued = [rank for rank, report in reports.items() if report.get("queued")]
+        if queued:  # reported as soon as their copies were queued: wait for those copies here
+            self.transport.await_loaded(manifest.buckets[-1], queued)
         return tuple(int(reports[rank]["version"]) for rank in self.peers)
 
     def close(self) -> None:
@@ -302,7 +327,7 @@ class ReceiverSide:
         # "started" (its manifest read, not yet received)
         self._lock = threading.Lock()
         self._phase: tuple[str, int] = ("idle", 0)
-        self._started: tuple[int, bytes, bool] | None = None
+        self._started: tuple[int, bytes, bool, bytes] | None = None
         self._called_off = 0  # the last version whose wait ended called off
         self.phases: tuple[tuple[str, float], ...] = ()  # of the last sync, for SyncReport.phases
 
@@ -324,16 +349,17 @@ class ReceiverSide:
             self.control.put(f"hello/{e.rank}", {"label": e.label, **self.hello})
         return self.control
 
-    def _next_manifest(self, deadline: float | None = None) -> tuple[int, bytes, bool] | None:
-        """Wait for the next sync's manifest: ``(version, bytes, prechecked)``, or None when it was called off.
-        Versions other receivers called off are skipped."""
+    def _next_manifest(self, deadline: float | None = None) -> tuple[int, bytes, bool, bytes] | None:
+        """Wait for the next sync's manifest: ``(version, bytes, prechecked, bucket 0's message or b"")``, or None
+        when it was called off. Versions other receivers called off are skipped."""
         control = self._connect_control()
         while True:
             version = self.seen + 1
-            start, data = control.get_bytes(f"{version}/start", peer=0, what=f"the manifest of sync {version}",
-                                            deadline=deadline, then_get=[f"{version}/start", f"{version}/manifest"])
-            if not data.startswith(CALLED_OFF):
-                return version, data, start == b"go"
+            start = control.get_bytes(f"{version}/start", peer=0, what=f"the manifest of sync {version}",
+                                      deadline=deadline)
+            if not start.startswith(CALLED_OFF):
+                verdict, first, data = start.split(b"\n", 2)
+                return version, data, verdict == b"go", first
             self.seen = version  # the sender fails this version; the next sync is version + 1
             with self._lock:
                 if self._phase == ("awaiting", version):
@@ -379,7 +405,7 @@ class ReceiverSide:
         current = store.compare_set(f"{version}/manifest", b"", mark)
         if current != mark:
             return False  # the sender was first: the sync is under way
-        store.set(f"{version}/start", b"1")  # wakes the waiting thread (and any other receiver of this group)
+        store.set(f"{version}/start", mark)  # wakes the waiting thread (and any other receiver of this group)
         return True
 
     def _connect(self) -> None:
@@ -408,7 +434,7 @@ class ReceiverSide:
         found, self._started = (self._started if phase == "started" else None), None
         while found is None:  # skips versions called off
             found = self._next_manifest()
-        version, data, prechecked = found
+        version, data, prechecked, first = found
         self._connect()  # gloo/NCCL: the first sync joins the group here, as the sender does after publishing
         clock = _Phases()
         manifest, problems = self._parse(data, expected)
@@ -421,6 +447,8 @@ class ReceiverSide:
         end_sync = getattr(self.transport, "end_sync", lambda: None)  # CUDA IPC zero-copy: unmap the source
         try:
             self.transport.prepare(manifest)
+            if first:
+                self.transport.preload(version, 0, json.loads(first))
             if prechecked and problems:  # no check round to refuse in: fail the sync before loading anything
                 raise ManifestMismatchError(_mismatch_message(manifest, self.who, problems))
             loaded = call_load_fn(load_fn, stream.by_bucket() if by_bucket else iter(stream), version)
@@ -431,10 +459,16 @@ class ReceiverSide:
             raise
         clock.mark("load", minus=stream.waited)
         clock.add("wait_buckets", stream.waited)
+        done_key = f"{version}/done/{self.endpoint.rank}"
+        # CUDA IPC with events: report while the copies run (the sender waits on the event recorded after them)
+        queued = bool(manifest.buckets) and getattr(self.transport, "pipelined_done", False)
+        if queued:
+            self.control.put(done_key, {"version": version, "queued": 1})
         if self.slots.device.type == "cuda":
-            torch.cuda.current_stream(self.slots.device).synchronize()  # "done" means loaded, not just enqueued
+            torch.cuda.current_stream(self.slots.device).synchronize()  # receive() returns loaded, not just queued
         end_sync()
-        self.control.put(f"{version}/done/{self.endpoint.rank}", {"version": version})
+        if not queued:
+            self.control.put(done_key, {"version": version})
         clock.mark("finish")
         self.phases = clock.phases
         return manifest, loaded, clock.total

@@ -290,26 +290,35 @@ class CopyPlan:
         self._sources[key] = (weakref.ref(tensor, lambda _ref: table.pop(key, None)), sources)
         return sources
 
+    def replay(self, batch: Sequence[tuple[str, torch.Tensor]]) -> frozenset[str] | None:
+        """If ``batch`` is the very batch last planned in full (same names, same tensor objects), copy it again —
+        from its second repeat on as one CUDA graph — and return the parameter names written; else None (nothing
+        done: :meth:`apply` it)."""
+        replay = self._replay
+        if replay is None or not replay.matches(batch):
+            return None
+        if replay.graph is None:  # the first repeat: capture once (CUDA only)
+            replay.graph = False
+            if self.replay_mode == "graph" and replay.dsts[0].device.type == "cuda":
+                pairs = coalesce_copies(replay.dsts, replay.srcs)
+                replay.graph = capture_copies(pairs, replay.fills, replay.dsts[0].device) or False
+        if replay.graph:
+            replay.graph.replay()
+            self.last_replay = "graph"
+        else:
+            for dst, value in replay.fills:
+                dst.fill_(value)
+            torch._foreach_copy_(replay.dsts, replay.srcs)
+            self.last_replay = "foreach"
+        return replay.written
+
     def apply(self, batch: Sequence[tuple[str, torch.Tensor]],
               load_weights: Callable[[Iterable[tuple[str, torch.Tensor]]], Any]) -> set[str]:
         """Load ``batch``: planned tensors with one batched copy, the others through ``load_weights``; returns the
         parameter names written."""
-        replay = self._replay
-        if replay is not None and replay.matches(batch):
-            if replay.graph is None:  # the first repeat: capture once (CUDA only)
-                replay.graph = False
-                if self.replay_mode == "graph" and replay.dsts[0].device.type == "cuda":
-                    pairs = coalesce_copies(replay.dsts, replay.srcs)
-                    replay.graph = capture_copies(pairs, replay.fills, replay.dsts[0].device) or False
-            if replay.graph:
-                replay.graph.replay()
-                self.last_replay = "graph"
-            else:
-                for dst, value in replay.fills:
-                    dst.fill_(value)
-                torch._foreach_copy_(replay.dsts, replay.srcs)
-                self.last_replay = "foreach"
-            return set(replay.written)
+        written_again = self.replay(batch)
+        if written_again is not None:
+            return set(written_again)
         self.last_replay = None
         dsts, srcs, written, rest, fills = [], [], set(), [], []
         for name, tensor in batch:

@@ -121,6 +121,14 @@ def make_weight_receiver(*, config: Mapping[str, Any], endpoint: Mapping[str, An
     return weight_sync.WeightReceiver(sync_config, place, **options)
 
 
+def _takes_by_bucket(state: dict[str, Any], receiver: Any) -> bool:
+    """Whether ``receiver.receive`` takes ``by_bucket`` (looked up once per receiver, not at every sync)."""
+    cached = state.get("by_bucket")
+    if cached is None or cached[0] is not receiver:
+        cached = state["by_bucket"] = (receiver, "by_bucket" in inspect.signature(receiver.receive).parameters)
+    return cached[1]
+
+
 class WeightSyncExtension:
     """Mixed into each vLLM worker; every method runs on every tensor-parallel rank via ``collective_rpc``.
 
@@ -224,6 +232,14 @@ class WeightSyncExtension:
         plan = state.get("plan")
         if plan is None:  # (checked once per update, in rlhfkit_begin_weight_update: valid() walks every parameter)
             plan = state["plan"] = CopyPlan(model)
+        else:
+            with self._rlhfkit_device_context():
+                written_again = plan.replay(batch)  # the same tensors as last time (a kept mapping): one launch
+            if written_again is not None:
+                if state["pending"] is not None:
+                    state["pending"].difference_update(written_again)
+                state["session"]["num_tensors"] += len(batch)
+                return len(batch)
         batch = [(str(name), tensor) for name, tensor in batch]
         known = [(n, t) for n, t in batch if n in plan.steps or n in plan.unplanned]
         new = [(n, t) for n, t in batch if not (n in plan.steps or n in plan.unplanned)]
@@ -309,7 +325,7 @@ class WeightSyncExtension:
                 finally:
                     loading_s[0] += time.perf_counter() - start
 
-            if state["session"]["planned"] and "by_bucket" in inspect.signature(receiver.receive).parameters:
+            if state["session"]["planned"] and _takes_by_bucket(state, receiver):
                 def load_buckets(buckets: Iterable[list[Any]]) -> int:
                     return sum(timed(self._rlhfkit_load_batch, bucket) for bucket in buckets)
 
