@@ -39,6 +39,26 @@ class FakeSamplingParams:
     seed: int | None = None
     logprobs: int | None = None
     detokenize: bool = True
+    flat_logprobs: bool = False
+
+
+class FakeFlatLogprobs:
+    """vLLM's FlatLogprobs layout: flat lists, and the list-of-dicts view through indexing."""
+
+    def __init__(self, positions: list[list[tuple[int, float]]]) -> None:
+        self.start_indices, self.end_indices, self.token_ids, self.logprobs = [], [], [], []
+        for entries in positions:
+            self.start_indices.append(len(self.token_ids))
+            self.token_ids += [token for token, _ in entries]
+            self.logprobs += [value for _, value in entries]
+            self.end_indices.append(len(self.token_ids))
+
+    def __len__(self) -> int:
+        return len(self.start_indices)
+
+    def __getitem__(self, position: int) -> dict:
+        span = range(self.start_indices[position], self.end_indices[position])
+        return {self.token_ids[i]: SimpleNamespace(logprob=self.logprobs[i]) for i in span}
 
 
 @dataclasses.dataclass
@@ -116,6 +136,8 @@ class FakeLLM:
                 if stops:
                     tokens, finish = tokens[:stops[0] + 1], "stop"
                 logprobs = [{t: SimpleNamespace(logprob=fake_logprob(t, k))} for k, t in enumerate(tokens)]
+                if getattr(param, "flat_logprobs", False):
+                    logprobs = FakeFlatLogprobs([[(t, fake_logprob(t, k))] for k, t in enumerate(tokens)])
                 completions.append(SimpleNamespace(index=j, token_ids=tokens, finish_reason=finish,
                                                    logprobs=logprobs if param.logprobs is not None else None))
             outputs.append(SimpleNamespace(outputs=completions[::-1]))
@@ -210,10 +232,10 @@ def test_sampling_config_to_sampling_params():
                               ignore_eos=True, seed=11, logprobs=True)
     params = compat.make_sampling_params(sampling, sampling_params_cls=FakeSamplingParams, features=features)
     assert params == FakeSamplingParams(n=3, temperature=0.7, top_p=0.9, top_k=0, max_tokens=9, stop_token_ids=[5, 6],
-                                        ignore_eos=True, seed=11, logprobs=0, detokenize=False)
+                                        ignore_eos=True, seed=11, logprobs=0, detokenize=False, flat_logprobs=True)
     params = compat.make_sampling_params(dataclasses.replace(sampling, top_k=4, logprobs=False, seed=None),
                                          sampling_params_cls=FakeSamplingParams, features=features, seed=99)
-    assert (params.top_k, params.logprobs, params.seed) == (4, None, 99)
+    assert (params.top_k, params.logprobs, params.seed, params.flat_logprobs) == (4, None, 99, False)
     old = compat.detect_features(old_vllm())
     params = compat.make_sampling_params(sampling, sampling_params_cls=OldSamplingParams, features=old)
     assert params.top_k == -1 and not hasattr(params, "detokenize")  # old "disabled" value; no detokenize field
@@ -727,3 +749,17 @@ def test_gpu_load_other_weights_changes_generation(gpu_engine, tiny_model_factor
     after = _greedy(engine)
     engine.load_weights(model_a.state_dict().items())
     assert after != before and _greedy(engine) == before
+
+
+def test_logprob_values_read_flat_and_nested_logprobs():
+    """The sampled tokens' log-probs from vLLM's FlatLogprobs (flat lists; a position whose first entry is another
+    token is looked up) equal those read from the list of dicts; too few positions is an error naming the counts."""
+    from rlhfkit.engines.vllm import _logprob_values
+
+    tokens = [5, 9, 2, 7]
+    entries = [[(5, -0.5)], [(3, -0.1), (9, -1.25)], [(2, -2.0)], [(7, -0.75)]]
+    nested = SimpleNamespace(logprobs=[{t: SimpleNamespace(logprob=v) for t, v in e} for e in entries])
+    flat = SimpleNamespace(logprobs=FakeFlatLogprobs(entries))
+    assert _logprob_values(flat, tokens) == _logprob_values(nested, tokens) == [-0.5, -1.25, -2.0, -0.75]
+    with pytest.raises(RuntimeError, match="log-probs for 4 of 5 tokens"):
+        _logprob_values(flat, tokens + [1])

@@ -184,7 +184,8 @@ def make_sampling_params(sampling: SamplingConfig, *, sampling_params_cls: Any, 
 
     ``seed`` overrides ``sampling.seed`` (the engine passes :func:`request_seed` of each prompt). ``logprobs=0`` asks
     vLLM for the sampled token's log-prob only. ``top_k=0`` (rlhfkit: disabled) becomes the installed vLLM's
-    "disabled" value. ``detokenize=False`` skips building response text.
+    "disabled" value. ``detokenize=False`` skips building response text. Where this vLLM has ``flat_logprobs``, the
+    log-probs come back as its ``FlatLogprobs`` (flat lists, read directly by the engine).
     """
     if not isinstance(sampling, SamplingConfig):
         raise TypeError(f"sampling must be a SamplingConfig, got {type(sampling).__name__}")
@@ -203,6 +204,9 @@ def make_sampling_params(sampling: SamplingConfig, *, sampling_params_cls: Any, 
     accepted = _parameters(sampling_params_cls)
     if accepted and "detokenize" not in accepted and "kwargs" not in accepted:
         kwargs.pop("detokenize")
+    if sampling.logprobs and "flat_logprobs" in accepted:
+        # a few flat lists per completion instead of a dict and a Logprob object per token (vLLM ≥ 0.11.1)
+        kwargs["flat_logprobs"] = True
     return sampling_params_cls(**kwargs)
 
 

@@ -63,6 +63,14 @@ def _logprob_values(completion: Any, token_ids: list[int]) -> list[float]:
     if positions is None or len(positions) < len(token_ids):
         raise RuntimeError(f"vLLM returned log-probs for {0 if positions is None else len(positions)} of "
                            f"{len(token_ids)} tokens; was SamplingParams.logprobs set?")
+    flat = [getattr(positions, name, None) for name in ("start_indices", "end_indices", "token_ids", "logprobs")]
+    if all(isinstance(field, list) for field in flat):  # vLLM's FlatLogprobs
+        # with logprobs=0 a position holds the sampled token alone (first); read the flat lists, else look it up
+        starts, ends, ids, values = flat
+        picked = [values[s] if s < e and ids[s] == token else None
+                  for s, e, token in zip(starts, ends, token_ids)]
+        return [float(v) if v is not None else float(positions[t][token_ids[t]].logprob)
+                for t, v in enumerate(picked)]
     return [float(positions[t][token].logprob) for t, token in enumerate(token_ids)]
 
 
