@@ -47,6 +47,33 @@ def parse_bool(text: str) -> bool:
     raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
 
 
+TF32_SCOPES = ("backward", "reference")
+
+
+def parse_tf32(text: str) -> str:
+    """``--tf32``: ``off``, ``all``, or a comma-separated set of scopes (``backward``, ``reference``)."""
+    import argparse
+
+    scopes = [part.strip() for part in text.split(",") if part.strip()]
+    if scopes in (["off"], ["all"]):
+        return scopes[0]
+    unknown = [scope for scope in scopes if scope not in TF32_SCOPES]
+    if not scopes or unknown:
+        raise argparse.ArgumentTypeError(f"--tf32 {text!r}: expected off, all, or a comma-separated set of "
+                                         f"{', '.join(TF32_SCOPES)}")
+    return ",".join(scope for scope in TF32_SCOPES if scope in scopes)
+
+
+def role_tf32(tf32: str, role: str) -> str:
+    """What ``ModelWorker.load(tf32=...)`` gets for ``role`` under ``--tf32``: "all", "backward" or "off"."""
+    scopes = set(tf32.split(","))
+    if "all" in scopes:
+        return "all"
+    if role in ("reference", "reward"):  # frozen models: forwards only
+        return "all" if "reference" in scopes else "off"
+    return "backward" if "backward" in scopes else "off"
+
+
 def add_arguments(parser, *, default_out: str) -> None:
     """The options both examples share (model, engine, placement, batch sizes, optimisation, timeouts)."""
     a = parser.add_argument
@@ -85,10 +112,12 @@ def add_arguments(parser, *, default_out: str) -> None:
     a("--attn", choices=("varlen", "sdpa"), default="varlen", help="trainer attention on packed micro-batches: "
       "varlen (rlhfkit.packing.VARLEN_ATTENTION: one padded causal sdpa per layer, cost N*L^2) or sdpa "
       "(transformers' block-diagonal mask over the whole micro-batch, cost T^2)")
-    a("--tf32", choices=("off", "backward", "all"), default="off", help="float32 trainers' matmuls on TF32 tensor "
-      "cores (torch.set_float32_matmul_precision('high'); the engine keeps full float32): 'backward' only in the "
-      "actor's backward passes (forwards, log-probs and the engine-vs-trainer gap stay float32), 'all' everywhere "
-      "(on SmolLM2 the gap grows from ~0.002 to 0.03-0.06 nats)")
+    a("--tf32", type=parse_tf32, default="off", help="float32 trainers' matmuls on TF32 tensor cores "
+      "(torch.set_float32_matmul_precision('high'); the engine keeps full float32): off, all, or a comma-separated "
+      "set of scopes — 'backward': the actor's and critic's backward passes (their forwards, log-probs and the "
+      "engine-vs-trainer gap stay float32); 'reference': the frozen models' forwards (reference and reward model: "
+      "the KL term's reference log-probs, the rewards). 'all' is everywhere (on SmolLM2 the engine-vs-trainer gap "
+      "grows from ~0.002 to 0.03-0.06 nats)")
     a("--profile-step", type=int, default=-1, help="run this step's training under torch.profiler: device busy "
       "time against wall time in the metrics, each rank's top ops in --out/profile_*.txt (on that rank's node)")
     a("--gradient-checkpointing", action="store_true")
@@ -333,7 +362,7 @@ def launch(args, configs: dict, *, reward_model: str | None = None) -> Run:
             # resident trainers next to a resident engine: nobody needs their cached blocks back between phases
             info = run.workers[role].call("load", paths[role], config, args.seed, args.offload_trainers,
                                           empty_cache=args.engine_sleep_level > 0 or not args.colocate,
-                                          tf32=args.tf32, timeout_s=args.start_timeout)
+                                          tf32=role_tf32(args.tf32, role), timeout_s=args.start_timeout)
             print(f"{role}: {info[0]['parameters'] / 1e6:.1f}M parameters on {len(info)} rank(s)", flush=True)
         run.startup["models_s"] = time.perf_counter() - started - run.startup["processes_s"]
         _connect_weight_sync(run)

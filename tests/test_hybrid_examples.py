@@ -219,8 +219,11 @@ def test_grpo_hybrid_resident_trainers_zero2_on_cpu(grpo_one_rank, ray_cluster, 
     ("grpo_hybrid", ["--zero-stage", "2", "--offload-trainers", "false", "--engine-sleep-level", "0",
                      "--old-logprobs", "engine", "--sync-mode", "armed"]),
     ("grpo_hybrid", ["--sync-mode", "armed"]),  # ZeRO-3, engine at sleep level 2: armed when its weights wake
+    ("grpo_hybrid", ["--zero-stage", "0", "--offload-trainers", "false", "--engine-sleep-level", "0",
+                     "--old-logprobs", "engine", "--sync-mode", "armed", "--weight-loading", "planned",
+                     "--tf32", "backward,reference"]),  # the benchmark's configuration
 ], ids=["grpo", "ppo", "grpo-zero2-resident", "grpo-zero2-all-resident", "grpo-engine-old-logprobs", "grpo-armed",
-        "grpo-zero3-armed"])
+        "grpo-zero3-armed", "grpo-zero0-bench"])
 def test_hybrid_example_on_one_gpu_with_vllm(example, extra, own_ray, tiny_model_factory, tmp_path):
     """The real thing on one GPU, small: vLLM engine with sleep mode, DeepSpeed ZeRO-3 (fp32, the default --dtype) with
     FusedAdam, CUDA-IPC sync, everything colocated (a tiny Llama with head_dim 64, which vLLM's kernels accept)."""
@@ -244,7 +247,20 @@ def test_bad_combinations_are_refused_before_anything_starts(capsys):
                            "--tensor-parallel-size 2 needs --colocate false"],
                           [["--engine", "hf", "--device", "cpu", "--colocate", "false", "--num-gpus", "1"],
                            "--colocate false needs 0 < --engine-gpus < 1 GPUs"],
-                          [["--model", "x", "--colocate", "maybe"], "expected true or false"]):
+                          [["--model", "x", "--colocate", "maybe"], "expected true or false"],
+                          [["--model", "x", "--tf32", "backward,forward"], "--tf32 'backward,forward': expected"]):
         with pytest.raises(SystemExit):
             grpo.parse_args(argv)
         assert message in capsys.readouterr().err
+
+
+def test_tf32_scopes_per_role():
+    common = _load("_hybrid_common")
+    assert common.parse_tf32("reference, backward") == "backward,reference"
+    assert [common.parse_tf32(text) for text in ("off", "all", "backward")] == ["off", "all", "backward"]
+    roles = ("actor", "critic", "reference", "reward")
+    assert [common.role_tf32("backward,reference", r) for r in roles] == ["backward", "backward", "all", "all"]
+    assert [common.role_tf32("reference", r) for r in roles] == ["off", "off", "all", "all"]
+    assert [common.role_tf32("backward", r) for r in roles] == ["backward", "backward", "off", "off"]
+    assert {common.role_tf32(text, r) for text in ("off",) for r in roles} == {"off"}
+    assert {common.role_tf32(text, r) for text in ("all",) for r in roles} == {"all"}
