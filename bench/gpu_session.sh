@@ -6,6 +6,8 @@
 #   stage 2 (kit chunk 2: vllm):           vLLM engine bench on a tiny model + sleep on a 1.5B model (+ TP 2)
 #   stage 3 (kit chunk 3: SmolLM2):        convert SmolLM2, DeepSpeed sleep bench, vLLM model/throughput, IPC→vLLM
 #   stage 4 (pytest carried):              every @pytest.mark.gpu test
+#   stages 57, 58, 59, 60 (in that order): round 9 (fewer control round trips, done while the copies run; GRPO with
+#     ZeRO-0 and TF32 in the backward and the reference's forward, 1 and 2 GPUs alone; TRL alone)
 #   stages 55, 56: round 8d (bucket 0's message before the start key; into vLLM again)
 #   stages 51, 52, 53, 54: round 8c (ZeRO-1 with TF32 in the actor's backward only; TRL in the same chain)
 #   stages 47, 48, 49, 50: round 8b (bucket 0 before the manifest; GRPO with TF32 trainers, the engine sleeping,
@@ -453,6 +455,39 @@ case $stage in
   on 0 ipc_vllm_armed_r8d 180 python bench/ipc_to_vllm.py $IPC --armed --out $RUNS/ipc_vllm_armed_r8d.json &
   on 1 ipc_vllm_rpc_r8d 180 python bench/ipc_to_vllm.py $IPC --out $RUNS/ipc_vllm_rpc_r8d.json &
   wait; pack
+  ;;
+57) # round 9, kit chunk 1: the weight-sync GPU tests (bucket 0 and the manifest on the start key, done reported
+    # while the copies run); the channel alone, CUDA IPC (GPU 0) then NCCL (GPU 0 -> 1); the 1.54B model is built
+  big &
+  run 200 python -m pytest -q -p no:cacheprovider -m gpu tests/test_weight_sync.py
+  on 0 ws_ipc_r9 150 python bench/weight_sync.py --mode ipc --out $RUNS/weight_sync_ipc_r9.json --deadline-s 140
+  on 0,1 ws_nccl_r9 150 python bench/weight_sync.py --mode nccl --out $RUNS/weight_sync_nccl_r9.json --deadline-s 140
+  wait; pack
+  ;;
+58) # round 9, kit chunk 2 (after 57): into vLLM, armed (GPU 0) and RPC (GPU 1), 1.54B bf16; then the tiny fp32 greedy
+    # check through armed replayed syncs (GPU 1) and the vLLM GPU tests (GPU 0)
+  tiny
+  IPC="--random-layers 30 --dtype bfloat16 --zero-copy --keep-mapped --no-greedy --loading planned --bucket-mb 0"
+  ( on 0 ipc_vllm_armed_r9 180 python bench/ipc_to_vllm.py $IPC --armed --out $RUNS/ipc_vllm_armed_r9.json
+    on 0 pytest_vllm_r9 200 python -m pytest -q -p no:cacheprovider -m gpu tests/test_vllm_copy_plan.py tests/test_engines_vllm.py ) &
+  ( on 1 ipc_vllm_rpc_r9 180 python bench/ipc_to_vllm.py $IPC --out $RUNS/ipc_vllm_rpc_r9.json
+    on 1 ipc_vllm_tiny_r9 150 python bench/ipc_to_vllm.py --model /tmp/tiny-hd64 --zero-copy --keep-mapped --loading planned --bucket-mb 0 --armed --out $RUNS/ipc_vllm_tiny_r9.json ) &
+  wait; pack
+  ;;
+59) # round 9, kit chunk 3 (SmolLM2; after 57, 58): GRPO, everything resident, armed, engine log-probs, ZeRO-0, TF32
+    # in the actor's backward and the reference's forward: one GPU alone, then two GPUs with twice the prompts (the
+    # same per-GPU batch), alone
+  run 120 python examples/convert_smollm2.py --out $SMOL
+  R9="${RESIDENT/--zero-stage 2/--zero-stage 0} --old-logprobs engine --sync-mode armed --tf32 backward,reference"
+  on 0 r12_1gpu 300 python examples/grpo_hybrid.py --model $SMOL $R9 --out $RUNS/r12_1gpu
+  on 0,1 r12_2gpu 260 python examples/grpo_hybrid.py --model $SMOL ${R9/--steps 16/--steps 12} --rollout-batch 32 --num-gpus 2 --out $RUNS/r12_2gpu
+  pack
+  ;;
+60) # round 9, .carry/peers (after 59): TRL in the same chain, with TF32 training matmuls, then fp32, each alone
+  eval "$(bash bench/peers/install-peers.sh 2>>"$log")"
+  on 0 trl_r9_tf32 200 python bench/peer_trl.py --model $SMOL ${HYB/--steps 100/--steps 15} --grad-accum 1 --gpu-memory-utilization 0.15 --tf32 --out $RUNS/peer_trl_r9_tf32.json
+  on 0 trl_r9 200 python bench/peer_trl.py --model $SMOL ${HYB/--steps 100/--steps 15} --grad-accum 1 --gpu-memory-utilization 0.15 --out $RUNS/peer_trl_r9.json
+  pack
   ;;
 esac
 echo "stage $stage done in $SECONDS s" | tee -a "$log"
