@@ -6,7 +6,8 @@ what a user would otherwise paste into every script:
 
 - :func:`add_arguments`/:func:`parse_arguments`: the shared command line;
 - :func:`launch` / :class:`Run`: Ray, the placement plan, engines, workers, the sync wiring, step records, tear-down;
-- :func:`dp_forward`, :func:`dp_train`, :func:`sync_weights`: fan work out over the data-parallel ranks;
+- :func:`guarded_forward`, :func:`guarded_train`, :func:`sync_weights`: fan work out over the data-parallel ranks,
+  with each role's wake and sleep sent along with its work (an actor runs its calls in order: one round trip);
 - :class:`StepClock` (+ an NVML sampler): per-phase wall time and device-wide peak GPU memory; the metrics files.
 
 Not part of the library: ``examples/`` is not installed, so Ray ships these classes to its workers by value.
@@ -492,10 +493,9 @@ def precomputed(values: torch.Tensor):
     return forward
 
 
-def dp_forward(group, kind: str, batch, *, max_tokens: int, temperature: float = 1.0) -> tuple[torch.Tensor, float]:
-    """Run a no-grad forward of ``batch`` on every rank of ``group``: balanced shards, each cut into the same number
-    of micro-batches on every rank (ZeRO-3 gathers are collective). Returns the ``[T]`` result (``[N]`` for
-    ``kind="rewards"``) in the batch's order, and the ranks' peak allocated GiB."""
+def submit_forward(group, kind: str, batch, *, max_tokens: int, temperature: float = 1.0):
+    """Start a no-grad forward of ``batch`` on every rank of ``group``: balanced shards, each cut into the same number
+    of micro-batches on every rank (ZeRO-3 gathers are collective). Collect it with :func:`collect_forward`."""
     lengths = batch.seq_lens.tolist()
     shards = partition_by_token_budget(lengths, num_micro_batches=group.world_size)
     count = max(math.ceil(sum(lengths[i] for i in shard) / max_tokens) for shard in shards)
@@ -507,12 +507,25 @@ def dp_forward(group, kind: str, batch, *, max_tokens: int, temperature: float =
         micro = [select_sequences(batch, indices) for indices in selected]
         items.append([sub for sub, _ in micro])
         places.append(selected if kind == "rewards" else [index for _, index in micro])
-    results = group.call_scattered("forward", items, kind=kind, temperature=temperature)
-    out = torch.zeros(batch.num_seqs if kind == "rewards" else batch.num_tokens)
+    size = batch.num_seqs if kind == "rewards" else batch.num_tokens
+    return group.submit_scattered("forward", items, kind=kind, temperature=temperature), places, size
+
+
+def collect_forward(group, started) -> tuple[torch.Tensor, float]:
+    """The ``[T]`` result (``[N]`` for ``kind="rewards"``) of :func:`submit_forward` in the batch's order, and the
+    ranks' peak allocated GiB."""
+    pending, places, size = started
+    results = group.gather(pending)
+    out = torch.zeros(size)
     for result, rank_places in zip(results, places, strict=True):
         for values, place in zip(result["outputs"], rank_places, strict=True):
             out[torch.as_tensor(place)] = values
     return out, max(result["peak_gib"] for result in results)
+
+
+def dp_forward(group, kind: str, batch, *, max_tokens: int, temperature: float = 1.0) -> tuple[torch.Tensor, float]:
+    """:func:`submit_forward` then :func:`collect_forward`."""
+    return collect_forward(group, submit_forward(group, kind, batch, max_tokens=max_tokens, temperature=temperature))
 
 
 def behaviour_logprobs(clock, actor, batch, rollouts, args) -> torch.Tensor:
@@ -529,12 +542,16 @@ def behaviour_logprobs(clock, actor, batch, rollouts, args) -> torch.Tensor:
     return values
 
 
-def dp_train(group, experience, settings: TrainSettings, step: int) -> dict:
-    """Train every rank on its token-balanced shard of the step's experience; ranks' stats averaged (loss summed:
-    each rank's is its share of the global objective)."""
+def submit_train(group, experience, settings: TrainSettings, step: int):
+    """Start training every rank on its token-balanced shard of the step's experience; collect it with
+    :func:`collect_train` (ranks' stats averaged; loss summed: each rank's is its share of the global objective)."""
     shards = partition_by_token_budget(experience.batch.seq_lens.tolist(), num_micro_batches=group.world_size)
-    results = group.call_scattered("train", [select_experience(experience, shard) for shard in shards],
-                                   settings=settings, step=step)
+    return group.submit_scattered("train", [select_experience(experience, shard) for shard in shards],
+                                  settings=settings, step=step)
+
+
+def collect_train(group, pending) -> dict:
+    results = group.gather(pending)
     merged = {}
     for key in results[0]:
         values = [result[key] for result in results]
@@ -547,16 +564,36 @@ def dp_train(group, experience, settings: TrainSettings, step: int) -> dict:
 
 def guarded_forward(clock, group, kind: str, batch, args) -> torch.Tensor:
     """Wake a model, run its forward over the data-parallel ranks, put it back to sleep (the reference and reward
-    model, and the critic's value forward in PPO)."""
-    role = group.role
-    with clock.phase("sleep_wake"):
-        group.call("wake", f"forward_{role}")
-    with clock.phase(f"forward_{role}"):
-        values, peak = dp_forward(group, kind, batch, max_tokens=args.forward_tokens, temperature=args.temperature)
-    with clock.phase("sleep_wake"):
-        group.call("sleep", f"forward_{role}")
-    clock.extra[f"mem_process/forward_{role}_peak_gib"] = peak
+    model, and the critic's value forward in PPO). The three calls go out together (each actor runs its calls in
+    order): one round trip instead of three; the ranks' own transition times count as sleep/wake."""
+    phase = f"forward_{group.role}"
+    with clock.phase(phase):
+        woke = group.submit("wake", phase)
+        started = submit_forward(group, kind, batch, max_tokens=args.forward_tokens, temperature=args.temperature)
+        slept = group.submit("sleep", phase)
+        switch = max(group.gather(woke))
+        values, peak = collect_forward(group, started)
+        switch += max(group.gather(slept))
+    clock.move(phase, "sleep_wake", switch)
+    clock.extra[f"mem_process/{phase}_peak_gib"] = peak
     return values
+
+
+def guarded_train(clock, group, experience, settings: TrainSettings, step: int, *, sleep_phase: str,
+                  keep_weights: bool = False, woke=None) -> dict:
+    """Train ``group`` and put it to sleep for ``sleep_phase``, its wake (``woke``: a ``group.submit("wake", ...)``
+    sent earlier, so that it overlapped with the driver's work; else sent here), training and sleep in one round
+    trip; the ranks' own transition times count as sleep/wake, the rest as ``train_{role}``."""
+    phase = f"train_{group.role}"
+    with clock.phase(phase):
+        woke = group.submit("wake", "train") if woke is None else woke
+        training = submit_train(group, experience, settings, step)
+        slept = group.submit("sleep", sleep_phase, keep_weights=keep_weights)
+        switch = max(group.gather(woke))
+        stats = collect_train(group, training)
+        switch += max(group.gather(slept))
+    clock.move(phase, "sleep_wake", switch)
+    return stats
 
 
 def generate(run: Run, clock, prompt_ids, sampling):
@@ -580,22 +617,26 @@ def sync_to_engines(run: Run, clock) -> dict:
         with clock.phase("sleep_wake"):
             run.engines.call("arm_weight_sync")
     with clock.phase("weight_sync"):
-        stats = sync_weights(run, armed=armed)
-    with clock.phase("sleep_wake"):
-        run.workers["actor"].call("sleep", "sync")
-        if run.args.colocate:
+        stats, slept = sync_weights(run, armed=armed, sleep_after="sync")
+    clock.move("weight_sync", "sleep_wake", slept)
+    if run.args.colocate:
+        with clock.phase("sleep_wake"):
             run.engines.call("guarded_wake", ["kv_cache"], "generate")
     return stats
 
 
-def sync_weights(run: Run, armed: bool = False) -> dict:
+def sync_weights(run: Run, armed: bool = False, sleep_after: str | None = None) -> tuple[dict, float]:
     """One weight sync: every engine starts receiving (unless armed already: then each settles the sync before its
-    next operation), every actor rank streams (rank(s) with a sender send)."""
+    next operation), every actor rank streams (rank(s) with a sender send). ``sleep_after``: the actor then sleeps
+    fully for that phase, sent with the sync (one round trip); returns the stats and that sleep's seconds."""
     import ray
 
+    actor = run.workers["actor"]
     receiving = [] if armed else [handle.receive_weights.remote() for handle in run.engine_handles]
     try:
-        sent = run.workers["actor"].call("sync_weights")
+        sending = actor.submit("sync_weights")
+        sleeping = actor.submit("sleep", sleep_after) if sleep_after else None
+        sent = actor.gather(sending)
     except Exception:
         ready, _ = ray.wait(receiving, num_returns=len(receiving), timeout=5.0)
         for ref in ready:
@@ -607,8 +648,9 @@ def sync_weights(run: Run, armed: bool = False) -> dict:
     else:
         received = ray.get(receiving, timeout=run.args.sync_timeout)
         versions = [int(worker_report["version"]) for reports in received for worker_report in reports]
+    slept = max(actor.gather(sleeping)) if sleeping is not None else 0.0
     return {"sync/version": report["version"], "sync/bytes": report["bytes"], "sync/sender_s": report["seconds"],
-            "engine/weight_version": min(versions)}
+            "engine/weight_version": min(versions)}, slept
 
 
 # ------------------------------------------------------------------------------------------------ timing and memory
@@ -698,6 +740,13 @@ class StepClock:
         finally:
             self.times[name] += time.perf_counter() - start
             self.sampler.set_phase(None)
+
+    def move(self, source: str, target: str, seconds: float) -> None:
+        """Count ``seconds`` of phase ``source`` as ``target`` (transitions measured by the workers inside a call
+        that also did other work)."""
+        seconds = min(seconds, self.times[source])
+        self.times[source] -= seconds
+        self.times[target] += seconds
 
     def metrics(self) -> dict[str, float]:
         step = time.perf_counter() - self.started

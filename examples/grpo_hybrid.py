@@ -89,19 +89,16 @@ def main(argv=None) -> dict:
             batch = pack_rollouts(rollouts)  # the packing make_experience uses, so the forwards line up with it
             # 2. The reference wakes, computes its log-probs on every data-parallel rank, and sleeps.
             ref_logprobs = hybrid.guarded_forward(clock, reference, "logprobs", batch, args)
-            # 3. The actor wakes for its own forward and the training; GRPO advantages are computed here, on CPU.
-            with clock.phase("sleep_wake"):
-                actor.call("wake", "train")
+            # 3. The actor wakes (while GRPO advantages are computed here, on CPU) for its own forward and the
+            # training, then keeps only the weights the sync reads; 4. the engines take them, then their KV cache.
+            woke = actor.submit("wake", "train")
             old_logprobs = hybrid.behaviour_logprobs(clock, actor, batch, rollouts, args)
             with clock.phase("experience"):
                 experience, stats = make_experience(rollouts, scores, config=config,
                                                     policy_logprobs_fn=hybrid.precomputed(old_logprobs),
                                                     ref_logprobs_fn=hybrid.precomputed(ref_logprobs))
-            with clock.phase("train_actor"):
-                stats |= hybrid.dp_train(actor, experience, settings, step)
-            # 4. The actor keeps only the weights the sync reads; the engines take them, then their KV cache.
-            with clock.phase("sleep_wake"):
-                actor.call("sleep", "sync", keep_weights=True)
+            stats |= hybrid.guarded_train(clock, actor, experience, settings, step, woke=woke, sleep_phase="sync",
+                                          keep_weights=True)
             stats |= hybrid.sync_to_engines(run, clock)
             run.record(step, clock, stats, experience, accuracy)
         return run.finish()

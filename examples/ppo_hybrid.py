@@ -108,26 +108,19 @@ def main(argv=None) -> dict:
             ref_logprobs = hybrid.guarded_forward(clock, workers["reference"], "logprobs", batch, args)
             values = hybrid.guarded_forward(clock, critic, "values", batch, args)
             rewards = rule + args.rm_coef * model_scores
-            # 3. The actor wakes: its log-probs, then KL-shaped rewards and GAE on CPU, then PPO-clip training.
-            with clock.phase("sleep_wake"):
-                actor.call("wake", "train")
+            # 3. The actor wakes: its log-probs, then KL-shaped rewards and GAE on CPU, then PPO-clip training; it
+            # keeps only its weights for the sync. 4. The critic takes the GPU for its value loss.
+            woke = actor.submit("wake", "train")
             old_logprobs = hybrid.behaviour_logprobs(clock, actor, batch, rollouts, args)
             with clock.phase("experience"):
                 experience, stats = make_experience(rollouts, rewards, config=config,
                                                     policy_logprobs_fn=hybrid.precomputed(old_logprobs),
                                                     ref_logprobs_fn=hybrid.precomputed(ref_logprobs),
                                                     values_fn=hybrid.precomputed(values))
-            with clock.phase("train_actor"):
-                stats |= hybrid.dp_train(actor, experience, actor_settings, step)
-            # 4. The actor keeps only its weights for the sync; the critic takes the GPU for its value loss.
-            with clock.phase("sleep_wake"):
-                actor.call("sleep", "sync", keep_weights=True)
-                critic.call("wake", "train")
-            with clock.phase("train_critic"):
-                stats |= hybrid.dp_train(critic, experience, critic_settings, step)
+            stats |= hybrid.guarded_train(clock, actor, experience, actor_settings, step, woke=woke,
+                                          sleep_phase="sync", keep_weights=True)
+            stats |= hybrid.guarded_train(clock, critic, experience, critic_settings, step, sleep_phase="train")
             # 5. The engines take the actor's weights, then their KV cache.
-            with clock.phase("sleep_wake"):
-                critic.call("sleep", "train")
             stats |= hybrid.sync_to_engines(run, clock)
             stats |= {"reward/rule_mean": float(rule.mean()), "reward/model_mean": float(model_scores.mean()),
                       "reward/model_std": float(model_scores.std())}

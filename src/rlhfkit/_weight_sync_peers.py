@@ -38,6 +38,7 @@ __all__ = ["SenderSide", "ReceiverSide", "load_local"]
 
 logger = logging.getLogger(__name__)
 CALLED_OFF = b"\x00called-off:"  # a sync's manifest and start keys when a receiver called it off before it started
+CLAIMED = b"\x00sent"  # a sync's manifest key once the sender has claimed it (the manifest travels in the start key)
 AfterPack = Callable[[int, list[torch.Tensor]], None] | None  # a test hook (None: no hook)
 
 
@@ -177,14 +178,16 @@ class SenderSide:
     def _publish(self, version: int, data: bytes, *, prechecked: bool = False, first: bytes | None = None) -> None:
         """Publish the manifest unless a receiver called this sync off first (see ``ReceiverSide.call_off``), then
         wake the receivers: the start key says whether a check round follows, and may carry bucket 0's message."""
-        current = self.store.compare_set(f"{version}/manifest", b"", data)
-        if current != data:
+        current = self.store.compare_set(f"{version}/manifest", b"", CLAIMED)
+        if current != CLAIMED:
             who = current[len(CALLED_OFF):].decode(errors="replace") if current.startswith(CALLED_OFF) else "?"
             raise WeightSyncAborted(
                 f"sync {version} of {self.describe_group()} was called off by {who} before it started: its engine "
                 f"settled an armed sync that had not begun (arm the engine again, then send)")
+        # a repeated manifest (prechecked: every receiver accepted and loaded it last time, so each has it parsed)
+        # is not sent again: an empty body means "the last one, at this version"
         verdict = b"go" if prechecked else b"check"
-        self.control.put_bytes(f"{version}/start", b"\n".join((verdict, first or b"", data)))
+        self.control.put_bytes(f"{version}/start", b"\n".join((verdict, first or b"", b"" if prechecked else data)))
 
     def _manifest(self, specs: tuple[TensorSpec, ...]) -> tuple[Manifest, bytes]:
         """This sync's manifest and its bytes; the layout and encoding are reused while the stream's description
@@ -192,7 +195,7 @@ class SenderSide:
         if self._plan is None or self._plan[0] != specs:
             self._plan = (specs, *plan_buckets(specs, self.config.bucket_bytes),
                           sum(spec.nbytes for spec in specs))
-        _, buckets, capacity, total = self._plan
+        specs, buckets, capacity, total = self._plan  # (the same tuple as the last sync's: compared by identity)
         generation = self.transport.prepare(capacity)
         version = self.version + 1
         manifest = Manifest(version=version, specs=specs, buckets=buckets, capacity=capacity,
@@ -437,8 +440,13 @@ class ReceiverSide:
         version, data, prechecked, first = found
         self._connect()  # gloo/NCCL: the first sync joins the group here, as the sender does after publishing
         clock = _Phases()
-        manifest, problems = self._parse(data, expected)
         self.seen = version
+        try:
+            manifest, problems = self._parse(version, data, expected)
+        except WeightSyncError as error:  # tell the sender, which waits for this receiver's report
+            self.control.put(f"{version}/done/{self.endpoint.rank}",
+                             {"error": error_kind(error), "message": str(error), "version": held})
+            raise
         if not prechecked:
             self._check(manifest, problems)
         clock.mark("check")
@@ -473,11 +481,21 @@ class ReceiverSide:
         self.phases = clock.phases
         return manifest, loaded, clock.total
 
-    def _parse(self, data: bytes, expected: Sequence[TensorSpec] | None) -> tuple[Manifest, list[str]]:
-        """The manifest in ``data`` and its differences from ``expected``; parsed and compared once while the
-        sender's layout and ``expected`` stay the same (from sync to sync only the version changes)."""
-        split = Manifest.split_version(data)
+    def _parse(self, version: int, data: bytes,
+               expected: Sequence[TensorSpec] | None) -> tuple[Manifest, list[str]]:
+        """The manifest in ``data`` (empty: the last one again, at ``version``) and its differences from
+        ``expected``; parsed and compared once while the sender's layout and ``expected`` stay the same (from sync to
+        sync only the version changes)."""
         cached = self._parsed
+        if not data:
+            if cached is None:
+                raise WeightSyncError(f"{self.who}: the sender sent sync {version} as a repeat of a manifest this "
+                                      f"receiver has not seen")
+            if cached.expected is not expected:
+                self._parsed = cached = cached._replace(expected=expected,
+                                                        problems=compare_manifest(cached.manifest, expected))
+            return replace(cached.manifest, version=version), cached.problems
+        split = Manifest.split_version(data)
         if split is not None and cached is not None and cached.body == split[1] and cached.expected is expected:
             return replace(cached.manifest, version=split[0]), cached.problems
         manifest = Manifest.from_bytes(data)
