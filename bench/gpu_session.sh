@@ -6,6 +6,7 @@
 #   stage 2 (kit chunk 2: vllm):           vLLM engine bench on a tiny model + sleep on a 1.5B model (+ TP 2)
 #   stage 3 (kit chunk 3: SmolLM2):        convert SmolLM2, DeepSpeed sleep bench, vLLM model/throughput, IPC→vLLM
 #   stage 4 (pytest carried):              every @pytest.mark.gpu test
+#   stages 61, 62, 63, 64 (in that order): round 9b (the manifest in the start key; wake/sleep sent with the work)
 #   stages 57, 58, 59, 60 (in that order): round 9 (fewer control round trips, done while the copies run; GRPO with
 #     ZeRO-0 and TF32 in the backward and the reference's forward, 1 and 2 GPUs alone; TRL alone)
 #   stages 55, 56: round 8d (bucket 0's message before the start key; into vLLM again)
@@ -54,6 +55,7 @@ HYB="--steps 100 --rollout-batch 16 --samples-per-prompt 8 --max-new-tokens 64 -
 # rounds 6-7: GRPO with everything resident (ZeRO-2, engine level 0), one micro-batch per optimizer step, 16 steps
 RESIDENT="${HYB/--steps 100/--steps 16} --zero-stage 2 --offload-trainers false --attn varlen --weight-loading planned --grad-accum 1 --engine-sleep-level 0"
 nvidia-smi -L | tee -a "$log"
+NGPU=$(nvidia-smi -L | wc -l)
 python -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" >>"$log" 2>&1
 case $stage in
 1)
@@ -461,17 +463,24 @@ case $stage in
   big &
   run 200 python -m pytest -q -p no:cacheprovider -m gpu tests/test_weight_sync.py
   on 0 ws_ipc_r9 150 python bench/weight_sync.py --mode ipc --out $RUNS/weight_sync_ipc_r9.json --deadline-s 140
-  on 0,1 ws_nccl_r9 150 python bench/weight_sync.py --mode nccl --out $RUNS/weight_sync_nccl_r9.json --deadline-s 140
+  if [ "$NGPU" -ge 2 ]; then
+    on 0,1 ws_nccl_r9 150 python bench/weight_sync.py --mode nccl --out $RUNS/weight_sync_nccl_r9.json --deadline-s 140
+  fi
   wait; pack
   ;;
 58) # round 9, kit chunk 2 (after 57): into vLLM, armed (GPU 0) and RPC (GPU 1), 1.54B bf16; then the tiny fp32 greedy
     # check through armed replayed syncs (GPU 1) and the vLLM GPU tests (GPU 0)
   tiny
   IPC="--random-layers 30 --dtype bfloat16 --zero-copy --keep-mapped --no-greedy --loading planned --bucket-mb 0"
-  ( on 0 ipc_vllm_armed_r9 180 python bench/ipc_to_vllm.py $IPC --armed --out $RUNS/ipc_vllm_armed_r9.json
-    on 0 pytest_vllm_r9 200 python -m pytest -q -p no:cacheprovider -m gpu tests/test_vllm_copy_plan.py tests/test_engines_vllm.py ) &
-  ( on 1 ipc_vllm_rpc_r9 180 python bench/ipc_to_vllm.py $IPC --out $RUNS/ipc_vllm_rpc_r9.json
-    on 1 ipc_vllm_tiny_r9 150 python bench/ipc_to_vllm.py --model /tmp/tiny-hd64 --zero-copy --keep-mapped --loading planned --bucket-mb 0 --armed --out $RUNS/ipc_vllm_tiny_r9.json ) &
+  if [ "$NGPU" -ge 2 ]; then
+    ( on 0 ipc_vllm_armed_r9 180 python bench/ipc_to_vllm.py $IPC --armed --out $RUNS/ipc_vllm_armed_r9.json
+      on 0 pytest_vllm_r9 200 python -m pytest -q -p no:cacheprovider -m gpu tests/test_vllm_copy_plan.py tests/test_engines_vllm.py ) &
+    ( on 1 ipc_vllm_rpc_r9 180 python bench/ipc_to_vllm.py $IPC --out $RUNS/ipc_vllm_rpc_r9.json
+      on 1 ipc_vllm_tiny_r9 150 python bench/ipc_to_vllm.py --model /tmp/tiny-hd64 --zero-copy --keep-mapped --loading planned --bucket-mb 0 --armed --out $RUNS/ipc_vllm_tiny_r9.json ) &
+  else  # one GPU: the armed sync and the greedy check, one after the other
+    on 0 ipc_vllm_armed_r9 180 python bench/ipc_to_vllm.py $IPC --armed --out $RUNS/ipc_vllm_armed_r9.json
+    on 0 ipc_vllm_tiny_r9 150 python bench/ipc_to_vllm.py --model /tmp/tiny-hd64 --zero-copy --keep-mapped --loading planned --bucket-mb 0 --armed --out $RUNS/ipc_vllm_tiny_r9.json
+  fi
   wait; pack
   ;;
 59) # round 9, kit chunk 3 (SmolLM2; after 57, 58): GRPO, everything resident, armed, engine log-probs, ZeRO-0, TF32
@@ -480,13 +489,46 @@ case $stage in
   run 120 python examples/convert_smollm2.py --out $SMOL
   R9="${RESIDENT/--zero-stage 2/--zero-stage 0} --old-logprobs engine --sync-mode armed --tf32 backward,reference"
   on 0 r12_1gpu 300 python examples/grpo_hybrid.py --model $SMOL $R9 --out $RUNS/r12_1gpu
-  on 0,1 r12_2gpu 260 python examples/grpo_hybrid.py --model $SMOL ${R9/--steps 16/--steps 12} --rollout-batch 32 --num-gpus 2 --out $RUNS/r12_2gpu
+  [ "$NGPU" -ge 2 ] && on 0,1 r12_2gpu 260 python examples/grpo_hybrid.py --model $SMOL ${R9/--steps 16/--steps 12} --rollout-batch 32 --num-gpus 2 --out $RUNS/r12_2gpu
   pack
   ;;
 60) # round 9, .carry/peers (after 59): TRL in the same chain, with TF32 training matmuls, then fp32, each alone
   eval "$(bash bench/peers/install-peers.sh 2>>"$log")"
   on 0 trl_r9_tf32 200 python bench/peer_trl.py --model $SMOL ${HYB/--steps 100/--steps 15} --grad-accum 1 --gpu-memory-utilization 0.15 --tf32 --out $RUNS/peer_trl_r9_tf32.json
   on 0 trl_r9 200 python bench/peer_trl.py --model $SMOL ${HYB/--steps 100/--steps 15} --grad-accum 1 --gpu-memory-utilization 0.15 --out $RUNS/peer_trl_r9.json
+  pack
+  ;;
+61) # round 9b, kit chunk 1: stage 57 again after the manifest moved into the start key (claimed with a token, left
+    # out when it repeats)
+  big &
+  run 200 python -m pytest -q -p no:cacheprovider -m gpu tests/test_weight_sync.py
+  on 0 ws_ipc_r9b 150 python bench/weight_sync.py --mode ipc --out $RUNS/weight_sync_ipc_r9b.json --deadline-s 140
+  if [ "$NGPU" -ge 2 ]; then
+    on 0,1 ws_nccl_r9b 150 python bench/weight_sync.py --mode nccl --out $RUNS/weight_sync_nccl_r9b.json --deadline-s 140
+  fi
+  wait; pack
+  ;;
+62) # round 9b, kit chunk 2 (after 61): into vLLM armed, twice (two processes, one after the other), then the tiny
+    # fp32 greedy check
+  tiny
+  IPC="--random-layers 30 --dtype bfloat16 --zero-copy --keep-mapped --no-greedy --loading planned --bucket-mb 0"
+  on 0 ipc_vllm_armed_r9b 180 python bench/ipc_to_vllm.py $IPC --armed --out $RUNS/ipc_vllm_armed_r9b.json
+  on 0 ipc_vllm_armed_r9c 180 python bench/ipc_to_vllm.py $IPC --armed --out $RUNS/ipc_vllm_armed_r9c.json
+  on 0 ipc_vllm_tiny_r9b 150 python bench/ipc_to_vllm.py --model /tmp/tiny-hd64 --zero-copy --keep-mapped --loading planned --bucket-mb 0 --armed --out $RUNS/ipc_vllm_tiny_r9b.json
+  pack
+  ;;
+63) # round 9b, kit chunk 3 (SmolLM2; after 61, 62): stage 59's GRPO with each role's wake and sleep sent along with
+    # its work; then the hybrid examples' GPU tests of the changed paths (ZeRO-0 benchmark configuration, PPO)
+  run 120 python examples/convert_smollm2.py --out $SMOL
+  R9="${RESIDENT/--zero-stage 2/--zero-stage 0} --old-logprobs engine --sync-mode armed --tf32 backward,reference"
+  on 0 r13_1gpu 300 python examples/grpo_hybrid.py --model $SMOL $R9 --out $RUNS/r13_1gpu
+  [ "$NGPU" -ge 2 ] && on 0,1 r13_2gpu 260 python examples/grpo_hybrid.py --model $SMOL ${R9/--steps 16/--steps 12} --rollout-batch 32 --num-gpus 2 --out $RUNS/r13_2gpu
+  on 0 pytest_hybrid_r9 280 python -m pytest -q -p no:cacheprovider -m gpu --timeout 270 tests/test_hybrid_examples.py -k "zero0-bench or ppo"
+  pack
+  ;;
+64) # round 9b, .carry/peers (after 63): TRL with TF32 training matmuls, alone
+  eval "$(bash bench/peers/install-peers.sh 2>>"$log")"
+  on 0 trl_r9b_tf32 200 python bench/peer_trl.py --model $SMOL ${HYB/--steps 100/--steps 15} --grad-accum 1 --gpu-memory-utilization 0.15 --tf32 --out $RUNS/peer_trl_r9b_tf32.json
   pack
   ;;
 esac
