@@ -512,10 +512,12 @@ case $stage in
     # fp32 greedy check
   tiny
   IPC="--random-layers 30 --dtype bfloat16 --zero-copy --keep-mapped --no-greedy --loading planned --bucket-mb 0"
+  TINYGPU=0; [ "$NGPU" -ge 2 ] && TINYGPU=1
+  on $TINYGPU ipc_vllm_tiny_r9b 150 python bench/ipc_to_vllm.py --model /tmp/tiny-hd64 --zero-copy --keep-mapped --loading planned --bucket-mb 0 --armed --out $RUNS/ipc_vllm_tiny_r9b.json &
+  [ "$NGPU" -ge 2 ] || wait
   on 0 ipc_vllm_armed_r9b 180 python bench/ipc_to_vllm.py $IPC --armed --out $RUNS/ipc_vllm_armed_r9b.json
   on 0 ipc_vllm_armed_r9c 180 python bench/ipc_to_vllm.py $IPC --armed --out $RUNS/ipc_vllm_armed_r9c.json
-  on 0 ipc_vllm_tiny_r9b 150 python bench/ipc_to_vllm.py --model /tmp/tiny-hd64 --zero-copy --keep-mapped --loading planned --bucket-mb 0 --armed --out $RUNS/ipc_vllm_tiny_r9b.json
-  pack
+  wait; pack
   ;;
 63) # round 9b, kit chunk 3 (SmolLM2; after 61, 62): stage 59's GRPO with each role's wake and sleep sent along with
     # its work; then the hybrid examples' GPU tests of the changed paths (ZeRO-0 benchmark configuration, PPO)
@@ -523,7 +525,13 @@ case $stage in
   R9="${RESIDENT/--zero-stage 2/--zero-stage 0} --old-logprobs engine --sync-mode armed --tf32 backward,reference"
   on 0 r13_1gpu 300 python examples/grpo_hybrid.py --model $SMOL $R9 --out $RUNS/r13_1gpu
   [ "$NGPU" -ge 2 ] && on 0,1 r13_2gpu 260 python examples/grpo_hybrid.py --model $SMOL ${R9/--steps 16/--steps 12} --rollout-batch 32 --num-gpus 2 --out $RUNS/r13_2gpu
-  on 0 pytest_hybrid_r9 280 python -m pytest -q -p no:cacheprovider -m gpu --timeout 270 tests/test_hybrid_examples.py -k "zero0-bench or ppo"
+  if [ "$NGPU" -ge 2 ]; then
+    on 0 pytest_hybrid_r9 200 python -m pytest -q -p no:cacheprovider -m gpu --timeout 190 tests/test_hybrid_examples.py -k "zero0-bench" &
+    on 1 pytest_hybrid_r9b 200 python -m pytest -q -p no:cacheprovider -m gpu --timeout 190 tests/test_hybrid_examples.py -k "ppo" &
+    wait
+  else
+    on 0 pytest_hybrid_r9 280 python -m pytest -q -p no:cacheprovider -m gpu --timeout 270 tests/test_hybrid_examples.py -k "zero0-bench or ppo"
+  fi
   pack
   ;;
 64) # round 9b, .carry/peers (after 63): TRL with TF32 training matmuls, alone
