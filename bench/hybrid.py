@@ -13,12 +13,12 @@ Runs per kind (``--runs a,b`` picks a subset, ``--list`` shows them): 1 GPU: GRP
 2 GPUs: GRPO on 1 GPU (the scaling baseline), GRPO on 2 GPUs colocated (2 engines, DP 2, CUDA IPC) with the same
 global batch and with twice the prompts (the same batch per GPU), GRPO with the engine on its own GPU (NCCL sync);
 ``ppo_2gpu`` on request. Runs go one after another, so none shares the host with another (a host-bound step slows
-down beside a second run). ``--extra "..."`` adds arguments to every run, e.g. round 8's resident configuration:
+down beside a second run). ``--preset round9`` runs round 9's benchmark configuration (docs/benchmarks.md), and
+``--extra "..."`` adds arguments to every run:
 
-    python bench/hybrid.py --kind h200-x2 --out scaling.json --steps 16 --extra "--rollout-batch 16 \
-        --samples-per-prompt 8 --max-new-tokens 64 --lr 1e-5 --zero-stage 2 --offload-trainers false --attn varlen \
-        --weight-loading planned --grad-accum 1 --engine-sleep-level 0 --old-logprobs engine --sync-mode armed"
- The JSON is rewritten after every
+    python bench/hybrid.py --kind h200-x2 --preset round9 --steps 16 --out scaling.json
+
+The JSON is rewritten after every
 run, so a harness cut short still leaves the runs it finished. A missing ``--model`` folder is converted from the
 SmolLM2 GGUF first (examples/convert_smollm2.py). Step statistics are medians over the steps after ``--warmup``.
 """
@@ -64,6 +64,15 @@ RUNS = {
         "grpo_2gpu_separate": ("grpo_hybrid", ["--model", "{model}", "--num-gpus", "2", "--colocate", "false"]),
         "ppo_2gpu": ("ppo_hybrid", ["--model", "{model}", "--num-gpus", "2"]),
     },
+}
+# --preset: the example options of a measured configuration, before --extra and the run's own
+PRESETS = {
+    "default": "",  # the examples' defaults (ZeRO-3, offloading, engine sleeping at level 2)
+    # round 9's benchmark configuration (docs/benchmarks.md): everything resident, armed sync, the engine's log-probs
+    # as the old ones, ZeRO-0, TF32 only in the actor's backward and the reference's forward
+    "round9": "--rollout-batch 16 --samples-per-prompt 8 --max-new-tokens 64 --lr 1e-5 --zero-stage 0 "
+              "--offload-trainers false --attn varlen --weight-loading planned --grad-accum 1 --engine-sleep-level 0 "
+              "--old-logprobs engine --sync-mode armed --tf32 backward,reference",
 }
 KINDS = {"cpu": ("cpu", ["grpo_1gpu", "ppo_1gpu"]), "h100": ("1gpu", ["grpo_1gpu", "ppo_1gpu"]),
          "h200": ("1gpu", ["grpo_1gpu", "ppo_1gpu"]),
@@ -126,9 +135,9 @@ def summarize_run(out: Path, *, warmup: int) -> dict:
 
 
 def run_argv(argv: list[str], args) -> list[str]:
-    """A run's example arguments: ``--extra`` first (the run's own win where both set an option), placeholders
-    filled in."""
-    extra = shlex.split(args.extra or "")
+    """A run's example arguments: the preset's, then ``--extra`` (later ones win where both set an option; the run's
+    own win over both), placeholders filled in."""
+    extra = shlex.split(PRESETS[getattr(args, "preset", "default")]) + shlex.split(args.extra or "")
     rollout = DEFAULT_ROLLOUT_BATCH
     for flag, value in zip(extra, extra[1:]):
         if flag == "--rollout-batch":
@@ -229,6 +238,8 @@ def main() -> None:
     parser.add_argument("--results-dir", type=Path, default=None, help="run folders (default: next to --out)")
     parser.add_argument("--summarize", type=Path, default=None, help="only summarise this finished run folder")
     parser.add_argument("--extra", default=None, help="arguments added to every run (one quoted string)")
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="default", help="a measured configuration's "
+                        "example options, added to every run before --extra (round9: the round 9 benchmark)")
     parser.add_argument("--list", action="store_true")
     args = parser.parse_args()
     if args.summarize is not None:

@@ -17,6 +17,7 @@ import importlib.util
 import json
 import os
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -264,3 +265,20 @@ def test_tf32_scopes_per_role():
     assert [common.role_tf32("backward", r) for r in roles] == ["backward", "backward", "off", "off"]
     assert {common.role_tf32(text, r) for text in ("off",) for r in roles} == {"off"}
     assert {common.role_tf32(text, r) for text in ("all",) for r in roles} == {"all"}
+
+
+def test_benchmark_harness_presets_are_valid_example_options(tmp_path):
+    """bench/hybrid.py: a preset's options come first, --extra's next, the run's own last (argparse keeps the last),
+    the per-GPU-batch run doubles the final --rollout-batch, and every preset parses as grpo_hybrid options."""
+    spec = importlib.util.spec_from_file_location("hybrid_bench", EXAMPLES.parent / "bench" / "hybrid.py")
+    harness = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(harness)
+    args = SimpleNamespace(extra="--rollout-batch 8", model="/m", preset="round9")
+    argv = harness.run_argv(harness.RUNS["2gpu"]["grpo_2gpu_per_gpu_batch"][1], args)
+    assert argv[-6:] == ["--model", "/m", "--num-gpus", "2", "--rollout-batch", "16"]
+    assert argv.index("--zero-stage") < argv.index("--rollout-batch", argv.index("--zero-stage"))
+    grpo = _load("grpo_hybrid")
+    for name in harness.PRESETS:
+        parsed = grpo.parse_args(["--model", "x", "--out", str(tmp_path), *harness.PRESETS[name].split()])
+        if name == "round9":
+            assert (parsed.zero_stage, parsed.tf32, parsed.sync_mode) == (0, "backward,reference", "armed")
