@@ -627,7 +627,7 @@ def test_cuda_ipc_control_traffic(monkeypatch, mode, num_buffers):
     own); only acknowledgements the sender waits for are sent (none for the last num_buffers buckets); a receiver whose
     copies are ordered by events reports done while they run and the sender waits on its event instead (not when
     zero-copy mappings are dropped after the sync: that receiver waits for its copies itself); the last sync's
-    manifest is deleted during the next one."""
+    claim, start and zero-copy bucket messages are deleted during the next one."""
     import rlhfkit._weight_sync_ipc
     import rlhfkit.weight_sync
 
@@ -664,8 +664,10 @@ def test_cuda_ipc_control_traffic(monkeypatch, mode, num_buffers):
             assert len(awaited) == (2 * version if queued else 0)
             reports = [json.loads(store.get(f"{version}/done/{rank}")) for rank in (1, 2)]
             assert [bool(r.get("queued")) for r in reports] == [queued, queued]
-            assert present(f"{version}/manifest") == [True]
-            assert present(f"{version - 1}/manifest") == [False]
+            assert present(f"{version}/manifest", f"{version}/start") == [True, True]
+            assert present(f"{version - 1}/manifest", f"{version - 1}/start") == [False, False]
+            if version == 2 and mode != "bucketed":  # zero-copy messages carry placements: deleted too
+                assert present(*(f"1/b/{i}" for i in range(1, last + 1))) == [False] * last
     finally:
         group.close()
 

@@ -5,12 +5,15 @@ completion reports) travel as keys of a ``torch.distributed.TCPStore`` owned by 
 same between plain processes, Ray actors and vLLM workers, and never touches the default process group. Every wait
 has a deadline; a timeout or a lost connection raises an error that names the peer and what was awaited.
 
-Key layout under the group's prefix: ``hello/{rank}``, ``{version}/manifest`` (set with compare-and-set: a receiver
-may claim it first to call the sync off), ``{version}/start`` (set after the manifest: what receivers wait on, since a
-compare-and-set wakes no waiter; ``go`` when the manifest repeats one every receiver accepted: no check round),
-``{version}/check/{rank}``, ``{version}/go``, ``{version}/b/{bucket}``, ``{version}/ack/{bucket}/{rank}``,
-``{version}/done/{rank}``, ``ipc/{generation}`` and ``ipc/{generation}/recv/{rank}``. The previous sync's manifest
-is deleted after each sync; the other keys are a few dozen bytes each and stay until the sender closes.
+Key layout under the group's prefix: ``hello/{rank}``, ``{version}/manifest`` (a claim, set with compare-and-set:
+the sender's token, or a receiver's call-off mark if it came first), ``{version}/start`` (what receivers wait on,
+since a compare-and-set wakes no waiter: three lines — ``check``, or ``go`` when the manifest repeats one every
+receiver accepted (no check round); bucket 0's CUDA-IPC ready message or nothing; the manifest, or nothing when it
+repeats — or a call-off mark), ``{version}/check/{rank}``, ``{version}/go``, ``{version}/b/{bucket}``,
+``{version}/ack/{bucket}/{rank}``, ``{version}/done/{rank}``, ``ipc/{generation}`` and
+``ipc/{generation}/recv/{rank}``. The previous sync's claim, start and zero-copy bucket messages (which carry
+every tensor's placement) are deleted during the next sync, while the sender waits for its receivers; the other keys
+are a few dozen bytes each and stay until the sender closes.
 """
 
 from __future__ import annotations

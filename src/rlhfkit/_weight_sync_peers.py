@@ -1,12 +1,16 @@
 """The two ends of a multi-process sync and the in-process path (private to :mod:`rlhfkit.weight_sync`).
 
 Protocol of one sync, version ``v`` (keys in :mod:`rlhfkit._weight_sync_control`):
-1. the sender publishes the manifest; each receiver checks it against what it accepts and answers ok or error;
+1. the sender claims the sync (unless a receiver called it off first) and publishes its start: the manifest (left out
+   when it repeats the last one, which every receiver accepted) and, over CUDA IPC, bucket 0's ready message; each
+   receiver checks the manifest against what it accepts and answers ok or error;
 2. the sender answers go (all ok) or abort (someone rejected it or timed out) — so a mismatch fails on every end
-   before any weights move;
+   before any weights move (a repeated manifest skips this round: a receiver that now refuses it fails before
+   loading, and its report says why);
 3. buckets move (a broadcast each for gloo/NCCL; ready/consumed messages for CUDA IPC); a sender-side failure
    mid-stream aborts the receivers (abort status in the bucket tail, or an abort message);
-4. each receiver reports done (the version it now holds, or its error); the sender returns when all have.
+4. each receiver reports done (the version it now holds, or its error) — a CUDA-IPC receiver with events as soon as
+   its copies are queued, the sender then waiting on its event; the sender returns when all have, and all ran.
 """
 
 from __future__ import annotations
@@ -90,7 +94,8 @@ class SenderSide:
         self.phases: tuple[tuple[str, float], ...] = ()  # of the last sync, for SyncReport.phases
         self._accepted: bytes | None = None  # the manifest body every receiver accepted and loaded last time
         self._plan: tuple | None = None  # (specs, buckets, capacity, total bytes) of the last sync
-        self._stale: str | None = None  # the last sync's manifest key, deleted while the next sync waits
+        self._stale: list[str] = []  # the last sync's larger keys (claim, start, zero-copy bucket messages), deleted
+        # while the next sync waits for its receivers
         self._encoded: tuple[Manifest, bytes] | None = None  # the last manifest (version 0) and its encoding's tail
 
     def peer_name(self, rank: int) -> str:
@@ -159,21 +164,26 @@ class SenderSide:
             self._stream(manifest, iterator, after_pack, first, sent_first=first_message is not None,
                          trusted=trusted)
             clock.mark("stream")
-            if self._stale is not None:  # the last sync's manifest, now that receivers are busy loading
-                self.control.delete(self._stale)
-                self._stale = None
+            self._delete_stale()  # now that receivers are busy loading
             versions = self._done(manifest)
             clock.mark("wait_done")
             self.phases = clock.phases
             self._accepted = body
         finally:
-            if self._stale is not None:  # not deleted above: this sync failed first
-                self.control.delete(self._stale)
-            self._stale = f"{manifest.version}/manifest"
+            self._delete_stale()  # (not done above if this sync failed first)
+            version = manifest.version
+            self._stale = [f"{version}/manifest", f"{version}/start"]
+            if manifest.zero_copy:  # their messages carry every tensor's placement
+                self._stale += [f"{version}/b/{bucket.index}" for bucket in manifest.buckets[1:]]
             end_sync = getattr(self.transport, "end_sync", None)
             if end_sync is not None:
                 end_sync()
         return manifest, versions
+
+    def _delete_stale(self) -> None:
+        for key in self._stale:
+            self.control.delete(key)
+        self._stale = []
 
     def _publish(self, version: int, data: bytes, *, prechecked: bool = False, first: bytes | None = None) -> None:
         """Publish the manifest unless a receiver called this sync off first (see ``ReceiverSide.call_off``), then
