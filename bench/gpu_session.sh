@@ -6,6 +6,7 @@
 #   stage 2 (kit chunk 2: vllm):           vLLM engine bench on a tiny model + sleep on a 1.5B model (+ TP 2)
 #   stage 3 (kit chunk 3: SmolLM2):        convert SmolLM2, DeepSpeed sleep bench, vLLM model/throughput, IPC→vLLM
 #   stage 4 (pytest carried):              every @pytest.mark.gpu test
+#   stages 65, 66: round 9c (the final sender, which also deletes the previous start key and bucket messages)
 #   stages 61, 62, 63, 64 (in that order): round 9b (the manifest in the start key; wake/sleep sent with the work)
 #   stages 57, 58, 59, 60 (in that order): round 9 (fewer control round trips, done while the copies run; GRPO with
 #     ZeRO-0 and TF32 in the backward and the reference's forward, 1 and 2 GPUs alone; TRL alone)
@@ -537,6 +538,20 @@ case $stage in
 64) # round 9b, .carry/peers (after 63): TRL with TF32 training matmuls, alone
   eval "$(bash bench/peers/install-peers.sh 2>>"$log")"
   on 0 trl_r9b_tf32 200 python bench/peer_trl.py --model $SMOL ${HYB/--steps 100/--steps 15} --grad-accum 1 --gpu-memory-utilization 0.15 --tf32 --out $RUNS/peer_trl_r9b_tf32.json
+  pack
+  ;;
+65) # round 9c, kit chunk 1: the weight-sync GPU tests and the channel alone, after the previous sync's start key and
+    # zero-copy bucket messages are deleted during the next sync
+  big &
+  run 200 python -m pytest -q -p no:cacheprovider -m gpu tests/test_weight_sync.py
+  on 0 ws_ipc_r9d 150 python bench/weight_sync.py --mode ipc --out $RUNS/weight_sync_ipc_r9d.json --deadline-s 140
+  wait; pack
+  ;;
+66) # round 9c, kit chunk 2 (after 65): into vLLM armed, then the tiny fp32 greedy check
+  tiny
+  IPC="--random-layers 30 --dtype bfloat16 --zero-copy --keep-mapped --no-greedy --loading planned --bucket-mb 0"
+  on 0 ipc_vllm_armed_r9d 180 python bench/ipc_to_vllm.py $IPC --armed --out $RUNS/ipc_vllm_armed_r9d.json
+  on 0 ipc_vllm_tiny_r9d 150 python bench/ipc_to_vllm.py --model /tmp/tiny-hd64 --zero-copy --keep-mapped --loading planned --bucket-mb 0 --armed --out $RUNS/ipc_vllm_tiny_r9d.json
   pack
   ;;
 esac
