@@ -6,6 +6,7 @@
 #   stage 2 (kit chunk 2: vllm):           vLLM engine bench on a tiny model + sleep on a 1.5B model (+ TP 2)
 #   stage 3 (kit chunk 3: SmolLM2):        convert SmolLM2, DeepSpeed sleep bench, vLLM model/throughput, IPC→vLLM
 #   stage 4 (pytest carried):              every @pytest.mark.gpu test
+#   stages 67, 68, 69 (in that order): round 9d (100 GRPO steps of round 9's benchmark configuration)
 #   stages 65, 66: round 9c (the final sender, which also deletes the previous start key and bucket messages)
 #   stages 61, 62, 63, 64 (in that order): round 9b (the manifest in the start key; wake/sleep sent with the work)
 #   stages 57, 58, 59, 60 (in that order): round 9 (fewer control round trips, done while the copies run; GRPO with
@@ -552,6 +553,15 @@ case $stage in
   IPC="--random-layers 30 --dtype bfloat16 --zero-copy --keep-mapped --no-greedy --loading planned --bucket-mb 0"
   on 0 ipc_vllm_armed_r9d 180 python bench/ipc_to_vllm.py $IPC --armed --out $RUNS/ipc_vllm_armed_r9d.json
   on 0 ipc_vllm_tiny_r9d 150 python bench/ipc_to_vllm.py --model /tmp/tiny-hd64 --zero-copy --keep-mapped --loading planned --bucket-mb 0 --armed --out $RUNS/ipc_vllm_tiny_r9d.json
+  pack
+  ;;
+67|68) # round 9d, kit chunks 1 and 2: install only (stage 69 needs vLLM)
+  ;;
+69) # round 9d, kit chunk 3 (SmolLM2; after 67, 68): round 9's benchmark configuration of GRPO for 100 steps, alone
+    # (the reward curve, KL and the engine-vs-trainer gap of every step, with the final code)
+  run 120 python examples/convert_smollm2.py --out $SMOL
+  R9="${RESIDENT/--zero-stage 2/--zero-stage 0} --old-logprobs engine --sync-mode armed --tf32 backward,reference"
+  on 0 r14_100 400 python examples/grpo_hybrid.py --model $SMOL ${R9/--steps 16/--steps 100} --out $RUNS/r14_100
   pack
   ;;
 esac
