@@ -56,6 +56,29 @@ pack() { tar czf "$OUT/stage$stage.tgz" -C $RUNS --exclude='*/tiny_model' . 2>>"
 HYB="--steps 100 --rollout-batch 16 --samples-per-prompt 8 --max-new-tokens 64 --lr 1e-5"
 # rounds 6-7: GRPO with everything resident (ZeRO-2, engine level 0), one micro-batch per optimizer step, 16 steps
 RESIDENT="${HYB/--steps 100/--steps 16} --zero-stage 2 --offload-trainers false --attn varlen --weight-loading planned --grad-accum 1 --engine-sleep-level 0"
+# round 9: the 1.54B bench into vLLM, round 9's GRPO benchmark configuration, and the checks its stages repeat
+IPC9="--random-layers 30 --dtype bfloat16 --zero-copy --keep-mapped --no-greedy --loading planned --bucket-mb 0"
+R9="${RESIDENT/--zero-stage 2/--zero-stage 0} --old-logprobs engine --sync-mode armed --tf32 backward,reference"
+ws_checks() {  # TAG: the weight-sync GPU tests, then the channel alone (CUDA IPC; NCCL GPU 0 -> 1 on two GPUs)
+  run 200 python -m pytest -q -p no:cacheprovider -m gpu tests/test_weight_sync.py
+  on 0 ws_ipc_$1 150 python bench/weight_sync.py --mode ipc --out $RUNS/weight_sync_ipc_$1.json --deadline-s 140
+  if [ "$NGPU" -ge 2 ]; then
+    on 0,1 ws_nccl_$1 150 python bench/weight_sync.py --mode nccl --out $RUNS/weight_sync_nccl_$1.json --deadline-s 140
+  fi; }
+armed_into_vllm() {  # GPU TAG: the 1.54B sync into vLLM, the engine armed
+  on $1 ipc_vllm_armed_$2 180 python bench/ipc_to_vllm.py $IPC9 --armed --out $RUNS/ipc_vllm_armed_$2.json; }
+tiny_check() {  # GPU TAG: the tiny fp32 greedy check through armed replayed syncs
+  on $1 ipc_vllm_tiny_$2 150 python bench/ipc_to_vllm.py --model /tmp/tiny-hd64 --zero-copy --keep-mapped \
+    --loading planned --bucket-mb 0 --armed --out $RUNS/ipc_vllm_tiny_$2.json; }
+grpo_r9() {  # TAG: the benchmark configuration on one GPU alone, then on two with twice the prompts (same per GPU)
+  on 0 ${1}_1gpu 300 python examples/grpo_hybrid.py --model $SMOL $R9 --out $RUNS/${1}_1gpu
+  if [ "$NGPU" -ge 2 ]; then
+    on 0,1 ${1}_2gpu 260 python examples/grpo_hybrid.py --model $SMOL ${R9/--steps 16/--steps 12} --rollout-batch 32 \
+      --num-gpus 2 --out $RUNS/${1}_2gpu
+  fi; }
+trl_alone() {  # TAG [--tf32]: TRL's GRPOTrainer on the same workload, alone on GPU 0
+  on 0 trl_$1 200 python bench/peer_trl.py --model $SMOL ${HYB/--steps 100/--steps 15} --grad-accum 1 \
+    --gpu-memory-utilization 0.15 ${2:-} --out $RUNS/peer_trl_$1.json; }
 nvidia-smi -L | tee -a "$log"
 NGPU=$(nvidia-smi -L | wc -l)
 python -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" >>"$log" 2>&1
@@ -463,25 +486,20 @@ case $stage in
 57) # round 9, kit chunk 1: the weight-sync GPU tests (bucket 0 and the manifest on the start key, done reported
     # while the copies run); the channel alone, CUDA IPC (GPU 0) then NCCL (GPU 0 -> 1); the 1.54B model is built
   big &
-  run 200 python -m pytest -q -p no:cacheprovider -m gpu tests/test_weight_sync.py
-  on 0 ws_ipc_r9 150 python bench/weight_sync.py --mode ipc --out $RUNS/weight_sync_ipc_r9.json --deadline-s 140
-  if [ "$NGPU" -ge 2 ]; then
-    on 0,1 ws_nccl_r9 150 python bench/weight_sync.py --mode nccl --out $RUNS/weight_sync_nccl_r9.json --deadline-s 140
-  fi
+  ws_checks r9
   wait; pack
   ;;
 58) # round 9, kit chunk 2 (after 57): into vLLM, armed (GPU 0) and RPC (GPU 1), 1.54B bf16; then the tiny fp32 greedy
     # check through armed replayed syncs (GPU 1) and the vLLM GPU tests (GPU 0)
   tiny
-  IPC="--random-layers 30 --dtype bfloat16 --zero-copy --keep-mapped --no-greedy --loading planned --bucket-mb 0"
   if [ "$NGPU" -ge 2 ]; then
-    ( on 0 ipc_vllm_armed_r9 180 python bench/ipc_to_vllm.py $IPC --armed --out $RUNS/ipc_vllm_armed_r9.json
+    ( armed_into_vllm 0 r9
       on 0 pytest_vllm_r9 200 python -m pytest -q -p no:cacheprovider -m gpu tests/test_vllm_copy_plan.py tests/test_engines_vllm.py ) &
-    ( on 1 ipc_vllm_rpc_r9 180 python bench/ipc_to_vllm.py $IPC --out $RUNS/ipc_vllm_rpc_r9.json
-      on 1 ipc_vllm_tiny_r9 150 python bench/ipc_to_vllm.py --model /tmp/tiny-hd64 --zero-copy --keep-mapped --loading planned --bucket-mb 0 --armed --out $RUNS/ipc_vllm_tiny_r9.json ) &
+    ( on 1 ipc_vllm_rpc_r9 180 python bench/ipc_to_vllm.py $IPC9 --out $RUNS/ipc_vllm_rpc_r9.json
+      tiny_check 1 r9 ) &
   else  # one GPU: the armed sync and the greedy check, one after the other
-    on 0 ipc_vllm_armed_r9 180 python bench/ipc_to_vllm.py $IPC --armed --out $RUNS/ipc_vllm_armed_r9.json
-    on 0 ipc_vllm_tiny_r9 150 python bench/ipc_to_vllm.py --model /tmp/tiny-hd64 --zero-copy --keep-mapped --loading planned --bucket-mb 0 --armed --out $RUNS/ipc_vllm_tiny_r9.json
+    armed_into_vllm 0 r9
+    tiny_check 0 r9
   fi
   wait; pack
   ;;
@@ -489,44 +507,33 @@ case $stage in
     # in the actor's backward and the reference's forward: one GPU alone, then two GPUs with twice the prompts (the
     # same per-GPU batch), alone
   run 120 python examples/convert_smollm2.py --out $SMOL
-  R9="${RESIDENT/--zero-stage 2/--zero-stage 0} --old-logprobs engine --sync-mode armed --tf32 backward,reference"
-  on 0 r12_1gpu 300 python examples/grpo_hybrid.py --model $SMOL $R9 --out $RUNS/r12_1gpu
-  [ "$NGPU" -ge 2 ] && on 0,1 r12_2gpu 260 python examples/grpo_hybrid.py --model $SMOL ${R9/--steps 16/--steps 12} --rollout-batch 32 --num-gpus 2 --out $RUNS/r12_2gpu
+  grpo_r9 r12
   pack
   ;;
 60) # round 9, .carry/peers (after 59): TRL in the same chain, with TF32 training matmuls, then fp32, each alone
   eval "$(bash bench/peers/install-peers.sh 2>>"$log")"
-  on 0 trl_r9_tf32 200 python bench/peer_trl.py --model $SMOL ${HYB/--steps 100/--steps 15} --grad-accum 1 --gpu-memory-utilization 0.15 --tf32 --out $RUNS/peer_trl_r9_tf32.json
-  on 0 trl_r9 200 python bench/peer_trl.py --model $SMOL ${HYB/--steps 100/--steps 15} --grad-accum 1 --gpu-memory-utilization 0.15 --out $RUNS/peer_trl_r9.json
+  trl_alone r9_tf32 --tf32
+  trl_alone r9
   pack
   ;;
 61) # round 9b, kit chunk 1: stage 57 again after the manifest moved into the start key (claimed with a token, left
     # out when it repeats)
   big &
-  run 200 python -m pytest -q -p no:cacheprovider -m gpu tests/test_weight_sync.py
-  on 0 ws_ipc_r9b 150 python bench/weight_sync.py --mode ipc --out $RUNS/weight_sync_ipc_r9b.json --deadline-s 140
-  if [ "$NGPU" -ge 2 ]; then
-    on 0,1 ws_nccl_r9b 150 python bench/weight_sync.py --mode nccl --out $RUNS/weight_sync_nccl_r9b.json --deadline-s 140
-  fi
+  ws_checks r9b
   wait; pack
   ;;
 62) # round 9b, kit chunk 2 (after 61): into vLLM armed, twice (two processes, one after the other), then the tiny
-    # fp32 greedy check
+    # fp32 greedy check (beside them on GPU 1 when there are two GPUs)
   tiny
-  IPC="--random-layers 30 --dtype bfloat16 --zero-copy --keep-mapped --no-greedy --loading planned --bucket-mb 0"
-  TINYGPU=0; [ "$NGPU" -ge 2 ] && TINYGPU=1
-  on $TINYGPU ipc_vllm_tiny_r9b 150 python bench/ipc_to_vllm.py --model /tmp/tiny-hd64 --zero-copy --keep-mapped --loading planned --bucket-mb 0 --armed --out $RUNS/ipc_vllm_tiny_r9b.json &
-  [ "$NGPU" -ge 2 ] || wait
-  on 0 ipc_vllm_armed_r9b 180 python bench/ipc_to_vllm.py $IPC --armed --out $RUNS/ipc_vllm_armed_r9b.json
-  on 0 ipc_vllm_armed_r9c 180 python bench/ipc_to_vllm.py $IPC --armed --out $RUNS/ipc_vllm_armed_r9c.json
+  if [ "$NGPU" -ge 2 ]; then tiny_check 1 r9b & else tiny_check 0 r9b; fi
+  armed_into_vllm 0 r9b
+  armed_into_vllm 0 r9c
   wait; pack
   ;;
 63) # round 9b, kit chunk 3 (SmolLM2; after 61, 62): stage 59's GRPO with each role's wake and sleep sent along with
     # its work; then the hybrid examples' GPU tests of the changed paths (ZeRO-0 benchmark configuration, PPO)
   run 120 python examples/convert_smollm2.py --out $SMOL
-  R9="${RESIDENT/--zero-stage 2/--zero-stage 0} --old-logprobs engine --sync-mode armed --tf32 backward,reference"
-  on 0 r13_1gpu 300 python examples/grpo_hybrid.py --model $SMOL $R9 --out $RUNS/r13_1gpu
-  [ "$NGPU" -ge 2 ] && on 0,1 r13_2gpu 260 python examples/grpo_hybrid.py --model $SMOL ${R9/--steps 16/--steps 12} --rollout-batch 32 --num-gpus 2 --out $RUNS/r13_2gpu
+  grpo_r9 r13
   if [ "$NGPU" -ge 2 ]; then
     on 0 pytest_hybrid_r9 200 python -m pytest -q -p no:cacheprovider -m gpu --timeout 190 tests/test_hybrid_examples.py -k "zero0-bench" &
     on 1 pytest_hybrid_r9b 200 python -m pytest -q -p no:cacheprovider -m gpu --timeout 190 tests/test_hybrid_examples.py -k "ppo" &
@@ -538,21 +545,19 @@ case $stage in
   ;;
 64) # round 9b, .carry/peers (after 63): TRL with TF32 training matmuls, alone
   eval "$(bash bench/peers/install-peers.sh 2>>"$log")"
-  on 0 trl_r9b_tf32 200 python bench/peer_trl.py --model $SMOL ${HYB/--steps 100/--steps 15} --grad-accum 1 --gpu-memory-utilization 0.15 --tf32 --out $RUNS/peer_trl_r9b_tf32.json
+  trl_alone r9b_tf32 --tf32
   pack
   ;;
 65) # round 9c, kit chunk 1: the weight-sync GPU tests and the channel alone, after the previous sync's start key and
-    # zero-copy bucket messages are deleted during the next sync
+    # zero-copy bucket messages are deleted during the next sync (ran on one GPU: no NCCL run)
   big &
-  run 200 python -m pytest -q -p no:cacheprovider -m gpu tests/test_weight_sync.py
-  on 0 ws_ipc_r9d 150 python bench/weight_sync.py --mode ipc --out $RUNS/weight_sync_ipc_r9d.json --deadline-s 140
+  ws_checks r9d
   wait; pack
   ;;
 66) # round 9c, kit chunk 2 (after 65): into vLLM armed, then the tiny fp32 greedy check
   tiny
-  IPC="--random-layers 30 --dtype bfloat16 --zero-copy --keep-mapped --no-greedy --loading planned --bucket-mb 0"
-  on 0 ipc_vllm_armed_r9d 180 python bench/ipc_to_vllm.py $IPC --armed --out $RUNS/ipc_vllm_armed_r9d.json
-  on 0 ipc_vllm_tiny_r9d 150 python bench/ipc_to_vllm.py --model /tmp/tiny-hd64 --zero-copy --keep-mapped --loading planned --bucket-mb 0 --armed --out $RUNS/ipc_vllm_tiny_r9d.json
+  armed_into_vllm 0 r9d
+  tiny_check 0 r9d
   pack
   ;;
 67|68) # round 9d, kit chunks 1 and 2: install only (stage 69 needs vLLM)
@@ -560,7 +565,6 @@ case $stage in
 69) # round 9d, kit chunk 3 (SmolLM2; after 67, 68): round 9's benchmark configuration of GRPO for 100 steps, alone
     # (the reward curve, KL and the engine-vs-trainer gap of every step, with the final code)
   run 120 python examples/convert_smollm2.py --out $SMOL
-  R9="${RESIDENT/--zero-stage 2/--zero-stage 0} --old-logprobs engine --sync-mode armed --tf32 backward,reference"
   on 0 r14_100 400 python examples/grpo_hybrid.py --model $SMOL ${R9/--steps 16/--steps 100} --out $RUNS/r14_100
   pack
   ;;
