@@ -263,8 +263,9 @@ class IpcReceiver:
     @property
     def pipelined_done(self) -> bool:
         """Whether this receiver may report a sync done once its copies are queued, before they ran: with events
-        the last bucket's release records one after every copy, and the sender waits on it (:meth:`IpcSender.
-        await_loaded`). Not when zero-copy mappings are dropped after the sync: that waits for the copies here."""
+        the last bucket's release records one after every copy, and the sender waits on it
+        (:meth:`IpcSender.await_loaded`). Not when zero-copy mappings are dropped after the sync: that waits for the
+        copies here."""
         manifest = self._manifest
         return self.use_events and manifest is not None and not (manifest.zero_copy and not manifest.keep_mapped)
 

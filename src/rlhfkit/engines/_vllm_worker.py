@@ -232,25 +232,19 @@ class WeightSyncExtension:
         plan = state.get("plan")
         if plan is None:  # (checked once per update, in rlhfkit_begin_weight_update: valid() walks every parameter)
             plan = state["plan"] = CopyPlan(model)
-        else:
-            with self._rlhfkit_device_context():
-                written_again = plan.replay(batch)  # the same tensors as last time (a kept mapping): one launch
-            if written_again is not None:
-                if state["pending"] is not None:
-                    state["pending"].difference_update(written_again)
-                state["session"]["num_tensors"] += len(batch)
-                return len(batch)
-        batch = [(str(name), tensor) for name, tensor in batch]
-        known = [(n, t) for n, t in batch if n in plan.steps or n in plan.unplanned]
-        new = [(n, t) for n, t in batch if not (n in plan.steps or n in plan.unplanned)]
 
         def load(weights: Iterable[tuple[str, torch.Tensor]]) -> Any:
             return model.load_weights(weights=weights)
 
         with self._rlhfkit_device_context():
-            written = plan.apply(known, load) if known else set()
-            if new:
-                written |= plan.record(new, load)
+            written = plan.replay(batch)  # the same tensors as last time (a kept mapping): one launch, no bookkeeping
+            if written is None:
+                named = [(str(name), tensor) for name, tensor in batch]
+                known = [(n, t) for n, t in named if n in plan.steps or n in plan.unplanned]
+                new = [(n, t) for n, t in named if not (n in plan.steps or n in plan.unplanned)]
+                written = plan.apply(known, load) if known else set()
+                if new:
+                    written |= plan.record(new, load)
         if state["pending"] is not None:
             state["pending"].difference_update(written)
         state["session"]["num_tensors"] += len(batch)
