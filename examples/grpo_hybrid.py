@@ -1,109 +1,162 @@
-"""GRPO with the hybrid engine: vLLM engines, a DeepSpeed ZeRO-3 actor and its reference time-share the GPUs, on Ray.
+"""GRPO with the hybrid engine: vLLM engines, a DeepSpeed actor and its reference time-share the GPUs, on Ray.
 
-    python examples/grpo_hybrid.py --model /tmp/smollm2-hf --out runs/grpo                 # 1 GPU, all colocated
-    python examples/grpo_hybrid.py --model /tmp/smollm2-hf --num-gpus 2 --out runs/grpo2   # 2 GPUs: DP 2, 2 engines
-    python examples/grpo_hybrid.py --model /tmp/smollm2-hf --num-gpus 2 --colocate false   # engine on GPU 1, NCCL
-    python examples/grpo_hybrid.py --engine hf --device cpu --tiny                          # CPU, logical GPUs
+    python examples/grpo_hybrid.py --model /tmp/smollm2-hf                  # 1 GPU, everything sleeping in turn
+    python examples/grpo_hybrid.py --model /tmp/smollm2-hf --num-gpus 2     # 2 GPUs: 2 ranks, 2 engines
+    python examples/grpo_hybrid.py --model /tmp/smollm2-hf --resident true  # memory is plentiful: nothing sleeps
+    python examples/grpo_hybrid.py --device cpu --tiny true                 # CPU: HF engine, logical GPUs
 
-The plan puts the engines (one per GPU), the actor and the reference on the same GPUs, and the GPU is handed around
-phase by phase; a phase guard shared by every actor refuses any other order (naming both roles and the GPU):
+One step, in the order the GPU is handed around (the phase guard refuses any other):
 
-    engines generate → engines sleep → reference wakes, forwards, sleeps → actor wakes: old log-probs, GRPO group
-    advantages, PPO-clip + k3 KL loss over minibatches → actor sleeps but keeps its weights → engine weights wake →
-    CUDA-IPC weight sync (ZeRO-3 shards gathered a bucket at a time) → actor sleeps fully → engine KV cache wakes.
+    engines generate, then sleep -> reference wakes, forwards, sleeps -> actor wakes: GRPO group advantages,
+    PPO-clip + k3 KL loss over minibatches, then it keeps only its weights -> engines take them -> engines' KV cache
+    wakes.
 
-With ``--colocate false`` the engines keep their own GPUs awake and take the weights over NCCL; on CPU
-(``--engine hf --device cpu``) the engine is rlhfkit's HF engine, DeepSpeed runs on CPU and the sync goes over gloo.
-Task: the built-in arithmetic with its graded rule-based reward. Writes ``metrics.jsonl`` (per-step timing of every
-phase, peak GPU memory per phase, reward, KL, engine-vs-trainer log-prob mismatch), ``phases.jsonl`` (every guarded
-transition), ``summary.json`` and ``curve.png`` under ``--out``. See docs/hybrid.md.
+The PPO ratio's "old" log-probs are the engine's own log-probs of its tokens (one forward fewer); the gap between
+them and the trainer's log-probs of the same tokens, before any update, is logged every step. Task: the built-in
+arithmetic with its graded rule-based reward. Writes ``metrics.jsonl`` (reward, KL, gap, the time and peak GPU
+memory of every phase) and ``phases.jsonl`` (every guarded transition) under ``--out``. See docs/hybrid.md.
 """
 
 from __future__ import annotations
 
-import argparse
-import sys
+import functools
+from dataclasses import dataclass
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # the shared helpers next to this file
-import _hybrid_common as hybrid  # noqa: E402
+import torch
 
-from rlhfkit.data import ArithmeticTask, arithmetic_accuracy, arithmetic_reward  # noqa: E402
-from rlhfkit.experience import ExperienceConfig, make_experience  # noqa: E402
-from rlhfkit.packing import pack_rollouts  # noqa: E402
-from rlhfkit.rewards import apply_reward_function  # noqa: E402
-
-
-def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    hybrid.add_arguments(parser, default_out="runs/grpo_hybrid")
-    parser.add_argument("--dr-grpo", action="store_true", help="Dr.GRPO: no std scaling, sequence-sum aggregation")
-    return hybrid.parse_arguments(parser, argv)
+from rlhfkit.data import ArithmeticTask, PromptDataset, PromptDatasetConfig, arithmetic_accuracy, arithmetic_reward
+from rlhfkit.deepspeed_engine import DeepSpeedEngineConfig
+from rlhfkit.engines import SamplingConfig
+from rlhfkit.experience import ExperienceConfig, engine_token_logprobs, iterate_minibatches, make_experience
+from rlhfkit.hybrid import Hybrid, HybridConfig, MetricsLogger, TrainerConfig
+from rlhfkit.losses import kl_loss, policy_loss
+from rlhfkit.options import parse_options
+from rlhfkit.packing import pack_rollouts
+from rlhfkit.rewards import apply_reward_function
 
 
-def model_configs(args) -> dict:
-    """One DeepSpeed configuration per role; the order is the order they load in."""
-    from rlhfkit.deepspeed_engine import DeepSpeedEngineConfig
-
-    gpu = args.device == "cuda"
-    common = {"zero_stage": args.zero_stage, "bf16": gpu and args.dtype == "bfloat16",
-              "optimizer": "fused_adam" if gpu else "torch_adamw", "attn_implementation": hybrid.attention(args)}
-    actor = DeepSpeedEngineConfig(**common, learning_rate=args.lr, gradient_accumulation_steps=args.grad_accum,
-                                  loss_normalization="global", gradient_clipping=1.0,
-                                  gradient_checkpointing=args.gradient_checkpointing)
-    return {"actor": actor, "reference": DeepSpeedEngineConfig(**common)}
-
-
-def score(rollouts, tokenizer, prompts, labels):
-    """Decode the responses and score them with the rule-based arithmetic reward (on the driver's CPU)."""
-    responses = tokenizer.batch_decode([r.response_token_ids for r in rollouts], skip_special_tokens=True)
-    sample_prompts = [prompts[r.prompt_index] for r in rollouts]
-    sample_labels = [labels[r.prompt_index] for r in rollouts]
-    scores, _ = apply_reward_function(arithmetic_reward, sample_prompts, responses, sample_labels, on_error="raise")
-    return scores, arithmetic_accuracy(responses, sample_labels)
+@dataclass(frozen=True, kw_only=True)
+class Options:
+    model: str | None = None  # HF folder (SmolLM2 from examples/convert_smollm2.py); CPU: a tiny model is built
+    out: str = "runs/grpo_hybrid"
+    device: str = "cuda"
+    num_gpus: int = 1
+    steps: int = 100
+    prompts_per_step: int = 16
+    samples_per_prompt: int = 8
+    max_new_tokens: int = 64
+    lr: float = 5e-6
+    kl_coef: float = 0.001
+    resident: bool = False  # nothing sleeps: engine and trainers stay on the GPU (the guard still orders phases)
+    tiny: bool = False  # smoke run: 3 steps of a few short samples
 
 
-def main(argv=None) -> dict:
+CLIP, MINIBATCHES, SEED = 0.2, 2, 0
+
+
+def grpo_loss(logprobs, micro, *, num_tokens, num_seqs, kl_coef):
+    """PPO-clip on GRPO advantages + k3 KL to the reference; also the engine-vs-trainer log-prob gap."""
+    batch, counts = micro.batch, {"num_tokens": num_tokens, "num_seqs": num_seqs}
+    loss, stats = policy_loss(logprobs, micro.old_logprobs, micro.advantages, batch.loss_mask, batch.cu_seqlens,
+                              clip_low=CLIP, clip_high=CLIP, **counts)
+    kl, kl_stats = kl_loss(logprobs, micro.ref_logprobs, batch.loss_mask, batch.cu_seqlens, estimator="k3",
+                           **counts)
+    gap = (logprobs.detach() - micro.engine_logprobs)[batch.loss_mask].abs()
+    return loss + kl_coef * kl, stats | {"kl_loss": kl_stats["kl_mean"], "engine_gap": float(gap.mean())}
+
+
+def prompts_of_step(task, tokenizer, step: int, count: int):
+    """Problems ``step * count ...`` of the arithmetic task as chat prompts: token ids, texts, labels."""
+    data = PromptDataset(task.records(count, start=step * count), tokenizer,
+                         PromptDatasetConfig(apply_chat_template=True))
+    batch = next(data.batches(count, seed=0, shuffle=False))
+    return batch.token_ids, batch.texts, batch.labels
+
+
+def start(options: Options) -> Hybrid:
+    cpu = options.device == "cpu"
+    model = options.model
+    if model is None:  # CPU smoke runs: a tiny random Llama with a locally trained tokenizer
+        from rlhfkit.tiny_models import TinyModelConfig, build_tiny_model
+
+        model = str(Path(options.out) / "tiny_model")
+        if not (Path(model) / "config.json").exists():
+            build_tiny_model(model, TinyModelConfig(hidden_size=64, num_layers=2, seed=SEED))
+    deepspeed = DeepSpeedEngineConfig(zero_stage=1, bf16=False, optimizer="torch_adamw" if cpu else "fused_adam",
+                                      learning_rate=options.lr, gradient_clipping=1.0)
+    offload = not options.resident
+    trainers = {"actor": TrainerConfig(deepspeed=deepspeed, offload=offload),
+                "reference": TrainerConfig(deepspeed=deepspeed, offload=offload)}
+    config = HybridConfig(model=model, device=options.device, engine="hf" if cpu else "vllm",
+                          num_gpus=options.num_gpus, engine_sleep_level=0 if options.resident else 2, seed=SEED)
+    return Hybrid.start(config, trainers)
+
+
+def main(argv=None) -> list[dict]:
     from transformers import AutoTokenizer
 
-    args = parse_args(argv)
-    tokenizer = AutoTokenizer.from_pretrained(args.model)
-    task = ArithmeticTask(min_value=0, max_value=args.max_value, ops=("+", "-"), seed=args.seed)
-    config = ExperienceConfig(estimator="dr_grpo" if args.dr_grpo else "grpo", kl_coef=args.kl_coef)
-    settings = hybrid.TrainSettings(epochs=args.epochs, minibatches=args.minibatches, grad_accum=args.grad_accum,
-                                    temperature=args.temperature, clip=args.clip, kl_coef=args.kl_coef,
-                                    aggregation="seq_mean_token_sum" if args.dr_grpo else "token_mean",
-                                    seed=args.seed, measure_mismatch=args.old_logprobs == "engine",
-                                    profile_step=args.profile_step, profile_dir=str(args.out.resolve()))
-    stops = hybrid.stop_tokens(tokenizer, args.model)
-    run = hybrid.launch(args, model_configs(args))
-    actor, reference = run.workers["actor"], run.workers["reference"]
+    options = parse_options(Options, argv, description=__doc__)
+    if options.tiny:
+        options = Options(**{**vars(options), "steps": 3, "prompts_per_step": 4, "samples_per_prompt": 4,
+                             "max_new_tokens": 8, "lr": 1e-3})
+    out = Path(options.out)
+    out.mkdir(parents=True, exist_ok=True)
+    hybrid = start(options)
+    actor, reference, engines, timer = hybrid.trainers["actor"], hybrid.trainers["reference"], hybrid.engines, \
+        hybrid.timer
+    tokenizer = AutoTokenizer.from_pretrained(hybrid.config.model)
+    task = ArithmeticTask(min_value=0, max_value=9 if options.tiny else 99, ops=("+", "-"), seed=SEED)
+    config = ExperienceConfig(estimator="grpo")
+    loss_fn = functools.partial(grpo_loss, kl_coef=options.kl_coef)
+    print(f"started in {hybrid.startup['total_s']:.1f} s", flush=True)
     try:
-        for step in range(args.steps):
-            clock = hybrid.StepClock(run.sampler)
-            prompt_ids, prompts, labels = hybrid.arithmetic_prompts(task, tokenizer, step, args.rollout_batch)
-            # 1. Generation: the engines hold the GPUs (weights + KV cache); then they give them up.
-            rollouts = hybrid.generate(run, clock, prompt_ids, hybrid.sampling_config(args, stops, step))
-            with clock.phase("reward"):
-                scores, accuracy = score(rollouts, tokenizer, prompts, labels)
-            batch = pack_rollouts(rollouts)  # the packing make_experience uses, so the forwards line up with it
-            # 2. The reference wakes, computes its log-probs on every data-parallel rank, and sleeps.
-            ref_logprobs = hybrid.guarded_forward(clock, reference, "logprobs", batch, args)
-            # 3. The actor wakes (while GRPO advantages are computed here, on CPU) for its own forward and the
-            # training, then keeps only the weights the sync reads; 4. the engines take them, then their KV cache.
-            woke = actor.submit("wake", "train")
-            old_logprobs = hybrid.behaviour_logprobs(clock, actor, batch, rollouts, args)
-            with clock.phase("experience"):
-                experience, stats = make_experience(rollouts, scores, config=config,
-                                                    policy_logprobs_fn=hybrid.precomputed(old_logprobs),
-                                                    ref_logprobs_fn=hybrid.precomputed(ref_logprobs))
-            stats |= hybrid.guarded_train(clock, actor, experience, settings, step, woke=woke, sleep_phase="sync",
-                                          keep_weights=True)
-            stats |= hybrid.sync_to_engines(run, clock)
-            run.record(step, clock, stats, experience, accuracy)
-        return run.finish()
+        with MetricsLogger(out) as metrics:
+            for step in range(options.steps):
+                timer.start_step()
+                prompt_ids, prompts, labels = prompts_of_step(task, tokenizer, step, options.prompts_per_step)
+                sampling = SamplingConfig(n=options.samples_per_prompt, max_new_tokens=options.max_new_tokens,
+                                          seed=SEED * 1_000_003 + step)
+                # 1. The engines generate holding the GPU, then sleep.
+                with timer.phase("generate"):
+                    rollouts = engines.generate(prompt_ids, sampling)
+                with timer.phase("reward"):
+                    responses = tokenizer.batch_decode([r.response_token_ids for r in rollouts],
+                                                       skip_special_tokens=True)
+                    answers = [labels[r.prompt_index] for r in rollouts]
+                    scores, _ = apply_reward_function(arithmetic_reward, [prompts[r.prompt_index] for r in rollouts],
+                                                      responses, answers, on_error="raise")
+                batch = pack_rollouts(rollouts)
+                # 2. The reference wakes, computes its log-probs on every rank, and sleeps.
+                with timer.phase("forward_reference"):
+                    ref_logprobs = reference.forward(batch)
+                # 3. GRPO advantages; the engine's log-probs are the behaviour policy's.
+                with timer.phase("experience"):
+                    experience, stats = make_experience(
+                        rollouts, torch.tensor(scores), config=config,
+                        policy_logprobs_fn=lambda b: engine_token_logprobs(rollouts, b),
+                        ref_logprobs_fn=lambda b: ref_logprobs)
+                # 4. The actor wakes and trains over minibatches; then it keeps only its weights for the push.
+                with timer.phase("train_actor"):
+                    minibatches = list(iterate_minibatches(experience, num_minibatches=MINIBATCHES, seed=step))
+                    for index, minibatch in enumerate(minibatches):
+                        train = actor.forward_backward(minibatch, loss_fn)
+                        last = index == len(minibatches) - 1
+                        train |= actor.optim_step(sleep_after="keep_weights" if last else False)
+                        if index == 0:  # before any update: the engine-vs-trainer gap of the same weights
+                            stats["engine_vs_trainer/mean_abs_logprob_diff"] = train.pop("actor/engine_gap")
+                        stats |= {k: v for k, v in train.items() if k != "actor/engine_gap"}
+                # 5. The engines take the new weights, then wake their KV cache.
+                stats |= hybrid.push_weights()
+                stats |= timer.end_step() | {"accuracy": arithmetic_accuracy(responses, answers)}
+                row = metrics.log(step, stats)
+                print(f"step {step}: reward {row['reward/mean']:.3f} exact {row['accuracy']:.2f} "
+                      f"kl {row.get('kl/mean', 0.0):.4f} gap {row['engine_vs_trainer/mean_abs_logprob_diff']:.4f} "
+                      f"| {row['time/step_s']:.2f} s, switches {row['time/phase_switch_fraction']:.1%}", flush=True)
+                hybrid.write_phase_log(out / "phases.jsonl")
+        return metrics.rows
     finally:
-        run.close()
+        hybrid.close()
 
 
 if __name__ == "__main__":

@@ -1,0 +1,41 @@
+"""The hybrid engine as blocks: trainer roles, rollout engines and a phase timer that time-share GPUs on Ray.
+
+What it gives you (your script keeps the loop, the advantages, the minibatch loop and the loss):
+
+- :class:`Hybrid` / :class:`HybridConfig`: start Ray, the GPU plan, engines and trainer processes; wire the weight
+  sync; :meth:`Hybrid.push_weights` moves the actor's weights into the engines; :meth:`Hybrid.close`.
+- :class:`TrainerGroup` / :class:`TrainerConfig`: one trainer role (actor, critic, reference, reward) over sleepable
+  DeepSpeed engines, with the primitives ``forward``, ``forward_backward(minibatch, loss_fn)``, ``optim_step``,
+  ``save``/``load``; guarded wake and sleep folded into each call (one call, one round trip).
+- :class:`RolloutEngines`: ``generate`` (= ``sample``), ``sleep``/``wake`` under the phase guard, weight versions.
+- :class:`PhaseTimer`, :class:`GpuMemorySampler`, :class:`MetricsLogger`: per-phase time and peak GPU memory from any
+  script; JSONL by default, Weights & Biases or TensorBoard when installed and asked for.
+- Errors naming role, rank and phase: :class:`HybridCallError`, :class:`RoleAsleepError`,
+  :class:`LossFunctionError`, :class:`EnginesBusyError`.
+
+What it does not do: own a loop, compute advantages or losses, or choose when to generate. Needs ``rlhfkit[ray]``
+and ``rlhfkit[deepspeed]`` (and ``rlhfkit[vllm]`` for vLLM engines), imported when a run starts.
+See ``docs/hybrid.md``.
+"""
+
+from rlhfkit.hybrid._engines import RolloutEngines
+from rlhfkit.hybrid._errors import EnginesBusyError, HybridCallError, LossFunctionError, RoleAsleepError
+from rlhfkit.hybrid._launch import Hybrid, HybridConfig
+from rlhfkit.hybrid._timer import GpuMemorySampler, MetricsLogger, PhaseTimer
+from rlhfkit.hybrid._trainer import LossFn, TrainerConfig, TrainerGroup
+
+__all__ = [
+    "EnginesBusyError",
+    "GpuMemorySampler",
+    "Hybrid",
+    "HybridCallError",
+    "HybridConfig",
+    "LossFn",
+    "LossFunctionError",
+    "MetricsLogger",
+    "PhaseTimer",
+    "RoleAsleepError",
+    "RolloutEngines",
+    "TrainerConfig",
+    "TrainerGroup",
+]

@@ -1,0 +1,174 @@
+"""Rollout engines of a hybrid run: engine actors whose sleep and wake go through the phase guard, and
+:class:`RolloutEngines`, the driver's handle on them (generate, sleep/wake, weight versions).
+
+The engine actors are rlhfkit's own (:class:`rlhfkit.engines.vllm.VLLMEngineActor`, or the HF engine in a Ray actor
+for CPU runs) with :class:`GuardedEngineMixin` added: ``guarded_sleep(level)`` releases the engine's GPUs in the
+guard, ``guarded_wake(tags)`` claims them first. Level 0 keeps the engine resident (weights and KV cache stay); the
+guard still orders the phases.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+from rlhfkit.hybrid._errors import EnginesBusyError
+from rlhfkit.hybrid._trainer_worker import transition_record
+from rlhfkit.phase import PhaseGuard
+
+__all__ = ["GuardedEngineMixin", "HFEngineActor", "RolloutEngines", "guarded_vllm_engine_class"]
+
+
+class GuardedEngineMixin:
+    """Adds guarded ``guarded_sleep``/``guarded_wake`` to an engine actor (``sleep``/``wake_up`` methods)."""
+
+    role = "rollout"
+
+    def _guard_setup(self, store: Any, gpus: Sequence[str]) -> None:
+        self._guard, self._gpus, self._events = PhaseGuard(store), tuple(gpus), []
+        self._resident = False
+
+    def guarded_sleep(self, level: int, phase: str) -> float:
+        """Sleep at ``level`` (0: stay resident, only the guard's claim is released); returns seconds."""
+        self._resident = level == 0
+        seconds = 0.0
+        for index, gpu in enumerate(self._gpus):
+            model, kwargs = (self, {"level": level}) if index == 0 and level else (None, {})
+            transition = self._guard.sleep(self.role, model, gpu=gpu, phase=phase, **kwargs)
+            self._events.append(transition_record(transition, rank=self.engine_index))
+            seconds += transition.seconds
+        return seconds
+
+    def guarded_wake(self, tags: Sequence[str] | None, phase: str) -> float:
+        """Claim every GPU of the engine, then wake ``tags`` (None: everything); returns seconds."""
+        seconds = 0.0
+        for index, gpu in reversed(list(enumerate(self._gpus))):
+            model, kwargs = (self, {"tags": tags}) if index == 0 and not self._resident else (None, {})
+            transition = self._guard.wake(self.role, model, gpu=gpu, phase=phase, **kwargs)
+            self._events.append(transition_record(transition, rank=self.engine_index))
+            seconds += transition.seconds
+        return seconds
+
+    def guard_events(self) -> list[dict[str, Any]]:
+        events, self._events = self._events, []
+        return events
+
+
+class HFEngineActor(GuardedEngineMixin):
+    """:class:`rlhfkit.engines.hf.HFEngine` as a Ray actor with the vLLM engine actor's surface (generate,
+    sleep/wake, ``init_weight_sync``/``receive_weights`` through :mod:`rlhfkit.weight_sync`, versions)."""
+
+    def __init__(self, model_path: str, *, engine_index: int, seed: int, device: str, guard_store: Any,
+                 gpus: Sequence[str], dtype: str = "float32") -> None:
+        from rlhfkit.engines.hf import HFEngine, HFEngineConfig
+
+        self.engine_index = engine_index
+        self.engine = HFEngine(HFEngineConfig(model=model_path, device=device, dtype=dtype, seed=seed + engine_index))
+        self.receiver: Any = None
+        self._guard_setup(guard_store, gpus)
+
+    def ready(self) -> dict[str, Any]:
+        return {"engine_index": self.engine_index, "pid": os.getpid()}
+
+    def generate(self, prompts: Any, sampling: Any, prompt_indices: Any = None) -> Any:
+        return self.engine.generate(prompts, sampling)  # the EngineGroup maps prompt indices back
+
+    def sleep(self, level: int = 1) -> None:
+        self.engine.sleep(level)
+
+    def wake_up(self, tags: Any = None) -> None:
+        self.engine.wake_up(tags)
+
+    def get_weight_version(self) -> int:
+        return self.engine.weight_version
+
+    def init_weight_sync(self, sync_config: Any, endpoint: Any, *, first_rank: int, expected: Any = None) -> list:
+        from rlhfkit.weight_sync import WeightReceiver, describe_parameters
+
+        expected = expected or describe_parameters(self.engine.model.named_parameters(), dtype=sync_config.dtype)
+        device = self.engine.device if sync_config.backend == "nccl" else None
+        self.receiver = WeightReceiver(sync_config, endpoint.for_rank(first_rank, f"engine-{self.engine_index}"),
+                                       expected=expected, device=device)
+        return [{"rank": first_rank}]
+
+    def receive_weights(self, *, version: int | None = None) -> list[dict[str, Any]]:
+        report = self.receiver.receive(self.engine.load_weights)
+        return [{"version": report.version, "seconds": report.seconds, "bytes": report.num_bytes}]
+
+
+def guarded_vllm_engine_class(guard_store: Any, gpus_by_engine: Sequence[Sequence[str]]) -> type:
+    """rlhfkit's vLLM engine actor with guarded sleep/wake, as ``create_engines(engine_cls=...)`` builds it."""
+    from rlhfkit.engines.vllm import VLLMEngineActor
+
+    class GuardedVLLMEngine(GuardedEngineMixin, VLLMEngineActor):
+        def __init__(self, config: Any, *, engine_index: int = 0, distributed_executor_backend: Any = None) -> None:
+            super().__init__(config, engine_index=engine_index,
+                             distributed_executor_backend=distributed_executor_backend)
+            self._guard_setup(guard_store, gpus_by_engine[engine_index])
+
+    return GuardedVLLMEngine
+
+
+class RolloutEngines:
+    """The driver's handle on a hybrid run's engines: :meth:`generate` (waking them if asleep, and putting them to
+    sleep after when they share GPUs with trainers), :meth:`sleep`/:meth:`wake` under the guard, versions."""
+
+    def __init__(self, group: Any, handles: Sequence[Any], *, colocated: bool, sleep_level: int,
+                 timer: Any = None) -> None:
+        self.group, self.handles = group, list(handles)
+        self.colocated, self.sleep_level, self.timer = colocated, sleep_level, timer
+        self.asleep = False
+        self._generating = 0
+        self._lock = threading.Lock()
+
+    @property
+    def num_engines(self) -> int:
+        return len(self.handles)
+
+    @property
+    def generating(self) -> bool:
+        return self._generating > 0
+
+    def _switch(self, seconds: list[float]) -> None:
+        if self.timer is not None and seconds:
+            self.timer.count_switch(max(seconds))
+
+    def wake(self, tags: Sequence[str] | None = None, *, phase: str = "generate") -> None:
+        self._switch(self.group.call("guarded_wake", list(tags) if tags else None, phase))
+        self.asleep = False
+
+    def sleep(self, level: int | None = None, *, phase: str = "generate") -> None:
+        self._switch(self.group.call("guarded_sleep", self.sleep_level if level is None else level, phase))
+        self.asleep = True
+
+    def generate(self, prompt_token_ids: Sequence[Sequence[int]], sampling: Any, *,
+                 sleep_after: bool | None = None) -> list:
+        """Rollouts of every prompt (``sampling.n`` each), spread over the engines. Asleep engines are woken first;
+        ``sleep_after`` (default: when the engines share their GPUs with trainers) puts them to sleep after."""
+        if self.asleep:
+            self.wake(phase="generate")
+        with self._lock:
+            self._generating += 1
+        try:
+            rollouts = self.group.generate(prompt_token_ids, sampling)
+        finally:
+            with self._lock:
+                self._generating -= 1
+        if self.colocated if sleep_after is None else sleep_after:
+            self.sleep(phase="generate")
+        return rollouts
+
+    sample = generate
+
+    def check_idle(self, what: str) -> None:
+        if self.generating:
+            raise EnginesBusyError(f"{what}: the engines are generating (phase 'generate'); wait for generate() to "
+                                   "return before pushing weights", role="rollout", rank=None, phase="generate")
+
+    def weight_versions(self) -> list[int]:
+        return self.group.weight_versions()
+
+    def guard_events(self) -> list[dict[str, Any]]:
+        return [event for engine in self.group.call("guard_events") for event in engine]

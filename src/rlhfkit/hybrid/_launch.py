@@ -1,0 +1,357 @@
+"""Starting and stopping a hybrid run: :class:`HybridConfig` and :class:`Hybrid`.
+
+:meth:`Hybrid.start` starts (or joins) Ray, plans the GPUs (every role and the engines on the same GPUs when
+``colocate``), starts the engines and the trainer processes in parallel, loads the trainer models one role at a time
+(each holding the GPU's claim while it loads), and wires the weight sync (CUDA IPC between the processes sharing a GPU,
+NCCL to engines on GPUs of their own, gloo on CPU). :meth:`Hybrid.push_weights` moves the actor's weights into the
+engines with every wake and sleep it needs; :meth:`Hybrid.close` stops everything it started.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rlhfkit.hybrid._engines import HFEngineActor, RolloutEngines, guarded_vllm_engine_class
+from rlhfkit.hybrid._timer import GpuMemorySampler, PhaseTimer
+from rlhfkit.hybrid._trainer import TrainerConfig, TrainerGroup
+from rlhfkit.hybrid._trainer_worker import TrainerWorker, plan_gpu_key
+
+__all__ = ["Hybrid", "HybridConfig"]
+
+_FORWARD_ENV = ("PYTHONPATH", "LD_LIBRARY_PATH", "PATH", "CUDA_HOME", "HF_HOME", "TORCH_EXTENSIONS_DIR")
+_DTYPES = ("float32", "bfloat16")
+
+
+@dataclass(frozen=True, kw_only=True)
+class HybridConfig:
+    """Where and how the engines and trainers of one run live.
+
+    Attributes:
+        model: HF folder of the policy (engines and, by default, every trainer role).
+        device: ``"cuda"``, or ``"cpu"`` (DeepSpeed on CPU, logical GPUs, gloo sync; needs ``engine="hf"``).
+        engine: ``"vllm"`` or ``"hf"`` (rlhfkit's transformers engine, for CPU runs and tests).
+        num_gpus, num_nodes: GPUs per node the plan uses, and nodes.
+        colocate: engines share the trainers' GPUs (the hybrid engine) or get ``engine_gpus`` GPUs of their own.
+        engine_gpus, tensor_parallel_size: engine GPUs when not colocated; GPUs per vLLM engine.
+        engine_memory: vLLM's share of GPU memory (default 0.3 colocated, 0.85 on its own GPUs).
+        engine_sleep_level: 2 (default) drops the engine's weights while asleep, as the push rewrites them; 1 keeps
+            them in host memory; 0 keeps the engine resident (the guard still orders the phases).
+        max_model_len, enforce_eager: vLLM settings.
+        dtype: engine and weight-sync dtype (float32 keeps engine and trainer log-probs within ~1e-3 on small models).
+        sync_bucket_mb: weight-sync bucket size.
+        seed: engine sampling seed (engine ``i`` uses ``seed + i``).
+        ray_address: join a running cluster (default ``$RAY_ADDRESS``, else start a local one).
+        start_timeout_s, call_timeout_s, sync_timeout_s: bounds of start-up, of each call, of each sync wait.
+    """
+
+    model: str
+    device: str = "cuda"
+    engine: str = "vllm"
+    num_gpus: int = 1
+    num_nodes: int = 1
+    colocate: bool = True
+    engine_gpus: int = 1
+    tensor_parallel_size: int = 1
+    engine_memory: float | None = None
+    engine_sleep_level: int = 2
+    max_model_len: int = 1024
+    enforce_eager: bool = False
+    dtype: str = "float32"
+    sync_bucket_mb: int = 128
+    seed: int = 0
+    ray_address: str | None = None
+    start_timeout_s: float = 900.0
+    call_timeout_s: float = 900.0
+    sync_timeout_s: float = 300.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model, str) or not self.model:
+            raise TypeError(f"HybridConfig.model={self.model!r}; give an HF model folder")
+        for name, choices in (("device", ("cuda", "cpu")), ("engine", ("vllm", "hf")), ("dtype", _DTYPES)):
+            if getattr(self, name) not in choices:
+                raise ValueError(f"HybridConfig.{name}={getattr(self, name)!r}; expected one of {choices}")
+        for name in ("num_gpus", "num_nodes", "engine_gpus", "tensor_parallel_size", "sync_bucket_mb", "seed",
+                     "max_model_len"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < (0 if name == "seed" else 1):
+                raise ValueError(f"HybridConfig.{name}={value!r}; must be a positive int")
+        if self.engine_sleep_level not in (0, 1, 2):
+            raise ValueError(f"HybridConfig.engine_sleep_level={self.engine_sleep_level!r}; expected 0, 1 or 2")
+        if self.engine_memory is not None and not 0 < self.engine_memory < 1:
+            raise ValueError(f"HybridConfig.engine_memory={self.engine_memory!r}; must be in (0, 1) or None")
+        for name in ("start_timeout_s", "call_timeout_s", "sync_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"HybridConfig.{name}={getattr(self, name)!r}; must be > 0 seconds")
+        if self.device == "cpu" and self.engine == "vllm":
+            raise ValueError("HybridConfig(device='cpu') needs engine='hf' (the vLLM engine here is CUDA-only)")
+        total, tp = self.num_gpus * self.num_nodes, self.tensor_parallel_size
+        if self.colocate and tp != 1:
+            raise ValueError(f"HybridConfig.tensor_parallel_size={tp} needs colocate=False: colocated CUDA-IPC sync "
+                             "pairs one trainer rank with one single-GPU engine per GPU")
+        if self.engine == "hf" and tp != 1:
+            raise ValueError("HybridConfig(engine='hf') has no tensor parallelism; use tensor_parallel_size=1")
+        if not self.colocate and not (0 < self.engine_gpus < total and self.engine_gpus % tp == 0):
+            raise ValueError(f"HybridConfig(colocate=False) needs 0 < engine_gpus < {total} GPUs and a multiple of "
+                             f"tensor_parallel_size={tp}; got engine_gpus={self.engine_gpus}")
+
+    @property
+    def total_gpus(self) -> int:
+        return self.num_gpus * self.num_nodes
+
+    @property
+    def trainer_gpus(self) -> int:
+        return self.total_gpus if self.colocate else self.total_gpus - self.engine_gpus
+
+    def worker_env(self) -> dict[str, str]:
+        """Environment of every Ray actor (Ray workers do not inherit the driver's shell)."""
+        env = {"TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "RAY_USAGE_STATS_ENABLED": "0",
+               "PYTHONWARNINGS": "ignore::FutureWarning"}
+        if self.device == "cpu":
+            return env | {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+        # DeepSpeed 0.19 cannot parse the '9.0a' some images set; FusedAdam's JIT build needs an arch it can parse.
+        arch = os.environ.get("TORCH_CUDA_ARCH_LIST", "9.0").replace("9.0a", "9.0")
+        return env | {"TORCH_CUDA_ARCH_LIST": arch, "VLLM_USE_FLASHINFER_SAMPLER": "0"}
+
+
+class Hybrid:
+    """A started hybrid run: ``trainers`` (role -> :class:`TrainerGroup`), ``engines`` (:class:`RolloutEngines`),
+    ``timer`` (a :class:`PhaseTimer` every block reports its sleep/wake time to), ``startup`` (seconds)."""
+
+    def __init__(self, config: HybridConfig) -> None:
+        self.config = config
+        self.trainers: dict[str, TrainerGroup] = {}
+        self.engines: RolloutEngines | None = None
+        self.timer = PhaseTimer(GpuMemorySampler(enabled=config.device == "cuda"))
+        self.startup: dict[str, float] = {}
+        self._handles: list[Any] = []
+        self._workers: dict[str, Any] = {}
+        self._placed = self._store = self._group = None
+        self._started_ray = False
+
+    # ------------------------------------------------------------------ start
+    @classmethod
+    def start(cls, config: HybridConfig, trainers: Mapping[str, TrainerConfig]) -> Hybrid:
+        """Start the run; ``trainers`` maps each role (``actor``, ``critic``, ``reference``, ``reward``) to its
+        config, in the order the models load. The engines are awake when this returns."""
+        if not isinstance(config, HybridConfig):
+            raise TypeError(f"config must be a HybridConfig, got {type(config).__name__}")
+        if "actor" not in trainers:
+            raise ValueError(f"trainers={list(trainers)}; a hybrid run needs an 'actor' role (its weights go to the "
+                             "engines)")
+        for role, trainer in trainers.items():
+            if role not in ("actor", "critic", "reference", "reward"):
+                raise ValueError(f"trainer role {role!r}; expected actor, critic, reference or reward")
+            if not isinstance(trainer, TrainerConfig):
+                raise TypeError(f"trainers[{role!r}] must be a TrainerConfig, got {type(trainer).__name__}")
+        run, started = cls(config), time.perf_counter()
+        try:
+            run._start(dict(trainers), started)
+        except BaseException:
+            run.close()
+            raise
+        run.startup["total_s"] = time.perf_counter() - started
+        return run
+
+    def _start(self, trainers: dict[str, TrainerConfig], started: float) -> None:
+        from rlhfkit.phase import TCPPhaseStore
+        from rlhfkit.placement import materialize
+
+        self._started_ray = self._start_ray()
+        import ray
+
+        self._placed = materialize(self._plan(tuple(trainers)), timeout_s=self.config.start_timeout_s,
+                                   cpus_per_bundle=0)
+        self._store = TCPPhaseStore.serve(host=ray.util.get_node_ip_address())
+        configs = {role: trainer.for_role(role) for role, trainer in trainers.items()}
+        with ThreadPoolExecutor(1 + len(configs)) as pool:
+            engines = pool.submit(self._start_engines)
+            groups = {role: pool.submit(self._start_group, role, c.model or self.config.model)
+                      for role, c in configs.items()}
+            for role, future in groups.items():
+                self._workers[role] = future.result()
+            engines.result()
+        self.startup["processes_s"] = time.perf_counter() - started
+        for role, trainer_config in configs.items():  # one role at a time: each claims the GPU while it loads
+            self._workers[role].call("load", trainer_config, timeout_s=self.config.start_timeout_s)
+            self.trainers[role] = TrainerGroup(self._workers[role], trainer_config, timer=self.timer)
+        self.startup["models_s"] = time.perf_counter() - started - self.startup["processes_s"]
+        self._connect_weight_sync()
+        if self.config.colocate:
+            self.engines.wake(phase="generate")
+
+    def _start_ray(self) -> bool:
+        import ray
+
+        from rlhfkit.workers import RayConfig, ray_init
+
+        if ray.is_initialized():
+            return False
+        config, env = self.config, self.config.worker_env()
+        address = config.ray_address or os.environ.get("RAY_ADDRESS")
+        if address:
+            ray_init(RayConfig(address=address, env_vars=env, forward_env=_FORWARD_ENV))
+        elif config.device == "cpu":
+            ray_init(RayConfig(num_gpus=config.total_gpus, num_cpus=max(2, os.cpu_count() or 2),
+                               object_store_memory=512 * 1024**2, env_vars=env, forward_env=_FORWARD_ENV))
+        else:
+            ray_init(RayConfig(env_vars=env, forward_env=_FORWARD_ENV))
+        return True
+
+    def _plan(self, roles: tuple[str, ...]) -> Any:
+        from rlhfkit.placement import Inventory, PlacementConfig, RoleSpec, engines, plan_placement
+
+        config = self.config
+        inventory = Inventory.uniform(num_nodes=config.num_nodes, gpus_per_node=config.num_gpus)
+        engine_gpus = config.total_gpus if config.colocate else config.engine_gpus
+        specs = tuple(RoleSpec(name=role, num_gpus=config.trainer_gpus) for role in roles)
+        specs += (engines(engine_gpus // config.tensor_parallel_size, config.tensor_parallel_size),)
+        if config.colocate:
+            return plan_placement(PlacementConfig(roles=specs, inventory=inventory, hybrid=True))
+        groups = (roles,) if len(roles) > 1 else ()
+        return plan_placement(PlacementConfig(roles=specs, inventory=inventory, colocate=groups))
+
+    def _start_engines(self) -> None:
+        import ray
+
+        from rlhfkit.engines.router import EngineGroup, EngineGroupConfig
+
+        config, placed = self.config, self._placed
+        gpus = [[plan_gpu_key(p.node, g) for g in p.gpus] for p in placed.plan.ranks("rollout")]
+        env = config.worker_env()
+        if config.engine == "vllm":
+            from rlhfkit.engines.vllm import VLLMEngineConfig, create_engines
+
+            memory = config.engine_memory or (0.3 if config.colocate else 0.85)
+            engine_config = VLLMEngineConfig(
+                model=config.model, num_engines=len(gpus), tensor_parallel_size=config.tensor_parallel_size,
+                gpu_memory_utilization=memory, enable_sleep_mode=config.colocate, seed=config.seed,
+                enforce_eager=config.enforce_eager, max_model_len=config.max_model_len, dtype=config.dtype,
+                env=env, startup_timeout_s=config.start_timeout_s, control_timeout_s=config.call_timeout_s)
+            self._handles = create_engines(engine_config, placement=placed, role="rollout",
+                                           engine_cls=guarded_vllm_engine_class(self._store, gpus))
+        else:
+            actor_cls = ray.remote(HFEngineActor)
+            dtype = config.dtype if config.device == "cuda" else "float32"
+            for index, engine_gpus in enumerate(gpus):
+                options = placed.actor_options("rollout", index) | {"runtime_env": {"env_vars": env},
+                                                                      "max_restarts": 0}
+                self._handles.append(actor_cls.options(**options).remote(
+                    config.model, engine_index=index, seed=config.seed, device=config.device,
+                    guard_store=self._store, gpus=engine_gpus, dtype=dtype))
+            ray.get([handle.ready.remote() for handle in self._handles], timeout=config.start_timeout_s)
+        self._group = EngineGroup(self._handles, forward_prompt_indices=True, config=EngineGroupConfig(
+            generate_timeout_s=config.call_timeout_s, control_timeout_s=config.call_timeout_s))
+        self.engines = RolloutEngines(self._group, self._handles, colocated=config.colocate,
+                                      sleep_level=config.engine_sleep_level, timer=self.timer)
+        if config.colocate:  # the trainers load next; level 1 keeps the weights for the first generation
+            self._group.call("guarded_sleep", 1, "startup")
+            self.engines.asleep = True
+
+    def _start_group(self, role: str, path: str) -> Any:
+        from rlhfkit.workers import WorkerGroup, WorkerGroupConfig
+
+        config = self.config
+        group_config = WorkerGroupConfig(role=role, env_vars=config.worker_env(), forward_env=_FORWARD_ENV,
+                                         start_timeout_s=config.start_timeout_s, call_timeout_s=config.call_timeout_s)
+        return WorkerGroup(TrainerWorker, self._placed, group_config, self._store, config.device, path)
+
+    def _connect_weight_sync(self) -> None:
+        """Colocated: one CUDA-IPC (gloo on CPU) group per GPU, actor rank r -> engine r. Else actor rank 0
+        broadcasts over NCCL (gloo on CPU) to every worker of every engine (TP workers take consecutive ranks)."""
+        import ray
+        import torch
+
+        from rlhfkit.weight_sync import WeightSyncConfig
+
+        config, actor = self.config, self._workers["actor"]
+        cpu, tp = config.device == "cpu", config.tensor_parallel_size
+        backend = "gloo" if cpu else ("cuda_ipc" if config.colocate else "nccl")
+        sync = WeightSyncConfig(backend=backend, bucket_bytes=config.sync_bucket_mb * 1024**2,
+                                dtype=None if cpu else getattr(torch, config.dtype), timeout_s=config.sync_timeout_s)
+        if config.colocate:
+            endpoints = actor.call("open_weight_sync", True, config=sync, world_size=2, group_name="weights")
+            refs = [handle.init_weight_sync.remote(sync, endpoint, first_rank=1)
+                    for handle, endpoint in zip(self._handles, endpoints, strict=True)]
+        else:
+            senders = [rank == 0 for rank in range(actor.world_size)]
+            world = 1 + len(self._handles) * tp
+            endpoint = actor.call_scattered("open_weight_sync", senders, config=sync, world_size=world,
+                                            group_name="weights")[0]
+            refs = [handle.init_weight_sync.remote(sync, endpoint, first_rank=1 + index * tp)
+                    for index, handle in enumerate(self._handles)]
+        ray.get(refs, timeout=config.call_timeout_s)
+
+    # ------------------------------------------------------------------ weights
+    def push_weights(self, role: str = "actor") -> dict[str, float]:
+        """Move ``role``'s weights into every engine: the role keeps only its weights (if awake), the engines wake
+        their weights, the weights stream, the role sleeps fully and the engines wake their KV cache. Timed as the
+        ``weight_sync`` phase (its sleeps and wakes as ``sleep_wake``). Returns ``sync/*`` and
+        ``engine/weight_version``."""
+        import ray
+
+        engines, trainer, timer = self.engines, self.trainers[role], self.timer
+        engines.check_idle("push_weights")
+        colocated = self.config.colocate
+        with timer.phase("weight_sync"):
+            trainer.sleep(keep_weights=True, phase="sync")
+            if colocated:
+                engines.wake(["weights"], phase="sync")
+            receiving = [handle.receive_weights.remote() for handle in self._handles]
+            sending = trainer.workers.submit("send_weights", phase="sync")
+            sleeping = trainer.workers.submit("sleep", "sync", False)
+            try:
+                sent = trainer.workers.gather(sending)
+            except Exception:
+                ready, _ = ray.wait(receiving, num_returns=len(receiving), timeout=5.0)
+                for ref in ready:
+                    ray.get(ref)  # an engine's own error says more than the sender's timeout
+                raise
+            received = ray.get(receiving, timeout=self.config.sync_timeout_s)
+            timer.count_switch(max(trainer.workers.gather(sleeping)))
+            if colocated:
+                engines.wake(["kv_cache"], phase="generate")
+        report = next(item for item in sent if item)
+        versions = [int(worker["version"]) for reports in received for worker in reports]
+        return {"sync/version": float(report["version"]), "sync/bytes": float(report["bytes"]),
+                "sync/sender_s": float(report["seconds"]), "engine/weight_version": float(min(versions))}
+
+    # ------------------------------------------------------------------ records and shutdown
+    def write_phase_log(self, path: str | Path) -> list[dict[str, Any]]:
+        """Every guarded transition of every actor since the last call, in time order, as JSON lines."""
+        events = [event for group in self.trainers.values() for event in group.guard_events()]
+        events += self.engines.guard_events() if self.engines is not None else []
+        events.sort(key=lambda event: event["time"])
+        with Path(path).open("a") as handle:
+            for event in events:
+                handle.write(json.dumps(event) + "\n")
+        return events
+
+    def close(self) -> None:
+        """Stop the actors, the placement groups, the memory sampler, and Ray if this run started it."""
+        import ray
+
+        for group in self._workers.values():
+            group.shutdown()
+        for handle in self._handles:
+            ray.kill(handle, no_restart=True)
+        if self._group is not None:
+            self._group.close()
+        if self._placed is not None:
+            self._placed.remove()
+        if self.timer.sampler is not None:
+            self.timer.sampler.close()
+        if self._started_ray:
+            ray.shutdown()
+
+    def __enter__(self) -> Hybrid:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,227 @@
+"""Per-phase wall time and peak GPU memory of a training step, and where the numbers go (JSONL, W&B, TensorBoard).
+
+:class:`PhaseTimer` is usable from any script: ``with timer.phase("generate"): ...``. Phase names are yours; a phase
+may repeat in a step (times add up). Time that a phase spent putting models to sleep or waking them (measured inside
+the workers) is moved to the ``sleep_wake`` phase with :meth:`PhaseTimer.count_switch`, so a step's breakdown shows
+the price of time-sharing the GPU. Peak memory is device-wide (NVML: every process, vLLM's pool included), sampled by a
+thread every few milliseconds; without NVML or a GPU it is simply absent. Nothing here needs Ray or DeepSpeed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+__all__ = ["GpuMemorySampler", "MetricsLogger", "PhaseTimer"]
+
+_GIB = 1024**3
+SWITCH_PHASES = ("sleep_wake", "weight_sync")
+
+
+def _load_nvml() -> Any:
+    for name in ("pynvml", "vllm.third_party.pynvml"):
+        with contextlib.suppress(ImportError):
+            return __import__(name, fromlist=["nvmlInit"])
+    return None
+
+
+def _visible_handles(nvml: Any) -> list[Any]:
+    """NVML handles of the GPUs in ``CUDA_VISIBLE_DEVICES`` (indices or UUID prefixes), else all of them."""
+    handles = [nvml.nvmlDeviceGetHandleByIndex(i) for i in range(nvml.nvmlDeviceGetCount())]
+    visible = [part.strip() for part in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if part.strip()]
+    if not visible:
+        return handles
+    uuids = []
+    for handle in handles:
+        uuid = nvml.nvmlDeviceGetUUID(handle)
+        uuids.append(uuid.decode() if isinstance(uuid, bytes) else uuid)
+    chosen = []
+    for item in visible:
+        if item.isdigit() and int(item) < len(handles):
+            chosen.append(handles[int(item)])
+        else:
+            chosen += [h for h, u in zip(handles, uuids, strict=True) if u.startswith(item) or item.startswith(u)]
+    return chosen
+
+
+class GpuMemorySampler:
+    """Device-wide used memory of the visible GPUs, polled by a daemon thread; the peak per named phase.
+
+    ``enabled=False``, no NVML (``pip install nvidia-ml-py``; vLLM ships a copy) or no GPU: reports nothing.
+    """
+
+    def __init__(self, *, interval_s: float = 0.005, enabled: bool = True) -> None:
+        if not interval_s > 0:
+            raise ValueError(f"GpuMemorySampler interval_s={interval_s}; must be > 0")
+        self._nvml, self._handles = (_load_nvml() if enabled else None), []
+        if self._nvml is not None:
+            try:
+                self._nvml.nvmlInit()
+                self._handles = _visible_handles(self._nvml)
+            except Exception:  # noqa: BLE001 — NVML's own error types; no driver means no samples
+                self._handles = []
+        self._phase: str | None = None
+        self._peaks: dict[str, list[int]] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        if self._handles:
+            threading.Thread(target=self._loop, args=(interval_s,), daemon=True, name="gpu-memory").start()
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self._handles)
+
+    def _sample(self) -> None:  # with the lock held
+        if self._phase is None or not self._handles:
+            return
+        used = [self._nvml.nvmlDeviceGetMemoryInfo(handle).used for handle in self._handles]
+        peak = self._peaks.setdefault(self._phase, used)
+        self._peaks[self._phase] = [max(a, b) for a, b in zip(peak, used, strict=True)]
+
+    def _loop(self, interval_s: float) -> None:
+        while not self._stop.wait(interval_s):
+            with self._lock:
+                self._sample()
+
+    def set_phase(self, name: str | None) -> None:
+        with self._lock:
+            self._sample()
+            self._phase = name
+            self._sample()
+
+    def take(self) -> dict[str, list[int]]:
+        """The peaks (bytes per GPU) of each phase since the last call."""
+        with self._lock:
+            peaks, self._peaks = self._peaks, {}
+        return peaks
+
+    def close(self) -> None:
+        self._stop.set()
+
+
+class PhaseTimer:
+    """Wall time per phase of a step and the peak device memory in each.
+
+    Call :meth:`start_step`, time phases with :meth:`phase`, then :meth:`end_step` returns the step's row:
+    ``time/<phase>_s``, ``time/step_s``, ``time/phase_switch_s`` (``sleep_wake`` + ``weight_sync``),
+    ``time/phase_switch_fraction`` and ``mem/<phase>_peak_gib`` (device-wide, GiB; per GPU too with several).
+    """
+
+    def __init__(self, sampler: GpuMemorySampler | None = None) -> None:
+        self.sampler = sampler
+        self.times: dict[str, float] = defaultdict(float)
+        self._moved: dict[str, float] = defaultdict(float)
+        self._current: str | None = None
+        self._started: float | None = None
+
+    def start_step(self) -> None:
+        self.times, self._moved = defaultdict(float), defaultdict(float)
+        self._started = time.perf_counter()
+        if self.sampler is not None:
+            self.sampler.take()
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"phase name {name!r}; give a non-empty string")
+        if self._current is not None:
+            raise RuntimeError(f"phase '{name}' started inside phase '{self._current}'; phases do not nest")
+        if self.sampler is not None:
+            self.sampler.set_phase(name)
+        self._current, start = name, time.perf_counter()
+        try:
+            yield
+        finally:
+            self.times[name] += time.perf_counter() - start
+            self._current = None
+            if self.sampler is not None:
+                self.sampler.set_phase(None)
+
+    def count_switch(self, seconds: float, *, phase: str | None = None) -> None:
+        """Count ``seconds`` of ``phase`` (default: the phase running now) as ``sleep_wake``: the workers' own
+        sleep/wake time inside a call that also did other work. Outside any phase it is added to ``sleep_wake``."""
+        if not seconds > 0:
+            return
+        source = phase or self._current
+        if source is None:
+            self.times["sleep_wake"] += seconds
+        elif source not in SWITCH_PHASES:
+            self._moved[source] += seconds
+
+    def end_step(self) -> dict[str, float]:
+        if self._started is None:
+            raise RuntimeError("end_step() called before start_step()")
+        step = time.perf_counter() - self._started
+        for source, seconds in self._moved.items():
+            seconds = min(seconds, self.times[source])
+            self.times[source] -= seconds
+            self.times["sleep_wake"] += seconds
+        self._moved.clear()
+        row = {f"time/{name}_s": seconds for name, seconds in self.times.items()} | {"time/step_s": step}
+        switch = sum(self.times.get(name, 0.0) for name in SWITCH_PHASES)
+        row |= {"time/phase_switch_s": switch, "time/phase_switch_fraction": switch / step if step > 0 else 0.0}
+        if self.sampler is not None:
+            for name, per_gpu in self.sampler.take().items():
+                row[f"mem/{name}_peak_gib"] = max(per_gpu) / _GIB
+                if len(per_gpu) > 1:
+                    row |= {f"mem/gpu{i}/{name}_peak_gib": used / _GIB for i, used in enumerate(per_gpu)}
+        self._started = None
+        return row
+
+
+class MetricsLogger:
+    """Writes one row of numbers per step: always to ``directory/metrics.jsonl``; to Weights & Biases when
+    ``wandb_project`` is set and to TensorBoard when ``tensorboard=True`` (``pip install wandb`` /
+    ``pip install tensorboard``: optional, imported only when asked for)."""
+
+    def __init__(self, directory: str | Path, *, wandb_project: str | None = None, tensorboard: bool = False,
+                 run_config: Mapping[str, Any] | None = None) -> None:
+        from rlhfkit._optional import require
+
+        self.directory = Path(directory)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.rows: list[dict[str, float]] = []
+        self._file = (self.directory / "metrics.jsonl").open("w")
+        self._wandb = self._tensorboard = None
+        if wandb_project:
+            wandb = require("wandb", user="rlhfkit.hybrid.MetricsLogger(wandb_project=...)", extra="wandb")
+            self._wandb = wandb.init(project=wandb_project, dir=str(self.directory), config=dict(run_config or {}))
+        if tensorboard:
+            require("tensorboard", user="rlhfkit.hybrid.MetricsLogger(tensorboard=True)", extra="tensorboard")
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tensorboard = SummaryWriter(str(self.directory / "tensorboard"))
+
+    def log(self, step: int, metrics: Mapping[str, Any]) -> dict[str, float]:
+        """Keep the numeric entries of ``metrics`` (with ``step``); returns the row written."""
+        row = {"step": float(step)} | {k: float(v) for k, v in metrics.items()
+                                       if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        self.rows.append(row)
+        self._file.write(json.dumps(row) + "\n")
+        self._file.flush()
+        if self._wandb is not None:
+            self._wandb.log(row, step=step)
+        if self._tensorboard is not None:
+            for key, value in row.items():
+                self._tensorboard.add_scalar(key, value, step)
+        return row
+
+    def close(self) -> None:
+        self._file.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+        if self._tensorboard is not None:
+            self._tensorboard.close()
+
+    def __enter__(self) -> MetricsLogger:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,228 @@
+"""Driver side of a trainer role: :class:`TrainerGroup` and its :class:`TrainerConfig`.
+
+A :class:`TrainerGroup` is one role (actor, critic, reference, reward) as data-parallel Ray actors, each holding a
+sleepable :class:`~rlhfkit.deepspeed_engine.DeepSpeedEngine`. Its calls are the small primitives of Tinker/SkyRL:
+
+- :meth:`TrainerGroup.forward`: no-grad ``[T]`` log-probs / values (``[N]`` rewards) of a packed batch;
+- :meth:`TrainerGroup.forward_backward`: your loss function on the model's outputs, then backward — the loss is
+  defined in your script and shipped with the call;
+- :meth:`TrainerGroup.optim_step`: the optimizer step over what ``forward_backward`` accumulated;
+- :meth:`TrainerGroup.save` / :meth:`TrainerGroup.load`; weights go to engines with :meth:`rlhfkit.hybrid.Hybrid.
+  push_weights`.
+
+Each call wakes the role through the phase guard if it is asleep (``wake=True``) and can put it back to sleep
+(``sleep_after``), inside the same actor call: one call is one round trip. The batch is split over the ranks by
+tokens, and on each rank into micro-batches of at most ``TrainerConfig.micro_batch_tokens`` tokens (the same count on
+every rank, as ZeRO's collectives need). Losses are normalised by the whole minibatch's token and sequence counts,
+handed to your loss function, so gradients are those of the whole minibatch whatever the split.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from rlhfkit.experience import select_experience
+from rlhfkit.hybrid._timer import PhaseTimer
+from rlhfkit.hybrid._trainer_worker import OUTPUTS
+from rlhfkit.packing import partition_by_token_budget, select_sequences
+from rlhfkit.types import Experience, PackedBatch
+
+__all__ = ["LossFn", "TrainerConfig", "TrainerGroup"]
+
+LossFn = Callable[..., Any]
+"""``loss_fn(outputs, micro, *, num_tokens, num_seqs) -> loss | (loss, stats)``: ``outputs`` is the model's ``[T]``
+log-probs (or values) of the micro-batch ``micro`` (an :class:`~rlhfkit.types.Experience`), ``num_tokens`` /
+``num_seqs`` count the whole minibatch over every rank (pass them to :mod:`rlhfkit.losses`)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainerConfig:
+    """One trainer role.
+
+    Attributes:
+        deepspeed: the model's DeepSpeed configuration (:class:`~rlhfkit.deepspeed_engine.DeepSpeedEngineConfig`).
+            Trained roles get ``loss_normalization="global"`` and caller-owned accumulation (``optim_step``).
+        model: HF folder of this role (default: the run's model).
+        offload: sleep by moving every state to pinned host memory (True, the hybrid engine) or stay on the GPU and
+            only return cached blocks (False, when memory is plentiful); the phase guard orders phases either way.
+        micro_batch_tokens: token budget of one micro-batch (forward and training).
+        tf32_backward: float32 backward passes on TF32 tensor cores (the forwards, log-probs and the engine-vs-trainer
+            gap stay float32).
+        tf32_frozen_forward: TF32 in the no-grad forwards of frozen roles (reference, reward).
+        seed: the model's initialisation seed (fresh value heads).
+    """
+
+    deepspeed: Any
+    model: str | None = None
+    offload: bool = True
+    micro_batch_tokens: int = 8192
+    tf32_backward: bool = True
+    tf32_frozen_forward: bool = True
+    seed: int = 0
+    trains: bool = field(default=False, init=False)
+
+    def __post_init__(self) -> None:
+        from rlhfkit.deepspeed_engine import DeepSpeedEngineConfig
+
+        if not isinstance(self.deepspeed, DeepSpeedEngineConfig):
+            raise TypeError(f"TrainerConfig.deepspeed={self.deepspeed!r}; expected a DeepSpeedEngineConfig")
+        if isinstance(self.micro_batch_tokens, bool) or not isinstance(self.micro_batch_tokens, int) \
+                or self.micro_batch_tokens < 1:
+            raise ValueError(f"TrainerConfig.micro_batch_tokens={self.micro_batch_tokens!r}; must be an int >= 1")
+        for name in ("offload", "tf32_backward", "tf32_frozen_forward"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"TrainerConfig.{name}={getattr(self, name)!r}; must be True or False")
+        if self.model is not None and not isinstance(self.model, str):
+            raise TypeError(f"TrainerConfig.model={self.model!r}; expected a folder path (str) or None")
+
+    def for_role(self, role: str) -> TrainerConfig:
+        """This config as a role's worker gets it (trained roles: global loss normalisation)."""
+        import dataclasses
+
+        trains = role in ("actor", "critic")
+        deepspeed = self.deepspeed
+        if trains and deepspeed.loss_normalization != "global":
+            deepspeed = dataclasses.replace(deepspeed, loss_normalization="global")
+        config = dataclasses.replace(self, deepspeed=deepspeed)
+        object.__setattr__(config, "trains", trains)
+        return config
+
+
+def _ship_by_value(fn: Any) -> None:
+    """Let Ray pickle ``fn`` by value when its module is not importable by the workers (a script, an example
+    loaded from a path); functions of installed packages and of the standard library travel by reference."""
+    import functools
+
+    import ray
+
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    module = sys.modules.get(getattr(fn, "__module__", None) or "")
+    if module is None or module.__name__ == "__main__":
+        return
+    top = module.__name__.partition(".")[0]
+    path = str(getattr(module, "__file__", "") or "")
+    if top == "rlhfkit" or top in sys.stdlib_module_names or "site-packages" in path or "dist-packages" in path:
+        return
+    ray.cloudpickle.register_pickle_by_value(module)
+
+
+class TrainerGroup:
+    """One trainer role's ranks; see the module docstring. Built by :meth:`rlhfkit.hybrid.Hybrid.start`."""
+
+    def __init__(self, workers: Any, config: TrainerConfig, *, timer: PhaseTimer | None = None) -> None:
+        self.workers, self.config, self.timer = workers, config, timer
+        self.role, self.world_size = workers.role, workers.world_size
+        self.peak_gib = 0.0
+
+    def _shards(self, lengths: list[int]) -> list[list[list[int]]]:
+        """Per rank, its micro-batches (sequence indices): token-balanced, the same count on every rank."""
+        if len(lengths) < self.world_size:
+            raise ValueError(f"'{self.role}': a batch of {len(lengths)} sequences cannot be split over "
+                             f"{self.world_size} ranks; give at least one sequence per rank")
+        shards = partition_by_token_budget(lengths, num_micro_batches=self.world_size)
+        budget = self.config.micro_batch_tokens
+        count = max(math.ceil(sum(lengths[i] for i in shard) / budget) for shard in shards)
+        count = max(1, min(count, min(len(shard) for shard in shards)))
+        out = []
+        for shard in shards:
+            parts = partition_by_token_budget([lengths[i] for i in shard], num_micro_batches=count)
+            out.append([[shard[i] for i in part] for part in parts])
+        return out
+
+    def _account(self, results: list[dict[str, Any]], phase: str) -> None:
+        if self.timer is not None:
+            self.timer.count_switch(max(result.get("switch_s", 0.0) for result in results))
+        self.peak_gib = max([self.peak_gib] + [result.get("peak_gib", 0.0) for result in results])
+
+    def forward(self, batch: PackedBatch, *, output: str = "logprobs", temperature: float = 1.0, wake: bool = True,
+                sleep_after: bool | str = True, phase: str | None = None) -> torch.Tensor:
+        """No-grad forward of ``batch`` on every rank: ``[T]`` log-probs (token aligned, 0 off the loss mask) or
+        values, or ``[N]`` rewards (``output="rewards"``). ``sleep_after``: True, False, or ``"keep_weights"``."""
+        if output not in OUTPUTS:
+            raise ValueError(f"output={output!r}; expected one of {OUTPUTS}")
+        if not isinstance(batch, PackedBatch):
+            raise TypeError(f"batch must be a PackedBatch (rlhfkit.packing.pack_rollouts), got {type(batch).__name__}")
+        phase = phase or f"forward_{self.role}"
+        shards = self._shards(batch.seq_lens.tolist())
+        items, places = [], []
+        for shard in shards:
+            micro = [select_sequences(batch, indices) for indices in shard]
+            items.append([sub for sub, _ in micro])
+            places.append(shard if output == "rewards" else [index for _, index in micro])
+        results = self.workers.call_scattered("forward", items, output=output, temperature=temperature, phase=phase,
+                                              wake=wake, sleep_after=sleep_after)
+        self._account(results, phase)
+        out = torch.zeros(batch.num_seqs if output == "rewards" else batch.num_tokens)
+        for result, rank_places in zip(results, places, strict=True):
+            for values, place in zip(result["outputs"], rank_places, strict=True):
+                out[torch.as_tensor(place)] = values
+        return out
+
+    def forward_backward(self, minibatch: Experience, loss_fn: LossFn, *, output: str = "logprobs",
+                         temperature: float = 1.0, wake: bool = True, phase: str | None = None) -> dict[str, float]:
+        """Your ``loss_fn`` on the model's outputs for ``minibatch`` (split over ranks and micro-batches), then
+        backward; gradients accumulate until :meth:`optim_step`. Returns the loss function's stats (mean over
+        micro-batches and ranks) and ``{role}/loss`` (the minibatch's total loss)."""
+        if output not in ("logprobs", "values"):
+            raise ValueError(f"output={output!r}; forward_backward trains on 'logprobs' or 'values'")
+        if not isinstance(minibatch, Experience):
+            raise TypeError(f"minibatch must be an rlhfkit.types.Experience, got {type(minibatch).__name__}")
+        if not callable(loss_fn):
+            raise TypeError(f"loss_fn={loss_fn!r} is not callable; pass a function (outputs, micro, *, num_tokens, "
+                            "num_seqs) -> loss or (loss, stats)")
+        _ship_by_value(loss_fn)
+        import ray
+
+        shipped = ray.cloudpickle.dumps(loss_fn)  # bytes: the workers keep the last one unpickled
+        phase = phase or f"train_{self.role}"
+        num_tokens = float(minibatch.batch.loss_mask.sum())
+        num_seqs = float(minibatch.batch.num_seqs)
+        shards = self._shards(minibatch.batch.seq_lens.tolist())
+        items = [[select_experience(minibatch, indices) for indices in shard] for shard in shards]
+        results = self.workers.call_scattered("forward_backward", items, loss_fn=shipped, output=output,
+                                              temperature=temperature, num_tokens=num_tokens, num_seqs=num_seqs,
+                                              phase=phase, wake=wake)
+        self._account(results, phase)
+        stats: dict[str, float] = {}
+        for key in results[0]["stats"]:
+            values = [result["stats"][key] for result in results]
+            stats[f"{self.role}/{key}"] = sum(values) if key == "loss" else sum(values) / len(values)
+        return stats
+
+    def optim_step(self, *, sleep_after: bool | str = False, phase: str | None = None) -> dict[str, float]:
+        """The optimizer step; returns ``{role}/lr``, ``{role}/grad_norm`` (pre-clip, global) and
+        ``{role}/global_step``. ``sleep_after="keep_weights"`` keeps only the weights for a weight push."""
+        phase = phase or f"train_{self.role}"
+        results = self.workers.call("optim_step", phase=phase, sleep_after=sleep_after)
+        self._account(results, phase)
+        return {f"{self.role}/{key}": value for key, value in results[0]["stats"].items()}
+
+    def sleep(self, *, keep_weights: bool = False, phase: str = "sleep") -> None:
+        seconds = self.workers.call("sleep", phase, keep_weights)
+        if self.timer is not None:
+            self.timer.count_switch(max(seconds))
+
+    def wake(self, *, phase: str = "wake") -> None:
+        seconds = self.workers.call("wake", phase)
+        if self.timer is not None:
+            self.timer.count_switch(max(seconds))
+
+    def save(self, root: str | Path) -> Path:
+        """A DeepSpeed checkpoint (+ HF export) under ``root/step-<global step>``, atomically; the role stays awake."""
+        results = self.workers.call("save", str(root), phase=f"save_{self.role}")
+        return Path(results[0]["path"])
+
+    def load(self, path: str | Path) -> dict[str, Any]:
+        """Restore weights, optimizer and schedule from a checkpoint directory; returns its client state."""
+        results = self.workers.call("load_checkpoint", str(path), phase=f"load_{self.role}")
+        return results[0]["client_state"]
+
+    def guard_events(self) -> list[dict[str, Any]]:
+        return [event for rank in self.workers.call("guard_events") for event in rank]

@@ -1,0 +1,322 @@
+"""The Ray actor behind :class:`rlhfkit.hybrid.TrainerGroup`: one DeepSpeed model of one role on one rank.
+
+Each method is one primitive with its guarded wake and sleep folded in (an actor runs its calls in order, so a call
+is one round trip). The algorithm is not here: losses come from the caller as a function, shipped with the call.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import importlib
+import os
+import time
+from collections import defaultdict
+from typing import Any
+
+import torch
+
+from rlhfkit.hybrid._errors import HybridCallError, LossFunctionError, RoleAsleepError
+from rlhfkit.phase import PhaseGuard
+from rlhfkit.workers import Worker
+
+_GIB = 1024**3
+OUTPUTS = ("logprobs", "values", "rewards")
+
+
+def plan_gpu_key(node: int, gpu: int) -> str:
+    """The phase guard's name of a plan GPU (the plan, not CUDA, knows which roles share it)."""
+    return f"node{node}/gpu{gpu}"
+
+
+def transition_record(transition: Any, **extra: Any) -> dict[str, Any]:
+    """A guarded transition as a plain dict with a wall-clock time (for ``phases.jsonl`` and order checks)."""
+    record = {"time": time.time(), "action": transition.action, "role": transition.role, "gpu": transition.gpu,
+              "phase": transition.phase, "seconds": transition.seconds}
+    for name in ("allocated", "reserved", "free"):
+        value = getattr(transition, name)
+        record[f"{name}_gib"] = None if value is None else value / _GIB
+    return record | extra
+
+
+class _Resident:
+    """The sleep of a model that stays on its GPU: the guard still orders the phases; sleeping returns the cached
+    activation memory to the device so the next role can allocate it."""
+
+    def sleep(self, **kwargs: Any) -> None:
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+    def wake_up(self, **kwargs: Any) -> None:
+        pass
+
+
+@contextlib.contextmanager
+def _tf32(enabled: bool):
+    if not enabled:
+        yield
+        return
+    torch.set_float32_matmul_precision("high")
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision("highest")
+
+
+class TrainerWorker(Worker):
+    """One rank of a trainer role (actor, critic, reference, reward) over :class:`rlhfkit.deepspeed_engine.
+    DeepSpeedEngine`, every sleep and wake through a :class:`~rlhfkit.phase.PhaseGuard` shared by the whole run."""
+
+    def __init__(self, guard_store: Any, device_kind: str, model_path: str) -> None:
+        # Only imports here (they are slow and run in parallel across roles); the GPU is not touched until load().
+        if device_kind == "cpu":  # skip a ~50 s JIT build of a CPU collective DeepSpeed does not need here
+            importlib.import_module("deepspeed.ops").__compatible_ops__["deepspeed_shm_comm"] = False
+        import torch._dynamo  # noqa: F401 — DeepSpeed imports it lazily while checking the optimizer
+        import transformers
+
+        import rlhfkit.deepspeed_engine  # noqa: F401
+
+        transformers.AutoConfig.from_pretrained(model_path)
+        self.device_kind, self.model_path = device_kind, model_path
+        bundle = int(os.environ["RLHFKIT_BUNDLE_INDICES"].split(",")[0])
+        self.gpu = plan_gpu_key(int(os.environ["RLHFKIT_PLAN_NODE"]), bundle)
+        self.guard = PhaseGuard(guard_store, gpu=self.gpu)
+        self.events: list[dict[str, Any]] = []
+        self.model: Any = None
+        self.config: Any = None
+        self.awake = False
+        self.sender: Any = None
+        self._pending_backward = False
+
+    # ------------------------------------------------------------------ lifecycle
+    def load(self, config: Any) -> dict[str, Any]:
+        """Build the model while holding the GPU's claim, then put it to sleep."""
+        from rlhfkit.deepspeed_engine import DeepSpeedEngine
+
+        self.config = config
+        self._transition("wake", "load")  # claim only: the model does not exist yet
+        if self.device_kind == "cuda":
+            torch.cuda.set_device(self.device())
+        torch.manual_seed(config.seed)
+        overrides = {"managed_gradient_accumulation": False} if config.trains else None
+        self.model = DeepSpeedEngine.from_pretrained(self.model_path, role=self.role, config=config.deepspeed,
+                                                     ds_config_overrides=overrides)
+        gc.collect()
+        gc.freeze()  # offload_states calls gc.collect(); frozen long-lived objects make that cheap
+        self._transition("sleep", "load")
+        return {"parameters": sum(getattr(p, "ds_numel", p.numel()) for p in self.model.module.parameters())}
+
+    def _sleepable(self) -> Any:
+        return self.model if (self.config.offload and self.model is not None) else _Resident()
+
+    def _transition(self, action: str, phase: str, **kwargs: Any) -> float:
+        if action == "wake":
+            transition = self.guard.wake(self.role, self._sleepable() if self.model is not None else None,
+                                         phase=phase, **kwargs)
+            self.awake = True
+        else:
+            transition = self.guard.sleep(self.role, self._sleepable() if self.model is not None else None,
+                                          phase=phase, **kwargs)
+            self.awake = False
+        self.events.append(transition_record(transition, rank=self.rank))
+        return transition.seconds
+
+    def wake(self, phase: str = "wake") -> float:
+        return 0.0 if self.awake else self._transition("wake", phase)
+
+    def sleep(self, phase: str = "sleep", keep_weights: bool = False) -> float:
+        if not self.awake and not (self.model is not None and self.model.is_asleep and not keep_weights
+                                   and self.config.offload):
+            return 0.0
+        return self._transition("sleep", phase, keep_weights=keep_weights and self.config.offload)
+
+    def guard_events(self) -> list[dict[str, Any]]:
+        events, self.events = self.events, []
+        return events
+
+    def _begin(self, method: str, phase: str, wake: bool) -> float:
+        if self.model is None:
+            raise HybridCallError(f"{method}() on '{self.role}' rank {self.rank} before load()", role=self.role,
+                                  rank=self.rank, phase=phase)
+        if self.awake:
+            return 0.0
+        if not wake:
+            raise RoleAsleepError(f"{method}() called while '{self.role}' rank {self.rank} is asleep (phase "
+                                  f"'{phase}'); pass wake=True or wake the role first", role=self.role,
+                                  rank=self.rank, phase=phase)
+        return self._transition("wake", phase)
+
+    @contextlib.contextmanager
+    def _guarded_call(self, phase: str):
+        """On an error, put the model back to sleep (nothing stays awake by accident) and re-raise."""
+        try:
+            yield
+        except BaseException:
+            self._pending_backward = False
+            if self.awake:
+                with contextlib.suppress(Exception):
+                    self._transition("sleep", f"{phase}-failed")
+            raise
+
+    def _end(self, phase: str, sleep_after: bool | str) -> float:
+        if sleep_after in (False, None):
+            return 0.0
+        return self._transition("sleep", phase, keep_weights=sleep_after == "keep_weights" and self.config.offload)
+
+    # ------------------------------------------------------------------ primitives
+    def forward(self, batches: list, *, output: str, temperature: float, phase: str, wake: bool,
+                sleep_after: bool | str) -> dict[str, Any]:
+        """No-grad forwards over this rank's micro-batches: ``[T]`` log-probs or values, or ``[N]`` rewards each."""
+        switch = self._begin("forward", phase, wake)
+        with self._guarded_call(phase):
+            _reset_peak()
+            run = {"logprobs": lambda b: self.model.forward_logprobs(b, temperature=temperature,
+                                                                     loss_tokens_only=True),
+                   "values": self.model.forward_values, "rewards": self.model.forward_rewards}[output]
+            with torch.no_grad(), _tf32(self.config.tf32_frozen_forward and not self.config.trains):
+                outputs = [run(batch).float().cpu() for batch in batches]
+            peak = _peak_gib()
+            switch += self._end(phase, sleep_after)
+        return {"outputs": outputs, "switch_s": switch, "peak_gib": peak}
+
+    def forward_backward(self, micro_batches: list, loss_fn: Any, *, output: str, temperature: float,
+                         num_tokens: float, num_seqs: float, phase: str, wake: bool) -> dict[str, Any]:
+        """Forward + ``loss_fn`` + backward on each micro-batch; gradients accumulate until :meth:`optim_step`."""
+        if self._pending_backward:
+            raise HybridCallError(f"forward_backward() called twice on '{self.role}' rank {self.rank} without "
+                                  "optim_step() in between; pass the whole minibatch to one forward_backward() (it "
+                                  "is split into micro-batches) and call optim_step() after it", role=self.role,
+                                  rank=self.rank, phase=phase)
+        loss_fn = self._loss_function(loss_fn)
+        switch = self._begin("forward_backward", phase, wake)
+        sums: dict[str, float] = defaultdict(float)
+        with self._guarded_call(phase):
+            _reset_peak()
+            device = self.model.device
+            for index, micro in enumerate(micro_batches):
+                micro = micro.to(device)
+                if output == "logprobs":
+                    outputs = self.model.forward_logprobs(micro.batch, temperature=temperature,
+                                                          loss_tokens_only=True)
+                else:
+                    outputs = self.model.forward_values(micro.batch)
+                loss, stats = self._call_loss(loss_fn, outputs, micro, num_tokens, num_seqs, index, phase)
+                with _tf32(self.config.tf32_backward):
+                    self.model.backward(loss)
+                sums["loss"] += float(loss.detach())
+                for key, value in stats.items():
+                    sums[key] += float(value) / len(micro_batches)
+            self.model._pending_losses.clear()  # optim_step reports the loss; the wrapper's list is not used
+            self._pending_backward = True
+        return {"stats": dict(sums), "switch_s": switch, "peak_gib": _peak_gib()}
+
+    def _loss_function(self, shipped: Any) -> Any:
+        """The caller's loss function, sent pickled; unpickled once while the same bytes keep coming."""
+        if not isinstance(shipped, bytes):
+            return shipped
+        if getattr(self, "_loss_bytes", None) != shipped:
+            import ray
+
+            self._loss_fn, self._loss_bytes = ray.cloudpickle.loads(shipped), shipped
+        return self._loss_fn
+
+    def _call_loss(self, loss_fn: Any, outputs: torch.Tensor, micro: Any, num_tokens: float, num_seqs: float,
+                   index: int, phase: str) -> tuple[torch.Tensor, dict[str, Any]]:
+        where = f"'{self.role}' rank {self.rank}, phase '{phase}', micro-batch {index}"
+        result = loss_fn(outputs, micro, num_tokens=num_tokens, num_seqs=num_seqs)
+        loss, stats = result if isinstance(result, tuple) and len(result) == 2 else (result, {})
+        if not isinstance(loss, torch.Tensor) or loss.ndim != 0:
+            shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+            raise LossFunctionError(f"the loss function {_name(loss_fn)} returned {shape} on {where}; it must "
+                                    "return a scalar tensor (or (scalar tensor, dict of floats))", role=self.role,
+                                    rank=self.rank, phase=phase)
+        if not bool(torch.isfinite(loss.detach())):
+            raise LossFunctionError(f"the loss function {_name(loss_fn)} returned {float(loss.detach())} on {where}; "
+                                    "check its inputs (advantages, log-ratios) for overflow", role=self.role,
+                                    rank=self.rank, phase=phase)
+        if not loss.requires_grad:
+            raise LossFunctionError(f"the loss of {_name(loss_fn)} on {where} does not depend on the model's "
+                                    "outputs (no gradient); compute it from the outputs it is given",
+                                    role=self.role, rank=self.rank, phase=phase)
+        if not isinstance(stats, dict):
+            raise LossFunctionError(f"the loss function {_name(loss_fn)} returned stats of type "
+                                    f"{type(stats).__name__} on {where}; expected a dict of floats", role=self.role,
+                                    rank=self.rank, phase=phase)
+        return loss, stats
+
+    def optim_step(self, *, phase: str, sleep_after: bool | str) -> dict[str, Any]:
+        """One optimizer step over the gradients of the last ``forward_backward`` (the accumulation boundary)."""
+        if not self._pending_backward:
+            raise HybridCallError(f"optim_step() on '{self.role}' rank {self.rank} with no forward_backward() "
+                                  "before it", role=self.role, rank=self.rank, phase=phase)
+        if not self.awake:
+            raise RoleAsleepError(f"optim_step() called while '{self.role}' rank {self.rank} is asleep (phase "
+                                  f"'{phase}')", role=self.role, rank=self.rank, phase=phase)
+        with self._guarded_call(phase):
+            engine = self.model.ds_engine
+            lr = float(engine.get_lr()[0])
+            engine.step()
+            self._pending_backward = False
+            norm = engine.get_global_grad_norm()
+            stats = {"lr": lr, "grad_norm": float("nan") if norm is None else float(norm),
+                     "global_step": float(self.model.global_step)}
+            switch = self._end(phase, sleep_after)
+        return {"stats": stats, "switch_s": switch}
+
+    def save(self, root: str, *, phase: str) -> dict[str, Any]:
+        switch = self._begin("save", phase, True)
+        with self._guarded_call(phase):
+            path = self.model.save_checkpoint(root, export_hf=True)
+        return {"path": str(path), "switch_s": switch}
+
+    def load_checkpoint(self, path: str, *, phase: str) -> dict[str, Any]:
+        switch = self._begin("load_checkpoint", phase, True)
+        with self._guarded_call(phase):
+            client_state = self.model.load_checkpoint(path)
+        return {"client_state": client_state, "switch_s": switch}
+
+    # ------------------------------------------------------------------ weights out
+    def open_weight_sync(self, sender: bool, *, config: Any, world_size: int, group_name: str) -> Any:
+        """Bind this rank's WeightSender (if it is one) and return its endpoint for the engines."""
+        import ray
+
+        from rlhfkit.weight_sync import SyncEndpoint, WeightSender
+
+        self.sync_config = config
+        if not sender:
+            return None
+        endpoint = SyncEndpoint(host=ray.util.get_node_ip_address(), world_size=world_size, group_name=group_name,
+                                label=f"{self.role}-{self.rank}")
+        device = self.model.device if config.backend in ("nccl", "cuda_ipc") else None
+        self.sender = WeightSender(config, endpoint, device=device)
+        self.description = self.model.describe_parameters_for_sync(dtype=config.dtype)
+        return self.sender.endpoint
+
+    def send_weights(self, *, phase: str) -> dict[str, Any]:
+        """Stream the weights to the engines (every rank takes part in ZeRO-3's gathers; the sender ranks send)."""
+        if self.model.is_asleep and not self.model._weights_kept and self.config.offload:
+            raise RoleAsleepError(f"push_weights: '{self.role}' rank {self.rank} is asleep without its weights; "
+                                  "train with optim_step(sleep_after='keep_weights') or wake it", role=self.role,
+                                  rank=self.rank, phase=phase)
+        stream = self.model.named_parameters_for_sync(bucket_bytes=self.sync_config.bucket_bytes,
+                                                      dtype=self.sync_config.dtype)
+        if self.sender is None:
+            for _ in stream:
+                pass
+            return {}
+        report = self.sender.send(stream, description=self.description)
+        return {"version": report.version, "bytes": report.num_bytes, "seconds": report.seconds,
+                "receiver_versions": list(report.receiver_versions)}
+
+
+def _name(fn: Any) -> str:
+    return getattr(fn, "__qualname__", None) or type(fn).__name__
+
+
+def _reset_peak() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+
+
+def _peak_gib() -> float:
+    return torch.cuda.max_memory_allocated() / _GIB if torch.cuda.is_available() else 0.0
