@@ -1,4 +1,4 @@
-"""Every ```python block of README.md and docs/*.md runs (defect: README's snippet used an argument that does not exist).
+"""Every ```python block of README.md and docs/*.md runs (defect: README's snippet passed a missing argument).
 
 Each file's blocks run in order in one namespace, in this process (the imports are shared, which keeps the test fast),
 in a fresh temporary working directory, under a per-file time limit. Tracebacks point at the markdown file and line:
@@ -30,7 +30,6 @@ EXPECTED_NO_RUN = {
     "docs/weight_sync.md": 1,        # CUDA IPC between two processes
     "docs/workers.md": 2,            # a Ray cluster with 8 GPUs, /scratch paths
     "docs/placement.md": 1,          # Ray placement groups of the 8-GPU plan
-    "docs/rewards.md": 1,            # a reward model on CUDA
 }
 TIME_LIMIT_S = 60
 
@@ -79,6 +78,10 @@ class _TimeLimit(Exception):
     pass
 
 
+class SnippetError(AssertionError):
+    """A block failed; the message names the markdown file and line and holds the traceback."""
+
+
 def run_blocks(blocks: list[Block], *, time_limit_s: float) -> None:
     """Exec the blocks in order in one namespace; raise AssertionError naming the file and line of a failure."""
     namespace: dict = {"__name__": "__doc_snippet__"}
@@ -95,7 +98,7 @@ def run_blocks(blocks: list[Block], *, time_limit_s: float) -> None:
             try:
                 exec(code, namespace)
             except BaseException as error:   # noqa: BLE001 - reported with the block's place, then re-raised
-                raise AssertionError(f"{_name(block.path)}: the block at line {block.line} failed: "
+                raise SnippetError(f"{_name(block.path)}: the block at line {block.line} failed: "
                                      f"{type(error).__name__}: {error}\n{traceback.format_exc()}") from error
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
@@ -109,7 +112,10 @@ def test_page_snippets_run(page: Path, tmp_path, monkeypatch):
         pytest.skip(f"{_name(page)}: every block is marked no-run")
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    run_blocks(blocks, time_limit_s=TIME_LIMIT_S)
+    try:
+        run_blocks(blocks, time_limit_s=TIME_LIMIT_S)
+    except SnippetError as error:
+        pytest.fail(str(error), pytrace=False)
 
 
 def test_no_run_marks_are_the_expected_ones():
@@ -128,7 +134,7 @@ def test_extractor_finds_marks_and_lines(tmp_path):
                     "```bash\nls\n```\n```python no-run\ny = 2\n```\n```python\nraise KeyError('boom')\n```\n")
     blocks = python_blocks(page)
     assert [(b.line, b.no_run) for b in blocks] == [(3, False), (7, True), (13, True), (16, False)]
-    with pytest.raises(AssertionError, match=r"page.md: the block at line 16 failed: KeyError") as info:
+    with pytest.raises(SnippetError, match=r"page.md: the block at line 16 failed: KeyError") as info:
         run_blocks([b for b in blocks if not b.no_run], time_limit_s=10)
     assert f'File "{page}", line 16' in str(info.value)
 
@@ -136,7 +142,7 @@ def test_extractor_finds_marks_and_lines(tmp_path):
 def test_time_limit_stops_a_hanging_block(tmp_path):
     page = tmp_path / "page.md"
     page.write_text("```python\nwhile True:\n    pass\n```\n")
-    with pytest.raises(AssertionError, match="_TimeLimit: ran past 0.5 s"):
+    with pytest.raises(SnippetError, match="_TimeLimit: ran past 0.5 s"):
         run_blocks(python_blocks(page), time_limit_s=0.5)
 
 
