@@ -12,8 +12,8 @@ of the allocations it touches and one placement per tensor: allocation id, eleme
 
 Receiver (:class:`MappedSources`): maps each allocation at its first use, builds typed views, and by default drops
 every mapping when the sync ends — so the trainer can free (or offload) that memory between syncs; a mapping kept
-open would hold it in torch's IPC limbo. Each allocation then costs one ``cudaIpcOpenMemHandle`` per sync (≈ 1 ms per
-GB on H200). With ``keep_mapped`` the mappings stay; every message lists the allocations still alive on the sender, and
+open would hold it in torch's IPC limbo. Each allocation then costs one ``cudaIpcOpenMemHandle`` per sync. With
+``keep_mapped`` the mappings stay; every message lists the allocations still alive on the sender, and
 the receiver drops the others.
 
 Needs only torch (CUDA for real handles; the protocol tests substitute the CUDA calls).

@@ -268,7 +268,7 @@ class DeepSpeedEngine:
     def prepare_sleep(self) -> dict[str, float]:
         """Allocate the pinned host buffers now by running one sleep/wake cycle (the engine must be awake, and have
         taken one optimizer step so that its optimizer states exist). The first ``sleep()`` otherwise pays for the
-        pinning (≈ 0.7 s per GB on the H200 host: 17.5 s for the 25 GB of a 1.5B-parameter ZeRO-3 actor); call
+        pinning (seconds per GB: most of the first sleep's time); call
         this once early when a predictable first generation phase matters more than early host memory.
         Returns ``{"sleep_seconds", "wake_seconds"}``."""
         self._require_awake("prepare_sleep")

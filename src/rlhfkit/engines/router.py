@@ -50,9 +50,8 @@ PACKED_FINISH_REASONS = ("stop", "length", "abort")
 def pack_generate_result(responses: Sequence[Sequence[int]], logprobs: Sequence[Sequence[float]] | None,
                          finish_reasons: Sequence[str], *, n: int, weight_version: int) -> dict[str, Any]:
     """The compact form of one engine's ``generate`` result that Ray actors return (``generate_packed``): numpy arrays
-    instead of one :class:`~rlhfkit.types.Rollout` (three tensors) per sample, which Ray pickles one by one (measured
-    on CPU: 256 rollouts × 256 tokens cost ≈ 0.25 s to pickle + unpickle, the packed form ≈ 1 ms). Prompts are not
-    sent back: the caller has them.
+    instead of one :class:`~rlhfkit.types.Rollout` (three tensors) per sample, which Ray would pickle one by one.
+    Prompts are not sent back: the caller has them.
 
     Args:
         responses: per sample (prompt-major, then sample index), its response token ids.

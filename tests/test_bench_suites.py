@@ -1,0 +1,89 @@
+"""bench/run.py (``python -m bench SUITE``): every suite's command line parses and lists its steps (CPU, no timing).
+
+Covers the replacement of the 69-stage bench/gpu_session.sh by named suites: a suite whose step names a missing
+script, or passes a flag its script does not define, fails here rather than on a GPU machine.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench import run  # noqa: E402
+
+_FLAG = re.compile(r"""["'](--[a-z0-9][a-z0-9-]*)["']""")
+
+
+def _defined_flags(script: Path) -> set[str]:
+    """Every "--flag" literal of the script and of the helpers it shares (bench/peers/workload.py)."""
+    sources = [script.read_text()]
+    if "add_workload_arguments" in sources[0]:
+        sources.append((ROOT / "bench" / "peers" / "workload.py").read_text())
+    return {flag for source in sources for flag in _FLAG.findall(source)}
+
+
+@pytest.mark.parametrize("suite", sorted(run.SUITES))
+def test_suite_dry_run_lists_its_steps(suite, tmp_path):
+    out = subprocess.run([sys.executable, "-m", "bench", suite, "--dry-run", "--num-gpus", "2", "--results",
+                          str(tmp_path / "results"), "--model", str(tmp_path / "no-model")],
+                         cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    listed = [line.split(" ", 1)[0] for line in out.stdout.splitlines()]
+    expected = [f"{suite}/{step.name}" for step in run.SUITES[suite]]
+    if any(step.needs_model for step in run.SUITES[suite]):
+        expected.insert(0, f"{suite}/convert_model")        # the model folder is missing: converted first
+    assert listed == expected
+    assert not (tmp_path / "results").exists()              # a dry run writes nothing
+
+
+@pytest.mark.parametrize("suite", sorted(run.SUITES))
+def test_suite_steps_name_existing_scripts_and_flags(suite, tmp_path):
+    plan = run.plan_suite(suite, num_gpus=8, only=None, model_exists=False)
+    for step in plan.steps:
+        command = run.expand(step, python="python", results=tmp_path, model="/m", work=tmp_path, num_gpus=2)
+        assert "{" not in " ".join(command[2:]) or command[1] == "-c", command   # every placeholder filled
+        if command[1] == "-c":
+            continue
+        script = ROOT / command[1]
+        assert script.is_file(), f"{suite}/{step.name}: {command[1]} does not exist"
+        unknown = [a for a in command[2:] if a.startswith("--") and a not in _defined_flags(script)]
+        assert not unknown, f"{suite}/{step.name}: {command[1]} defines no {unknown}"
+
+
+def test_gpu_count_skips_steps_and_only_picks_steps():
+    plan = run.plan_suite("weight_sync", num_gpus=1, only=None, model_exists=True)
+    assert [s.name for s in plan.steps] == ["weight_sync_ipc", "copy_replay"]
+    assert plan.skipped == {"weight_sync_nccl": "needs 2 GPUs, --num-gpus is 1"}
+    plan = run.plan_suite("peers", num_gpus=1, only=["peer_trl"], model_exists=True)
+    assert [s.name for s in plan.steps] == ["peer_trl"]
+    with pytest.raises(ValueError, match=r"--only \['nope'\]: no such step in suite 'peers'"):
+        run.plan_suite("peers", num_gpus=1, only=["nope"], model_exists=True)
+    with pytest.raises(ValueError, match="suite='gpu_session'"):
+        run.plan_suite("gpu_session", num_gpus=1, only=None, model_exists=True)
+
+
+def test_run_without_results_dir_is_refused():
+    out = subprocess.run([sys.executable, "-m", "bench", "vllm", "--num-gpus", "1"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 2 and "--results DIR is required" in out.stderr
+
+
+def test_run_writes_a_summary_per_suite(tmp_path, monkeypatch):
+    """A real (tiny) run: the steps' commands are replaced by quick Python ones; rc, log and summary are written."""
+    steps = (run.Step(name="ok", argv=("{python}", "-c", "print('fine')"), timeout_s=30, num_gpus=0),
+             run.Step(name="bad", argv=("{python}", "-c", "raise SystemExit(3)"), timeout_s=30, num_gpus=0))
+    monkeypatch.setitem(run.SUITES, "demo", steps)
+    rc = run.main(["demo", "--results", str(tmp_path), "--num-gpus", "0"])
+    assert rc == 1
+    summary = json.loads((tmp_path / "demo.json").read_text())
+    assert [(s["name"], s["rc"]) for s in summary["steps"]] == [("ok", 0), ("bad", 3)]
+    assert (tmp_path / "logs" / "ok.log").read_text().strip() == "fine"
+    assert "torch" in summary["environment"]["versions"]
