@@ -1,133 +1,173 @@
-"""PPO with the hybrid engine: vLLM engines, a DeepSpeed ZeRO-3 actor, critic, reference and reward model all
-time-share the same GPUs, on Ray.
+"""PPO with the hybrid engine: vLLM engines and DeepSpeed actor, critic, reference and reward model time-share the
+GPUs, on Ray.
 
-    python examples/ppo_hybrid.py --model /tmp/smollm2-hf --out runs/ppo                  # 1 GPU, all colocated
-    python examples/ppo_hybrid.py --model /tmp/smollm2-hf --num-gpus 2 --out runs/ppo2    # 2 GPUs: DP 2, 2 engines
-    python examples/ppo_hybrid.py --model /tmp/smollm2-hf --num-gpus 2 --colocate false  # engine on GPU 1, NCCL
-    python examples/ppo_hybrid.py --engine hf --device cpu --tiny                         # CPU, logical GPUs
+    python examples/ppo_hybrid.py --model /tmp/smollm2-hf                  # 1 GPU, everything sleeping in turn
+    python examples/ppo_hybrid.py --model /tmp/smollm2-hf --num-gpus 2     # 2 GPUs: 2 ranks, 2 engines
+    python examples/ppo_hybrid.py --device cpu --tiny true                 # CPU: HF engine, logical GPUs
 
-One step, in the order the GPU is handed around (a phase guard shared by every actor refuses any other):
+One step, in the order the GPU is handed around (the phase guard refuses any other):
 
-    engines generate → engines sleep → reward model wakes, scores, sleeps → reference wakes, forwards, sleeps →
-    critic wakes, values, sleeps → actor wakes: old log-probs, KL-shaped rewards and GAE advantages, PPO-clip over
-    minibatches → actor sleeps but keeps its weights → critic wakes, clipped value loss, sleeps → engine weights wake
-    → weight sync → actor sleeps fully → engine KV cache wakes.
+    engines generate, then sleep -> reward model scores, sleeps -> reference forwards, sleeps -> critic values,
+    sleeps -> KL-shaped rewards and GAE advantages (here, on CPU) -> actor: PPO-clip over minibatches, keeps only its
+    weights -> critic: clipped value loss, sleeps -> engines take the actor's weights, then their KV cache.
 
-The reward is the built-in arithmetic task's graded rule-based score plus ``--rm-coef`` × the score of a reward
-model. By default that reward model is *untrained*: the policy checkpoint's backbone with a freshly initialised
-scalar head (``AutoModelForSequenceClassification(num_labels=1)``, std 0.02). It is there to exercise the reward-model
-role and its phase (a model with its own memory, sleeping in turn); its score is a fixed random function of the text,
-weighted small (0.1), so the learning signal comes from the rule. Pass ``--reward-model PATH`` for a trained one
-(any HF ``*ForSequenceClassification`` folder with one label, or a causal LM folder to get a fresh head).
-The critic is the policy checkpoint with a fresh value head. Outputs as in grpo_hybrid.py; see docs/hybrid.md.
+The reward is the built-in arithmetic task's graded rule plus ``rm_coef`` x a reward model's score. The reward model
+is the policy checkpoint with a fresh, untrained scalar head (``--reward-model PATH`` for a trained one): it exercises
+the role and its memory; the learning signal comes from the rule. The critic is the policy with a fresh value head.
+Writes ``metrics.jsonl`` and ``phases.jsonl`` under ``--out``; see docs/hybrid.md.
 """
 
 from __future__ import annotations
 
-import argparse
-import sys
+import dataclasses
+import functools
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # the shared helpers next to this file
-import _hybrid_common as hybrid  # noqa: E402
-
-from rlhfkit.data import ArithmeticTask, arithmetic_accuracy, arithmetic_reward  # noqa: E402
-from rlhfkit.experience import ExperienceConfig, make_experience  # noqa: E402
-from rlhfkit.packing import pack_rollouts  # noqa: E402
-from rlhfkit.rewards import apply_reward_function  # noqa: E402
-
-
-def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    hybrid.add_arguments(parser, default_out="runs/ppo_hybrid")
-    parser.add_argument("--critic-lr", type=float, default=1e-5)
-    parser.add_argument("--gamma", type=float, default=1.0)
-    parser.add_argument("--lam", type=float, default=0.95)
-    parser.add_argument("--value-clip", type=float, default=0.2)
-    parser.add_argument("--reward-model", default=None, help="reward model folder (default: --model with a fresh, "
-                        "untrained head; see the module docstring)")
-    parser.add_argument("--rm-coef", type=float, default=0.1, help="weight of the reward model's score")
-    parser.set_defaults(kl_coef=0.01)  # PPO: a per-token KL penalty in the reward
-    return hybrid.parse_arguments(parser, argv, tiny={"critic_lr": 1e-3})
+from rlhfkit.data import ArithmeticTask, PromptDataset, PromptDatasetConfig, arithmetic_accuracy, arithmetic_reward
+from rlhfkit.deepspeed_engine import DeepSpeedEngineConfig
+from rlhfkit.engines import SamplingConfig
+from rlhfkit.experience import ExperienceConfig, engine_token_logprobs, iterate_minibatches, make_experience
+from rlhfkit.hybrid import Hybrid, HybridConfig, MetricsLogger, TrainerConfig
+from rlhfkit.losses import policy_loss, value_loss
+from rlhfkit.options import parse_options
+from rlhfkit.packing import pack_rollouts
+from rlhfkit.rewards import apply_reward_function
 
 
-def model_configs(args) -> dict:
-    """One DeepSpeed configuration per role; the order is the order they load in."""
-    from rlhfkit.deepspeed_engine import DeepSpeedEngineConfig
-
-    gpu = args.device == "cuda"
-    common = {"zero_stage": args.zero_stage, "bf16": gpu and args.dtype == "bfloat16",
-              "optimizer": "fused_adam" if gpu else "torch_adamw", "attn_implementation": hybrid.attention(args)}
-    trained = {"gradient_accumulation_steps": args.grad_accum, "loss_normalization": "global",
-               "gradient_clipping": 1.0, "gradient_checkpointing": args.gradient_checkpointing}
-    return {"actor": DeepSpeedEngineConfig(**common, **trained, learning_rate=args.lr),
-            "critic": DeepSpeedEngineConfig(**common, **trained, learning_rate=args.critic_lr),
-            "reference": DeepSpeedEngineConfig(**common),
-            "reward": DeepSpeedEngineConfig(**common, value_head_init_std=0.02)}
-
-
-def rule_scores(rollouts, tokenizer, prompts, labels):
-    """Decode the responses and score them with the rule-based arithmetic reward (on the driver's CPU)."""
-    responses = tokenizer.batch_decode([r.response_token_ids for r in rollouts], skip_special_tokens=True)
-    sample_prompts = [prompts[r.prompt_index] for r in rollouts]
-    sample_labels = [labels[r.prompt_index] for r in rollouts]
-    scores, _ = apply_reward_function(arithmetic_reward, sample_prompts, responses, sample_labels, on_error="raise")
-    return torch.tensor(scores), arithmetic_accuracy(responses, sample_labels)
+@dataclass(frozen=True, kw_only=True)
+class Options:
+    model: str | None = None  # HF folder (SmolLM2 from examples/convert_smollm2.py); CPU: a tiny model is built
+    reward_model: str | None = None  # default: the policy checkpoint with a fresh scalar head
+    out: str = "runs/ppo_hybrid"
+    device: str = "cuda"
+    num_gpus: int = 1
+    steps: int = 100
+    prompts_per_step: int = 16
+    samples_per_prompt: int = 4
+    max_new_tokens: int = 64
+    lr: float = 5e-6
+    critic_lr: float = 1e-5
+    kl_coef: float = 0.01  # per-token KL penalty in the reward
+    rm_coef: float = 0.1
+    resident: bool = False
+    tiny: bool = False
 
 
-def main(argv=None) -> dict:
+CLIP, VALUE_CLIP, MINIBATCHES, SEED = 0.2, 0.2, 2, 0
+
+
+def actor_loss(logprobs, micro, *, num_tokens, num_seqs):
+    batch = micro.batch
+    loss, stats = policy_loss(logprobs, micro.old_logprobs, micro.advantages, batch.loss_mask, batch.cu_seqlens,
+                              clip_low=CLIP, clip_high=CLIP, num_tokens=num_tokens, num_seqs=num_seqs)
+    gap = (logprobs.detach() - micro.engine_logprobs)[batch.loss_mask].abs()
+    return loss, stats | {"engine_gap": float(gap.mean())}
+
+
+def critic_loss(values, micro, *, num_tokens, num_seqs):
+    batch = micro.batch
+    return value_loss(values, micro.values, micro.returns, batch.loss_mask, batch.cu_seqlens, clip=VALUE_CLIP,
+                      num_tokens=num_tokens, num_seqs=num_seqs)
+
+
+def start(options: Options) -> Hybrid:
+    cpu, model = options.device == "cpu", options.model
+    if model is None:
+        from rlhfkit.tiny_models import TinyModelConfig, build_tiny_model
+
+        model = str(Path(options.out) / "tiny_model")
+        if not (Path(model) / "config.json").exists():
+            build_tiny_model(model, TinyModelConfig(hidden_size=64, num_layers=2, seed=SEED))
+    frozen = DeepSpeedEngineConfig(zero_stage=1, bf16=False, optimizer="torch_adamw" if cpu else "fused_adam",
+                                   gradient_clipping=1.0)
+    offload = not options.resident
+    trainers = {
+        "actor": TrainerConfig(deepspeed=dataclasses.replace(frozen, learning_rate=options.lr), offload=offload),
+        "critic": TrainerConfig(deepspeed=dataclasses.replace(frozen, learning_rate=options.critic_lr),
+                                offload=offload),
+        "reference": TrainerConfig(deepspeed=frozen, offload=offload),
+        "reward": TrainerConfig(deepspeed=dataclasses.replace(frozen, value_head_init_std=0.02),
+                                model=options.reward_model, offload=offload)}
+    config = HybridConfig(model=model, device=options.device, engine="hf" if cpu else "vllm",
+                          num_gpus=options.num_gpus, engine_sleep_level=0 if options.resident else 2, seed=SEED)
+    return Hybrid.start(config, trainers)
+
+
+def main(argv=None) -> list[dict]:
     from transformers import AutoTokenizer
 
-    args = parse_args(argv)
-    tokenizer = AutoTokenizer.from_pretrained(args.model)
-    task = ArithmeticTask(min_value=0, max_value=args.max_value, ops=("+", "-"), seed=args.seed)
-    config = ExperienceConfig(estimator="gae", gamma=args.gamma, lam=args.lam, kl_coef=args.kl_coef,
-                              kl_in_reward=True)
-    common = {"epochs": args.epochs, "minibatches": args.minibatches, "grad_accum": args.grad_accum,
-              "seed": args.seed, "profile_step": args.profile_step, "profile_dir": str(args.out.resolve())}
-    actor_settings = hybrid.TrainSettings(**common, temperature=args.temperature, clip=args.clip,
-                                          measure_mismatch=args.old_logprobs == "engine")
-    critic_settings = hybrid.TrainSettings(**common, value_clip=args.value_clip)
-    stops = hybrid.stop_tokens(tokenizer, args.model)
-    run = hybrid.launch(args, model_configs(args), reward_model=args.reward_model)
-    workers = run.workers
-    actor, critic = workers["actor"], workers["critic"]
+    options = parse_options(Options, argv, description=__doc__)
+    if options.tiny:
+        options = dataclasses.replace(options, steps=3, prompts_per_step=4, samples_per_prompt=4, max_new_tokens=8,
+                                      lr=1e-3, critic_lr=1e-3)
+    out = Path(options.out)
+    out.mkdir(parents=True, exist_ok=True)
+    hybrid = start(options)
+    roles, engines, timer = hybrid.trainers, hybrid.engines, hybrid.timer
+    actor, critic = roles["actor"], roles["critic"]
+    tokenizer = AutoTokenizer.from_pretrained(hybrid.config.model)
+    task = ArithmeticTask(min_value=0, max_value=9 if options.tiny else 99, ops=("+", "-"), seed=SEED)
+    config = ExperienceConfig(estimator="gae", gamma=1.0, lam=0.95, kl_coef=options.kl_coef, kl_in_reward=True)
+    print(f"started in {hybrid.startup['total_s']:.1f} s", flush=True)
     try:
-        for step in range(args.steps):
-            clock = hybrid.StepClock(run.sampler)
-            prompt_ids, prompts, labels = hybrid.arithmetic_prompts(task, tokenizer, step, args.rollout_batch)
-            # 1. Generation: the engines hold the GPUs (weights + KV cache); then they give them up.
-            rollouts = hybrid.generate(run, clock, prompt_ids, hybrid.sampling_config(args, stops, step))
-            with clock.phase("reward"):
-                rule, accuracy = rule_scores(rollouts, tokenizer, prompts, labels)
-            batch = pack_rollouts(rollouts)  # the packing make_experience uses, so the forwards line up with it
-            # 2. Reward model, reference and critic: each wakes, runs on every data-parallel rank, sleeps.
-            model_scores = hybrid.guarded_forward(clock, workers["reward"], "rewards", batch, args)
-            ref_logprobs = hybrid.guarded_forward(clock, workers["reference"], "logprobs", batch, args)
-            values = hybrid.guarded_forward(clock, critic, "values", batch, args)
-            rewards = rule + args.rm_coef * model_scores
-            # 3. The actor wakes: its log-probs, then KL-shaped rewards and GAE on CPU, then PPO-clip training; it
-            # keeps only its weights for the sync. 4. The critic takes the GPU for its value loss.
-            woke = actor.submit("wake", "train")
-            old_logprobs = hybrid.behaviour_logprobs(clock, actor, batch, rollouts, args)
-            with clock.phase("experience"):
-                experience, stats = make_experience(rollouts, rewards, config=config,
-                                                    policy_logprobs_fn=hybrid.precomputed(old_logprobs),
-                                                    ref_logprobs_fn=hybrid.precomputed(ref_logprobs),
-                                                    values_fn=hybrid.precomputed(values))
-            stats |= hybrid.guarded_train(clock, actor, experience, actor_settings, step, woke=woke,
-                                          sleep_phase="sync", keep_weights=True)
-            stats |= hybrid.guarded_train(clock, critic, experience, critic_settings, step, sleep_phase="train")
-            # 5. The engines take the actor's weights, then their KV cache.
-            stats |= hybrid.sync_to_engines(run, clock)
-            stats |= {"reward/rule_mean": float(rule.mean()), "reward/model_mean": float(model_scores.mean()),
-                      "reward/model_std": float(model_scores.std())}
-            run.record(step, clock, stats, experience, accuracy)
-        return run.finish()
+        with MetricsLogger(out) as metrics:
+            for step in range(options.steps):
+                timer.start_step()
+                records = task.records(options.prompts_per_step, start=step * options.prompts_per_step)
+                data = PromptDataset(records, tokenizer, PromptDatasetConfig(apply_chat_template=True))
+                prompts = next(data.batches(options.prompts_per_step, seed=0, shuffle=False))
+                sampling = SamplingConfig(n=options.samples_per_prompt, max_new_tokens=options.max_new_tokens,
+                                          seed=SEED * 1_000_003 + step)
+                with timer.phase("generate"):
+                    rollouts = engines.generate(prompts.token_ids, sampling)
+                with timer.phase("reward"):
+                    responses = tokenizer.batch_decode([r.response_token_ids for r in rollouts],
+                                                       skip_special_tokens=True)
+                    answers = [prompts.labels[r.prompt_index] for r in rollouts]
+                    rule, _ = apply_reward_function(arithmetic_reward, [prompts.texts[r.prompt_index] for r in
+                                                                        rollouts], responses, answers,
+                                                    on_error="raise")
+                batch = pack_rollouts(rollouts)
+                # Reward model, reference and critic: each wakes, runs on every rank, sleeps.
+                with timer.phase("forward_reward"):
+                    model_scores = roles["reward"].forward(batch, output="rewards")
+                with timer.phase("forward_reference"):
+                    ref_logprobs = roles["reference"].forward(batch)
+                with timer.phase("forward_critic"):
+                    values = critic.forward(batch, output="values")
+                with timer.phase("experience"):
+                    rewards = torch.tensor(rule) + options.rm_coef * model_scores
+                    experience, stats = make_experience(
+                        rollouts, rewards, config=config, policy_logprobs_fn=lambda b: engine_token_logprobs(
+                            rollouts, b), ref_logprobs_fn=lambda b: ref_logprobs, values_fn=lambda b: values)
+                minibatches = list(iterate_minibatches(experience, num_minibatches=MINIBATCHES, seed=step))
+                with timer.phase("train_actor"):
+                    for index, minibatch in enumerate(minibatches):
+                        train = actor.forward_backward(minibatch, actor_loss)
+                        keep = "keep_weights" if index == len(minibatches) - 1 else False
+                        train |= actor.optim_step(sleep_after=keep)
+                        gap = train.pop("actor/engine_gap")
+                        if index == 0:  # before any update: the engine-vs-trainer gap of the same weights
+                            stats["engine_vs_trainer/mean_abs_logprob_diff"] = gap
+                        stats |= train
+                with timer.phase("train_critic"):
+                    for index, minibatch in enumerate(minibatches):
+                        stats |= critic.forward_backward(minibatch, critic_loss, output="values")
+                        stats |= critic.optim_step(sleep_after=index == len(minibatches) - 1)
+                stats |= hybrid.push_weights()
+                stats |= timer.end_step() | {"accuracy": arithmetic_accuracy(responses, answers),
+                                             "reward/model_mean": float(model_scores.mean())}
+                row = metrics.log(step, stats)
+                print(f"step {step}: reward {row['reward/mean']:.3f} exact {row['accuracy']:.2f} "
+                      f"gap {row['engine_vs_trainer/mean_abs_logprob_diff']:.4f} | {row['time/step_s']:.2f} s, "
+                      f"switches {row['time/phase_switch_fraction']:.1%}", flush=True)
+                hybrid.write_phase_log(out / "phases.jsonl")
+        return metrics.rows
     finally:
-        run.close()
+        hybrid.close()
 
 
 if __name__ == "__main__":
