@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from rlhfkit._weight_sync_manifest import TensorSpec
+from rlhfkit.weight_sync._manifest import TensorSpec
 
 __all__ = ["SourceHandles", "MappedSources", "encode", "decode"]
 

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 import torch
 
-from rlhfkit._weight_sync_manifest import TAIL_BYTES, Bucket, Manifest, TensorSpec
+from rlhfkit.weight_sync._manifest import TAIL_BYTES, Bucket, Manifest, TensorSpec
 
 __all__ = ["Fingerprinter", "BucketSlots", "as_words", "STATUS_OK", "STATUS_ABORT"]
 

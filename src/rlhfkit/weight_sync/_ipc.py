@@ -12,7 +12,7 @@ before signalling. The receiver's ``load_fn`` must copy on the current CUDA stre
 
 Memory: ``num_slots`` buckets on the sender's GPU; receivers allocate nothing (they read the sender's buffers).
 
-Zero-copy mode (``WeightSyncConfig.ipc_zero_copy``, :mod:`rlhfkit._weight_sync_zero_copy`): no bucket buffers; each
+Zero-copy mode (``WeightSyncConfig.ipc_zero_copy``, :mod:`rlhfkit.weight_sync._zero_copy`): no bucket buffers; each
 bucket's "ready" message carries CUDA IPC handles of the source tensors' own allocations and where each tensor lies in
 them. Events, acknowledgements and slot cycling are the same: a slot then bounds the source tensors the sender keeps
 alive (``num_slots`` buckets), not a buffer.
@@ -25,16 +25,16 @@ import weakref
 
 import torch
 
-from rlhfkit._weight_sync_buckets import BucketSlots, Fingerprinter
-from rlhfkit._weight_sync_control import ControlChannel
-from rlhfkit._weight_sync_errors import (
+from rlhfkit.weight_sync._buckets import BucketSlots, Fingerprinter
+from rlhfkit.weight_sync._control import ControlChannel
+from rlhfkit.weight_sync._errors import (
     FingerprintMismatchError,
     WeightSyncAborted,
     WeightSyncError,
     error_from_report,
 )
-from rlhfkit._weight_sync_manifest import Bucket, Manifest
-from rlhfkit._weight_sync_zero_copy import MappedSources, SourceHandles, decode, encode
+from rlhfkit.weight_sync._manifest import Bucket, Manifest
+from rlhfkit.weight_sync._zero_copy import MappedSources, SourceHandles, decode, encode
 
 __all__ = ["IpcSender", "IpcReceiver", "CudaOps"]
 
@@ -316,7 +316,7 @@ class IpcReceiver:
     def verify(self, manifest: Manifest, bucket: Bucket) -> None:
         """Zero-copy: map the bucket's source allocations, build its views and check its fingerprint (a failure
         here is reported to the sender like any load failure)."""
-        from rlhfkit._weight_sync_stream import bucket_label
+        from rlhfkit.weight_sync._stream import bucket_label
 
         body, self._source = self._source, None
         assert body is not None, "verify() without a received zero-copy bucket"

@@ -1,6 +1,6 @@
 """The two ends of a multi-process sync and the in-process path (private to :mod:`rlhfkit.weight_sync`).
 
-Protocol of one sync, version ``v`` (keys in :mod:`rlhfkit._weight_sync_control`):
+Protocol of one sync, version ``v`` (keys in :mod:`rlhfkit.weight_sync._control`):
 1. the sender claims the sync (unless a receiver called it off first) and publishes its start: the manifest (left out
    when it repeats the last one, which every receiver accepted) and, over CUDA IPC, bucket 0's ready message; each
    receiver checks the manifest against what it accepts and answers ok or error;
@@ -25,18 +25,18 @@ from typing import Any, NamedTuple
 
 import torch
 
-from rlhfkit._weight_sync_buckets import STATUS_OK, BucketSlots, Fingerprinter
-from rlhfkit._weight_sync_collective import CollectiveLink, CollectiveReceiver, CollectiveSender
-from rlhfkit._weight_sync_control import ControlChannel, open_store
-from rlhfkit._weight_sync_errors import (
+from rlhfkit.weight_sync._buckets import STATUS_OK, BucketSlots, Fingerprinter
+from rlhfkit.weight_sync._collective import CollectiveLink, CollectiveReceiver, CollectiveSender
+from rlhfkit.weight_sync._control import ControlChannel, open_store
+from rlhfkit.weight_sync._errors import (
     ManifestMismatchError,
     WeightSyncAborted,
     WeightSyncError,
     error_from_report,
     error_kind,
 )
-from rlhfkit._weight_sync_manifest import Manifest, TensorSpec, compare_manifest, plan_buckets
-from rlhfkit._weight_sync_stream import ReceivedStream, call_load_fn, collect_bucket, local_stream, pack_bucket
+from rlhfkit.weight_sync._manifest import Manifest, TensorSpec, compare_manifest, plan_buckets
+from rlhfkit.weight_sync._stream import ReceivedStream, call_load_fn, collect_bucket, local_stream, pack_bucket
 
 __all__ = ["SenderSide", "ReceiverSide", "load_local"]
 
@@ -113,7 +113,7 @@ class SenderSide:
                                      what="its hello (has it called WeightReceiver.receive?)")
         self.labels = {rank: str(hello.get("label", "")) for rank, hello in hellos.items()}
         if self.config.backend == "cuda_ipc":
-            from rlhfkit._weight_sync_ipc import IpcSender
+            from rlhfkit.weight_sync._ipc import IpcSender
 
             self.transport = IpcSender(self.control, self.slots, self.peers, use_events=self.config.ipc_events,
                                        zero_copy=self.config.ipc_zero_copy)
@@ -427,7 +427,7 @@ class ReceiverSide:
         e = self.endpoint
         store = self._connect_control().store
         if self.config.backend == "cuda_ipc":
-            from rlhfkit._weight_sync_ipc import IpcReceiver
+            from rlhfkit.weight_sync._ipc import IpcReceiver
 
             self.transport = IpcReceiver(self.control, self.slots, e.rank)
             return

@@ -43,16 +43,16 @@ from typing import Any, Literal
 
 import torch
 
-from rlhfkit._weight_sync_buckets import Fingerprinter
-from rlhfkit._weight_sync_errors import (
+from rlhfkit.weight_sync._buckets import Fingerprinter
+from rlhfkit.weight_sync._errors import (
     FingerprintMismatchError,
     ManifestMismatchError,
     WeightSyncAborted,
     WeightSyncError,
     WeightSyncTimeout,
 )
-from rlhfkit._weight_sync_manifest import Manifest, TensorSpec, describe_parameters, plan_buckets, to_spec
-from rlhfkit._weight_sync_peers import ReceiverSide, SenderSide
+from rlhfkit.weight_sync._manifest import Manifest, TensorSpec, describe_parameters, plan_buckets, to_spec
+from rlhfkit.weight_sync._peers import ReceiverSide, SenderSide
 
 __all__ = [
     "WeightSyncConfig",
@@ -469,7 +469,7 @@ class WeightReceiver:
 
     def _load_local(self, manifest: Manifest, iterator, load_fn: LoadFn, fingerprinter: Fingerprinter,
                     after_pack: Callable[[int, list[torch.Tensor]], None]) -> object:
-        from rlhfkit._weight_sync_peers import load_local
+        from rlhfkit.weight_sync._peers import load_local
 
         loaded = load_local(manifest, self.expected, iterator, load_fn, fingerprinter, after_pack)
         self._version = manifest.version

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from rlhfkit._weight_sync_errors import WeightSyncError, WeightSyncTimeout
+from rlhfkit.weight_sync._errors import WeightSyncError, WeightSyncTimeout
 
 __all__ = ["ControlChannel", "open_store"]
 

@@ -19,9 +19,9 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from rlhfkit._weight_sync_buckets import STATUS_ABORT, BucketSlots
-from rlhfkit._weight_sync_errors import WeightSyncError, WeightSyncTimeout
-from rlhfkit._weight_sync_manifest import Bucket, Manifest
+from rlhfkit.weight_sync._buckets import STATUS_ABORT, BucketSlots
+from rlhfkit.weight_sync._errors import WeightSyncError, WeightSyncTimeout
+from rlhfkit.weight_sync._manifest import Bucket, Manifest
 
 __all__ = ["CollectiveLink", "CollectiveSender", "CollectiveReceiver", "run_bounded", "poll_until"]
 

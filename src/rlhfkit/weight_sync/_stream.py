@@ -15,9 +15,9 @@ from typing import Any, Protocol
 
 import torch
 
-from rlhfkit._weight_sync_buckets import STATUS_ABORT, BucketSlots, Fingerprinter
-from rlhfkit._weight_sync_errors import FingerprintMismatchError, WeightSyncAborted, WeightSyncError
-from rlhfkit._weight_sync_manifest import Bucket, Manifest, TensorSpec
+from rlhfkit.weight_sync._buckets import STATUS_ABORT, BucketSlots, Fingerprinter
+from rlhfkit.weight_sync._errors import FingerprintMismatchError, WeightSyncAborted, WeightSyncError
+from rlhfkit.weight_sync._manifest import Bucket, Manifest, TensorSpec
 
 __all__ = ["take_tensor", "pack_bucket", "collect_bucket", "ReceivedStream", "local_stream", "call_load_fn",
            "bucket_label"]
