@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rlhfkit._optional import require
-from rlhfkit._placement_ray import MaterializedPlan
+from rlhfkit.placement._ray import MaterializedPlan
 from rlhfkit._workers_base import Worker, WorkerError, WorkerGroupConfig, WorkerInfo, WorkerTimeoutError, launchable
 from rlhfkit._workers_env import NOSET_CUDA_VISIBLE_DEVICES, RayConfig, forwarded_env, ray_init, select_device
 

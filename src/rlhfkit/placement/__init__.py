@@ -21,8 +21,8 @@ Dependencies: importing this module needs nothing beyond the standard library; R
 
 from __future__ import annotations
 
-from rlhfkit._placement_memory import MemoryConfig, MemoryEstimate, ModelMemory, estimate_memory
-from rlhfkit._placement_plan import (
+from rlhfkit.placement._memory import MemoryConfig, MemoryEstimate, ModelMemory, estimate_memory
+from rlhfkit.placement._plan import (
     SHARE_RESOLUTION,
     ColocationGroup,
     Inventory,
@@ -34,7 +34,7 @@ from rlhfkit._placement_plan import (
     engines,
     plan_placement,
 )
-from rlhfkit._placement_ray import (
+from rlhfkit.placement._ray import (
     MaterializedPlan,
     NodeAddress,
     PlacementTimeoutError,

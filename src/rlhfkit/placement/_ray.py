@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rlhfkit._optional import require
-from rlhfkit._placement_plan import _EPS, SHARE_RESOLUTION, PlacementPlan, RankPlacement
+from rlhfkit.placement._plan import _EPS, SHARE_RESOLUTION, PlacementPlan, RankPlacement
 
 __all__ = [
     "MaterializedPlan",

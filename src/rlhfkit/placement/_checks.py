@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from rlhfkit._placement_plan import (
+from rlhfkit.placement._plan import (
     _EPS,
     SHARE_RESOLUTION,
     PlacementConfig,

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Literal
 
-from rlhfkit._placement_plan import PlacementPlan
+from rlhfkit.placement._plan import PlacementPlan
 
 __all__ = ["ModelMemory", "MemoryConfig", "MemoryEstimate", "estimate_memory"]
 

@@ -193,7 +193,7 @@ class PlacementConfig:
     hybrid: bool = False
 
     def __post_init__(self) -> None:
-        from rlhfkit._placement_checks import check_config
+        from rlhfkit.placement._checks import check_config
 
         if not isinstance(self.roles, tuple) or not self.roles:
             raise ValueError(f"PlacementConfig.roles={self.roles!r}; give a non-empty tuple of RoleSpec")
@@ -278,7 +278,7 @@ class PlacementPlan:
         return tuple(found)
 
     def table(self) -> str:
-        from rlhfkit._placement_checks import format_table
+        from rlhfkit.placement._checks import format_table
 
         return format_table(self)
 
@@ -288,7 +288,7 @@ class PlacementPlan:
 
 def plan_placement(config: PlacementConfig) -> PlacementPlan:
     """Assign GPUs to every rank of every role; raises ValueError (naming roles and numbers) when it cannot."""
-    from rlhfkit._placement_checks import allocate
+    from rlhfkit.placement._checks import allocate
 
     if not isinstance(config, PlacementConfig):
         raise TypeError(f"plan_placement takes a PlacementConfig, got {type(config).__name__}")
