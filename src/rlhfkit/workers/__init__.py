@@ -31,8 +31,8 @@ from typing import Any
 
 from rlhfkit._optional import require
 from rlhfkit.placement._ray import MaterializedPlan
-from rlhfkit._workers_base import Worker, WorkerError, WorkerGroupConfig, WorkerInfo, WorkerTimeoutError, launchable
-from rlhfkit._workers_env import NOSET_CUDA_VISIBLE_DEVICES, RayConfig, forwarded_env, ray_init, select_device
+from rlhfkit.workers._base import Worker, WorkerError, WorkerGroupConfig, WorkerInfo, WorkerTimeoutError, launchable
+from rlhfkit.workers._env import NOSET_CUDA_VISIBLE_DEVICES, RayConfig, forwarded_env, ray_init, select_device
 
 __all__ = [
     "NOSET_CUDA_VISIBLE_DEVICES",

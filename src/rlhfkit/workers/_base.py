@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
-from rlhfkit._workers_env import NOSET_CUDA_VISIBLE_DEVICES, _check_env, select_device
+from rlhfkit.workers._env import NOSET_CUDA_VISIBLE_DEVICES, _check_env, select_device
 
 __all__ = ["Worker", "WorkerError", "WorkerTimeoutError", "WorkerInfo", "WorkerGroupConfig", "launchable"]
 
@@ -202,7 +202,7 @@ def _align_local_rank_with_device() -> None:
         return
     import ray
 
-    from rlhfkit._workers_env import NOSET_CUDA_VISIBLE_DEVICES, select_device
+    from rlhfkit.workers._env import NOSET_CUDA_VISIBLE_DEVICES, select_device
 
     name = select_device(
         ray.get_gpu_ids(), cuda_device_count=torch.cuda.device_count(),
