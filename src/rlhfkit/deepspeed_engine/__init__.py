@@ -30,10 +30,10 @@ from typing import Any
 
 import torch
 
-from rlhfkit import _deepspeed_checkpoint as ckpt
-from rlhfkit import _deepspeed_sleep as sleeping
-from rlhfkit._deepspeed_config import ROLES, DeepSpeedEngineConfig, Role, lr_factor
-from rlhfkit._deepspeed_models import ValueModel, as_value_model, load_hf_model, sequence_scores, token_aligned_values
+from rlhfkit.deepspeed_engine import _checkpoint as ckpt
+from rlhfkit.deepspeed_engine import _sleep as sleeping
+from rlhfkit.deepspeed_engine._config import ROLES, DeepSpeedEngineConfig, Role, lr_factor
+from rlhfkit.deepspeed_engine._models import ValueModel, as_value_model, load_hf_model, sequence_scores, token_aligned_values
 from rlhfkit._optional import require
 from rlhfkit.checkpoint import latest_checkpoint
 from rlhfkit.losses import model_logprobs
