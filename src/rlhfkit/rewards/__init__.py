@@ -23,15 +23,15 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from rlhfkit._reward_functions import (
+from rlhfkit.rewards._functions import (
     RewardError,
     RewardFailure,
     RewardReport,
     apply_reward_function,
     function_name,
 )
-from rlhfkit._reward_model import RewardModel, RewardModelConfig
-from rlhfkit._reward_normalization import RunningMeanStd, clip_rewards, overlong_penalty
+from rlhfkit.rewards._model import RewardModel, RewardModelConfig
+from rlhfkit.rewards._normalization import RunningMeanStd, clip_rewards, overlong_penalty
 from rlhfkit.types import Rollout
 
 __all__ = [
