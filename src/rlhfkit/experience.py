@@ -20,8 +20,8 @@ from dataclasses import dataclass, fields, replace
 
 import torch
 
-from rlhfkit._advantages_checks import check_finite
-from rlhfkit._advantages_kl import KLEstimator
+from rlhfkit.advantages._checks import check_finite
+from rlhfkit.advantages._kl import KLEstimator
 from rlhfkit._experience_estimators import (
     ESTIMATORS,
     GROUP_ESTIMATORS,

@@ -18,7 +18,7 @@ from typing import Literal
 
 import torch
 
-from rlhfkit._advantages_checks import (
+from rlhfkit.advantages._checks import (
     check_cu_seqlens,
     check_float_vector,
     check_mask,

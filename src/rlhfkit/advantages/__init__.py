@@ -23,16 +23,16 @@ from __future__ import annotations
 
 import torch
 
-from rlhfkit._advantages_checks import check_cu_seqlens, check_finite, check_float_vector, check_mask
-from rlhfkit._advantages_group import grpo_advantages, reinforce_baseline_advantages, rloo_advantages
-from rlhfkit._advantages_kl import (
+from rlhfkit.advantages._checks import check_cu_seqlens, check_finite, check_float_vector, check_mask
+from rlhfkit.advantages._group import grpo_advantages, reinforce_baseline_advantages, rloo_advantages
+from rlhfkit.advantages._kl import (
     AdaptiveKLController,
     FixedKLController,
     KLEstimator,
     kl_estimate,
     kl_shaped_rewards,
 )
-from rlhfkit._advantages_scan import discounted_returns, gae
+from rlhfkit.advantages._scan import discounted_returns, gae
 
 __all__ = [
     "KLEstimator",
