@@ -27,7 +27,7 @@ from typing import Literal
 
 import torch
 
-from rlhfkit._losses_aggregate import (
+from rlhfkit.losses._aggregate import (
     AGGREGATIONS,
     Aggregation,
     aggregate,
@@ -35,7 +35,7 @@ from rlhfkit._losses_aggregate import (
     reduce_tokens,
     segment_sum,
 )
-from rlhfkit._losses_logprobs import check_logits, entropy_from_logits, token_logprobs
+from rlhfkit.losses._logprobs import check_logits, entropy_from_logits, token_logprobs
 from rlhfkit.advantages import kl_estimate
 from rlhfkit.packing import packed_logits
 from rlhfkit.types import PackedBatch
