@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 import torch
 
-from rlhfkit._packing_checks import check_cu_seqlens
+from rlhfkit.packing._checks import check_cu_seqlens
 from rlhfkit.types import PackedBatch
 
 __all__ = ["partition_by_token_budget", "global_counts"]
