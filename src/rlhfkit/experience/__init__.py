@@ -22,7 +22,7 @@ import torch
 
 from rlhfkit.advantages._checks import check_finite
 from rlhfkit.advantages._kl import KLEstimator
-from rlhfkit._experience_estimators import (
+from rlhfkit.experience._estimators import (
     ESTIMATORS,
     GROUP_ESTIMATORS,
     WHITENED_BY_DEFAULT,
