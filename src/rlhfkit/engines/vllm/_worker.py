@@ -183,7 +183,7 @@ class WeightSyncExtension:
     # --- collective_rpc entry points ----------------------------------------------------------------------------------
     def _rlhfkit_layerwise(self, loading: str) -> bool:
         """Whether this update goes through vLLM's layer-wise reload (see ``VLLMEngineConfig.weight_loading``)."""
-        from rlhfkit.engines._vllm_config import WEIGHT_LOADINGS
+        from rlhfkit.engines.vllm._config import WEIGHT_LOADINGS
 
         if loading not in WEIGHT_LOADINGS:
             raise ValueError(f"weight loading {loading!r}; expected one of {WEIGHT_LOADINGS}")
@@ -224,8 +224,8 @@ class WeightSyncExtension:
 
     def _rlhfkit_load_batch(self, batch: list[Any]) -> int:
         """``weight_loading="planned"``: one batch (a bucket) through the recorded copy plan; tensors not seen before
-        are loaded by ``load_weights`` while their copies are recorded (see :mod:`rlhfkit.engines._vllm_copy_plan`)."""
-        from rlhfkit.engines._vllm_copy_plan import CopyPlan
+        are loaded by ``load_weights`` while their copies are recorded (see :mod:`rlhfkit.engines.vllm._copy_plan`)."""
+        from rlhfkit.engines.vllm._copy_plan import CopyPlan
 
         state = self._rlhfkit_state()
         model = self._rlhfkit_model()

@@ -6,7 +6,7 @@ staged ``wake_up(tags)``; weight loading by HF parameter name (:meth:`VLLMEngine
 tests) and weight receiving through rlhfkit's weight-sync channel inside every vLLM worker
 (:meth:`VLLMEngine.init_weight_sync` / :meth:`VLLMEngine.receive_weights`, or armed ahead of the sender with
 :meth:`VLLMEngine.arm_weight_sync` / :meth:`VLLMEngine.settle_weight_sync`, through the worker extension in
-:mod:`rlhfkit.engines._vllm_worker` and ``LLM.collective_rpc``); prefix-cache reset after every weight change; a weight
+:mod:`rlhfkit.engines.vllm._worker` and ``LLM.collective_rpc``); prefix-cache reset after every weight change; a weight
 version. Ray helpers place engines on a placement plan (:mod:`rlhfkit.placement`) or a shared placement group, with
 tensor parallelism through vLLM's Ray executor; :class:`~rlhfkit.engines.router.EngineGroup` spreads requests.
 
@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from rlhfkit._optional import require
-from rlhfkit.engines._vllm_compat import (
+from rlhfkit.engines.vllm._compat import (
     VLLMFeatureError,
     detect_features,
     make_sampling_params,
@@ -44,8 +44,8 @@ from rlhfkit.engines._vllm_compat import (
     request_seed,
     require_feature,
 )
-from rlhfkit.engines._vllm_config import WORKER_EXTENSION, VLLMEngineConfig, build_llm_kwargs
-from rlhfkit.engines._vllm_ray import create_engine_group, create_engines, kill_engines, plan_launches, wait_ready
+from rlhfkit.engines.vllm._config import WORKER_EXTENSION, VLLMEngineConfig, build_llm_kwargs
+from rlhfkit.engines.vllm._ray import create_engine_group, create_engines, kill_engines, plan_launches, wait_ready
 from rlhfkit.engines.protocol import WAKE_TAGS, SamplingConfig
 from rlhfkit.engines.router import pack_generate_result
 from rlhfkit.types import Rollout
@@ -155,7 +155,7 @@ class VLLMEngine:
         """Sample ``sampling.n`` responses per prompt; prompt-major, then sample index.
 
         ``prompt_indices`` (default ``0..P-1``) become ``Rollout.prompt_index`` and, when ``sampling.seed`` is set,
-        seed each prompt with :func:`~rlhfkit.engines._vllm_compat.request_seed` — so a prompt's samples do not depend
+        seed each prompt with :func:`~rlhfkit.engines.vllm._compat.request_seed` — so a prompt's samples do not depend
         on which engine of a group served it.
         """
         prompts, indices, outputs = self._run(prompt_token_ids, sampling, prompt_indices)
@@ -351,7 +351,7 @@ class VLLMEngine:
             [str(name), [int(d) for d in shape], str(dtype).removeprefix("torch.")] for name, shape, dtype in expected]
         kwargs = {"config": config_fields, "endpoint": endpoint_fields, "first_rank": first_rank,
                   "label": f"engine-{self.engine_index}", "expected": plain_expected}
-        return self.init_weight_receiver("rlhfkit.engines._vllm_worker:make_weight_receiver", kwargs)
+        return self.init_weight_receiver("rlhfkit.engines.vllm._worker:make_weight_receiver", kwargs)
 
     def init_weight_receiver(self, factory: str, kwargs: Mapping[str, Any] | None = None) -> list[dict[str, Any]]:
         """Build any weight receiver in every vLLM worker: ``factory`` is a dotted path (``"pkg.mod:function"``)

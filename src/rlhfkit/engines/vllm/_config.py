@@ -9,11 +9,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from rlhfkit.engines._vllm_compat import VLLMFeatureError, VLLMFeatures, require_feature
+from rlhfkit.engines.vllm._compat import VLLMFeatureError, VLLMFeatures, require_feature
 
 __all__ = ["VLLMEngineConfig", "build_llm_kwargs", "WORKER_EXTENSION", "WEIGHT_LOADINGS"]
 
-WORKER_EXTENSION = "rlhfkit.engines._vllm_worker.WeightSyncExtension"
+WORKER_EXTENSION = "rlhfkit.engines.vllm._worker.WeightSyncExtension"
 _DTYPES = ("auto", "bfloat16", "float16", "float32")
 WEIGHT_LOADINGS = ("auto", "layerwise", "direct", "planned")  # VLLMEngineConfig.weight_loading
 _OWN_KWARGS = ("model", "tensor_parallel_size", "gpu_memory_utilization", "enable_sleep_mode", "seed",
@@ -69,7 +69,7 @@ class VLLMEngineConfig:
             weight replaces its parameter, as vLLM's CPU backend does), else layerwise.
             ``"planned"`` (opt-in): direct, but the first load records where each tensor's copies (and constant
             fills) land and later loads replay them with one batched copy per bucket (tensors whose loader does more
-            stay on ``load_weights``; see ``rlhfkit.engines._vllm_copy_plan``); falls back to layerwise where
+            stay on ``load_weights``; see ``rlhfkit.engines.vllm._copy_plan``); falls back to layerwise where
             ``"auto"`` would.
     """
 
