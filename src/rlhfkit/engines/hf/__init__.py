@@ -31,8 +31,8 @@ from dataclasses import dataclass
 import torch
 
 from rlhfkit._optional import require
-from rlhfkit.engines._hf_sampling import make_generators, sample_next_tokens
-from rlhfkit.engines._hf_state import EngineWeightState
+from rlhfkit.engines.hf._sampling import make_generators, sample_next_tokens
+from rlhfkit.engines.hf._state import EngineWeightState
 from rlhfkit.engines.protocol import WAKE_TAGS, SamplingConfig
 from rlhfkit.types import Rollout
 
