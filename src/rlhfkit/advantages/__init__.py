@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from rlhfkit.advantages._checks import check_cu_seqlens, check_finite, check_float_vector, check_mask
+from rlhfkit._checks import check_cu_seqlens, check_finite, check_float_vector, check_mask
 from rlhfkit.advantages._group import grpo_advantages, reinforce_baseline_advantages, rloo_advantages
 from rlhfkit.advantages._kl import (
     AdaptiveKLController,

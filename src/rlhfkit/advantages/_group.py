@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from rlhfkit.advantages._checks import check_finite, check_float_vector, check_group_ids
+from rlhfkit._checks import check_finite, check_float_vector, check_group_ids
 
 __all__ = ["grpo_advantages", "rloo_advantages", "reinforce_baseline_advantages", "group_stats"]
 

@@ -18,7 +18,7 @@ from typing import Literal
 
 import torch
 
-from rlhfkit.advantages._checks import (
+from rlhfkit._checks import (
     check_cu_seqlens,
     check_float_vector,
     check_mask,

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from rlhfkit.advantages._checks import (
+from rlhfkit._checks import (
     check_cu_seqlens,
     check_finite,
     check_float_vector,

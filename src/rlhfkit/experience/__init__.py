@@ -20,7 +20,7 @@ from dataclasses import dataclass, fields, replace
 
 import torch
 
-from rlhfkit.advantages._checks import check_finite
+from rlhfkit._checks import check_finite
 from rlhfkit.advantages._kl import KLEstimator
 from rlhfkit.experience._estimators import (
     ESTIMATORS,

@@ -7,7 +7,7 @@ from typing import Literal
 
 import torch
 
-from rlhfkit.packing._checks import check_cu_seqlens
+from rlhfkit._cu_seqlens import check_cu_seqlens
 
 __all__ = ["Aggregation", "AGGREGATIONS", "aggregate", "reduce_tokens", "check_token_inputs", "segment_sum",
            "check_count"]

@@ -26,7 +26,7 @@ from typing import Literal
 import torch
 
 from rlhfkit.packing._attention import VARLEN_ATTENTION, register_varlen_attention
-from rlhfkit.packing._checks import check_cu_seqlens
+from rlhfkit._cu_seqlens import check_cu_seqlens
 from rlhfkit.packing._partition import global_counts, partition_by_token_budget
 from rlhfkit.types import PackedBatch, Rollout
 

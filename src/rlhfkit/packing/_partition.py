@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 import torch
 
-from rlhfkit.packing._checks import check_cu_seqlens
+from rlhfkit._cu_seqlens import check_cu_seqlens
 from rlhfkit.types import PackedBatch
 
 __all__ = ["partition_by_token_budget", "global_counts"]
