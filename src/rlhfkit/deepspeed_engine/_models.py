@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from rlhfkit._optional import require
-from rlhfkit.packing._attention import VARLEN_ATTENTION, register_varlen_attention
+from rlhfkit.packing import VARLEN_ATTENTION, register_varlen_attention
 from rlhfkit.types import PackedBatch
 
 __all__ = ["ValueModel", "as_value_model", "load_hf_model", "token_aligned_values", "sequence_scores"]

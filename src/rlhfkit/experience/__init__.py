@@ -21,7 +21,7 @@ from dataclasses import dataclass, fields, replace
 import torch
 
 from rlhfkit._checks import check_finite
-from rlhfkit.advantages._kl import KLEstimator
+from rlhfkit.advantages import KLEstimator
 from rlhfkit.experience._estimators import (
     ESTIMATORS,
     GROUP_ESTIMATORS,

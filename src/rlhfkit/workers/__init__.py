@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rlhfkit._optional import require
-from rlhfkit.placement._ray import MaterializedPlan
+from rlhfkit.placement import MaterializedPlan
 from rlhfkit.workers._base import Worker, WorkerError, WorkerGroupConfig, WorkerInfo, WorkerTimeoutError, launchable
 from rlhfkit.workers._env import NOSET_CUDA_VISIBLE_DEVICES, RayConfig, forwarded_env, ray_init, select_device
 
