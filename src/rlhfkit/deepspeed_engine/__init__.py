@@ -40,7 +40,7 @@ from rlhfkit.losses import model_logprobs
 from rlhfkit.packing import packed_inputs
 from rlhfkit.types import PackedBatch
 
-__all__ = ["DeepSpeedEngine", "DeepSpeedEngineConfig", "Role", "ValueModel", "latest_checkpoint", "lr_factor"]
+__all__ = ["DeepSpeedEngine", "DeepSpeedEngineConfig", "ValueModel", "latest_checkpoint", "lr_factor"]
 
 logger = logging.getLogger(__name__)
 _GIB = 1024**3

@@ -33,7 +33,7 @@ from rlhfkit.advantages import kl_estimate
 from rlhfkit.packing import pack_rollouts, partition_by_token_budget, select_sequences
 from rlhfkit.types import Experience, PackedBatch, Rollout
 
-__all__ = ["Estimator", "ExperienceConfig", "ForwardFn", "make_experience", "iterate_minibatches",
+__all__ = ["ExperienceConfig", "ForwardFn", "make_experience", "iterate_minibatches",
            "select_experience", "engine_token_logprobs"]
 
 logger = logging.getLogger(__name__)

@@ -43,7 +43,6 @@ __all__ = [
     "packed_inputs",
     "register_varlen_attention",
     "VARLEN_ATTENTION",
-    "PACKED_ATTENTION_IMPLEMENTATIONS",
 ]
 
 logger = logging.getLogger(__name__)

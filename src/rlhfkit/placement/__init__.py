@@ -45,14 +45,12 @@ from rlhfkit.placement._ray import (
 )
 
 __all__ = [
-    "SHARE_RESOLUTION",
     "ColocationGroup",
     "Inventory",
     "MaterializedPlan",
     "MemoryConfig",
     "MemoryEstimate",
     "ModelMemory",
-    "NodeAddress",
     "NodeSpec",
     "PlacementConfig",
     "PlacementPlan",
@@ -64,6 +62,4 @@ __all__ = [
     "materialize",
     "plan_placement",
     "ray_share",
-    "requested_bundles",
-    "shortfall_report",
 ]

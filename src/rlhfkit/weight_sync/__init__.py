@@ -62,7 +62,6 @@ __all__ = [
     "WeightReceiver",
     "ArmedReceive",
     "Manifest",
-    "TensorSpec",
     "describe_parameters",
     "flatten_parameters",
     "WeightSyncError",

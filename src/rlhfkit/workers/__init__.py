@@ -35,7 +35,6 @@ from rlhfkit.workers._base import Worker, WorkerError, WorkerGroupConfig, Worker
 from rlhfkit.workers._env import NOSET_CUDA_VISIBLE_DEVICES, RayConfig, forwarded_env, ray_init, select_device
 
 __all__ = [
-    "NOSET_CUDA_VISIBLE_DEVICES",
     "PendingCall",
     "RayConfig",
     "Worker",

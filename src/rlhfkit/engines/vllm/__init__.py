@@ -50,8 +50,8 @@ from rlhfkit.engines.protocol import WAKE_TAGS, SamplingConfig
 from rlhfkit.engines.router import pack_generate_result
 from rlhfkit.types import Rollout
 
-__all__ = ["VLLMEngineConfig", "VLLMEngine", "VLLMEngineActor", "build_llm_kwargs", "create_engines",
-           "create_engine_group", "plan_launches", "wait_ready", "kill_engines", "VLLMFeatureError", "WORKER_EXTENSION"]
+__all__ = ["VLLMEngineConfig", "VLLMEngine", "VLLMEngineActor", "create_engines",
+           "create_engine_group", "plan_launches", "kill_engines", "VLLMFeatureError"]
 
 logger = logging.getLogger(__name__)
 
