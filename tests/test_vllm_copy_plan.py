@@ -228,7 +228,7 @@ def test_worker_receive_reports_load_time_and_plan_size(monkeypatch):
 
 
 def test_planned_falls_back_to_layerwise_where_auto_would(monkeypatch):
-    from rlhfkit.engines.vllm import _worker
+    from rlhfkit.engines.vllm import _worker as _vllm_worker
 
     walks = []
     original = _vllm_worker._repacked
