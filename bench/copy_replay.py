@@ -77,7 +77,7 @@ def build(args, device):
 
 
 def main() -> None:
-    from rlhfkit.engines._vllm_copy_plan import coalesce_copies, capture_copies
+    from rlhfkit.engines.vllm._copy_plan import coalesce_copies, capture_copies
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, required=True)

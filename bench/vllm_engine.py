@@ -245,7 +245,7 @@ def section_throughput(args) -> None:
     import ray
     import vllm
 
-    from rlhfkit.engines._vllm_compat import detect_features
+    from rlhfkit.engines.vllm._compat import detect_features
     from rlhfkit.engines.protocol import SamplingConfig
     from rlhfkit.engines.router import EngineDiedError, EngineGroup
     from rlhfkit.engines.vllm import build_llm_kwargs, create_engine_group

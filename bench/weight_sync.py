@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from rlhfkit._weight_sync_buckets import Fingerprinter
+from rlhfkit.weight_sync._buckets import Fingerprinter
 from rlhfkit.weight_sync import SyncEndpoint, WeightReceiver, WeightSender, WeightSyncConfig
 
 GIB = 1024**3
@@ -110,7 +110,7 @@ def nccl_raw_broadcast(rank, port, device, nbytes, iters=5) -> float:
     """Bytes/s of a raw NCCL broadcast rank 0 -> rank 1 (each timed round ends with a 1-element reply)."""
     store = dist.TCPStore("127.0.0.1", port, None, rank == 0, timedelta(seconds=TIMEOUT_S), wait_for_workers=False)
     torch.cuda.set_device(device)
-    from rlhfkit._weight_sync_collective import _nccl_backend_class
+    from rlhfkit.weight_sync._collective import _nccl_backend_class
 
     nccl = _nccl_backend_class()
     group = nccl(dist.PrefixStore("raw", store), rank, 2, nccl.Options())

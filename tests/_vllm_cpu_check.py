@@ -56,7 +56,7 @@ def record_copy_plan(worker, path: str) -> dict:
     from vllm.config import set_current_vllm_config
     from vllm.model_executor.model_loader.utils import initialize_model
 
-    from rlhfkit.engines._vllm_copy_plan import CopyPlan
+    from rlhfkit.engines.vllm._copy_plan import CopyPlan
 
     with set_current_vllm_config(worker.vllm_config):
         model = initialize_model(vllm_config=worker.vllm_config, prefix="plan_twin")

@@ -20,7 +20,7 @@ from rlhfkit.advantages import (
     rloo_advantages,
     whiten,
 )
-from rlhfkit._advantages_scan import reverse_discounted_cumsum
+from rlhfkit.advantages._scan import reverse_discounted_cumsum
 
 # ---------------------------------------------------------------------------------------------------------------
 # Naive references: per-token Python loops over plain lists.

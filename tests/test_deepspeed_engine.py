@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlhfkit._deepspeed_checkpoint import hf_name
-from rlhfkit._deepspeed_models import sequence_scores, token_aligned_values
-from rlhfkit._deepspeed_sleep import StorageOffloader
+from rlhfkit.deepspeed_engine._checkpoint import hf_name
+from rlhfkit.deepspeed_engine._models import sequence_scores, token_aligned_values
+from rlhfkit.deepspeed_engine._sleep import StorageOffloader
 from rlhfkit.deepspeed_engine import DeepSpeedEngine, DeepSpeedEngineConfig, lr_factor
 from rlhfkit.types import PackedBatch
 
@@ -139,7 +139,7 @@ def test_storage_offloader_keeps_views_aliased_and_values_identical():
 
 def test_sleep_plan_per_wrapper_and_stage():
     """Which mechanism moves what, decided from DeepSpeed's optimizer wrapper (fakes carry only the class name)."""
-    from rlhfkit._deepspeed_sleep import plan_sleep
+    from rlhfkit.deepspeed_engine._sleep import plan_sleep
 
     def engine_with(wrapper_name: str):
         return type("Engine", (), {"optimizer": type(wrapper_name, (), {"optimizer": object()})()})()
@@ -162,7 +162,7 @@ def test_sleep_plan_per_wrapper_and_stage():
 def test_hf_export_shards_reload_with_from_pretrained(tiny_llama_path, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from rlhfkit._deepspeed_checkpoint import export_hf, iter_named_parameters
+    from rlhfkit.deepspeed_engine._checkpoint import export_hf, iter_named_parameters
 
     model = AutoModelForCausalLM.from_pretrained(str(tiny_llama_path))
     stream = iter_named_parameters(model, zero3=False, bucket_bytes=1, dtype=torch.bfloat16)

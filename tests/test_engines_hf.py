@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlhfkit.engines._hf_sampling import filter_logits, request_seed, sample_next_tokens
+from rlhfkit.engines.hf._sampling import filter_logits, request_seed, sample_next_tokens
 from rlhfkit.engines.protocol import RolloutEngine, SamplingConfig
 
 transformers = pytest.importorskip("transformers")

@@ -16,9 +16,9 @@ from typing import Literal
 import pytest
 import torch
 
-from rlhfkit.engines import _vllm_compat as compat
-from rlhfkit.engines._vllm_ray import plan_launches
-from rlhfkit.engines._vllm_worker import WeightSyncExtension, plain_report, resolve_factory
+from rlhfkit.engines.vllm import _compat as compat
+from rlhfkit.engines.vllm._ray import plan_launches
+from rlhfkit.engines.vllm._worker import WeightSyncExtension, plain_report, resolve_factory
 from rlhfkit.engines.protocol import RolloutEngine, SamplingConfig
 from rlhfkit.engines.vllm import VLLMEngine, VLLMEngineConfig, VLLMFeatureError, build_llm_kwargs
 
@@ -281,7 +281,7 @@ def test_config_freezes_mappings_and_builds_llm_kwargs():
                               distributed_executor_backend="ray")
     assert kwargs == dict(model="/m", tensor_parallel_size=2, gpu_memory_utilization=0.9, seed=7,
                           enable_prefix_caching=True, enforce_eager=False, dtype="bfloat16",
-                          worker_extension_cls="rlhfkit.engines._vllm_worker.WeightSyncExtension",
+                          worker_extension_cls="rlhfkit.engines.vllm._worker.WeightSyncExtension",
                           enable_sleep_mode=True, logprobs_mode="processed_logprobs", max_model_len=512,
                           distributed_executor_backend="ray", attention_backend="TRITON_ATTN")
     with pytest.raises(VLLMFeatureError, match="lacks feature 'collective_rpc'"):
@@ -536,7 +536,7 @@ def test_armed_weight_sync_needs_no_engine_call_during_the_sync():
 
 
 def test_auto_weight_loading_detects_repacked_layers():
-    from rlhfkit.engines._vllm_worker import _repacked
+    from rlhfkit.engines.vllm._worker import _repacked
 
     def layer(with_loader: bool) -> torch.nn.Module:
         module = torch.nn.Linear(2, 2, bias=False)

@@ -365,7 +365,7 @@ def test_varlen_attention_delegates_to_sdpa_for_padded_batches_and_generation(ti
 def test_varlen_attention_leaves_windowed_and_softcapped_layers_to_sdpa(monkeypatch, extra):
     from transformers.integrations import sdpa_attention
 
-    from rlhfkit._packing_attention import _varlen_sdpa_forward
+    from rlhfkit.packing._attention import _varlen_sdpa_forward
 
     calls = []
     monkeypatch.setattr(sdpa_attention, "sdpa_attention_forward", lambda *a, **k: calls.append(k) or ("sdpa", None))
@@ -380,7 +380,7 @@ def test_varlen_attention_leaves_windowed_and_softcapped_layers_to_sdpa(monkeypa
 
 
 def test_varlen_attention_equals_per_sequence_sdpa_with_grouped_heads():
-    from rlhfkit._packing_attention import _varlen_sdpa_forward
+    from rlhfkit.packing._attention import _varlen_sdpa_forward
 
     gen = torch.Generator().manual_seed(4)
     lengths = [3, 1, 7, 5]

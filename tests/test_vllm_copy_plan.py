@@ -10,8 +10,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from rlhfkit.engines._vllm_copy_plan import CopyPlan
-from rlhfkit.engines._vllm_worker import WeightSyncExtension
+from rlhfkit.engines.vllm._copy_plan import CopyPlan
+from rlhfkit.engines.vllm._worker import WeightSyncExtension
 
 H = 4
 STACKED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
@@ -228,7 +228,7 @@ def test_worker_receive_reports_load_time_and_plan_size(monkeypatch):
 
 
 def test_planned_falls_back_to_layerwise_where_auto_would(monkeypatch):
-    from rlhfkit.engines import _vllm_worker
+    from rlhfkit.engines.vllm import _worker as _vllm_worker
 
     walks = []
     original = _vllm_worker._repacked
@@ -249,7 +249,7 @@ def test_replay_mode_is_checked():
 
 
 def test_coalesce_copies_merges_runs_that_continue_each_other():
-    from rlhfkit.engines._vllm_copy_plan import coalesce_copies
+    from rlhfkit.engines.vllm._copy_plan import coalesce_copies
 
     flat = torch.randn(4 * H * H + H)
     qkv, other, norm = torch.zeros(3 * H, H), torch.zeros(H, H), torch.zeros(H)

@@ -13,8 +13,8 @@ import time
 import pytest
 import torch
 
-from rlhfkit._weight_sync_buckets import Fingerprinter
-from rlhfkit._weight_sync_manifest import Manifest, TensorSpec, compare_manifest, plan_buckets
+from rlhfkit.weight_sync._buckets import Fingerprinter
+from rlhfkit.weight_sync._manifest import Manifest, TensorSpec, compare_manifest, plan_buckets
 from rlhfkit.weight_sync import (
     FingerprintMismatchError,
     ManifestMismatchError,
@@ -198,7 +198,7 @@ def test_fingerprint_catches_swapped_elements():
 
 
 def test_poll_until_and_run_bounded():
-    from rlhfkit._weight_sync_collective import poll_until, run_bounded
+    from rlhfkit.weight_sync._collective import poll_until, run_bounded
 
     calls = []
     assert poll_until(lambda: calls.append(1) or len(calls) >= 3, time.monotonic() + 5)
@@ -334,10 +334,10 @@ def backend(request, monkeypatch):
     """A real gloo group, or the cuda_ipc protocol with FakeCudaOps, both in threads of this process."""
     if request.param == "gloo":
         return "gloo"
-    import rlhfkit._weight_sync_ipc
+    import rlhfkit.weight_sync._ipc
     import rlhfkit.weight_sync
 
-    monkeypatch.setattr(rlhfkit._weight_sync_ipc, "CudaOps", FakeCudaOps)
+    monkeypatch.setattr(rlhfkit.weight_sync._ipc, "CudaOps", FakeCudaOps)
     monkeypatch.setattr(rlhfkit.weight_sync, "_resolve_device", lambda backend, device: torch.device("cpu"))
     return "cuda_ipc"
 
@@ -562,7 +562,7 @@ def test_cuda_ipc_zero_copy_protocol(monkeypatch, num_buffers, keep_mapped):
     """ipc_zero_copy: receivers read the source's own allocations (one handle per allocation, cached while it lives,
     re-shared when the source moves), bitwise; nothing stays held after a sync, nor mapped unless keep_mapped (then
     exactly the allocations still alive on the sender)."""
-    import rlhfkit._weight_sync_ipc
+    import rlhfkit.weight_sync._ipc
     import rlhfkit.weight_sync
 
     import ctypes
@@ -584,7 +584,7 @@ def test_cuda_ipc_zero_copy_protocol(monkeypatch, num_buffers, keep_mapped):
             address, size = FakeCudaOps.shared[handle]
             return torch.from_numpy(np.ctypeslib.as_array((ctypes.c_uint8 * size).from_address(address)))
 
-    monkeypatch.setattr(rlhfkit._weight_sync_ipc, "CudaOps", CountingOps)
+    monkeypatch.setattr(rlhfkit.weight_sync._ipc, "CudaOps", CountingOps)
     monkeypatch.setattr(rlhfkit.weight_sync, "_resolve_device", lambda backend, device: torch.device("cpu"))
     group = Group(2, backend="cuda_ipc", bucket_bytes=4096, num_buffers=num_buffers, ipc_zero_copy=True,
                   ipc_keep_mapped=keep_mapped)
@@ -628,7 +628,7 @@ def test_cuda_ipc_control_traffic(monkeypatch, mode, num_buffers):
     copies are ordered by events reports done while they run and the sender waits on its event instead (not when
     zero-copy mappings are dropped after the sync: that receiver waits for its copies itself); the last sync's
     claim, start and zero-copy bucket messages are deleted during the next one."""
-    import rlhfkit._weight_sync_ipc
+    import rlhfkit.weight_sync._ipc
     import rlhfkit.weight_sync
 
     awaited = []
@@ -637,7 +637,7 @@ def test_cuda_ipc_control_traffic(monkeypatch, mode, num_buffers):
         def event_synchronize(self, event):
             awaited.append(event)
 
-    monkeypatch.setattr(rlhfkit._weight_sync_ipc, "CudaOps", EventOps)
+    monkeypatch.setattr(rlhfkit.weight_sync._ipc, "CudaOps", EventOps)
     monkeypatch.setattr(rlhfkit.weight_sync, "_resolve_device", lambda backend, device: torch.device("cpu"))
     group = Group(2, backend="cuda_ipc", bucket_bytes=4096, num_buffers=num_buffers,
                   ipc_zero_copy=mode != "bucketed", ipc_keep_mapped=mode == "zero_copy_keep_mapped")
@@ -673,10 +673,10 @@ def test_cuda_ipc_control_traffic(monkeypatch, mode, num_buffers):
 
 
 def test_cuda_ipc_zero_copy_checks_device_and_fingerprints(monkeypatch):
-    import rlhfkit._weight_sync_ipc
+    import rlhfkit.weight_sync._ipc
     import rlhfkit.weight_sync
 
-    monkeypatch.setattr(rlhfkit._weight_sync_ipc, "CudaOps", FakeCudaOps)
+    monkeypatch.setattr(rlhfkit.weight_sync._ipc, "CudaOps", FakeCudaOps)
     monkeypatch.setattr(rlhfkit.weight_sync, "_resolve_device", lambda backend, device: torch.device("cpu"))
     group = Group(1, backend="cuda_ipc", sender_cls=CorruptingSender, bucket_bytes=4096, ipc_zero_copy=True,
                   fingerprints=True)

@@ -359,7 +359,7 @@ def test_select_device_rejects_ids_it_cannot_map():
 def test_ray_init_inside_a_submitted_job_drops_env_vars_the_job_already_sets():
     import json
 
-    from rlhfkit._workers_env import _without_job_duplicates
+    from rlhfkit.workers._env import _without_job_duplicates
 
     job = json.dumps({"runtime_env": {"env_vars": {"PYTHONPATH": "src", "A": "1"}, "working_dir": "gcs://x.zip"}})
     assert _without_job_duplicates({"env_vars": {"PYTHONPATH": "src", "B": "2"}}, job) == {"env_vars": {"B": "2"}}

@@ -37,14 +37,11 @@ __all__ = [
     "PromptDataset",
     "PromptDatasetStats",
     "PromptBatch",
-    "read_jsonl",
-    "read_parquet",
     "ArithmeticTask",
     "arithmetic_reward",
     "arithmetic_score",
     "arithmetic_score_parts",
     "arithmetic_accuracy",
-    "ARITHMETIC_WEIGHTS",
 ]
 
 logger = logging.getLogger(__name__)

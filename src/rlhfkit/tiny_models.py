@@ -15,7 +15,7 @@ from typing import Literal
 
 from rlhfkit._optional import require
 
-__all__ = ["TinyModelConfig", "build_tiny_model", "train_tokenizer", "default_corpus", "CHAT_TEMPLATE"]
+__all__ = ["TinyModelConfig", "build_tiny_model"]
 
 Architecture = Literal["llama", "qwen2"]
 

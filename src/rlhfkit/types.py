@@ -16,7 +16,7 @@ from typing import Literal
 
 import torch
 
-__all__ = ["FinishReason", "Rollout", "PackedBatch", "Experience"]
+__all__ = ["Rollout", "PackedBatch", "Experience"]
 
 FinishReason = Literal["stop", "length", "abort"]
 _FINISH_REASONS = ("stop", "length", "abort")

@@ -20,7 +20,7 @@ import torch
 
 from rlhfkit.types import Rollout
 
-__all__ = ["SamplingConfig", "RolloutEngine", "WAKE_TAGS"]
+__all__ = ["SamplingConfig", "RolloutEngine"]
 
 WAKE_TAGS = ("weights", "kv_cache")
 

@@ -37,7 +37,7 @@ from rlhfkit.engines.protocol import WAKE_TAGS, SamplingConfig
 from rlhfkit.types import Rollout
 
 __all__ = ["EngineGroupConfig", "EngineGroup", "EngineError", "EngineTimeoutError", "EngineDiedError",
-           "assign_prompts", "pack_generate_result", "unpack_generate_result", "PACKED_FINISH_REASONS"]
+           "pack_generate_result", "unpack_generate_result"]
 
 logger = logging.getLogger(__name__)
 

@@ -1,0 +1,356 @@
+"""The ``hf`` rollout engine: a transformers causal LM behind the :class:`~rlhfkit.engines.protocol.RolloutEngine`
+protocol, in-process, on CPU or one GPU.
+
+What it does: batched generation with left padding, an attention mask, correct position ids
+(``cumsum(attention_mask) - 1``) and a KV cache; its own sampling loop (temperature, top-k, top-p, greedy, ``n``
+samples per prompt, stop tokens and the model's EOS, per-request seeds) so that log-probs are exactly
+``log_softmax(logits / temperature)`` of the sampled token (raw ``log_softmax(logits)`` when greedy), the
+convention of :mod:`rlhfkit.engines.protocol`; ``sleep``/``wake_up`` with the protocol's levels and tags; weight
+loading by HF parameter name with validation and a weight version.
+
+What it does not do: continuous batching, paged attention, tensor parallelism, speculative decoding, prefix caching;
+use the vLLM backend for throughput. Needs ``rlhfkit[hf]`` (transformers).
+
+Sleep semantics: level 1 moves the weights to host memory (on CPU the weights already live there, so level 1 is only
+a state change); level 2 discards the weights on any device, CPU included (parameter storage is released, shapes
+are remembered), and after ``wake_up`` generation is refused until :meth:`HFEngine.load_weights` has supplied every
+parameter. The KV cache lives only inside one ``generate`` call, so the ``"kv_cache"`` tag is a state flag (on GPU,
+sleeping also empties the CUDA caching allocator). A module shared with a trainer (see :meth:`HFEngine.from_model`)
+is the trainer's module: level 2 discards the trainer's weights too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import logging
+import operator
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from rlhfkit._optional import require
+from rlhfkit.engines.hf._sampling import make_generators, sample_next_tokens
+from rlhfkit.engines.hf._state import EngineWeightState
+from rlhfkit.engines.protocol import WAKE_TAGS, SamplingConfig
+from rlhfkit.types import Rollout
+
+__all__ = ["HFEngineConfig", "HFEngine"]
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True, kw_only=True)
+class HFEngineConfig:
+    """How to build an :class:`HFEngine` from a saved model.
+
+    Attributes:
+        model: path (or hub id, if the hub is reachable) of a causal LM, loaded with ``AutoModelForCausalLM``.
+        tokenizer: tokenizer path; defaults to ``model``. Only used to decode ``response_text``.
+        device: torch device string, e.g. ``"cpu"``, ``"cuda"``, ``"cuda:1"``.
+        dtype: ``"float32"``, ``"bfloat16"``, ``"float16"`` or ``"auto"`` (the checkpoint's dtype).
+        max_batch_size: most sequences (prompts × n) decoded together; larger requests run in chunks.
+        attn_implementation: passed to ``from_pretrained`` (``"sdpa"``, ``"eager"``, ...); None keeps the default.
+        seed: seeds the engine's generator, used by requests whose ``SamplingConfig.seed`` is None.
+    """
+
+    model: str
+    tokenizer: str | None = None
+    device: str = "cpu"
+    dtype: str = "float32"
+    max_batch_size: int = 64
+    attn_implementation: str | None = None
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model, str) or not self.model:
+            raise ValueError(f"HFEngineConfig.model={self.model!r}; pass the path of a saved causal LM as a string")
+        if self.dtype not in (*_DTYPES, "auto"):
+            raise ValueError(f"HFEngineConfig.dtype={self.dtype!r}; expected one of {(*_DTYPES, 'auto')}")
+        if self.max_batch_size < 1:
+            raise ValueError(f"HFEngineConfig.max_batch_size={self.max_batch_size}; must be >= 1")
+        try:
+            torch.device(self.device)
+        except RuntimeError as error:
+            raise ValueError(f"HFEngineConfig.device={self.device!r} is not a torch device ({error}); "
+                             "use e.g. 'cpu' or 'cuda:0'") from error
+
+
+@dataclass(frozen=True)
+class _ChunkOutput:
+    tokens: list[int]
+    logprobs: torch.Tensor
+    finish_reason: str
+
+
+class HFEngine:
+    """A transformers causal LM as a rollout engine. Build with ``HFEngine(HFEngineConfig(...))`` or
+    :meth:`from_model`. Implements :class:`~rlhfkit.engines.protocol.RolloutEngine`."""
+
+    def __init__(self, config: HFEngineConfig) -> None:
+        if not isinstance(config, HFEngineConfig):
+            raise TypeError(f"HFEngine(config) needs an HFEngineConfig, got {type(config).__name__}; "
+                            "use HFEngine.from_model(model, ...) to wrap a loaded model")
+        transformers = require("transformers", user="rlhfkit.engines.hf")
+        kwargs = {"dtype": "auto" if config.dtype == "auto" else _DTYPES[config.dtype]}
+        if config.attn_implementation is not None:
+            kwargs["attn_implementation"] = config.attn_implementation
+        model = transformers.AutoModelForCausalLM.from_pretrained(config.model, **kwargs)
+        model.to(torch.device(config.device))
+        tokenizer = transformers.AutoTokenizer.from_pretrained(config.tokenizer or config.model)
+        self._setup(model, tokenizer=tokenizer, pad_token_id=None, eos_token_ids=None,
+                    max_batch_size=config.max_batch_size, seed=config.seed)
+
+    @classmethod
+    def from_model(cls, model: torch.nn.Module, *, tokenizer=None, pad_token_id: int | None = None,
+                   eos_token_ids: int | Sequence[int] | None = None, max_batch_size: int = 64,
+                   seed: int = 0) -> HFEngine:
+        """Wrap an already loaded causal LM (it stays on its device; the engine does not copy it).
+
+        Args:
+            model: a transformers causal LM (``model(input_ids, attention_mask, position_ids, past_key_values,
+                use_cache)`` returning ``.logits`` and ``.past_key_values``).
+            tokenizer: optional, to decode ``response_text``.
+            pad_token_id: filler for left padding (masked out, so any valid id works); default: the model's or the
+                tokenizer's pad token, else its first EOS token, else 0.
+            eos_token_ids: the model's end tokens; default: ``model.generation_config.eos_token_id`` (int or
+                list), else ``model.config.eos_token_id``, else the tokenizer's.
+            max_batch_size: most sequences decoded together.
+            seed: seeds the engine's generator for unseeded requests.
+        """
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"from_model(model=...) needs a torch.nn.Module, got {type(model).__name__}")
+        if max_batch_size < 1:
+            raise ValueError(f"from_model(max_batch_size={max_batch_size}); must be >= 1")
+        engine = cls.__new__(cls)
+        engine._setup(model, tokenizer=tokenizer, pad_token_id=pad_token_id, eos_token_ids=eos_token_ids,
+                      max_batch_size=max_batch_size, seed=seed)
+        return engine
+
+    def _setup(self, model, *, tokenizer, pad_token_id, eos_token_ids, max_batch_size: int, seed: int) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.max_batch_size = max_batch_size
+        self.eos_token_ids = _resolve_eos(model, tokenizer, eos_token_ids)
+        self.pad_token_id = _resolve_pad(model, tokenizer, pad_token_id, self.eos_token_ids)
+        self._state = EngineWeightState(model)
+        self.device = self._state.device
+        self._generator = torch.Generator(device=self.device)
+        self._generator.manual_seed(seed)
+        self._kv_awake = True
+        self._version = 0
+        self._takes_logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
+        self._vocab_size = _vocab_size(model)
+
+    # ------------------------------------------------------------------ protocol: lifecycle
+    @property
+    def weight_version(self) -> int:
+        return self._version
+
+    @property
+    def is_sleeping(self) -> bool:
+        """True while weights or KV cache are asleep."""
+        return not (self._state.awake and self._kv_awake)
+
+    def sleep(self, level: int = 1) -> None:
+        """Release memory: level 1 keeps the weights in host memory, level 2 discards them (see module docs)."""
+        if level not in (1, 2):
+            raise ValueError(f"sleep(level={level!r}); level must be 1 (offload weights) or 2 (discard weights)")
+        self._state.sleep(level)
+        self._kv_awake = False
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        logger.debug("hf engine asleep (level %d) on %s", level, self.device)
+
+    def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        """Wake ``"weights"``, ``"kv_cache"`` or both (None). Waking weights after ``sleep(level=2)`` allocates
+        uninitialised storage: load every weight with :meth:`load_weights` before generating."""
+        if isinstance(tags, str):
+            raise TypeError(f"wake_up(tags={tags!r}) takes a list of tags; write wake_up([{tags!r}])")
+        tags = WAKE_TAGS if tags is None else tuple(tags)
+        unknown = [tag for tag in tags if tag not in WAKE_TAGS]
+        if unknown:
+            raise ValueError(f"wake_up(tags={list(tags)!r}): unknown tag(s) {unknown}; valid tags are {WAKE_TAGS}")
+        if "weights" in tags:
+            self._state.wake()
+        if "kv_cache" in tags:
+            self._kv_awake = True
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor], *,
+                     version: int | None = None) -> int:
+        """Copy named tensors (HF parameter/buffer names) into the model, casting to each target's dtype and device.
+
+        Each tensor is validated (known name, same shape, floating point) before it is copied, so a bad tensor never
+        reaches the model; the tensors before it in the stream have already been applied (streaming keeps memory at
+        one tensor). If the load fails midway, the version is not bumped and :meth:`generate` refuses to run until a
+        later load succeeds. Returns how many tensors were loaded; the weight version becomes ``version`` (default:
+        the current version + 1).
+        """
+        if version is not None and (not isinstance(version, int) or version < 0):
+            raise ValueError(f"load_weights(version={version!r}); must be a non-negative int or None")
+        items = weights.items() if isinstance(weights, Mapping) else weights
+        count = self._state.load(items)
+        self._version = self._version + 1 if version is None else version
+        return count
+
+    # ------------------------------------------------------------------ protocol: generate
+    def generate(self, prompt_token_ids: Sequence[Sequence[int]], sampling: SamplingConfig) -> list[Rollout]:
+        """Sample ``sampling.n`` responses per prompt. Returns ``len(prompts) * n`` rollouts, prompt-major.
+
+        Requests are sorted by prompt length and decoded in chunks of ``max_batch_size`` (less padding); the order
+        of the result does not depend on it. With ``sampling.seed`` set, request ``i = prompt_index * n +
+        sample_index`` draws from its own generator seeded from ``(seed, i)``: same seed, same outputs.
+        """
+        if not isinstance(sampling, SamplingConfig):
+            raise TypeError(f"generate(sampling=...) needs a SamplingConfig, got {type(sampling).__name__}")
+        self._check_can_generate()
+        prompts = self._validate_prompts(prompt_token_ids)
+        requests = [(p, s) for p in range(len(prompts)) for s in range(sampling.n)]
+        order = sorted(range(len(requests)), key=lambda i: len(prompts[requests[i][0]]))
+        outputs: list[_ChunkOutput | None] = [None] * len(requests)
+        with torch.no_grad(), self._eval_mode():
+            for start in range(0, len(order), self.max_batch_size):
+                chunk = order[start:start + self.max_batch_size]
+                chunk_out = self._generate_chunk([prompts[requests[i][0]] for i in chunk], chunk, sampling)
+                for index, out in zip(chunk, chunk_out):
+                    outputs[index] = out
+        return [self._to_rollout(prompts[p], s, p, outputs[i], sampling) for i, (p, s) in enumerate(requests)]
+
+    def _check_can_generate(self) -> None:
+        if not self._state.awake:
+            raise RuntimeError("generate() called while the engine's weights are asleep; call wake_up() first")
+        if not self._kv_awake:
+            raise RuntimeError("generate() called while the engine's KV cache is asleep; call "
+                               "wake_up(['kv_cache']) first")
+        self._state.check_complete()
+
+    def _validate_prompts(self, prompt_token_ids) -> list[list[int]]:
+        if isinstance(prompt_token_ids, torch.Tensor) or not isinstance(prompt_token_ids, Sequence):
+            raise TypeError("generate(prompt_token_ids=...) takes a list of token-id lists, got "
+                            f"{type(prompt_token_ids).__name__}")
+        if len(prompt_token_ids) == 0:
+            raise ValueError("generate(prompt_token_ids=[]) got no prompts")
+        prompts = []
+        for index, prompt in enumerate(prompt_token_ids):
+            ids = prompt.tolist() if isinstance(prompt, torch.Tensor) else list(prompt)
+            if not ids:
+                raise ValueError(f"generate(): prompt {index} is empty; every prompt needs at least one token")
+            try:
+                ids = [operator.index(token) for token in ids]  # ints, numpy ints
+            except TypeError as error:
+                raise TypeError(f"generate(): prompt {index} holds non-integer token ids (e.g. {ids[0]!r})") from error
+            if self._vocab_size is not None and (min(ids) < 0 or max(ids) >= self._vocab_size):
+                raise ValueError(f"generate(): prompt {index} has token ids outside [0, {self._vocab_size}) "
+                                 f"(min {min(ids)}, max {max(ids)})")
+            prompts.append(ids)
+        return prompts
+
+    @contextlib.contextmanager
+    def _eval_mode(self) -> Iterator[None]:
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            yield
+        finally:
+            self.model.train(was_training)
+
+    def _forward(self, input_ids, attention_mask, position_ids, past_key_values=None):
+        kwargs = {"logits_to_keep": 1} if self._takes_logits_to_keep else {}
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                         past_key_values=past_key_values, use_cache=True, **kwargs)
+        return out.logits[:, -1, :], out.past_key_values
+
+    def _generate_chunk(self, prompts: list[list[int]], request_indices: list[int],
+                        sampling: SamplingConfig) -> list[_ChunkOutput]:
+        """Decode one left-padded chunk. ``prompts[b]`` belongs to request ``request_indices[b]``."""
+        batch, width, device = len(prompts), max(len(p) for p in prompts), self.device
+        input_ids = torch.full((batch, width), self.pad_token_id, dtype=torch.long, device=device)
+        attention_mask = torch.zeros((batch, width), dtype=torch.long, device=device)
+        for row, prompt in enumerate(prompts):
+            input_ids[row, width - len(prompt):] = torch.tensor(prompt, dtype=torch.long, device=device)
+            attention_mask[row, width - len(prompt):] = 1
+        position_ids = (attention_mask.cumsum(-1) - 1).clamp_min(0)
+        generators = (make_generators(sampling.seed, request_indices, device) if sampling.seed is not None
+                      else self._generator)
+        stop_ids = set(sampling.stop_token_ids) | (set() if sampling.ignore_eos else set(self.eos_token_ids))
+        stop = torch.tensor(sorted(stop_ids), dtype=torch.long, device=device)
+        logits, cache = self._forward(input_ids, attention_mask, position_ids)
+        next_position = position_ids[:, -1:] + 1
+        finished = torch.zeros(batch, dtype=torch.bool, device=device)
+        lengths = torch.full((batch,), sampling.max_new_tokens, dtype=torch.long, device=device)
+        tokens, logprobs = [], []
+        for step in range(sampling.max_new_tokens):
+            token, logprob = sample_next_tokens(logits, temperature=sampling.temperature, top_k=sampling.top_k,
+                                                top_p=sampling.top_p, generators=generators)
+            token = token.masked_fill(finished, self.pad_token_id)
+            tokens.append(token)
+            logprobs.append(logprob)
+            newly_stopped = torch.isin(token, stop) & ~finished
+            lengths = torch.where(newly_stopped, step + 1, lengths)
+            finished |= newly_stopped
+            if step + 1 == sampling.max_new_tokens or bool(finished.all()):
+                break
+            attention_mask = torch.cat([attention_mask, attention_mask.new_ones((batch, 1))], dim=1)
+            logits, cache = self._forward(token[:, None], attention_mask, next_position, cache)
+            next_position = next_position + 1
+        token_matrix = torch.stack(tokens, dim=1).cpu()
+        logprob_matrix = torch.stack(logprobs, dim=1).float().cpu()
+        lengths_list, finished_list = lengths.tolist(), finished.tolist()
+        return [_ChunkOutput(tokens=token_matrix[row, :lengths_list[row]].tolist(),
+                             logprobs=logprob_matrix[row, :lengths_list[row]].clone(),
+                             finish_reason="stop" if finished_list[row] else "length")
+                for row in range(batch)]
+
+    def _to_rollout(self, prompt: list[int], sample_index: int, prompt_index: int, out: _ChunkOutput,
+                    sampling: SamplingConfig) -> Rollout:
+        text = self.tokenizer.decode(out.tokens, skip_special_tokens=True) if self.tokenizer is not None else None
+        return Rollout(
+            prompt_token_ids=torch.tensor(prompt, dtype=torch.long),
+            response_token_ids=torch.tensor(out.tokens, dtype=torch.long),
+            response_logprobs=out.logprobs if sampling.logprobs else None,
+            finish_reason=out.finish_reason,
+            prompt_index=prompt_index,
+            sample_index=sample_index,
+            weight_version=self._version,
+            response_text=text,
+        )
+
+
+def _vocab_size(model) -> int | None:
+    embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    if isinstance(getattr(embeddings, "num_embeddings", None), int):
+        return embeddings.num_embeddings
+    return getattr(getattr(model, "config", None), "vocab_size", None)
+
+
+def _as_id_tuple(value) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, int):
+        return (value,)
+    return tuple(int(v) for v in value)
+
+
+def _resolve_eos(model, tokenizer, eos_token_ids) -> tuple[int, ...]:
+    if eos_token_ids is not None:
+        return _as_id_tuple(eos_token_ids)
+    generation_config = getattr(model, "generation_config", None)
+    for source in (generation_config, getattr(model, "config", None), tokenizer):
+        ids = _as_id_tuple(getattr(source, "eos_token_id", None))
+        if ids:
+            return ids
+    logger.warning("hf engine: the model names no EOS token; samples end only at stop_token_ids or max_new_tokens")
+    return ()
+
+
+def _resolve_pad(model, tokenizer, pad_token_id, eos_token_ids: tuple[int, ...]) -> int:
+    if pad_token_id is not None:
+        return int(pad_token_id)
+    for source in (getattr(model, "generation_config", None), getattr(model, "config", None), tokenizer):
+        value = getattr(source, "pad_token_id", None)
+        if isinstance(value, int):
+            return value
+    return eos_token_ids[0] if eos_token_ids else 0

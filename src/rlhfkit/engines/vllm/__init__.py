@@ -1,0 +1,456 @@
+"""The ``vllm`` rollout engine: vLLM behind the :class:`~rlhfkit.engines.protocol.RolloutEngine` protocol, as a plain
+class (:class:`VLLMEngine`, usable in-process) and as Ray actors (:func:`create_engines`, :func:`create_engine_group`).
+
+What it does: token-in/token-out generation with ``n`` samples and the sampled tokens' log-probs; ``sleep(level)`` and
+staged ``wake_up(tags)``; weight loading by HF parameter name (:meth:`VLLMEngine.load_weights`, for small models and
+tests) and weight receiving through rlhfkit's weight-sync channel inside every vLLM worker
+(:meth:`VLLMEngine.init_weight_sync` / :meth:`VLLMEngine.receive_weights`, or armed ahead of the sender with
+:meth:`VLLMEngine.arm_weight_sync` / :meth:`VLLMEngine.settle_weight_sync`, through the worker extension in
+:mod:`rlhfkit.engines.vllm._worker` and ``LLM.collective_rpc``); prefix-cache reset after every weight change; a weight
+version. Ray helpers place engines on a placement plan (:mod:`rlhfkit.placement`) or a shared placement group, with
+tensor parallelism through vLLM's Ray executor; :class:`~rlhfkit.engines.router.EngineGroup` spreads requests.
+
+Log-probs: vLLM's ``logprobs_mode="processed_logprobs"`` (the default here) returns ``log_softmax(logits /
+temperature)`` of the sampled token — the convention of :mod:`rlhfkit.engines.protocol` — when ``top_p == 1`` and
+``top_k == 0``. With top-p/top-k truncation vLLM renormalises over the kept tokens, so its values are larger than the
+protocol's by ``-log(kept mass)``; ``"raw_logprobs"`` ignores the temperature. Greedy requests (temperature 0) get the
+raw ``log_softmax(logits)``.
+
+Sleep levels: level 1 copies the weights to pinned host memory and discards the KV cache — wake-up is a host→device
+copy. Level 2 discards the weights too (no host copy, no host memory): choose it when the next step overwrites every
+weight anyway (a weight sync right after waking), because it saves the device→host copy at sleep and the host memory;
+after it, generation is refused until a load or sync has rewritten every parameter (checked per vLLM parameter).
+
+What it does not do: text prompts, LoRA, speculative decoding; quantized checkpoints are untested (weights are loaded
+through vLLM's layer-wise reload, which is meant to handle them). Needs ``rlhfkit[vllm]`` (and ``rlhfkit[ray]`` for
+the actor helpers); nothing is imported at module import.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from rlhfkit._optional import require
+from rlhfkit.engines.vllm._compat import (
+    VLLMFeatureError,
+    detect_features,
+    make_sampling_params,
+    make_token_prompt,
+    request_seed,
+    require_feature,
+)
+from rlhfkit.engines.vllm._config import WORKER_EXTENSION, VLLMEngineConfig, build_llm_kwargs
+from rlhfkit.engines.vllm._ray import create_engine_group, create_engines, kill_engines, plan_launches, wait_ready
+from rlhfkit.engines.protocol import WAKE_TAGS, SamplingConfig
+from rlhfkit.engines.router import pack_generate_result
+from rlhfkit.types import Rollout
+
+__all__ = ["VLLMEngineConfig", "VLLMEngine", "VLLMEngineActor", "create_engines",
+           "create_engine_group", "plan_launches", "kill_engines", "VLLMFeatureError"]
+
+logger = logging.getLogger(__name__)
+
+_FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
+
+
+def _logprob_values(completion: Any, token_ids: list[int]) -> list[float]:
+    positions = completion.logprobs
+    if positions is None or len(positions) < len(token_ids):
+        raise RuntimeError(f"vLLM returned log-probs for {0 if positions is None else len(positions)} of "
+                           f"{len(token_ids)} tokens; was SamplingParams.logprobs set?")
+    flat = [getattr(positions, name, None) for name in ("start_indices", "end_indices", "token_ids", "logprobs")]
+    if all(isinstance(field, list) for field in flat):  # vLLM's FlatLogprobs
+        # with logprobs=0 a position holds the sampled token alone (first); read the flat lists, else look it up
+        starts, ends, ids, values = flat
+        picked = [values[s] if s < e and ids[s] == token else None
+                  for s, e, token in zip(starts, ends, token_ids)]
+        return [float(v) if v is not None else float(positions[t][token_ids[t]].logprob)
+                for t, v in enumerate(picked)]
+    return [float(positions[t][token].logprob) for t, token in enumerate(token_ids)]
+
+
+def _rollout_logprobs(completion: Any, token_ids: list[int]) -> torch.Tensor:
+    return torch.tensor(_logprob_values(completion, token_ids), dtype=torch.float32)
+
+
+class VLLMEngine:
+    """One vLLM engine (``vllm.LLM``) behind the rollout-engine protocol; see the module docstring.
+
+    Args:
+        config: engine settings.
+        engine_index: position among the engines of a group (seed offset, names in errors).
+        distributed_executor_backend: passed to ``vllm.LLM`` (the Ray actor uses ``"ray"`` for TP > 1).
+        vllm: the vllm module to use (default: ``import vllm``); tests pass a stand-in.
+        llm: an already built ``vllm.LLM`` (or stand-in) to wrap instead of building one.
+    """
+
+    def __init__(self, config: VLLMEngineConfig, *, engine_index: int = 0,
+                 distributed_executor_backend: str | None = None, vllm: Any = None, llm: Any = None) -> None:
+        if not isinstance(config, VLLMEngineConfig):
+            raise TypeError(f"config must be a VLLMEngineConfig, got {type(config).__name__}")
+        self.config = config
+        self.engine_index = engine_index
+        self._vllm = vllm if vllm is not None else require("vllm", user="rlhfkit.engines.vllm")
+        self.features = detect_features(self._vllm)
+        if llm is None:
+            kwargs = build_llm_kwargs(config, self.features, engine_index=engine_index,
+                                      distributed_executor_backend=distributed_executor_backend)
+            logger.info("engine %d: starting vLLM %s for %s", engine_index, self.features.version, config.model)
+            llm = self._vllm.LLM(**kwargs)
+        self._llm = llm
+        self._version = 0
+        self._asleep: set[str] = set()      # tags currently released
+        self._sleep_level = 0
+        self._weights_valid = True
+        self._invalid_reason = ""
+        self._prefix_cache_stale = False
+        self._armed = False  # a sync armed in the workers (arm_weight_sync), not settled yet
+
+    # --- protocol: state ----------------------------------------------------------------------------------------------
+    @property
+    def llm(self) -> Any:
+        """The wrapped ``vllm.LLM`` (for what this class does not cover)."""
+        return self._llm
+
+    @property
+    def weight_version(self) -> int:
+        return self._version
+
+    def get_weight_version(self) -> int:
+        """:attr:`weight_version` as a method (Ray actors cannot read properties)."""
+        return self._version
+
+    @property
+    def asleep_tags(self) -> tuple[str, ...]:
+        return tuple(tag for tag in WAKE_TAGS if tag in self._asleep)
+
+    def _check_ready(self, what: str) -> None:
+        if self._asleep:
+            raise RuntimeError(f"engine {self.engine_index}: {what} called while {sorted(self._asleep)} asleep; call "
+                               "wake_up() (all tags) first")
+        if not self._weights_valid:
+            raise RuntimeError(f"engine {self.engine_index}: {what} called but the weights are incomplete "
+                               f"({self._invalid_reason}); load or sync every weight (load_weights / receive_weights) "
+                               "first")
+
+    def health_check(self) -> dict[str, Any]:
+        """Round-trip to every vLLM worker; returns the engine's state and each worker's reported version."""
+        workers = self._rpc("rlhfkit_worker_info", timeout=self.config.health_timeout_s)
+        return {"engine_index": self.engine_index, "pid": os.getpid(), "weight_version": self._version,
+                "asleep": list(self.asleep_tags), "weights_valid": self._weights_valid, "workers": workers}
+
+    def _rpc(self, method: str, *args: Any, timeout: float | None = None) -> list[Any]:
+        if self.features.collective_rpc_timeout and timeout is not None:
+            return self._llm.collective_rpc(method, timeout=timeout, args=args)
+        return self._llm.collective_rpc(method, args=args)
+
+    # --- protocol: generate -------------------------------------------------------------------------------------------
+    def generate(self, prompt_token_ids: Sequence[Sequence[int]], sampling: SamplingConfig, *,
+                 prompt_indices: Sequence[int] | None = None) -> list[Rollout]:
+        """Sample ``sampling.n`` responses per prompt; prompt-major, then sample index.
+
+        ``prompt_indices`` (default ``0..P-1``) become ``Rollout.prompt_index`` and, when ``sampling.seed`` is set,
+        seed each prompt with :func:`~rlhfkit.engines.vllm._compat.request_seed` — so a prompt's samples do not depend
+        on which engine of a group served it.
+        """
+        prompts, indices, outputs = self._run(prompt_token_ids, sampling, prompt_indices)
+        return [rollout for output, prompt, index in zip(outputs, prompts, indices)
+                for rollout in self._to_rollouts(output, prompt, index, sampling)]
+
+    def generate_packed(self, prompt_token_ids: Sequence[Sequence[int]], sampling: SamplingConfig, *,
+                        prompt_indices: Sequence[int] | None = None) -> dict[str, Any]:
+        """:meth:`generate` in the compact form of :func:`rlhfkit.engines.router.pack_generate_result` (numpy arrays,
+        no prompts): what an engine actor returns to an :class:`~rlhfkit.engines.router.EngineGroup`, which rebuilds
+        the rollouts on its side (:func:`~rlhfkit.engines.router.unpack_generate_result`)."""
+        _, _, outputs = self._run(prompt_token_ids, sampling, prompt_indices)
+        responses, logprobs, finish = [], [] if sampling.logprobs else None, []
+        for output in outputs:
+            for completion in self._completions(output, sampling):
+                token_ids = list(completion.token_ids)
+                responses.append(token_ids)
+                finish.append(_FINISH.get(str(completion.finish_reason), "abort"))
+                if logprobs is not None:
+                    logprobs.append(_logprob_values(completion, token_ids))
+        return pack_generate_result(responses, logprobs, finish, n=sampling.n, weight_version=self._version)
+
+    def _run(self, prompt_token_ids: Sequence[Sequence[int]], sampling: SamplingConfig,
+             prompt_indices: Sequence[int] | None) -> tuple[list[list[int]], list[int], list[Any]]:
+        if not isinstance(sampling, SamplingConfig):
+            raise TypeError(f"sampling must be a SamplingConfig, got {type(sampling).__name__}")
+        self.settle_weight_sync()
+        self._check_ready("generate")
+        prompts = [[int(t) for t in (p.tolist() if hasattr(p, "tolist") else p)] for p in prompt_token_ids]
+        for index, prompt in enumerate(prompts):
+            if not prompt:
+                raise ValueError(f"prompt_token_ids[{index}] is empty; every prompt needs at least one token")
+        indices = list(range(len(prompts))) if prompt_indices is None else [int(i) for i in prompt_indices]
+        if len(indices) != len(prompts):
+            raise ValueError(f"prompt_indices has {len(indices)} entries for {len(prompts)} prompts")
+        if not prompts:
+            return [], [], []
+        self._reset_prefix_cache_if_stale()  # prefixes cached before a weight change would reuse stale KV
+        make = lambda seed: make_sampling_params(  # noqa: E731
+            sampling, sampling_params_cls=self._vllm.SamplingParams, features=self.features, seed=seed)
+        params = make(None) if sampling.seed is None else [make(request_seed(sampling.seed, i)) for i in indices]
+        tokens_prompt = getattr(self._vllm, "TokensPrompt", None)
+        requests = [make_token_prompt(prompt, tokens_prompt_cls=tokens_prompt) for prompt in prompts]
+        outputs = self._llm.generate(requests, params, use_tqdm=False)
+        if len(outputs) != len(prompts):
+            raise RuntimeError(f"engine {self.engine_index}: vLLM returned {len(outputs)} outputs for "
+                               f"{len(prompts)} prompts")
+        return prompts, indices, outputs
+
+    def _completions(self, output: Any, sampling: SamplingConfig) -> list[Any]:
+        completions = sorted(output.outputs, key=lambda c: c.index)
+        if len(completions) != sampling.n:
+            raise RuntimeError(f"engine {self.engine_index}: vLLM returned {len(completions)} samples for a prompt; "
+                               f"expected n={sampling.n}")
+        return completions
+
+    def _to_rollouts(self, output: Any, prompt: list[int], index: int, sampling: SamplingConfig) -> Iterator[Rollout]:
+        completions = self._completions(output, sampling)
+        prompt_tensor = torch.tensor(prompt, dtype=torch.int64)
+        for sample_index, completion in enumerate(completions):
+            token_ids = [int(t) for t in completion.token_ids]
+            yield Rollout(
+                prompt_token_ids=prompt_tensor,
+                response_token_ids=torch.tensor(token_ids, dtype=torch.int64),
+                response_logprobs=_rollout_logprobs(completion, token_ids) if sampling.logprobs else None,
+                finish_reason=_FINISH.get(str(completion.finish_reason), "abort"),  # type: ignore[arg-type]
+                prompt_index=index, sample_index=sample_index, weight_version=self._version,
+            )
+
+    # --- protocol: sleep / wake ---------------------------------------------------------------------------------------
+    def sleep(self, level: int = 1) -> None:
+        """Release accelerator memory: level 1 keeps the weights in host memory, level 2 discards them."""
+        if level not in (1, 2):
+            raise ValueError(f"level={level!r}; expected 1 (keep weights in host memory) or 2 (discard them)")
+        if not self.config.enable_sleep_mode:
+            raise RuntimeError(f"engine {self.engine_index}: sleep() needs VLLMEngineConfig.enable_sleep_mode=True")
+        if self._asleep:
+            raise RuntimeError(f"engine {self.engine_index}: sleep(level={level}) called while {sorted(self._asleep)}"
+                               " already asleep; call wake_up() first")
+        self.settle_weight_sync()
+        self._llm.sleep(level=level)
+        self._asleep = set(WAKE_TAGS)
+        self._sleep_level = level
+        if level == 2:
+            self._invalidate("sleep(level=2) discarded them")
+
+    def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        """Restore ``"weights"``, ``"kv_cache"`` or both (``None``); waking what is awake does nothing."""
+        if tags is not None and (isinstance(tags, str) or any(tag not in WAKE_TAGS for tag in tags)):
+            raise ValueError(f"tags={tags!r}; expected None or a list drawn from {list(WAKE_TAGS)}")
+        wanted = [tag for tag in (WAKE_TAGS if tags is None else tags) if tag in self._asleep]
+        if not wanted:
+            return
+        self.settle_weight_sync()
+        if self.features.sleep_tags:
+            self._llm.wake_up(tags=wanted)
+        elif len(wanted) < len(self._asleep):
+            require_feature("sleep_tags", self.features, purpose=f"wake_up(tags={wanted})")
+        else:
+            self._llm.wake_up()
+        self._asleep.difference_update(wanted)
+        if not self._asleep:
+            self._sleep_level = 0
+
+    def _reset_prefix_cache_if_stale(self) -> None:
+        if self._prefix_cache_stale and "kv_cache" not in self._asleep and self.features.reset_prefix_cache:
+            self._llm.reset_prefix_cache()
+            self._prefix_cache_stale = False
+
+    def reset_prefix_cache(self) -> None:
+        """Drop cached prefixes (computed with old weights) now. After a weight change this happens by itself, at
+        the next generation: a sync does not wait for the engine core's round trip, and several syncs between two
+        generations reset once."""
+        self.settle_weight_sync()
+        self._prefix_cache_stale = True
+        self._reset_prefix_cache_if_stale()
+
+    # --- protocol: weights --------------------------------------------------------------------------------------------
+    def _check_weights_awake(self, what: str) -> None:
+        if "weights" in self._asleep:
+            raise RuntimeError(f"engine {self.engine_index}: {what} called while the weights are asleep; call "
+                               "wake_up(tags=['weights']) first")
+
+    def _invalidate(self, reason: str) -> None:
+        if self._weights_valid:
+            self._rpc("rlhfkit_mark_weights_discarded")
+        self._weights_valid = False
+        self._invalid_reason = reason
+
+    def _after_weight_change(self, version: int) -> None:
+        self._version = version
+        if not self._weights_valid:
+            missing = sorted({name for worker in self._rpc("rlhfkit_missing_parameters") for name in worker})
+            if missing:
+                logger.warning("engine %d: %d parameter(s) not yet rewritten since sleep(level=2), e.g. %s",
+                               self.engine_index, len(missing), missing[:3])
+            self._weights_valid = not missing
+            if missing:
+                self._invalid_reason = f"{len(missing)} parameter(s) not rewritten since {self._invalid_reason}"
+        self._prefix_cache_stale = True  # reset before the next generation (_run), not inside the sync
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], *, version: int | None = None) -> int:
+        """Load HF-named tensors into every worker in one update session (buckets of ``config.load_bucket_bytes``
+        through ``collective_rpc``); returns how many tensors were loaded. ``version`` defaults to the current + 1.
+        A failure part-way marks the weights invalid (generation is refused until a complete load)."""
+        self.settle_weight_sync()
+        self._check_weights_awake("load_weights")
+        new_version = self._version + 1 if version is None else int(version)
+        timeout = self.config.control_timeout_s
+        count, bucket, bucket_bytes = 0, [], 0
+        self._rpc("rlhfkit_begin_weight_update", self.config.weight_loading, timeout=timeout)
+        try:
+            for name, tensor in weights:
+                if not isinstance(name, str) or not isinstance(tensor, torch.Tensor):
+                    raise TypeError(f"load_weights expects (str, torch.Tensor) pairs, got ({type(name).__name__}, "
+                                    f"{type(tensor).__name__})")
+                bucket.append((name, tensor.detach()))
+                bucket_bytes += tensor.numel() * tensor.element_size()
+                if bucket_bytes >= self.config.load_bucket_bytes:
+                    self._rpc("rlhfkit_load_weights", bucket, timeout=timeout)
+                    count, bucket, bucket_bytes = count + len(bucket), [], 0
+            if bucket:
+                self._rpc("rlhfkit_load_weights", bucket, timeout=timeout)
+                count += len(bucket)
+        except BaseException:
+            self._rpc("rlhfkit_finish_weight_update", None, timeout=timeout)
+            self._invalidate("a load_weights call failed part-way")
+            raise
+        self._rpc("rlhfkit_finish_weight_update", new_version, timeout=timeout)
+        self._after_weight_change(new_version)
+        return count
+
+    def init_weight_sync(self, sync_config: Any, endpoint: Any, *, first_rank: int,
+                         expected: Sequence[tuple[str, Sequence[int], Any]] | None = None) -> list[dict[str, Any]]:
+        """Join a :mod:`rlhfkit.weight_sync` group: every vLLM worker builds a ``WeightReceiver`` whose rank is
+        ``first_rank + its tensor-parallel rank`` (so an engine of TP size t takes ranks ``first_rank ..
+        first_rank + t - 1``; the sender's ``SyncEndpoint.world_size`` counts them all).
+
+        Args:
+            sync_config: the channel's ``WeightSyncConfig`` (same as the sender's).
+            endpoint: the sender's ``SyncEndpoint`` (its bound port), e.g. ``sender.endpoint``.
+            first_rank: this engine's first receiver rank (>= 1).
+            expected: ``(HF name, shape, dtype)`` of every tensor the sync must carry, checked against the
+                sender's manifest before any byte moves; None accepts any manifest.
+        """
+        if isinstance(first_rank, bool) or not isinstance(first_rank, int) or first_rank < 1:
+            raise ValueError(f"first_rank={first_rank!r}; receivers take ranks >= 1 (the sender is rank 0)")
+        config_fields = {name: getattr(sync_config, name) for name in sync_config.__dataclass_fields__}
+        if config_fields.get("dtype") is not None:
+            config_fields["dtype"] = str(config_fields["dtype"]).removeprefix("torch.")
+        endpoint_fields = {name: getattr(endpoint, name) for name in endpoint.__dataclass_fields__}
+        plain_expected = None if expected is None else [
+            [str(name), [int(d) for d in shape], str(dtype).removeprefix("torch.")] for name, shape, dtype in expected]
+        kwargs = {"config": config_fields, "endpoint": endpoint_fields, "first_rank": first_rank,
+                  "label": f"engine-{self.engine_index}", "expected": plain_expected}
+        return self.init_weight_receiver("rlhfkit.engines.vllm._worker:make_weight_receiver", kwargs)
+
+    def init_weight_receiver(self, factory: str, kwargs: Mapping[str, Any] | None = None) -> list[dict[str, Any]]:
+        """Build any weight receiver in every vLLM worker: ``factory`` is a dotted path (``"pkg.mod:function"``)
+        called there with ``kwargs`` (plain data; plus ``worker_rank``, ``worker_world_size``, ``device`` if it
+        accepts them); the result needs ``receive(load_fn)``, where ``load_fn`` takes an iterable of (name, tensor)."""
+        self.settle_weight_sync()
+        return self._rpc("rlhfkit_init_weight_sync", factory, dict(kwargs or {}),
+                         timeout=self.config.control_timeout_s)
+
+    def receive_weights(self, *, version: int | None = None) -> list[dict[str, Any]]:
+        """Receive one sync in every worker (blocks until the sender has sent it); returns the workers' reports."""
+        self.settle_weight_sync()
+        self._check_weights_awake("receive_weights")
+        return self._received(lambda: self._rpc("rlhfkit_receive_weights", version, self.config.weight_loading,
+                                                timeout=self.config.control_timeout_s))
+
+    def arm_weight_sync(self, *, version: int | None = None) -> list[dict[str, Any]]:
+        """Make every worker wait for the next sync in a thread of its own, and return at once.
+
+        The sync then costs the trainer only its ``WeightSender.send`` (which returns once every worker has loaded
+        the weights): no RPC has to reach the workers first. Arm ahead of the sync — e.g. when waking the weights,
+        or right after generating when the engine stays resident. Every other operation of this engine (generate,
+        sleep, wake_up, load_weights, receive_weights, ...) first settles the armed sync
+        (:meth:`settle_weight_sync`), so nothing touches the weights while they load; arm only when the sync will
+        come before the engine's next operation: one that comes first calls the sync off, and the sender's ``send``
+        then fails at once, naming the engine."""
+        self.settle_weight_sync()
+        self._check_weights_awake("arm_weight_sync")
+        reports = self._rpc("rlhfkit_arm_weight_sync", version, self.config.weight_loading,
+                            timeout=self.config.control_timeout_s)
+        self._armed = True
+        return reports
+
+    def settle_weight_sync(self) -> list[dict[str, Any]] | None:
+        """End the armed sync, if any: wait until a sync the sender has started is loaded and return the workers'
+        reports (as :meth:`receive_weights`), or raise its error; if the sender has not started one, call it off
+        and return None."""
+        if not self._armed:
+            return None
+        self._armed = False
+        timeout = self.config.control_timeout_s
+        try:
+            reports = self._received(lambda: self._rpc("rlhfkit_settle_weight_sync", timeout,
+                                                       timeout=timeout + 30.0))
+        except BaseException as error:
+            if "still receiving" in str(error):  # (ArmedReceive.settle's timeout) the workers stay armed
+                self._armed = True
+            raise
+        return reports or None
+
+    def _received(self, call: Any) -> list[dict[str, Any]]:
+        """Run a receiving RPC and take its reports (workers whose armed sync was called off report None)."""
+        try:
+            reports = call()
+        except BaseException as error:
+            # A manifest mismatch fails before any byte moves; after any other failure some buckets may have landed
+            # and the weights could be a mix of two versions.
+            if "ManifestMismatchError" not in {cls.__name__ for cls in type(error).__mro__}:
+                self._invalidate("a weight sync failed part-way")
+            raise
+        if all(report is None for report in reports):  # an armed sync that never started
+            return []
+        if any(report is None for report in reports):
+            self._invalidate("a weight sync reached only some of the workers")
+            raise RuntimeError(f"engine {self.engine_index}: an armed weight sync reached only some of the workers "
+                               f"(reports: {reports}); sync again")
+        versions = {int(report["version"]) for report in reports}
+        if len(versions) != 1:
+            raise RuntimeError(f"engine {self.engine_index}: workers report different weight versions {versions}")
+        self._after_weight_change(versions.pop())
+        return reports
+
+    def close_weight_sync(self) -> None:
+        self._armed = False  # the workers settle (or call off) an armed sync before closing
+        self._rpc("rlhfkit_close_weight_sync", timeout=self.config.control_timeout_s)
+
+    def weight_fingerprint(self) -> list[dict[str, list[float]]]:
+        """Per worker: ``{vLLM parameter name: [sum, sum of squares]}`` (see the worker extension)."""
+        self.settle_weight_sync()
+        return self._rpc("rlhfkit_weight_fingerprint", timeout=self.config.control_timeout_s)
+
+    def worker_versions(self) -> list[int]:
+        self.settle_weight_sync()
+        return [int(version) for version in self._rpc("rlhfkit_report_version",
+                                                      timeout=self.config.health_timeout_s)]
+
+
+class VLLMEngineActor(VLLMEngine):
+    """The body of an engine's Ray actor (:func:`create_engines` wraps it with ``ray.remote``)."""
+
+    def __init__(self, config: VLLMEngineConfig, *, engine_index: int = 0,
+                 distributed_executor_backend: str | None = None) -> None:
+        if config.tensor_parallel_size > 1:
+            # vLLM's Ray workers choose their GPUs; a visible-devices list inherited by this driver would mislead it.
+            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+        super().__init__(config, engine_index=engine_index, distributed_executor_backend=distributed_executor_backend)
+
+    def ready(self) -> dict[str, Any]:
+        """Answered once vLLM has started: the engine index, process id and Ray GPU ids."""
+        ray = require("ray", user="rlhfkit.engines.vllm")
+        return {"engine_index": self.engine_index, "pid": os.getpid(), "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
+                "vllm": self.features.version}

@@ -1,0 +1,167 @@
+"""Configuration of the ``vllm`` rollout engine (:class:`VLLMEngineConfig`) and its translation into ``vllm.LLM``
+keyword arguments (:func:`build_llm_kwargs`); private to :mod:`rlhfkit.engines.vllm`, which re-exports both. Needs only
+the standard library and rlhfkit's compatibility layer (no vLLM import).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from rlhfkit.engines.vllm._compat import VLLMFeatureError, VLLMFeatures, require_feature
+
+__all__ = ["VLLMEngineConfig", "build_llm_kwargs", "WORKER_EXTENSION", "WEIGHT_LOADINGS"]
+
+WORKER_EXTENSION = "rlhfkit.engines.vllm._worker.WeightSyncExtension"
+_DTYPES = ("auto", "bfloat16", "float16", "float32")
+WEIGHT_LOADINGS = ("auto", "layerwise", "direct", "planned")  # VLLMEngineConfig.weight_loading
+_OWN_KWARGS = ("model", "tensor_parallel_size", "gpu_memory_utilization", "enable_sleep_mode", "seed",
+               "enable_prefix_caching", "enforce_eager", "max_model_len", "dtype", "logprobs_mode",
+               "worker_extension_cls", "distributed_executor_backend")
+
+
+def _freeze_pairs(owner: str, name: str, value: Any) -> tuple[tuple[str, Any], ...]:
+    items = value.items() if isinstance(value, Mapping) else value
+    try:
+        pairs = tuple((key, item) for key, item in items)
+    except (TypeError, ValueError) as error:
+        raise TypeError(f"{owner}.{name}={value!r}; pass a mapping or a tuple of (name, value) pairs") from error
+    for key, _ in pairs:
+        if not isinstance(key, str) or not key:
+            raise TypeError(f"{owner}.{name} has key {key!r}; keys must be non-empty strings")
+    if len({key for key, _ in pairs}) != len(pairs):
+        raise ValueError(f"{owner}.{name}={value!r} repeats a key")
+    return pairs
+
+
+@dataclass(frozen=True, kw_only=True)
+class VLLMEngineConfig:
+    """How to build vLLM rollout engines.
+
+    Attributes:
+        model: path of an HF model folder (or a hub id where the hub is reachable).
+        num_engines: engines :func:`create_engines` starts (a single :class:`VLLMEngine` ignores it).
+        tensor_parallel_size: GPUs per engine; > 1 uses vLLM's Ray executor inside the engine's actor.
+        gpu_memory_utilization: fraction of each GPU vLLM may use (weights + KV cache), in (0, 1].
+        gpu_share: fraction of a GPU each engine (TP=1) or TP worker reserves in Ray; < 1 lets trainer actors share
+            the GPU (hybrid engine). Ignored where a placement plan gives the share.
+        enable_sleep_mode: allow :meth:`VLLMEngine.sleep` (CUDA only; costs a custom allocator).
+        seed: engine ``i`` is seeded with ``seed + i``.
+        enable_prefix_caching, enforce_eager, max_model_len, dtype: passed to ``vllm.LLM``.
+        logprobs_mode: ``"processed_logprobs"`` (temperature applied; the protocol's convention) or
+            ``"raw_logprobs"`` (see the module docstring).
+        extra_kwargs: more ``vllm.LLM`` keyword arguments, as a mapping or (name, value) pairs (stored as pairs);
+            names this config sets are refused.
+        env: environment variables for engine actors (e.g. ``VLLM_USE_FLASHINFER_SAMPLER=0``), as pairs or a mapping.
+        worker_extension_cls: the worker extension (a subclass of rlhfkit's may add methods).
+        generate_timeout_s, control_timeout_s, health_timeout_s, startup_timeout_s: timeouts of engine groups
+            (generate; sleep/wake/weight loads; health checks; engine start-up).
+        load_bucket_bytes: :meth:`VLLMEngine.load_weights` sends tensors to the workers in buckets of this size.
+        weight_loading: how workers apply new weights.
+            ``"direct"``: the model's own ``load_weights`` copies each tensor into its (fused) parameter as it
+            arrives — one copy, nothing kept.
+            ``"layerwise"``: vLLM's layer-wise reload (keeps a layer's tensors until the layer is complete, then
+            re-runs its post-load processing; what quantized checkpoints need, and a clone of every tensor that
+            arrives in a reused buffer).
+            ``"auto"`` (default): direct when the model is not quantized and every weight of its quantization-method
+            layers (linear, embedding) still carries its ``weight_loader`` (post-load processing that repacks a
+            weight replaces its parameter, as vLLM's CPU backend does), else layerwise.
+            ``"planned"`` (opt-in): direct, but the first load records where each tensor's copies (and constant
+            fills) land and later loads replay them with one batched copy per bucket (tensors whose loader does more
+            stay on ``load_weights``; see ``rlhfkit.engines.vllm._copy_plan``); falls back to layerwise where
+            ``"auto"`` would.
+    """
+
+    model: str
+    num_engines: int = 1
+    tensor_parallel_size: int = 1
+    gpu_memory_utilization: float = 0.9
+    gpu_share: float = 1.0
+    enable_sleep_mode: bool = False
+    seed: int = 0
+    enable_prefix_caching: bool = True
+    enforce_eager: bool = False
+    max_model_len: int | None = None
+    dtype: str = "bfloat16"
+    logprobs_mode: Literal["processed_logprobs", "raw_logprobs"] = "processed_logprobs"
+    extra_kwargs: Any = field(default=())
+    env: Any = field(default=())
+    worker_extension_cls: str = WORKER_EXTENSION
+    generate_timeout_s: float = 600.0
+    control_timeout_s: float = 300.0
+    health_timeout_s: float = 30.0
+    startup_timeout_s: float = 900.0
+    load_bucket_bytes: int = 512 * 1024**2
+    weight_loading: Literal["auto", "layerwise", "direct", "planned"] = "auto"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model, str) or not self.model:
+            raise ValueError(f"VLLMEngineConfig.model={self.model!r}; pass the path of an HF model folder")
+        for name in ("num_engines", "tensor_parallel_size", "load_bucket_bytes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"VLLMEngineConfig.{name}={value!r}; must be an integer >= 1")
+        for name in ("gpu_memory_utilization", "gpu_share"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not 0 < value <= 1:
+                raise ValueError(f"VLLMEngineConfig.{name}={value!r}; must be in (0, 1]")
+        if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 1):
+            raise ValueError(f"VLLMEngineConfig.max_model_len={self.max_model_len!r}; must be None or an int >= 1")
+        if self.weight_loading not in WEIGHT_LOADINGS:
+            raise ValueError(f"VLLMEngineConfig.weight_loading={self.weight_loading!r}; expected one of "
+                             f"{WEIGHT_LOADINGS}")
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"VLLMEngineConfig.dtype={self.dtype!r}; expected one of {_DTYPES}")
+        if self.logprobs_mode not in ("processed_logprobs", "raw_logprobs"):
+            raise ValueError(f"VLLMEngineConfig.logprobs_mode={self.logprobs_mode!r}; expected 'processed_logprobs' "
+                             "(temperature applied, the protocol's convention) or 'raw_logprobs'")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
+            raise ValueError(f"VLLMEngineConfig.seed={self.seed!r}; must be an integer >= 0")
+        for name in ("generate_timeout_s", "control_timeout_s", "health_timeout_s", "startup_timeout_s"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not value > 0:
+                raise ValueError(f"VLLMEngineConfig.{name}={value!r}; must be a number of seconds > 0")
+        extra = _freeze_pairs("VLLMEngineConfig", "extra_kwargs", self.extra_kwargs)
+        clash = [key for key, _ in extra if key in _OWN_KWARGS]
+        if clash:
+            raise ValueError(f"VLLMEngineConfig.extra_kwargs sets {clash}; set the config field(s) of the same name "
+                             "instead (distributed_executor_backend is chosen from tensor_parallel_size)")
+        env = _freeze_pairs("VLLMEngineConfig", "env", self.env)
+        bad_env = [key for key, value in env if not isinstance(value, str)]
+        if bad_env:
+            raise TypeError(f"VLLMEngineConfig.env values must be strings; {bad_env} are not")
+        object.__setattr__(self, "extra_kwargs", extra)
+        object.__setattr__(self, "env", env)
+
+
+def build_llm_kwargs(config: VLLMEngineConfig, features: VLLMFeatures, *, engine_index: int = 0,
+                     distributed_executor_backend: str | None = None) -> dict[str, Any]:
+    """The ``vllm.LLM(**kwargs)`` of engine ``engine_index``; raises :class:`VLLMFeatureError` for a feature the
+    installed vLLM lacks."""
+    require_feature("collective_rpc", features, purpose="loading and receiving weights")
+    require_feature("worker_extension_cls", features, purpose="the rlhfkit weight-sync worker extension")
+    kwargs: dict[str, Any] = dict(
+        model=config.model, tensor_parallel_size=config.tensor_parallel_size,
+        gpu_memory_utilization=config.gpu_memory_utilization, seed=config.seed + engine_index,
+        enable_prefix_caching=config.enable_prefix_caching, enforce_eager=config.enforce_eager, dtype=config.dtype,
+        worker_extension_cls=config.worker_extension_cls,
+    )
+    if config.enable_sleep_mode:
+        require_feature("sleep_mode", features, purpose="VLLMEngineConfig.enable_sleep_mode=True")
+        kwargs["enable_sleep_mode"] = True
+    if features.logprobs_modes:
+        if config.logprobs_mode not in features.logprobs_modes:
+            raise VLLMFeatureError(f"the installed vLLM {features.version} accepts logprobs_mode in "
+                                   f"{features.logprobs_modes}, not {config.logprobs_mode!r}")
+        kwargs["logprobs_mode"] = config.logprobs_mode
+    elif config.logprobs_mode == "processed_logprobs":
+        require_feature("logprobs_mode", features, purpose="logprobs_mode='processed_logprobs'")
+    if config.max_model_len is not None:
+        kwargs["max_model_len"] = config.max_model_len
+    if distributed_executor_backend is not None:
+        kwargs["distributed_executor_backend"] = distributed_executor_backend
+    kwargs.update(dict(config.extra_kwargs))
+    return kwargs
+
+

@@ -1,0 +1,414 @@
+"""The vLLM worker extension through which rlhfkit loads and receives weights inside every vLLM worker process.
+
+vLLM mixes the class named by ``worker_extension_cls`` into each of its workers (one per tensor-parallel rank); the
+engine calls its methods with ``LLM.collective_rpc("rlhfkit_...")``, so every rank runs them. vLLM refuses an
+extension whose attribute names collide with the worker's, hence the ``rlhfkit_`` prefix on every name here.
+
+What it does: load HF-named tensors with the model's own ``load_weights`` (which maps HF names onto vLLM's fused,
+sharded parameters) inside vLLM's layer-wise reload session (``initialize_layerwise_reload`` /
+``finalize_layerwise_reload`` from ``vllm.model_executor.model_loader.reload``, the calls vLLM's own weight-transfer
+API makes: they re-run each layer's post-load processing — e.g. the CPU backend's weight repacking — and copy the
+result into the original storage, so CUDA graphs stay valid), falling back to a plain ``load_weights`` where that
+module does not exist; track which parameters have been rewritten since a level-2 sleep discarded them; run a
+weight-sync receiver (:func:`make_weight_receiver` builds an :class:`rlhfkit.weight_sync.WeightReceiver`; any object
+with ``receive(load_fn) -> report`` works, built in the worker by a factory named by a dotted path); report the
+weight version and per-parameter fingerprints.
+
+What it does not do: transport (the receiver's job, see :mod:`rlhfkit.weight_sync`), LoRA. Imported by vLLM inside
+its worker processes; needs torch only (vLLM is already loaded there).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import importlib
+import inspect
+import logging
+import os
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any
+
+import torch
+
+__all__ = ["WeightSyncExtension", "make_weight_receiver", "resolve_factory", "plain_report", "layerwise_reload_api"]
+
+logger = logging.getLogger(__name__)
+
+
+def layerwise_reload_api() -> tuple[Any, Any] | None:
+    """vLLM's ``(initialize_layerwise_reload, finalize_layerwise_reload)``, or None where this vLLM lacks them."""
+    try:
+        module = importlib.import_module("vllm.model_executor.model_loader.reload")
+    except ImportError:
+        return None
+    begin = getattr(module, "initialize_layerwise_reload", None)
+    finish = getattr(module, "finalize_layerwise_reload", None)
+    return (begin, finish) if callable(begin) and callable(finish) else None
+
+
+def _repacked(model: torch.nn.Module) -> bool:
+    """Whether post-load processing replaced a weight of a vLLM layer with a quantization method (every such layer
+    creates its parameters with a ``weight_loader``; e.g. vLLM's CPU backend swaps linear weights for repacked
+    ones that have none): then only the layer-wise reload can load new weights. Norms and other plain parameters
+    legitimately have no loader (``default_weight_loader`` serves them)."""
+    for module in model.modules():
+        if getattr(module, "quant_method", None) is None:
+            continue
+        if any(not hasattr(param, "weight_loader") for param in module.parameters(recurse=False)):
+            return True
+    return False
+
+
+def resolve_factory(path: str) -> Any:
+    """Resolve ``"package.module:attribute"`` (or ``"package.module.attribute"``) to the object it names."""
+    if not isinstance(path, str) or not path:
+        raise ValueError(f"factory path {path!r} must be a non-empty string like 'package.module:function'")
+    module_name, _, attribute = path.partition(":") if ":" in path else path.rpartition(".")
+    if not module_name or not attribute:
+        raise ValueError(f"factory path {path!r} must name a module and an attribute, like 'package.module:function'")
+    target: Any = importlib.import_module(module_name)
+    for part in attribute.split("."):
+        target = getattr(target, part)
+    return target
+
+
+def plain_report(report: Any) -> dict[str, Any]:
+    """A receiver's report as a dict of plain values (collective_rpc results cross process boundaries); a
+    ``SyncReport``'s ``phases`` become ``channel_<phase>_s`` entries."""
+    if report is None:
+        return {}
+    if dataclasses.is_dataclass(report) and not isinstance(report, type):
+        phases = getattr(report, "phases", ())
+        report = dataclasses.asdict(report)
+        report.pop("phases", None)
+        report.update({f"channel_{name}_s": float(seconds) for name, seconds in phases})
+    if not isinstance(report, Mapping):
+        return {"report": repr(report)}
+    plain: dict[str, Any] = {}
+    for key, value in report.items():
+        if isinstance(value, (str, int, float, bool)) or value is None:
+            plain[str(key)] = value
+        elif isinstance(value, (list, tuple)) and all(isinstance(v, (str, int, float, bool)) for v in value):
+            plain[str(key)] = list(value)
+        else:
+            plain[str(key)] = repr(value)
+    return plain
+
+
+def make_weight_receiver(*, config: Mapping[str, Any], endpoint: Mapping[str, Any], first_rank: int,
+                         label: str = "engine", expected: Any = None, worker_rank: int = 0,
+                         device: str = "cpu") -> Any:
+    """Build this worker's :class:`rlhfkit.weight_sync.WeightReceiver` from plain data (what crosses vLLM's RPC):
+    ``config`` and ``endpoint`` are the fields of ``WeightSyncConfig`` / ``SyncEndpoint`` (``dtype`` as a string such
+    as ``"bfloat16"``); tensor-parallel rank ``r`` joins the group as rank ``first_rank + r``. ``expected``:
+    ``[name, shape, dtype string]`` triples the sender's manifest must match, or None."""
+    weight_sync = importlib.import_module("rlhfkit.weight_sync")
+    fields = dict(config)
+    if isinstance(fields.get("dtype"), str):
+        fields["dtype"] = getattr(torch, fields["dtype"].removeprefix("torch."))
+    sync_config = weight_sync.WeightSyncConfig(**fields)
+    rank = int(first_rank) + int(worker_rank)
+    place = weight_sync.SyncEndpoint(**{**dict(endpoint), "rank": rank, "label": f"{label}/tp-{worker_rank}"})
+    specs = None
+    if expected is not None:
+        specs = [(str(name), tuple(int(d) for d in shape), getattr(torch, str(dtype).removeprefix("torch.")))
+                 for name, shape, dtype in expected]
+    options: dict[str, Any] = {"expected": specs}
+    if sync_config.backend == "nccl":
+        options["device"] = device
+    return weight_sync.WeightReceiver(sync_config, place, **options)
+
+
+def _takes_by_bucket(state: dict[str, Any], receiver: Any) -> bool:
+    """Whether ``receiver.receive`` takes ``by_bucket`` (looked up once per receiver, not at every sync)."""
+    cached = state.get("by_bucket")
+    if cached is None or cached[0] is not receiver:
+        cached = state["by_bucket"] = (receiver, "by_bucket" in inspect.signature(receiver.receive).parameters)
+    return cached[1]
+
+
+class WeightSyncExtension:
+    """Mixed into each vLLM worker; every method runs on every tensor-parallel rank via ``collective_rpc``.
+
+    A weight update is a session: ``rlhfkit_begin_weight_update``, any number of ``rlhfkit_load_weights`` buckets,
+    ``rlhfkit_finish_weight_update(version)``; ``rlhfkit_receive_weights`` runs a whole session around one sync;
+    ``rlhfkit_arm_weight_sync`` runs it in a thread that waits for the sender, ``rlhfkit_settle_weight_sync`` ends it.
+    """
+
+    # --- state kept on the worker (created lazily: vLLM builds the worker before the extension is used) -------------
+    def _rlhfkit_state(self) -> dict[str, Any]:
+        state = self.__dict__.get("_rlhfkit")
+        if state is None:
+            state = {"version": 0, "receiver": None, "pending": None, "session": None}
+            self.__dict__["_rlhfkit"] = state
+        return state
+
+    def _rlhfkit_model(self) -> torch.nn.Module:
+        return self.model_runner.model  # type: ignore[attr-defined]
+
+    def _rlhfkit_device_context(self) -> Any:
+        device = getattr(self, "device", None)
+        return torch.device(device) if isinstance(device, (str, torch.device)) else contextlib.nullcontext()
+
+    def _rlhfkit_load(self, weights: Iterable[Any], *, borrowed: bool = False) -> int:
+        """Stream ``(name, tensor)`` pairs (lists after msgpack) into the model's ``load_weights``; returns the count.
+
+        ``borrowed``: the tensors are views into a buffer their producer reuses once the iterator moves on (a
+        weight-sync bucket). The plain loader copies each weight at once, but vLLM's layer-wise reload keeps the
+        weights of a layer until the layer is complete — possibly past a bucket boundary — so they are cloned then.
+        """
+        state = self._rlhfkit_state()
+        session = state["session"]
+        if session is None:
+            raise RuntimeError("rlhfkit_load_weights outside a weight-update session; call "
+                               "rlhfkit_begin_weight_update first")
+        clone = borrowed and session["layerwise"]
+        count = 0
+
+        def stream() -> Iterator[tuple[str, torch.Tensor]]:
+            nonlocal count
+            for name, tensor in weights:
+                count += 1
+                yield str(name), (tensor.clone() if clone else tensor)
+
+        with self._rlhfkit_device_context():
+            loaded = self._rlhfkit_model().load_weights(weights=stream())
+        if state["pending"] is not None and loaded is not None:
+            state["pending"].difference_update(loaded)
+        session["num_tensors"] += count
+        return count
+
+    # --- collective_rpc entry points ----------------------------------------------------------------------------------
+    def _rlhfkit_layerwise(self, loading: str) -> bool:
+        """Whether this update goes through vLLM's layer-wise reload (see ``VLLMEngineConfig.weight_loading``)."""
+        from rlhfkit.engines.vllm._config import WEIGHT_LOADINGS
+
+        if loading not in WEIGHT_LOADINGS:
+            raise ValueError(f"weight loading {loading!r}; expected one of {WEIGHT_LOADINGS}")
+        if loading in ("auto", "planned"):  # a plan only records plain copies: the same condition as direct
+            state = self._rlhfkit_state()
+            model = self._rlhfkit_model()
+            # walked once per model: with this walk at every update, beginning one took ≈ 2 ms on a 1.54B Llama
+            cached = state.get("transforms")
+            if cached is None or cached[0] is not model:
+                model_config = getattr(self, "model_config", None)
+                cached = state["transforms"] = (model, getattr(model_config, "quantization", None) is not None
+                                                or _repacked(model))
+            return cached[1]
+        return loading == "layerwise"
+
+    def rlhfkit_begin_weight_update(self, loading: str = "auto") -> dict[str, Any]:
+        state = self._rlhfkit_state()
+        if state["session"] is not None:
+            raise RuntimeError("rlhfkit_begin_weight_update called while a weight update is open; finish it first")
+        api = layerwise_reload_api() if self._rlhfkit_layerwise(loading) else None
+        if api is not None:
+            with self._rlhfkit_device_context():
+                api[0](self._rlhfkit_model())
+        planned = loading == "planned" and api is None
+        plan = state.get("plan")
+        checked = state.pop("plan_checked", False)  # an armed sync checked it before waiting (nothing ran since)
+        if planned and plan is not None and not checked and not plan.valid():  # a parameter moved: stale views
+            state["plan"] = None
+        state["session"] = {"layerwise": api is not None, "planned": planned, "num_tensors": 0}
+        return dict(state["session"])
+
+    def rlhfkit_load_weights(self, weights: Iterable[Any]) -> int:
+        """Load one bucket of HF-named tensors into the open session; returns how many tensors it held."""
+        session = self._rlhfkit_state()["session"]
+        if session is not None and session.get("planned"):
+            return self._rlhfkit_load_batch(list(weights))
+        return self._rlhfkit_load(weights)
+
+    def _rlhfkit_load_batch(self, batch: list[Any]) -> int:
+        """``weight_loading="planned"``: one batch (a bucket) through the recorded copy plan; tensors not seen before
+        are loaded by ``load_weights`` while their copies are recorded (see :mod:`rlhfkit.engines.vllm._copy_plan`)."""
+        from rlhfkit.engines.vllm._copy_plan import CopyPlan
+
+        state = self._rlhfkit_state()
+        model = self._rlhfkit_model()
+        plan = state.get("plan")
+        if plan is None:  # (checked once per update, in rlhfkit_begin_weight_update: valid() walks every parameter)
+            plan = state["plan"] = CopyPlan(model)
+
+        def load(weights: Iterable[tuple[str, torch.Tensor]]) -> Any:
+            return model.load_weights(weights=weights)
+
+        with self._rlhfkit_device_context():
+            written = plan.replay(batch)  # the same tensors as last time (a kept mapping): one launch, no bookkeeping
+            if written is None:
+                named = [(str(name), tensor) for name, tensor in batch]
+                known = [(n, t) for n, t in named if n in plan.steps or n in plan.unplanned]
+                new = [(n, t) for n, t in named if not (n in plan.steps or n in plan.unplanned)]
+                written = plan.apply(known, load) if known else set()
+                if new:
+                    written |= plan.record(new, load)
+        if state["pending"] is not None:
+            state["pending"].difference_update(written)
+        state["session"]["num_tensors"] += len(batch)
+        return len(batch)
+
+    def rlhfkit_finish_weight_update(self, version: int | None = None) -> dict[str, Any]:
+        """Close the session (vLLM's layer-wise post-processing runs here); set the version when given."""
+        state = self._rlhfkit_state()
+        session, state["session"] = state["session"], None
+        if session is None:
+            raise RuntimeError("rlhfkit_finish_weight_update without an open session")
+        api = layerwise_reload_api() if session["layerwise"] else None
+        if api is not None:
+            with self._rlhfkit_device_context():
+                api[1](self._rlhfkit_model(), self.model_config)  # type: ignore[attr-defined]
+        if version is not None:
+            state["version"] = int(version)
+        return {**session, "version": state["version"], "rank": int(getattr(self, "rank", 0))}
+
+    def rlhfkit_mark_weights_discarded(self) -> None:
+        """Called after a level-2 sleep: every parameter must be rewritten before the weights are valid again."""
+        self._rlhfkit_state()["pending"] = {name for name, _ in self._rlhfkit_model().named_parameters()}
+
+    def rlhfkit_missing_parameters(self) -> list[str]:
+        """vLLM parameter names not rewritten since the last discard (empty when the weights are complete)."""
+        pending = self._rlhfkit_state()["pending"]
+        return sorted(pending) if pending else []
+
+    def rlhfkit_init_weight_sync(self, factory: str, kwargs: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        """Build this rank's weight-sync receiver: ``resolve_factory(factory)(**kwargs)``.
+
+        ``worker_rank``, ``worker_world_size`` and ``device`` are added to ``kwargs`` when the factory's signature
+        accepts them, so one factory serves every tensor-parallel rank.
+        """
+        build = resolve_factory(factory)
+        arguments = dict(kwargs or {})
+        context = {"worker_rank": int(getattr(self, "rank", 0)),
+                   "worker_world_size": int(getattr(getattr(self, "parallel_config", None), "world_size", 1)),
+                   "device": str(getattr(self, "device", "cpu"))}
+        try:
+            accepted = inspect.signature(build).parameters
+        except (TypeError, ValueError):
+            accepted = {}
+        takes_all = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values())
+        arguments.update({k: v for k, v in context.items() if (takes_all or k in accepted) and k not in arguments})
+        receiver = build(**arguments)
+        if not callable(getattr(receiver, "receive", None)):
+            raise TypeError(f"weight-sync factory {factory!r} returned {type(receiver).__name__}, which has no "
+                            "receive(load_fn) method")
+        self.rlhfkit_close_weight_sync()  # a previous receiver leaves its group first
+        self._rlhfkit_state()["receiver"] = receiver
+        return context
+
+    def rlhfkit_receive_weights(self, version: int | None = None, loading: str = "auto") -> dict[str, Any]:
+        """Receive one full sync through the receiver in one session, loading each bucket as it arrives; returns
+        the receiver's report (plain values) with the version this rank now holds and the session's timings."""
+        state = self._rlhfkit_state()
+        receiver = state["receiver"]
+        if receiver is None:
+            raise RuntimeError("rlhfkit_receive_weights called before rlhfkit_init_weight_sync; call "
+                               "engine.init_weight_sync(...) first")
+        started = time.perf_counter()
+        self.rlhfkit_begin_weight_update(loading)
+        begun = time.perf_counter()
+        try:
+            loading_s = [0.0]  # host time spent inside the loads (the rest of receive_s is the channel's)
+
+            def timed(load: Callable[..., int], *args: Any, **kwargs: Any) -> int:
+                start = time.perf_counter()
+                try:
+                    return load(*args, **kwargs)
+                finally:
+                    loading_s[0] += time.perf_counter() - start
+
+            if state["session"]["planned"] and _takes_by_bucket(state, receiver):
+                def load_buckets(buckets: Iterable[list[Any]]) -> int:
+                    return sum(timed(self._rlhfkit_load_batch, bucket) for bucket in buckets)
+
+                report = plain_report(receiver.receive(load_buckets, by_bucket=True))
+            else:
+                report = plain_report(receiver.receive(
+                    lambda weights: timed(self._rlhfkit_load, weights, borrowed=True)))
+        finally:
+            received = time.perf_counter()
+            session = self.rlhfkit_finish_weight_update(None)
+        report.update(begin_s=begun - started, receive_s=received - begun, finish_s=time.perf_counter() - received,
+                      load_s=loading_s[0])
+        plan = state.get("plan")
+        if session.get("planned") and plan is not None:
+            report.update(planned_tensors=len(plan.steps), unplanned_tensors=len(plan.unplanned),
+                          replay=plan.last_replay)
+        reported = report.get("version")
+        state["version"] = int(version if version is not None else reported if isinstance(reported, int)
+                               else state["version"] + 1)
+        report.update(version=state["version"], rank=session["rank"], layerwise=session["layerwise"],
+                      planned=session.get("planned", False),
+                      num_loaded=session["num_tensors"])
+        return report
+
+    # --- armed receiving: the worker waits for the next sync in a thread, so a sync needs no RPC ------------------
+    def rlhfkit_arm_weight_sync(self, version: int | None = None, loading: str = "auto") -> dict[str, Any]:
+        """Start receiving the next sync in a background thread and return at once
+        (:class:`rlhfkit.weight_sync.ArmedReceive` around :meth:`rlhfkit_receive_weights`): the sync then costs
+        the trainer only its ``send``, since no RPC has to reach the worker, which is already waiting.
+
+        Nothing may touch the weights (generate, sleep, load) until :meth:`rlhfkit_settle_weight_sync` has
+        returned: ``VLLMEngine`` settles before each of its operations."""
+        from rlhfkit.weight_sync import ArmedReceive
+
+        state = self._rlhfkit_state()
+        receiver = state["receiver"]
+        if receiver is None:
+            raise RuntimeError("rlhfkit_arm_weight_sync called before rlhfkit_init_weight_sync; call "
+                               "engine.init_weight_sync(...) first")
+        if state.get("armed") is not None:
+            raise RuntimeError("rlhfkit_arm_weight_sync called while a sync is already armed; settle it first")
+        if state["session"] is not None:
+            raise RuntimeError("rlhfkit_arm_weight_sync called while a weight update is open")
+        plan = state.get("plan")
+        if loading == "planned" and plan is not None:  # checked now, off the sync's path: until the sync is
+            if not plan.valid():                       # settled nothing may touch the weights (see above)
+                state["plan"] = None
+            state["plan_checked"] = True
+        device = getattr(self, "device", None)
+        state["armed"] = ArmedReceive(receiver, lambda: self.rlhfkit_receive_weights(version, loading),
+                                      device=device if isinstance(device, torch.device) else None,
+                                      name="rlhfkit-armed-weight-sync")
+        return {"armed": True, "rank": int(getattr(self, "rank", 0))}
+
+    def rlhfkit_settle_weight_sync(self, timeout_s: float = 600.0) -> dict[str, Any] | None:
+        """End an armed sync: if the sender has started it, wait (up to ``timeout_s``) until it is loaded and return
+        its report (as :meth:`rlhfkit_receive_weights`), or raise its error; if not, call it off (the sender's
+        ``send`` of it then fails at once, naming this worker) and return None."""
+        state = self._rlhfkit_state()
+        armed = state.get("armed")
+        if armed is None:
+            return None
+        try:
+            return armed.settle(timeout_s)
+        finally:
+            if not armed.running:  # (still receiving after timeout_s: stays armed, a later settle waits again)
+                state["armed"] = None
+                state.pop("plan_checked", None)  # a called-off sync did not use its check
+
+    def rlhfkit_close_weight_sync(self) -> None:
+        self.rlhfkit_settle_weight_sync()
+        state = self._rlhfkit_state()
+        receiver, state["receiver"] = state["receiver"], None
+        if receiver is not None and callable(getattr(receiver, "close", None)):
+            receiver.close()
+
+    def rlhfkit_report_version(self) -> int:
+        return int(self._rlhfkit_state()["version"])
+
+    def rlhfkit_weight_fingerprint(self) -> dict[str, list[float]]:
+        """Per vLLM parameter ``[sum, sum of squares]`` in float64: equal weights give equal fingerprints on the
+        same device and sharding (names are vLLM's fused names, e.g. ``qkv_proj``, not HF's)."""
+        fingerprint = {}
+        with torch.no_grad():
+            for name, parameter in self._rlhfkit_model().named_parameters():
+                values = parameter.detach().double()
+                fingerprint[name] = [float(values.sum()), float((values * values).sum())]
+        return fingerprint
+
+    def rlhfkit_worker_info(self) -> dict[str, Any]:
+        return {"rank": int(getattr(self, "rank", 0)), "pid": os.getpid(), "device": str(getattr(self, "device", "")),
+                "version": int(self._rlhfkit_state()["version"])}

@@ -1,0 +1,400 @@
+"""Token log-probs, PPO-family policy losses, value loss, KL loss and DP-invariant aggregation on packed streams.
+
+What it does:
+  - memory-bounded token log-probs and entropy from ``[T, V]`` logits (:func:`token_logprobs`,
+    :func:`packed_logprobs`, :func:`model_logprobs`, :func:`entropy_from_logits`): rows are processed in float32
+    chunks in forward *and* backward, so no float32 copy of the ``[T, V]`` logits is ever made;
+  - the clipped PPO policy loss (Schulman et al. 2017, arXiv:1707.06347) with asymmetric clip ranges (“clip-higher”,
+    DAPO, Yu et al. 2025, arXiv:2503.14476), dual clip for negative advantages (Ye et al. 2020, arXiv:1912.09729),
+    a sequence-level ratio (GSPO, Zheng et al. 2025, arXiv:2507.18071), and rollout-engine/trainer mismatch
+    correction with the engine's log-probs: truncated importance sampling (Yao et al. 2025, “Your efficient RL
+    framework secretly brings you off-policy RL training”) or token / sequence masking of outlying ratios;
+  - the (optionally clipped) value loss of PPO2, a KL loss with the k1/k2/k3 estimators of
+    :func:`rlhfkit.advantages.kl_estimate`;
+  - aggregation (:func:`aggregate`) by token mean, sequence mean of token means (GRPO) or sequence mean of token sums
+    (Dr.GRPO), normalised by *global* counts so micro-batches and data-parallel ranks sum to the whole-batch gradient.
+
+Every loss returns ``(scalar tensor, stats)`` with stats as plain Python floats (computed on this batch only, not
+all-reduced). It does not compute advantages (:mod:`rlhfkit.advantages`), run optimisers, or talk to other processes.
+Per-token inputs are ``[T]`` token-aligned with a :class:`~rlhfkit.types.PackedBatch` (entry ``t`` is about token
+``input_ids[t]``); ``mask`` is the ``[T]`` bool loss mask and ``cu_seqlens`` the ``[N + 1]`` boundaries. Torch only.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+import torch
+
+from rlhfkit.losses._aggregate import (
+    AGGREGATIONS,
+    Aggregation,
+    aggregate,
+    check_token_inputs,
+    reduce_tokens,
+    segment_sum,
+)
+from rlhfkit.losses._logprobs import check_logits, entropy_from_logits, token_logprobs
+from rlhfkit.advantages import kl_estimate
+from rlhfkit.packing import packed_logits
+from rlhfkit.types import PackedBatch
+
+__all__ = [
+    "token_logprobs",
+    "packed_logprobs",
+    "model_logprobs",
+    "entropy_from_logits",
+    "shift_to_tokens",
+    "aggregate",
+    "policy_loss",
+    "value_loss",
+    "kl_loss",
+    "Aggregation",
+    "MAX_LOG_RATIO",
+]
+
+RatioLevel = Literal["token", "sequence"]
+Mismatch = Literal["none", "tis", "token_mask", "seq_mask"]
+_MISMATCH = ("none", "tis", "token_mask", "seq_mask")
+# exp(20) ≈ 4.9e8: log-ratios are clamped to ±MAX_LOG_RATIO so a diverged policy gives a huge, finite ratio.
+MAX_LOG_RATIO = 20.0
+
+
+def shift_to_tokens(per_row: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
+    """Token-align a per-position output of a packed forward: ``[T]`` → ``[T]``, entry ``t`` = ``per_row[t - 1]``.
+
+    Row ``t`` of a causal LM's output predicts (or values the state before) token ``t + 1``; after the shift entry
+    ``t`` is about token ``t``, like every per-token tensor of rlhfkit. 0 at sequence starts and on the padding tail.
+    Use it for critic values (``shift_to_tokens(value_head_output[:, 0], batch)``) or any per-row statistic.
+    """
+    if not isinstance(batch, PackedBatch):
+        raise TypeError(f"batch must be a PackedBatch, got {type(batch).__name__}")
+    if not isinstance(per_row, torch.Tensor) or per_row.ndim != 1 or per_row.shape[0] != batch.num_tokens:
+        raise ValueError(f"per_row must be a [T] tensor with T={batch.num_tokens} (the batch's tokens), got "
+                         f"{getattr(per_row, 'shape', type(per_row).__name__)}")
+    out = torch.cat([per_row.new_zeros(1), per_row[:-1]])
+    valid = torch.ones_like(batch.loss_mask)
+    valid[batch.cu_seqlens[:-1].long()] = False
+    valid[int(batch.cu_seqlens[-1]):] = False
+    return torch.where(valid, out, torch.zeros((), dtype=out.dtype, device=out.device))
+
+
+
+
+def packed_logprobs(logits: torch.Tensor, batch: PackedBatch, *, temperature: float = 1.0,
+                    chunk_size: int | None = None, inplace_backward: bool = False) -> torch.Tensor:
+    """Token-aligned log-probs of a packed stream: entry ``t`` is ``log p(input_ids[t] | its sequence before t)``.
+
+    Args:
+        logits: ``[T, V]`` logits of the packed forward (row ``t`` predicts token ``t + 1``).
+        batch: the packed batch the logits came from.
+        temperature, chunk_size, inplace_backward: as in :func:`token_logprobs`.
+
+    Returns:
+        ``[T]`` float32; 0 at each sequence's first token and on the padding tail.
+    """
+    if not isinstance(batch, PackedBatch):
+        raise TypeError(f"batch must be a PackedBatch, got {type(batch).__name__}")
+    check_logits(logits, temperature)
+    if logits.shape[0] != batch.num_tokens:
+        raise ValueError(f"logits has {logits.shape[0]} rows but batch has {batch.num_tokens} tokens; they must match")
+    # Labels are the next token of every row (the last row's label is a dummy). Running on all T rows, not
+    # logits[:-1], keeps the gradient free of a slice-backward copy of the whole [T, V] tensor.
+    labels = torch.roll(batch.input_ids, -1)
+    labels[-1] = 0
+    shifted = token_logprobs(logits, labels, temperature=temperature, chunk_size=chunk_size,
+                             inplace_backward=inplace_backward)
+    return shift_to_tokens(shifted, batch)
+
+
+def model_logprobs(model: torch.nn.Module, batch: PackedBatch, *, temperature: float = 1.0,
+                   chunk_size: int | None = None, return_entropy: bool = False, loss_tokens_only: bool = False
+                   ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """:func:`rlhfkit.packing.packed_logits` then :func:`packed_logprobs`: ``[T]`` float32 log-probs of a model.
+
+    The logits never leave this function, so their backward writes the gradient into the logits' own memory
+    (``inplace_backward``): the peak is the model's logits plus one float32 chunk. With ``return_entropy=True`` it
+    returns ``(logprobs, entropy)``, entropy ``[T]`` token aligned like the log-probs (the entropy of the
+    distribution that predicted token ``t``; 0 at sequence starts and padding) — the gradient then needs its own
+    buffer.
+
+    ``loss_tokens_only=True``: log-probs (and entropy) only of the tokens in ``batch.loss_mask`` (the responses), 0
+    elsewhere — what every rlhfkit loss and estimator reads. The LM head, the softmax and their backward then run
+    on those rows only (through transformers' ``logits_to_keep``; see :func:`rlhfkit.packing.packed_logits`):
+    with a 49k vocabulary and prompts as long as the responses, about a tenth of a small model's forward and
+    backward.
+    """
+    if loss_tokens_only:
+        return _loss_token_logprobs(model, batch, temperature, chunk_size, return_entropy)
+    logits = packed_logits(model, batch)
+    logprobs = packed_logprobs(logits, batch, temperature=temperature, chunk_size=chunk_size,
+                               inplace_backward=not return_entropy)
+    if not return_entropy:
+        return logprobs
+    entropy = entropy_from_logits(logits, temperature=temperature, chunk_size=chunk_size)
+    return logprobs, shift_to_tokens(entropy, batch)
+
+
+def _loss_token_logprobs(model, batch: PackedBatch, temperature: float, chunk_size: int | None,
+                         return_entropy: bool) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    if not isinstance(batch, PackedBatch):
+        raise TypeError(f"batch must be a PackedBatch, got {type(batch).__name__}")
+    tokens = torch.nonzero(batch.loss_mask).squeeze(1)  # never a sequence's first token (PackedBatch checks it)
+    logits = packed_logits(model, batch, rows=tokens - 1)  # row t - 1 predicts token t
+    values = token_logprobs(logits, batch.input_ids[tokens], temperature=temperature, chunk_size=chunk_size,
+                            inplace_backward=not return_entropy)
+    logprobs = values.new_zeros(batch.num_tokens).index_copy(0, tokens, values)
+    if not return_entropy:
+        return logprobs
+    entropy = entropy_from_logits(logits, temperature=temperature, chunk_size=chunk_size)
+    return logprobs, entropy.new_zeros(batch.num_tokens).index_copy(0, tokens, entropy)
+
+
+def _masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return torch.where(mask, values, torch.zeros_like(values)).sum() / mask.sum().clamp(min=1)
+
+
+def _broadcast_seq(per_seq: torch.Tensor, cu: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """``[N]`` → ``[T]``: every token gets its sequence's value; the padding tail gets 0."""
+    out = per_seq.new_zeros(num_tokens)
+    end = int(cu[-1])
+    out[:end] = torch.repeat_interleave(per_seq, cu[1:] - cu[:-1])
+    return out
+
+
+def _seq_mean(values: torch.Tensor, mask: torch.Tensor, cu: torch.Tensor) -> torch.Tensor:
+    """``[T]`` → ``[T]``: each token gets the mean of ``values`` over its sequence's loss tokens (differentiable)."""
+    masked = torch.where(mask, values, torch.zeros_like(values))
+    per_seq = segment_sum(masked, cu) / segment_sum(mask.to(values.dtype), cu).clamp(min=1)
+    return _broadcast_seq(per_seq, cu, values.shape[0])
+
+
+def _check_policy_scalars(clip_low, clip_high, dual_clip, ratio_level, mismatch, mismatch_threshold,
+                          engine_logprobs, aggregation) -> None:
+    if not 0 <= clip_low < 1:
+        raise ValueError(f"clip_low={clip_low!r}; must be in [0, 1) (the ratio is clipped below at 1 - clip_low)")
+    if not 0 <= clip_high < math.inf:
+        raise ValueError(f"clip_high={clip_high!r}; must be a finite number >= 0")
+    if dual_clip is not None and not 1 < dual_clip < math.inf:
+        raise ValueError(f"dual_clip={dual_clip!r}; must be a finite number > 1 (Ye et al. use 3), or None")
+    if ratio_level not in ("token", "sequence"):
+        raise ValueError(f"ratio_level={ratio_level!r}; expected 'token' or 'sequence' (GSPO)")
+    if mismatch not in _MISMATCH:
+        raise ValueError(f"mismatch={mismatch!r}; expected one of {_MISMATCH}")
+    if mismatch != "none" and engine_logprobs is None:
+        raise ValueError(f"mismatch={mismatch!r} needs engine_logprobs (the rollout engine's [T] log-probs)")
+    if not 1 < mismatch_threshold < math.inf:
+        raise ValueError(f"mismatch_threshold={mismatch_threshold!r}; must be a finite number > 1")
+    if aggregation not in AGGREGATIONS:
+        raise ValueError(f"aggregation={aggregation!r}; expected one of {AGGREGATIONS}")
+
+
+def _mismatch_weights(old_logprobs, engine_logprobs, mask, cu, mismatch, threshold):
+    """Per-token weights correcting for the engine (behaviour) policy differing from the trainer's old policy.
+
+    Returns ``(weights [T], engine log-ratio [T], dropped/truncated [T] bool)``; weights are constants.
+    """
+    log_ratio = torch.where(mask, old_logprobs - engine_logprobs, torch.zeros_like(old_logprobs))
+    log_ratio = log_ratio.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
+    ratio = torch.exp(log_ratio)
+    if mismatch == "tis":
+        affected = ratio > threshold
+        return ratio.clamp(max=threshold), log_ratio, affected & mask
+    if mismatch == "token_mask":
+        outside = (ratio > threshold) | (ratio < 1 / threshold)
+    elif mismatch == "seq_mask":
+        # Sequence ratio as the geometric mean of token ratios: a product over hundreds of tokens is unusable.
+        seq_ratio = torch.exp(_seq_mean(log_ratio, mask, cu))
+        outside = (seq_ratio > threshold) | (seq_ratio < 1 / threshold)
+    else:
+        outside = torch.zeros_like(mask)
+    return (~outside).to(old_logprobs.dtype), log_ratio, outside & mask
+
+
+def _stats(mask: torch.Tensor, **named: tuple[str, torch.Tensor]) -> dict[str, float]:
+    """Reduce masked tensors to floats with one device sync: ``name=(reduction, tensor)``."""
+    count = mask.sum()
+    values = []
+    for reduction, tensor in named.values():
+        tensor = tensor.detach().to(torch.float64)
+        if reduction == "mean":
+            values.append(_masked_mean(tensor, mask))
+        elif reduction == "min":
+            values.append(torch.where(mask, tensor, torch.full_like(tensor, math.inf)).min())
+        elif reduction == "max":
+            values.append(torch.where(mask, tensor, torch.full_like(tensor, -math.inf)).max())
+        else:
+            values.append(tensor.reshape(()))
+    floats = torch.stack(values + [count.to(torch.float64)]).tolist()
+    empty = floats[-1] == 0
+    result = {}
+    for (name, (reduction, _)), value in zip(named.items(), floats):
+        result[name] = math.nan if empty and reduction in ("mean", "min", "max") else value
+    result["num_loss_tokens"] = floats[-1]
+    return result
+
+
+def _policy_ratio(logprobs, old_logprobs, mask, cu, ratio_level):
+    """Returns ``(log_ratio used by the loss, token log-ratio)``, both ``[T]`` and clamped to ±MAX_LOG_RATIO."""
+    token_log_ratio = (logprobs - old_logprobs).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
+    if ratio_level == "token":
+        return token_log_ratio, token_log_ratio
+    # GSPO-token (Zheng et al. 2025, eq. 13): value = the sequence's geometric-mean ratio s_i, gradient
+    # s_i * grad log pi(y_t). With a sequence-level advantage and seq_mean_token_mean this is exactly GSPO.
+    seq_log_ratio = _seq_mean(logprobs - old_logprobs, mask, cu).detach().clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
+    return seq_log_ratio + (logprobs - logprobs.detach()), token_log_ratio
+
+
+def _clipped_surrogate(ratio, adv, clip_low, clip_high, dual_clip):
+    """Per-token PPO loss ``max(-A r, -A clip(r))``, dual-clipped at ``-A c`` for ``A < 0``; and its stat specs."""
+    unclipped = -adv * ratio
+    clipped = -adv * ratio.clamp(1 - clip_low, 1 + clip_high)
+    per_token = torch.maximum(unclipped, clipped)
+    stats = {"clip_fraction": ("mean", clipped > unclipped)}
+    if dual_clip is not None:
+        cap = -adv * dual_clip
+        dual_active = (adv < 0) & (per_token > cap)
+        per_token = torch.where(dual_active, cap, per_token)
+        stats["dual_clip_fraction"] = ("mean", dual_active)
+    return per_token, stats
+
+
+def policy_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    *,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    dual_clip: float | None = None,
+    ratio_level: RatioLevel = "token",
+    engine_logprobs: torch.Tensor | None = None,
+    mismatch: Mismatch = "none",
+    mismatch_threshold: float = 2.0,
+    aggregation: Aggregation = "token_mean",
+    num_tokens: float | None = None,
+    num_seqs: float | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Clipped PPO surrogate ``max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high))`` per token, then aggregated.
+
+    Args:
+        logprobs: ``[T]`` current policy log-probs (differentiable). old_logprobs: ``[T]`` the trainer's log-probs
+            of the policy that generated the data. advantages: ``[T]``. Old log-probs, advantages and engine log-probs
+            are treated as constants (detached).
+        mask, cu_seqlens: ``[T]`` bool loss mask, ``[N + 1]`` boundaries.
+        clip_low, clip_high: the ratio is clipped to ``[1 - clip_low, 1 + clip_high]`` (DAPO raises clip_high).
+        dual_clip: ``c > 1``: for negative advantages the loss is also capped at ``-A * c`` (Ye et al. 2020).
+        ratio_level: ``"token"`` (PPO) or ``"sequence"`` (GSPO: every token of a sequence uses the geometric mean of
+            its token ratios; pair it with ``aggregation="seq_mean_token_mean"`` and much smaller clip ranges).
+        engine_logprobs: ``[T]`` the rollout engine's log-probs of the same tokens (e.g. vLLM's), for ``mismatch``
+            and the mismatch stats.
+        mismatch: with ``w = exp(old_logprobs - engine_logprobs)`` and ``C = mismatch_threshold``: ``"tis"``
+            multiplies each token's loss by ``min(w, C)``; ``"token_mask"`` drops tokens with ``w`` outside
+            ``[1/C, C]``; ``"seq_mask"`` drops sequences whose geometric-mean ``w`` is outside ``[1/C, C]``. Dropped
+            tokens still count in the normalisers, so the result stays DP invariant.
+        aggregation, num_tokens, num_seqs: see :func:`aggregate`.
+
+    Returns:
+        ``(loss, stats)``: stats ``loss``, ``clip_fraction`` (tokens where the clipped term is active),
+        ``dual_clip_fraction``, ``approx_kl`` (k3 estimate of KL(old || new)), ``ratio_mean/min/max``, with engine
+        log-probs ``mismatch_kl`` (k3 of KL(engine || old)), ``mismatch_ratio_mean/min/max``,
+        ``mismatch_affected_fraction`` (truncated or dropped tokens), and ``num_loss_tokens``. Means over this
+        batch's loss tokens; NaN when it has none.
+    """
+    _check_policy_scalars(clip_low, clip_high, dual_clip, ratio_level, mismatch, mismatch_threshold,
+                          engine_logprobs, aggregation)
+    cu = check_token_inputs(mask, cu_seqlens, logprobs=logprobs, old_logprobs=old_logprobs, advantages=advantages,
+                            engine_logprobs=engine_logprobs)
+    dtype = torch.promote_types(logprobs.dtype, torch.float32)
+    zero = torch.zeros((), dtype=dtype, device=logprobs.device)
+    logprobs = torch.where(mask, logprobs.to(dtype), zero)
+    old = torch.where(mask, old_logprobs.detach().to(dtype), zero)
+    adv = torch.where(mask, advantages.detach().to(dtype), zero)
+    log_ratio, token_log_ratio = _policy_ratio(logprobs, old, mask, cu, ratio_level)
+    ratio = torch.exp(log_ratio)
+    per_token, stats = _clipped_surrogate(ratio, adv, clip_low, clip_high, dual_clip)
+    if engine_logprobs is not None:
+        engine = torch.where(mask, engine_logprobs.detach().to(dtype), zero)
+        weights, engine_log_ratio, affected = _mismatch_weights(old, engine, mask, cu, mismatch, mismatch_threshold)
+        if mismatch != "none":
+            per_token = per_token * weights
+        engine_ratio = torch.exp(engine_log_ratio)
+        stats.update(mismatch_kl=("mean", engine_ratio - 1 - engine_log_ratio),
+                     mismatch_ratio_mean=("mean", engine_ratio), mismatch_ratio_min=("min", engine_ratio),
+                     mismatch_ratio_max=("max", engine_ratio), mismatch_affected_fraction=("mean", affected))
+    loss = reduce_tokens(per_token, mask, cu, mode=aggregation, num_tokens=num_tokens, num_seqs=num_seqs)
+    token_ratio = torch.exp(token_log_ratio)
+    stats.update(approx_kl=("mean", token_ratio - 1 - token_log_ratio), ratio_mean=("mean", ratio),
+                 ratio_min=("min", ratio), ratio_max=("max", ratio))
+    return loss, _stats(mask, loss=("value", loss), **stats)
+
+
+def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,
+               cu_seqlens: torch.Tensor, *, clip: float | None = None, aggregation: Aggregation = "token_mean",
+               num_tokens: float | None = None, num_seqs: float | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+    """Critic loss ``0.5 (V - R)^2``; with ``clip`` the PPO2 form ``0.5 max((V - R)^2, (V_clip - R)^2)`` where
+    ``V_clip = V_old + clamp(V - V_old, -clip, clip)``.
+
+    Args:
+        values: ``[T]`` current critic values (differentiable). old_values: ``[T]`` values at rollout time.
+        returns: ``[T]`` targets. Old values and returns are constants. mask, cu_seqlens, aggregation, num_tokens,
+            num_seqs: as in :func:`policy_loss`.
+
+    Returns:
+        ``(loss, stats)``: ``loss``, ``value_clip_fraction`` (tokens where the clipped error is larger),
+        ``values_mean``, ``returns_mean``, ``explained_variance`` (1 - Var(R - V) / Var(R) over loss tokens),
+        ``num_loss_tokens``.
+    """
+    if clip is not None and not 0 < clip < math.inf:
+        raise ValueError(f"clip={clip!r}; must be a finite number > 0, or None for the unclipped loss")
+    if aggregation not in AGGREGATIONS:
+        raise ValueError(f"aggregation={aggregation!r}; expected one of {AGGREGATIONS}")
+    cu = check_token_inputs(mask, cu_seqlens, values=values, old_values=old_values, returns=returns)
+    dtype = torch.promote_types(values.dtype, torch.float32)
+    zero = torch.zeros((), dtype=dtype, device=values.device)
+    values = torch.where(mask, values.to(dtype), zero)
+    old = torch.where(mask, old_values.detach().to(dtype), zero)
+    target = torch.where(mask, returns.detach().to(dtype), zero)
+    error = (values - target).square()
+    clipped_active = torch.zeros_like(mask)
+    if clip is not None:
+        clipped_error = (old + (values - old).clamp(-clip, clip) - target).square()
+        clipped_active = clipped_error > error
+        error = torch.maximum(error, clipped_error)
+    loss = reduce_tokens(0.5 * error, mask, cu, mode=aggregation, num_tokens=num_tokens, num_seqs=num_seqs)
+    residual = target - values.detach()
+    variance = _masked_mean((target - _masked_mean(target, mask)).square(), mask)
+    residual_variance = _masked_mean((residual - _masked_mean(residual, mask)).square(), mask)
+    explained = 1 - residual_variance / variance.clamp(min=1e-12)
+    return loss, _stats(mask, loss=("value", loss), value_clip_fraction=("mean", clipped_active),
+                        values_mean=("mean", values), returns_mean=("mean", target),
+                        explained_variance=("value", explained))
+
+
+def kl_loss(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask: torch.Tensor, cu_seqlens: torch.Tensor, *,
+            estimator: Literal["k1", "k2", "k3"] = "k3", clamp: float | None = 10.0,
+            aggregation: Aggregation = "token_mean", num_tokens: float | None = None,
+            num_seqs: float | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+    """KL(pi || pi_ref) as a loss term (GRPO, Shao et al. 2024 use k3), per token by
+    :func:`rlhfkit.advantages.kl_estimate`, aggregated like :func:`policy_loss`.
+
+    Args:
+        logprobs: ``[T]`` current policy log-probs (differentiable). ref_logprobs: ``[T]`` reference log-probs
+            (constant). estimator, clamp: passed to ``kl_estimate``. The rest as in :func:`policy_loss`.
+
+    Returns:
+        ``(loss, stats)``: ``loss``, ``kl_mean``, ``kl_max`` (of the estimate over loss tokens), ``num_loss_tokens``.
+    """
+    if aggregation not in AGGREGATIONS:
+        raise ValueError(f"aggregation={aggregation!r}; expected one of {AGGREGATIONS}")
+    cu = check_token_inputs(mask, cu_seqlens, logprobs=logprobs, ref_logprobs=ref_logprobs)
+    dtype = torch.promote_types(logprobs.dtype, torch.float32)
+    zero = torch.zeros((), dtype=dtype, device=logprobs.device)
+    logprobs = torch.where(mask, logprobs.to(dtype), zero)
+    ref = torch.where(mask, ref_logprobs.detach().to(dtype), zero)
+    kl = kl_estimate(logprobs, ref, estimator=estimator, clamp=clamp)
+    loss = reduce_tokens(kl, mask, cu, mode=aggregation, num_tokens=num_tokens, num_seqs=num_seqs)
+    return loss, _stats(mask, loss=("value", loss), kl_mean=("mean", kl), kl_max=("max", kl))

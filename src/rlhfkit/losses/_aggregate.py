@@ -1,0 +1,120 @@
+"""Input checks and DP-invariant aggregation of per-token losses (private; use :mod:`rlhfkit.losses`). Torch only."""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+import torch
+
+from rlhfkit._cu_seqlens import check_cu_seqlens
+
+__all__ = ["Aggregation", "AGGREGATIONS", "aggregate", "reduce_tokens", "check_token_inputs", "segment_sum",
+           "check_count"]
+
+Aggregation = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"]
+AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum")
+
+
+def check_token_inputs(mask: object, cu_seqlens: object, **tensors: torch.Tensor | None) -> torch.Tensor:
+    """Validate per-token float tensors, the bool loss mask and ``cu_seqlens``; return ``cu_seqlens`` as int64.
+
+    Every tensor must be ``[T]`` floating with the mask's length, and finite wherever the mask is True.
+    """
+    if not isinstance(mask, torch.Tensor) or mask.ndim != 1 or mask.dtype != torch.bool:
+        raise ValueError(f"mask must be a [T] bool tensor (the loss mask), got "
+                         f"{getattr(mask, 'shape', type(mask).__name__)} {getattr(mask, 'dtype', '')}")
+    num_tokens = mask.shape[0]
+    for name, value in tensors.items():
+        if value is None:
+            continue
+        if not isinstance(value, torch.Tensor) or value.ndim != 1 or not value.is_floating_point():
+            raise ValueError(f"{name} must be a [T] floating tensor, got "
+                             f"{getattr(value, 'shape', type(value).__name__)} {getattr(value, 'dtype', '')}")
+        if value.shape[0] != num_tokens:
+            raise ValueError(f"{name} has {value.shape[0]} entries but mask has {num_tokens}; per-token tensors "
+                             "must share the packed stream's length (nothing is broadcast)")
+        if value.device != mask.device:
+            raise ValueError(f"{name} is on {value.device} but mask is on {mask.device}")
+    cu = check_cu_seqlens(cu_seqlens, num_tokens).to(mask.device)
+    if bool(mask[int(cu[-1]):].any()):
+        raise ValueError(f"mask is True after cu_seqlens[-1]={int(cu[-1])}; padding is never in the loss")
+    finite = [torch.isfinite(v.detach()[mask]).all() for v in tensors.values() if v is not None]
+    if finite:
+        ok = torch.stack(finite).tolist()
+        names = [n for n, v in tensors.items() if v is not None]
+        bad = [n for n, good in zip(names, ok) if not good]
+        if bad:
+            raise ValueError(f"{', '.join(bad)} contain NaN or inf on loss tokens (where mask is True); check the "
+                             "forward pass that produced them")
+    return cu
+
+
+def check_count(name: str, value: float | None) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, torch.Tensor):
+        value = float(value)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name}={value!r}; must be a finite number > 0 (use rlhfkit.packing.global_counts), or "
+                         "None to normalise by this batch alone")
+    return float(value)
+
+
+def segment_sum(values: torch.Tensor, cu: torch.Tensor) -> torch.Tensor:
+    """``[N]`` sums of ``values[cu[i]:cu[i+1]]`` (differentiable); entries after ``cu[-1]`` are ignored."""
+    end = int(cu[-1])
+    seq_ids = torch.repeat_interleave(torch.arange(cu.numel() - 1, device=values.device), cu[1:] - cu[:-1])
+    return values.new_zeros(cu.numel() - 1).index_add(0, seq_ids, values[:end])
+
+
+def aggregate(per_token: torch.Tensor, mask: torch.Tensor, cu_seqlens: torch.Tensor, *,
+              mode: Aggregation = "token_mean", num_tokens: float | None = None,
+              num_seqs: float | None = None) -> torch.Tensor:
+    """Reduce a per-token loss over the loss tokens to a scalar.
+
+    Modes (``m`` the mask, ``i`` a sequence, ``n_i`` its loss tokens):
+      - ``token_mean``: ``sum_t m_t x_t / num_tokens``.
+      - ``seq_mean_token_mean``: ``sum_i (sum_{t in i} m_t x_t / n_i) / num_seqs`` (GRPO, Shao et al. 2024).
+      - ``seq_mean_token_sum``: ``sum_i sum_{t in i} m_t x_t / num_seqs`` — no length normalisation (Dr.GRPO,
+        Liu et al. 2025; divide by a constant such as the max response length yourself if you want its scale).
+
+    ``num_tokens`` / ``num_seqs`` default to this batch's own counts (tokens in the mask; sequences with at least one
+    loss token). Pass the global counts of the whole batch (:func:`rlhfkit.packing.global_counts`) on every
+    micro-batch and data-parallel rank: the summed gradients then equal the whole-batch gradient. A batch with no
+    loss token gives a zero that still carries a graph.
+
+    Args:
+        per_token: ``[T]`` float, token aligned with the packed stream (values outside the mask are ignored, even
+            NaN).
+        mask: ``[T]`` bool loss mask. cu_seqlens: ``[N + 1]`` boundaries.
+    """
+    cu = check_token_inputs(mask, cu_seqlens, per_token=per_token)
+    return reduce_tokens(per_token, mask, cu, mode=mode, num_tokens=num_tokens, num_seqs=num_seqs)
+
+
+def reduce_tokens(per_token: torch.Tensor, mask: torch.Tensor, cu: torch.Tensor, *, mode: str,
+                  num_tokens: float | None, num_seqs: float | None) -> torch.Tensor:
+    """:func:`aggregate` on inputs already checked by :func:`check_token_inputs` (``cu`` from it)."""
+    if mode not in AGGREGATIONS:
+        raise ValueError(f"mode={mode!r}; expected one of {AGGREGATIONS}")
+    num_tokens, num_seqs = check_count("num_tokens", num_tokens), check_count("num_seqs", num_seqs)
+    dtype = torch.promote_types(per_token.dtype, torch.float32)
+    values = torch.where(mask, per_token.to(dtype), torch.zeros((), dtype=dtype, device=per_token.device))
+    if mode == "token_mean":
+        local = mask.sum()
+        if num_tokens is not None and num_tokens < int(local):
+            raise ValueError(f"num_tokens={num_tokens} is less than the {int(local)} loss tokens of this batch alone; "
+                             "pass the global count (rlhfkit.packing.global_counts)")
+        denominator = num_tokens if num_tokens is not None else local.clamp(min=1).to(dtype)
+        return values.sum() / denominator
+    seq_totals = segment_sum(values, cu)
+    seq_tokens = segment_sum(mask.to(dtype), cu)
+    if mode == "seq_mean_token_mean":
+        seq_totals = seq_totals / seq_tokens.clamp(min=1)
+    local = (seq_tokens > 0).sum()
+    if num_seqs is not None and num_seqs < int(local):
+        raise ValueError(f"num_seqs={num_seqs} is less than the {int(local)} sequences with loss tokens in this batch "
+                         "alone; pass the global count (rlhfkit.packing.global_counts)")
+    denominator = num_seqs if num_seqs is not None else local.clamp(min=1).to(dtype)
+    return seq_totals.sum() / denominator

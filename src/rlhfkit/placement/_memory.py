@@ -1,0 +1,199 @@
+"""A per-GPU, per-phase memory estimate for a :class:`~rlhfkit.placement.PlacementPlan` (pure arithmetic).
+
+The estimate is a first-order budget, not a measurement: weights, gradients and optimizer states from parameter
+counts, ZeRO sharding over a role's ranks, a fixed engine budget (vLLM's ``gpu_memory_utilization``), a CUDA context per
+process, and the activation peak you supply. It warns when a phase cannot fit; it never decides anything for you.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Literal
+
+from rlhfkit.placement._plan import PlacementPlan
+
+__all__ = ["ModelMemory", "MemoryConfig", "MemoryEstimate", "estimate_memory"]
+
+logger = logging.getLogger(__name__)
+_GIB = 1024**3
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelMemory:
+    """The memory-relevant facts of one role's model.
+
+    Attributes:
+        num_params: parameter count.
+        kind: ``"trainable"`` (weights + grads + optimizer), ``"frozen"`` (weights only: reference, reward) or
+            ``"engine"`` (a rollout engine that takes a fixed fraction of the GPU when awake).
+        bytes_per_param: bytes of one weight on GPU (2 for bf16).
+        grad_bytes_per_param: bytes of one gradient (trainable only).
+        optimizer_bytes_per_param: bytes of optimizer state per parameter (trainable only); 12 = fp32 master copy +
+            Adam's two moments.
+        zero_stage: DeepSpeed ZeRO stage; shards optimizer states (>= 1), gradients (>= 2) and weights (3) over the
+            role's ranks.
+        activation_gib: peak activation memory per rank while awake, from your own measurement.
+    """
+
+    num_params: int
+    kind: Literal["trainable", "frozen", "engine"] = "frozen"
+    bytes_per_param: float = 2.0
+    grad_bytes_per_param: float = 2.0
+    optimizer_bytes_per_param: float = 12.0
+    zero_stage: int = 0
+    activation_gib: float = 0.0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.num_params, bool) or not isinstance(self.num_params, int) or self.num_params < 1:
+            raise ValueError(f"ModelMemory.num_params={self.num_params!r}; give the parameter count (int >= 1)")
+        if self.kind not in ("trainable", "frozen", "engine"):
+            raise ValueError(f"ModelMemory.kind={self.kind!r}; use 'trainable', 'frozen' or 'engine'")
+        for name in ("bytes_per_param", "grad_bytes_per_param", "optimizer_bytes_per_param", "activation_gib"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"ModelMemory.{name}={getattr(self, name)}; must be >= 0")
+        if self.zero_stage not in (0, 1, 2, 3):
+            raise ValueError(f"ModelMemory.zero_stage={self.zero_stage!r}; use 0, 1, 2 or 3")
+
+
+@dataclass(frozen=True, kw_only=True)
+class MemoryConfig:
+    """How to estimate.
+
+    Attributes:
+        gpu_memory_gib: memory of one GPU.
+        engine_memory_fraction: the fraction of a GPU an awake engine takes (vLLM ``gpu_memory_utilization``),
+            weights and KV cache included.
+        context_gib: CUDA context and allocator overhead of each process on a GPU, paid in every phase, asleep or not.
+        phases: phase name -> roles awake in it. Roles that share no GPU are awake in every phase. None: one phase per
+            colocated role with only that role awake (``"all"`` when nothing is colocated). Add a weight-sync phase
+            yourself, e.g. ``{"sync": ("actor", "rollout")}``.
+    """
+
+    gpu_memory_gib: float = 80.0
+    engine_memory_fraction: float = 0.5
+    context_gib: float = 0.5
+    phases: Mapping[str, tuple[str, ...]] | None = None
+
+    def __post_init__(self) -> None:
+        if not self.gpu_memory_gib > 0:
+            raise ValueError(f"MemoryConfig.gpu_memory_gib={self.gpu_memory_gib}; must be > 0")
+        if not 0 < self.engine_memory_fraction <= 1:
+            raise ValueError(f"MemoryConfig.engine_memory_fraction={self.engine_memory_fraction}; must be in (0, 1]")
+        if not self.context_gib >= 0:
+            raise ValueError(f"MemoryConfig.context_gib={self.context_gib}; must be >= 0")
+        if self.phases is not None:
+            if not self.phases:
+                raise ValueError("MemoryConfig.phases is empty; give at least one phase or None")
+            object.__setattr__(self, "phases", MappingProxyType({k: tuple(v) for k, v in self.phases.items()}))
+
+
+@dataclass(frozen=True, kw_only=True)
+class MemoryEstimate:
+    """GiB per GPU per phase, with the per-role breakdown, and a warning for every phase that does not fit."""
+
+    phases: tuple[str, ...]
+    gpu_memory_gib: float
+    per_gpu: Mapping[tuple[int, int], Mapping[str, float]]
+    breakdown: Mapping[tuple[int, int], Mapping[str, Mapping[str, float]]]
+    warnings: tuple[str, ...] = field(default_factory=tuple)
+
+    def peak(self) -> float:
+        return max(value for phases in self.per_gpu.values() for value in phases.values())
+
+    def table(self) -> str:
+        header = ["node", "gpu", *self.phases]
+        rows = []
+        for (node, gpu), phases in self.per_gpu.items():
+            marks = [f"{phases[p]:.1f}{' !' if phases[p] > self.gpu_memory_gib else ''}" for p in self.phases]
+            rows.append([str(node), str(gpu), *marks])
+        widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
+        lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in [header, *rows]]
+        return "\n".join([f"GiB per GPU per phase (of {self.gpu_memory_gib:g}; ! = does not fit)", *lines])
+
+    def __str__(self) -> str:
+        return self.table()
+
+
+def _awake_gib(plan: PlacementPlan, role: str, model: ModelMemory, config: MemoryConfig) -> float:
+    """GiB one rank of ``role`` holds on each of its GPUs while awake (context excluded)."""
+    spec = plan.config.role(role)
+    world = spec.num_ranks
+    if model.kind == "engine":
+        return config.engine_memory_fraction * config.gpu_memory_gib
+    weights = model.num_params * model.bytes_per_param / spec.gpus_per_rank / (world if model.zero_stage == 3 else 1)
+    total = weights + model.activation_gib * _GIB
+    if model.kind == "trainable":
+        total += model.num_params * model.grad_bytes_per_param / (world if model.zero_stage >= 2 else 1)
+        total += model.num_params * model.optimizer_bytes_per_param / (world if model.zero_stage >= 1 else 1)
+    return total / _GIB
+
+
+def _default_phases(plan: PlacementPlan) -> dict[str, tuple[str, ...]]:
+    colocated = [name for group in plan.config.groups for name in group.roles]
+    if not colocated:
+        return {"all": tuple(role.name for role in plan.config.roles)}
+    return {name: (name,) for name in colocated}
+
+
+def _engine_warnings(plan: PlacementPlan, models: Mapping[str, ModelMemory], config: MemoryConfig) -> list[str]:
+    warnings = []
+    budget = config.engine_memory_fraction * config.gpu_memory_gib
+    for role, model in models.items():
+        if model.kind == "engine":
+            weights = model.num_params * model.bytes_per_param / plan.config.role(role).gpus_per_rank / _GIB
+            if weights >= budget:
+                warnings.append(
+                    f"engine role {role!r}: weights need {weights:.1f} GiB per GPU but engine_memory_fraction="
+                    f"{config.engine_memory_fraction} gives {budget:.1f} GiB, leaving no KV cache; raise it or the TP "
+                    "size"
+                )
+    return warnings
+
+
+def estimate_memory(plan: PlacementPlan, models: Mapping[str, ModelMemory], config: MemoryConfig) -> MemoryEstimate:
+    """Estimate every used GPU's memory in every phase; warns (and logs) for each phase/GPU over the GPU's memory."""
+    names = [role.name for role in plan.config.roles]
+    for role in models:
+        if role not in names:
+            raise ValueError(f"estimate_memory: models names unknown role {role!r}; plan roles: {names}")
+    phases = dict(config.phases) if config.phases is not None else _default_phases(plan)
+    for phase, awake in phases.items():
+        unknown = [role for role in awake if role not in names]
+        if unknown:
+            raise ValueError(f"MemoryConfig.phases[{phase!r}] names unknown roles {unknown}; plan roles: {names}")
+    colocated = {name for group in plan.config.groups for name in group.roles}
+    warnings = _engine_warnings(plan, models, config)
+    warnings += [f"no ModelMemory for role {r!r}; counted only its CUDA context" for r in names if r not in models]
+    per_gpu: dict[tuple[int, int], dict[str, float]] = {}
+    breakdown: dict[tuple[int, int], dict[str, dict[str, float]]] = {}
+    for node, used in enumerate(plan.bundles_per_node()):
+        for gpu in range(used):
+            occupants = plan.occupants(node, gpu)
+            for phase, awake in phases.items():
+                parts = {}
+                for placement, _ in occupants:
+                    role = placement.role
+                    is_awake = role in awake or role not in colocated
+                    model = models.get(role)
+                    held = _awake_gib(plan, role, model, config) if (is_awake and model is not None) else 0.0
+                    parts[role] = held + config.context_gib
+                total = sum(parts.values())
+                per_gpu.setdefault((node, gpu), {})[phase] = total
+                breakdown.setdefault((node, gpu), {})[phase] = MappingProxyType(parts)
+                if total > config.gpu_memory_gib:
+                    detail = ", ".join(f"{role} {gib:.1f}" for role, gib in parts.items())
+                    warnings.append(
+                        f"phase {phase!r}: node{node} gpu{gpu} needs ~{total:.1f} GiB ({detail}) > "
+                        f"{config.gpu_memory_gib:g} GiB"
+                    )
+    for warning in warnings:
+        logger.warning("%s", warning)
+    return MemoryEstimate(
+        phases=tuple(phases), gpu_memory_gib=config.gpu_memory_gib,
+        per_gpu=MappingProxyType({k: MappingProxyType(v) for k, v in per_gpu.items()}),
+        breakdown=MappingProxyType({k: MappingProxyType(v) for k, v in breakdown.items()}),
+        warnings=tuple(warnings),
+    )
