@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from rlhfkit.engines.protocol import SamplingConfig
+from rlhfkit.engines.protocol import SamplingConfig, WeightLagError, WeightVersionError, check_weight_lag
 from rlhfkit.engines.router import (
     EngineDiedError,
     EngineError,
@@ -350,6 +350,88 @@ def test_ray_actor_engines_return_packed_results(ray_cluster):
         plain = EngineGroup(engines, config=EngineGroupConfig(generate_timeout_s=60), packed_results=False)
         check_rollouts(plain.generate(prompts, sampling), prompts, sampling)
         assert [r.finish_reason for r in plain.generate(prompts, sampling)] == ["length"] * 10
+    finally:
+        for engine in engines:
+            ray.kill(engine)
+
+
+def test_group_weight_versions_strictly_increase():
+    """Review defect 2 (EngineGroup): an explicit version not newer than an engine's was accepted; now it is refused
+    before anything is sent, naming the engine and both versions."""
+    engines = [FakeEngine(i) for i in range(3)]
+    with EngineGroup(engines) as group:
+        group.load_weights([("w", torch.zeros(2))], version=4)
+        engines[2].version = 6
+        for offered in (4, 3, 6):
+            with pytest.raises(WeightVersionError, match=r"engine \d \(of 3\) holds weight version \d and was "
+                                                         rf"offered version {offered}; versions must strictly"):
+                group.load_weights([("w", torch.ones(2))], version=offered)
+        assert [len([c for c in e.calls if c[0] == "load_weights"]) for e in engines] == [1, 1, 1]  # nothing sent
+        assert group.load_weights([("w", torch.ones(2))], version=7) == [1, 1, 1]
+        assert group.weight_versions() == [7, 7, 7]
+
+
+def test_lagging_engine_weights_raise_or_warn(caplog):
+    """Review defect 3: an engine the trainer's weights were never pushed to produced rollouts silently; with
+    ``trainer_version`` the group checks each engine's rollouts against ``max_weight_lag``."""
+    engines = [FakeEngine(i) for i in range(3)]
+    prompts, sampling = prompts_of([3, 4, 5, 6, 7, 8]), SamplingConfig(n=2, max_new_tokens=3)
+    with EngineGroup(engines) as group:
+        group.load_weights([("w", torch.zeros(2))], version=2)
+        engines[1].version = 1  # e.g. a sync that missed this engine
+        assert len(group.generate(prompts, sampling)) == 12  # no trainer_version: nothing to compare
+        with pytest.raises(WeightLagError, match=r"engine 1 \(of 3\) was generated with weight version 1 but the "
+                                                 r"trainer is at version 2 \(lag 1 > max_weight_lag=0\)"):
+            group.generate(prompts, sampling, trainer_version=2)
+        with pytest.raises(ValueError, match="newer than the trainer's trainer_version=1"):
+            group.generate(prompts, sampling, trainer_version=1)
+    with EngineGroup(engines, config=EngineGroupConfig(max_weight_lag=1)) as group:
+        rollouts = group.generate(prompts, sampling, trainer_version=2)
+        assert sorted({r.weight_version for r in rollouts}) == [1, 2]  # rollouts carry the version that made them
+    with EngineGroup(engines, config=EngineGroupConfig(on_weight_lag="warn")) as group, \
+            caplog.at_level("WARNING", logger="rlhfkit.engines.protocol"):
+        assert len(group.generate(prompts, sampling, trainer_version=3)) == 12
+        assert "lag 2 > max_weight_lag=0" in caplog.text
+    with pytest.raises(ValueError, match="max_weight_lag=-1"):
+        EngineGroupConfig(max_weight_lag=-1)
+    with pytest.raises(ValueError, match="on_weight_lag='ignore'"):
+        EngineGroupConfig(on_weight_lag="ignore")
+
+
+def test_check_weight_lag_by_hand():
+    """The reusable check behind max_weight_lag (off-policy training builds on it)."""
+    assert check_weight_lag([5, 4, 5], trainer_version=5, max_lag=1) == 1
+    assert check_weight_lag([], trainer_version=5, max_lag=0) == 0
+    with pytest.raises(WeightLagError, match=r"rollout 1 was generated with weight version 3 .* \(lag 2 > "
+                                             r"max_weight_lag=1"):
+        check_weight_lag([5, 3], trainer_version=5, max_lag=1)
+    with pytest.raises(ValueError, match="max_lag=-1"):
+        check_weight_lag([1], trainer_version=1, max_lag=-1)
+
+
+class Unpicklable(Exception):
+    """An exception the driver cannot re-create: unpickling calls ``Unpicklable(message)``, which lacks ``code``."""
+
+    def __init__(self, message, code):
+        super().__init__(f"{message} (code {code})")
+
+
+class UnpicklableFailingEngine(FakeEngine):
+    def generate(self, prompt_token_ids, sampling):
+        raise Unpicklable("engine-side failure", 7)
+
+
+def test_ray_engine_unpicklable_exception_names_engine_and_original(ray_cluster):
+    """Review defect 1 (EngineGroup): an exception whose class cannot be re-created on the driver escaped as Ray's
+    UnserializableException; now an EngineError names the engine, the method and the original type and message."""
+    ray = ray_cluster
+    engines = [ray.remote(num_cpus=0)(UnpicklableFailingEngine).remote(i) for i in range(2)]
+    try:
+        with EngineGroup(engines, config=EngineGroupConfig(generate_timeout_s=60)) as group:
+            with pytest.raises(EngineError, match=r"engine [01] \(of 2\) failed in generate: .*Unpicklable: "
+                                                  r"engine-side failure \(code 7\)") as info:
+                group.generate(prompts_of([3, 4]), SamplingConfig(max_new_tokens=2))
+            assert info.value.engine_index in (0, 1) and info.value.method == "generate"
     finally:
         for engine in engines:
             ray.kill(engine)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -323,3 +325,42 @@ def test_gpu_generate_sleep_wake_and_reload(tiny_llama_path, prompt_ids):
     half = HFEngine(HFEngineConfig(model=str(tiny_llama_path), device="cuda", dtype="bfloat16"))
     for rollout in half.generate(prompt_ids, sampling):
         assert torch.isfinite(rollout.response_logprobs).all() and rollout.response_logprobs.dtype == torch.float32
+
+
+def test_generation_emits_no_past_key_values_deprecation(tiny_llama_path, prompt_ids):
+    """Review defect 9: every run warned that ``past_key_values`` is deprecated; the engine now uses the model's own
+    cache argument name (``cache`` on current transformers) for the call and the output."""
+    import logging
+
+    engine = HFEngine(HFEngineConfig(model=str(tiny_llama_path)))
+    records: list = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    hf_logger = logging.getLogger("transformers")
+    hf_logger.addHandler(handler)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            rollouts = engine.generate(prompt_ids, SamplingConfig(n=2, max_new_tokens=6, seed=1))
+    finally:
+        hf_logger.removeHandler(handler)
+    assert len(rollouts) == len(prompt_ids) * 2 and all(r.response_length > 0 for r in rollouts)
+    texts = [str(w.message) for w in caught] + [r.getMessage() for r in records]
+    assert not [t for t in texts if "past_key_values" in t or "cache_params" in t], texts
+
+
+def test_weight_versions_strictly_increase(tiny_llama_path, prompt_ids):
+    """Review defect 2: load_weights(version=5) then version=3 (or 5 again) was accepted and the version went back."""
+    from rlhfkit.engines.protocol import WeightVersionError
+
+    engine = HFEngine(HFEngineConfig(model=str(tiny_llama_path)))
+    norm = engine.model.model.norm.weight
+    original = norm.detach().clone()
+    engine.load_weights([("model.norm.weight", original)], version=5)
+    for offered in (3, 5):
+        with pytest.raises(WeightVersionError, match=rf"hf engine on cpu holds weight version 5 and was offered "
+                                                     rf"version {offered}; versions must strictly increase"):
+            engine.load_weights([("model.norm.weight", torch.zeros(64))], version=offered)
+    assert engine.weight_version == 5 and torch.equal(norm, original)  # refused before anything was copied
+    engine.load_weights([("model.norm.weight", original)])
+    assert engine.weight_version == 6

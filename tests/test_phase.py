@@ -8,7 +8,16 @@ import pickle
 
 import pytest
 
-from rlhfkit.phase import FilePhaseStore, LocalPhaseStore, PhaseGuard, TCPPhaseStore, Transition, gpu_key
+from rlhfkit.phase import (
+    FilePhaseStore,
+    LocalPhaseStore,
+    PhaseConflictError,
+    PhaseGuard,
+    PhaseStoreCorruptError,
+    TCPPhaseStore,
+    Transition,
+    gpu_key,
+)
 
 
 class FakeModel:
@@ -168,4 +177,41 @@ def test_cross_process_claims_are_atomic(kind, tmp_path):
         guard.wake("actor")
     assert guard.sleep(winners[0]).action == "sleep"  # any process may release on the holder's behalf
     guard.wake("actor")
-    assert copy.holder("shared-gpu") == "actor"
+    assert guard.awake_role("shared-gpu") == "actor" and copy.holder("shared-gpu").startswith("actor")
+
+
+def test_same_role_name_for_two_models_on_one_gpu_is_refused(store):
+    """Review defect 7: two guards (sharing a store) with the same role name for two different models on one GPU
+    both woke; the claim now belongs to the model too, and the error names both models and the GPU."""
+    log: list = []
+    first, second = FakeModel("policy-a", log), FakeModel("policy-b", log)
+    guard_a, guard_b = PhaseGuard(store, gpu="g0"), PhaseGuard(store, gpu="g0")
+    guard_a.wake("actor", first)
+    guard_a.wake("actor", first, tags=["kv_cache"])  # the same model re-waking stays fine
+    with pytest.raises(PhaseConflictError, match=r"cannot wake 'actor' \(FakeModel object 0x[0-9a-f]+ in pid \d+ .*"
+                                                 r"on GPU g0: role 'actor' is already awake there as another model "
+                                                 r"\(FakeModel object 0x[0-9a-f]+ in pid"):
+        guard_b.wake("actor", second)
+    assert ("policy-b", "wake_up", {}) not in log  # the refused model was never touched
+    guard_b.sleep("actor", second)  # the other model's sleep does not release the first model's claim
+    assert guard_a.awake_role() == "actor"
+    with pytest.raises(PhaseConflictError):
+        guard_b.wake("actor", second)
+    guard_a.sleep("actor", first)
+    guard_b.wake("actor", second)
+    assert guard_b.awake_role() == "actor"
+    with pytest.raises(PhaseConflictError, match=r"'critic' on GPU g0: 'actor' is awake there \(FakeModel object"):
+        guard_a.wake("critic", FakeModel("critic", log))
+
+
+@pytest.mark.parametrize("content", [b"{not json", b"\xff\xfe", b'["actor"]', b'{"g0": 3}'])
+def test_corrupt_file_store_names_the_file_and_the_fix(tmp_path, content):
+    """Review defect 8: a corrupt FilePhaseStore file raised a bare JSONDecodeError without naming the file."""
+    store = FilePhaseStore(tmp_path / "phase")
+    (tmp_path / "phase" / "phase.json").write_bytes(content)
+    path = str(tmp_path / "phase" / "phase.json")
+    for call in (lambda: store.claim("g0", "actor"), lambda: store.holder("g0"), lambda: store.release("g0", None)):
+        with pytest.raises(PhaseStoreCorruptError, match=f"phase store file {path} .*delete {path}"):
+            call()
+    (tmp_path / "phase" / "phase.json").unlink()  # the fix the message gives
+    assert store.claim("g0", "actor") is None and store.holder("g0") == "actor"

@@ -1133,3 +1133,72 @@ def test_nccl_gpu0_to_gpu1_bitwise():
     if torch.cuda.device_count() < 2:
         pytest.skip("needs two GPUs")
     run_process_pair("nccl", "cuda:0", "cuda:1", bucket_bytes=4 * 1024**2, num_buffers=2)
+
+
+def test_armed_receive_waits_are_bounded():
+    """Review defect 5: ArmedReceive re-waited forever after WeightSyncTimeout and settle(timeout_s=None) had no
+    limit; the wait for the sender is now bounded by ``wait_s`` (the sync is called off) and settle's timeout is
+    always finite and raises a typed ArmedSyncStillReceiving."""
+    from rlhfkit.weight_sync import ArmedReceive, ArmedSyncStillReceiving
+
+    class NeverStarts:
+        def __init__(self):
+            self.calls = []
+
+        def wait_for_sync(self, timeout_s=None):
+            self.calls.append(("wait", timeout_s))
+            time.sleep(min(timeout_s, 0.02))
+            raise WeightSyncTimeout("no sync yet")
+
+        def call_off(self):
+            self.calls.append(("call_off", None))
+            return True
+
+    receiver = NeverStarts()
+    armed = ArmedReceive(receiver, lambda: pytest.fail("never started"), wait_s=0.2)
+    with pytest.raises(WeightSyncTimeout, match=r"waited 0.2 s \(wait_s\) and the sender did not start it"):
+        armed.settle(timeout_s=5)
+    assert receiver.calls[-1] == ("call_off", None) and all(t <= 0.2 for kind, t in receiver.calls if kind == "wait")
+    for bad in (None, 0, -1):
+        with pytest.raises(ValueError, match=f"timeout_s={bad}"):
+            armed.settle(timeout_s=bad)
+        with pytest.raises(ValueError, match=f"wait_s={bad}"):
+            ArmedReceive(receiver, lambda: None, wait_s=bad)
+    assert issubclass(ArmedSyncStillReceiving, WeightSyncTimeout) and issubclass(ArmedSyncStillReceiving, TimeoutError)
+
+
+def test_restarted_receiver_is_refused_with_a_rejoin_error():
+    """Review defect 4: a receiver restarted into an existing group failed after the timeout with "not every member
+    joined"; it now fails at once with WeightSyncRejoinError saying to open a new group."""
+    from rlhfkit.weight_sync import WeightSyncRejoinError
+
+    group = Group(1, backend="gloo", bucket_bytes=4096, timeout_s=5.0)
+    try:
+        sent, received = group.sync()
+        assert sent.version == 1 and received[0].version == 1
+        group.receivers[0].close()  # the engine process dies ...
+        restarted = WeightReceiver(group.config, group.sender.endpoint.for_rank(1, "engine-0"))  # ... and comes back
+        started = time.monotonic()
+        with pytest.raises(WeightSyncRejoinError, match=r"receiver rank 1 .*cannot join group 't' .* already formed"
+                                                        r".*cannot be re-joined: .*open a new group"):
+            restarted.receive(copy_into(zeros_like(group.source)))
+        assert time.monotonic() - started < 2.0
+        restarted.close()
+    finally:
+        group.close()
+
+
+def test_receiver_refuses_a_version_that_is_not_newer():
+    """Review defect 2 (weight-sync receiver): a sync whose version is not newer than the receiver's is refused
+    before anything loads, on both ends."""
+    from rlhfkit.weight_sync import WeightSyncVersionError
+
+    source, target = make_weights(0), zeros_like(make_weights(0))
+    receiver = WeightReceiver(WeightSyncConfig(backend="inprocess"))
+    sender = WeightSender(WeightSyncConfig(backend="inprocess"), local_receiver=(receiver, copy_into(target)))
+    sender.send(source.items())
+    second = WeightSender(WeightSyncConfig(backend="inprocess"), local_receiver=(receiver, copy_into(target)))
+    source["layers.3.w"].add_(1)
+    with pytest.raises(WeightSyncVersionError, match="holds weight version 1 and was offered version 1"):
+        second.send(source.items())
+    assert receiver.version == 1 and not torch.equal(target["layers.3.w"], source["layers.3.w"])

@@ -69,6 +69,18 @@ class Probe(Worker):
             raise KeyError(f"no such thing on rank {rank}")
         return self.rank
 
+    def fail_unpicklable(self, rank: int) -> int:
+        if self.rank == rank:
+            raise Unpicklable(f"worker-side failure on rank {rank}", 7)
+        return self.rank
+
+
+class Unpicklable(Exception):
+    """An exception the driver cannot re-create: unpickling calls ``Unpicklable(message)``, which lacks ``code``."""
+
+    def __init__(self, message: str, code: int) -> None:
+        super().__init__(f"{message} (code {code})")
+
 
 def _report() -> tuple:
     """A task body: which GPU, bundle and node it got."""
@@ -248,6 +260,18 @@ def test_slow_method_times_out_and_errors_name_the_rank(pair):
             group.gather(pending, timeout_s=1)
         assert time.monotonic() - start < 10 and caught.value.pending == (0, 1)
         assert isinstance(caught.value, TimeoutError)
+
+
+def test_unpicklable_exception_names_role_rank_method_and_original(pair):
+    """Review defect 1: an exception whose class cannot be re-created on the driver escaped as Ray's
+    UnserializableException naming neither role nor rank; now a WorkerError names them, the method and the
+    original exception's type and message."""
+    with WorkerGroup(Probe, pair, WorkerGroupConfig(role="policy", start_timeout_s=WAIT_S)) as group:
+        with pytest.raises(WorkerError, match=r"role 'policy' rank 1 raised in 'fail_unpicklable': .*Unpicklable: "
+                                              r"worker-side failure on rank 1 \(code 7\)") as caught:
+            group.call("fail_unpicklable", 1, timeout_s=WAIT_S)
+        assert (caught.value.role, caught.value.rank, caught.value.method) == ("policy", 1, "fail_unpicklable")
+        assert group.call("add", 1, timeout_s=WAIT_S) == [1, 101]  # the group is still usable
 
 
 def test_constructor_failure_and_unschedulable_ranks_fail_fast_and_clean_up(pair):

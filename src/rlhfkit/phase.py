@@ -9,10 +9,10 @@ together. :class:`PhaseGuard` is an explicit gate your loop drives::
     guard.sleep("actor", actor, keep_weights=True)                    # extra kwargs go to the model's sleep()
     guard.wake("rollout", engine, tags=["weights"])                   # ... and to wake_up()
 
-Each GPU has at most one *awake* role, recorded in a shared store. ``wake`` claims the GPU for its role atomically
-before waking the model and raises ``RuntimeError`` naming both roles and the GPU when another role holds it;
-``sleep`` puts the model to sleep and then releases the claim. A role that is partially asleep (an actor keeping its
-weights for a sync, an engine with only its weights awake) counts as asleep once ``sleep``/released: the guard orders
+Each GPU has at most one *awake* role, recorded in a shared store. ``wake`` claims the GPU for its role and model
+atomically before waking the model and raises :class:`PhaseConflictError` naming both roles (and models) and the GPU
+when another role, or another model under the same role name, holds it; ``sleep`` puts the model to sleep and then
+releases the claim. A role that is partially asleep (an actor keeping its weights for a sync, an engine with only its weights awake) counts as asleep once ``sleep``/released: the guard orders
 *who may allocate working memory*, the models decide what they keep. Every transition logs this process's allocated
 and reserved CUDA memory and the device's free memory (or, without a CUDA context in this process, none: the guard
 never creates one) and is kept in ``guard.history``.
@@ -42,10 +42,32 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 __all__ = ["PhaseGuard", "PhaseStore", "LocalPhaseStore", "FilePhaseStore", "TCPPhaseStore", "Sleepable",
-           "Transition", "gpu_key"]
+           "Transition", "gpu_key", "PhaseConflictError", "PhaseStoreCorruptError"]
 
 logger = logging.getLogger(__name__)
 _GIB = 1024**3
+
+
+class PhaseStoreCorruptError(RuntimeError):
+    """A :class:`FilePhaseStore` file could not be read as claims; the message names the file and the fix."""
+
+
+class PhaseConflictError(RuntimeError):
+    """``wake`` refused: another role, or another model under the same role name, is awake on the GPU."""
+
+
+_OWNER_SEP = "\x1f"  # the store records "<role>\x1f<owner>": one role name may not cover two models on a GPU
+
+
+def _owner(model: object) -> str:
+    """Who holds a claim: the model object (type, id) and the process, so two models sharing a role name differ."""
+    what = "no model" if model is None else f"{type(model).__name__} object {id(model):#x}"
+    return f"{what} in pid {os.getpid()} on {socket.gethostname()}"
+
+
+def _split_holder(holder: str) -> tuple[str, str]:
+    role, _, owner = holder.partition(_OWNER_SEP)
+    return role, owner
 
 
 @runtime_checkable
@@ -122,7 +144,7 @@ class FilePhaseStore:
             fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
             try:
                 path = self.directory / "phase.json"
-                state = json.loads(path.read_text()) if path.exists() else {}
+                state = _read_state(path) if path.exists() else {}
                 before = dict(state)
                 yield state
                 if state != before:
@@ -147,6 +169,22 @@ class FilePhaseStore:
     def holder(self, gpu: str) -> str | None:
         with self._locked() as state:
             return state.get(gpu)
+
+
+def _read_state(path: Path) -> dict[str, str]:
+    """The claims in ``path``; a file that is not a JSON object of strings raises naming the file and the fix."""
+    try:
+        state = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        problem = f"is not valid JSON ({error})"
+    else:
+        if isinstance(state, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in state.items()):
+            return state
+        problem = f"holds {type(state).__name__} {str(state)[:80]!r}, not a JSON object of GPU → role strings"
+    raise PhaseStoreCorruptError(
+        f"phase store file {path} {problem}; it was damaged or written by something else. Make sure no model on "
+        f"this node is awake, then delete {path} (every claim on this node is dropped), or give FilePhaseStore a "
+        "fresh directory")
 
 
 class TCPPhaseStore:
@@ -248,38 +286,57 @@ class PhaseGuard:
 
     def awake_role(self, gpu: str | None = None) -> str | None:
         """The role awake on ``gpu``, or None."""
-        return self.store.holder(self._gpu(gpu))
+        holder = self.store.holder(self._gpu(gpu))
+        return None if holder is None else _split_holder(holder)[0]
 
     def wake(self, role: str, model: Sleepable | None = None, *, gpu: str | None = None, phase: str | None = None,
              **wake_kwargs: Any) -> Transition:
-        """Claim ``gpu`` for ``role`` and call ``model.wake_up(**wake_kwargs)``; RuntimeError if another role is
-        awake there (the model is not touched). If ``wake_up`` raises, the claim is released."""
+        """Claim ``gpu`` for ``role`` and call ``model.wake_up(**wake_kwargs)``; PhaseConflictError if another role is
+        awake there (the model is not touched). If ``wake_up`` raises, the claim is released.
+
+        A claim belongs to ``role`` *and* ``model`` (object and process): waking a different model under a role name
+        that is already awake on the GPU raises :class:`PhaseConflictError` too, naming both models."""
         gpu = self._gpu(gpu)
-        if not role:
+        if not role or _OWNER_SEP in role:
             raise ValueError(f"role={role!r}; name the role being woken")
-        other = self.store.claim(gpu, role)
+        owner = _owner(model)
+        other = self.store.claim(gpu, f"{role}{_OWNER_SEP}{owner}")
         if other is not None:
             where = f" for phase '{phase}'" if phase else ""
-            raise RuntimeError(f"cannot wake '{role}' on GPU {gpu}{where}: '{other}' is awake there; put '{other}' "
-                               f"to sleep first (guard.sleep('{other}', ...))")
+            other_role, other_owner = _split_holder(other)
+            if other_role == role:
+                raise PhaseConflictError(
+                    f"cannot wake '{role}' ({owner}) on GPU {gpu}{where}: role '{role}' is already awake there as "
+                    f"another model ({other_owner or 'unknown'}); two models under one role name would both be awake. "
+                    f"Give each model its own role name, or sleep the other one first")
+            raise PhaseConflictError(
+                f"cannot wake '{role}' on GPU {gpu}{where}: '{other_role}' is awake there"
+                f"{f' ({other_owner})' if other_owner else ''}; put '{other_role}' to sleep first "
+                f"(guard.sleep('{other_role}', ...))")
         start = time.perf_counter()
         try:
             if model is not None:
                 model.wake_up(**wake_kwargs)
         except BaseException:
-            self.store.release(gpu, role)
+            self.store.release(gpu, f"{role}{_OWNER_SEP}{owner}")
             raise
         return self._record("wake", role, gpu, phase, time.perf_counter() - start)
 
     def sleep(self, role: str, model: Sleepable | None = None, *, gpu: str | None = None, phase: str | None = None,
               **sleep_kwargs: Any) -> Transition:
         """Call ``model.sleep(**sleep_kwargs)``, then release ``role``'s claim on ``gpu`` (if it holds it). Sleeping a
-        role that is not awake is allowed (e.g. deepening a keep-weights sleep)."""
+        role that is not awake is allowed (e.g. deepening a keep-weights sleep). With a ``model``, the claim is
+        released only when that model woke it; ``model=None`` releases ``role``'s claim whoever made it (a driver
+        releasing on behalf of a process that put its model to sleep itself)."""
         gpu = self._gpu(gpu)
         start = time.perf_counter()
         if model is not None:
             model.sleep(**sleep_kwargs)
-        self.store.release(gpu, role)
+            self.store.release(gpu, f"{role}{_OWNER_SEP}{_owner(model)}")
+        else:
+            holder = self.store.holder(gpu)
+            if holder is not None and _split_holder(holder)[0] == role:
+                self.store.release(gpu, holder)
         return self._record("sleep", role, gpu, phase, time.perf_counter() - start)
 
     @contextlib.contextmanager
@@ -297,8 +354,8 @@ class PhaseGuard:
         gpu = self._gpu(gpu)
         holder = self.store.holder(gpu)
         if holder is not None and self.store.release(gpu, None):
-            logger.warning("phase guard: force-released '%s' on GPU %s", holder, gpu)
-        return holder
+            logger.warning("phase guard: force-released '%s' (%s) on GPU %s", *_split_holder(holder), gpu)
+        return None if holder is None else _split_holder(holder)[0]
 
     def _record(self, action: str, role: str, gpu: str, phase: str | None, seconds: float) -> Transition:
         allocated, reserved, free = _memory(self.device)

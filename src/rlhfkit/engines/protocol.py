@@ -12,17 +12,89 @@ temperature for the two to agree.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Literal, Protocol, runtime_checkable
 
 import torch
 
 from rlhfkit.types import Rollout
 
-__all__ = ["SamplingConfig", "RolloutEngine"]
+__all__ = ["SamplingConfig", "RolloutEngine", "WeightVersionError", "WeightLagError",
+           "next_weight_version", "check_weight_lag"]
+
+logger = logging.getLogger(__name__)
 
 WAKE_TAGS = ("weights", "kv_cache")
+
+
+class WeightVersionError(ValueError):
+    """A weight load offered a version that is not newer than the one the engine holds (versions strictly
+    increase, so a rollout's ``weight_version`` always names one set of weights)."""
+
+
+class WeightLagError(RuntimeError):
+    """Rollouts were produced by weights older than the trainer's by more than the configured bound."""
+
+
+def next_weight_version(owner: str, current: int, offered: int | None) -> int:
+    """The version a weight load sets: ``offered``, or ``current + 1`` when None.
+
+    Raises :class:`WeightVersionError` (naming ``owner``, e.g. ``"engine 2"``) unless ``offered > current``, and
+    ``ValueError`` for a negative or non-int ``offered``. Call it before loading anything.
+    """
+    if offered is None:
+        return current + 1
+    if isinstance(offered, bool) or not isinstance(offered, int) or offered < 0:
+        raise ValueError(f"{owner}: load_weights(version={offered!r}); must be a non-negative int or None")
+    if offered <= current:
+        raise WeightVersionError(
+            f"{owner} holds weight version {current} and was offered version {offered}; versions must strictly "
+            f"increase (pass version={current + 1} or more, or None for {current + 1})")
+    return offered
+
+
+def check_weight_lag(weight_versions: Sequence[int], *, trainer_version: int, max_lag: int,
+                     on_lag: Literal["raise", "warn"] = "raise", sources: Sequence[str] | None = None) -> int:
+    """Check that rollouts (or engines) are at most ``max_lag`` weight versions behind the trainer.
+
+    Args:
+        weight_versions: the weight version of each rollout or engine (e.g. ``[r.weight_version for r in rollouts]``).
+        trainer_version: the version of the weights the trainer holds now (what the last push to the engines
+            carried, or would have carried).
+        max_lag: the most versions a rollout may lag (0: on-policy, every rollout from the trainer's current
+            weights; k > 0: off-policy by up to k updates).
+        on_lag: ``"raise"`` a :class:`WeightLagError`, or ``"warn"`` (log a warning) when the bound is exceeded.
+        sources: optional names parallel to ``weight_versions`` (e.g. ``"engine 1"``), quoted in the message.
+
+    Returns:
+        The largest lag found (0 for an empty ``weight_versions``). A version newer than the trainer's is a
+        bookkeeping error and always raises ``ValueError``.
+    """
+    if isinstance(max_lag, bool) or not isinstance(max_lag, int) or max_lag < 0:
+        raise ValueError(f"max_lag={max_lag!r}; must be an int >= 0 (0 = on-policy)")
+    if on_lag not in ("raise", "warn"):
+        raise ValueError(f"on_lag={on_lag!r}; expected 'raise' or 'warn'")
+    versions = [int(v) for v in weight_versions]
+    if not versions:
+        return 0
+    names = list(sources) if sources is not None else [f"rollout {i}" for i in range(len(versions))]
+    newest = max(range(len(versions)), key=lambda i: versions[i])
+    if versions[newest] > trainer_version:
+        raise ValueError(f"{names[newest]} has weight version {versions[newest]}, newer than the trainer's "
+                         f"trainer_version={trainer_version}; pass the version the trainer last pushed")
+    oldest = min(range(len(versions)), key=lambda i: versions[i])
+    lag = trainer_version - versions[oldest]
+    if lag > max_lag:
+        message = (f"{names[oldest]} was generated with weight version {versions[oldest]} but the trainer is at "
+                   f"version {trainer_version} (lag {lag} > max_weight_lag={max_lag}); push the trainer's weights "
+                   "to the engines (load_weights / a weight sync) before generating, or raise max_weight_lag for "
+                   "off-policy training")
+        if on_lag == "raise":
+            raise WeightLagError(message)
+        logger.warning("%s", message)
+    return lag
 
 
 @dataclass(frozen=True, kw_only=True)

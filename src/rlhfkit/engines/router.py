@@ -33,16 +33,13 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from rlhfkit._optional import require
-from rlhfkit.engines.protocol import WAKE_TAGS, SamplingConfig
+from rlhfkit.engines.protocol import WAKE_TAGS, SamplingConfig, check_weight_lag, next_weight_version
 from rlhfkit.types import Rollout
 
 __all__ = ["EngineGroupConfig", "EngineGroup", "EngineError", "EngineTimeoutError", "EngineDiedError",
            "pack_generate_result", "unpack_generate_result"]
 
 logger = logging.getLogger(__name__)
-
-_ACTOR_DEATH_ERRORS = ("RayActorError", "ActorDiedError", "ActorUnavailableError", "ActorUnschedulableError")
-
 
 PACKED_FINISH_REASONS = ("stop", "length", "abort")
 
@@ -139,12 +136,17 @@ class EngineGroupConfig:
         control_timeout_s: longest wait for ``sleep``, ``wake_up``, ``load_weights`` and :meth:`EngineGroup.call`.
         health_timeout_s: longest wait for ``health_check``.
         balance: ``"tokens"`` weighs a prompt by ``(len(prompt) + max_new_tokens) × n``; ``"prompts"`` by ``n``.
+        max_weight_lag: when ``generate`` is given ``trainer_version``, the most weight versions an engine's
+            rollouts may lag it (0: on-policy; see :func:`~rlhfkit.engines.protocol.check_weight_lag`).
+        on_weight_lag: ``"raise"`` (:class:`~rlhfkit.engines.protocol.WeightLagError`) or ``"warn"`` past the bound.
     """
 
     generate_timeout_s: float = 600.0
     control_timeout_s: float = 300.0
     health_timeout_s: float = 30.0
     balance: Literal["tokens", "prompts"] = "tokens"
+    max_weight_lag: int = 0
+    on_weight_lag: Literal["raise", "warn"] = "raise"
 
     def __post_init__(self) -> None:
         for name in ("generate_timeout_s", "control_timeout_s", "health_timeout_s"):
@@ -153,6 +155,11 @@ class EngineGroupConfig:
                 raise ValueError(f"EngineGroupConfig.{name}={value!r}; must be a number of seconds > 0")
         if self.balance not in ("tokens", "prompts"):
             raise ValueError(f"EngineGroupConfig.balance={self.balance!r}; expected 'tokens' or 'prompts'")
+        lag = self.max_weight_lag
+        if isinstance(lag, bool) or not isinstance(lag, int) or lag < 0:
+            raise ValueError(f"EngineGroupConfig.max_weight_lag={lag!r}; must be an int >= 0 (0 = on-policy)")
+        if self.on_weight_lag not in ("raise", "warn"):
+            raise ValueError(f"EngineGroupConfig.on_weight_lag={self.on_weight_lag!r}; expected 'raise' or 'warn'")
 
 
 def assign_prompts(work: Sequence[float], outstanding: Sequence[float]) -> list[list[int]]:
@@ -281,10 +288,19 @@ class EngineGroup:
 
     def _failure(self, index: int, method: str, error: BaseException) -> EngineError:
         where = f"engine {index} (of {self.num_engines})"
-        names = {cls.__name__ for cls in type(error).__mro__}
-        if names & set(_ACTOR_DEATH_ERRORS):
-            return EngineDiedError(f"{where} died during {method}: {_summary(error)}", engine_index=index,
-                                   method=method)
+        exceptions = getattr(sys.modules.get("ray"), "exceptions", None)  # only Ray handles raise Ray's errors
+        if exceptions is not None:
+            if isinstance(error, (exceptions.RayActorError, exceptions.ActorUnschedulableError)):
+                return EngineDiedError(f"{where} died during {method}: {_summary(error)}", engine_index=index,
+                                       method=method)
+            if isinstance(error, exceptions.RayTaskError) and getattr(error, "cause", None) is not None:
+                error = error.cause
+            elif isinstance(error, exceptions.UnserializableException):
+                from rlhfkit.workers import original_exception
+
+                return EngineError(f"{where} failed in {method}: {original_exception(error)} (its exception class "
+                                   "could not be re-created here; make it picklable to catch it by type)",
+                                   engine_index=index, method=method)
         return EngineError(f"{where} failed in {method}: {type(error).__name__}: {error}",
                            engine_index=index, method=method)
 
@@ -342,11 +358,18 @@ class EngineGroup:
         return future
 
     def generate(self, prompt_token_ids: Sequence[Sequence[int]], sampling: SamplingConfig, *,
-                 timeout_s: float | None = None) -> list[Rollout]:
+                 timeout_s: float | None = None, trainer_version: int | None = None) -> list[Rollout]:
         """Sample ``sampling.n`` responses per prompt across the engines; ``len(result) == len(prompts) * n``, in
-        input order with global ``prompt_index``."""
+        input order with global ``prompt_index``.
+
+        ``trainer_version``: the weight version the trainer holds now. When given, the rollouts' ``weight_version``
+        is checked against it (``config.max_weight_lag``, ``config.on_weight_lag``): an engine the trainer's weights
+        were not pushed to raises :class:`~rlhfkit.engines.protocol.WeightLagError` naming it and both versions."""
         if not isinstance(sampling, SamplingConfig):
             raise TypeError(f"sampling must be a SamplingConfig, got {type(sampling).__name__}")
+        if trainer_version is not None and (isinstance(trainer_version, bool) or not isinstance(trainer_version, int)
+                                            or trainer_version < 0):
+            raise ValueError(f"trainer_version={trainer_version!r}; must be a non-negative int or None")
         prompts = _as_prompt_lists(prompt_token_ids)
         if not prompts:
             return []
@@ -361,6 +384,12 @@ class EngineGroup:
                 rollouts = self._unpack(index, rollouts, prompts, shards[index])
             for position, rollout_group in enumerate(self._split(index, rollouts, shards[index], sampling.n)):
                 ordered[shards[index][position]] = rollout_group
+        if trainer_version is not None:
+            engines = sorted(results)
+            oldest = [min(r.weight_version for p in shards[i] for r in ordered[p]) for i in engines]  # type: ignore
+            check_weight_lag(oldest, trainer_version=trainer_version, max_lag=self.config.max_weight_lag,
+                             on_lag=self.config.on_weight_lag,
+                             sources=[f"engine {i} (of {self.num_engines})" for i in engines])
         return [rollout for group in ordered for rollout in group]  # type: ignore[union-attr]
 
     def _unpack(self, index: int, packed: Any, prompts: list[list[int]], shard: list[int]) -> list[Rollout]:
@@ -399,7 +428,11 @@ class EngineGroup:
     def load_weights(self, weights: Iterable[tuple[str, Any]], *, version: int | None = None,
                      timeout_s: float | None = None) -> list[int]:
         """Send the same named tensors to every engine (Ray engines share one object-store copy). For large models
-        use the weight-sync channel instead."""
+        use the weight-sync channel instead. An explicit ``version`` must be newer than every engine's
+        (:class:`~rlhfkit.engines.protocol.WeightVersionError`, before anything is sent)."""
+        if version is not None:  # refused before anything is sent: every engine must move forward
+            for index, current in enumerate(self.weight_versions(timeout_s=timeout_s)):
+                next_weight_version(f"engine {index} (of {self.num_engines})", current, version)
         pairs = [(str(name), tensor) for name, tensor in weights]
         payload: Any = pairs
         if any(self._ray_flags):

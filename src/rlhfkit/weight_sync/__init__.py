@@ -45,11 +45,14 @@ import torch
 
 from rlhfkit.weight_sync._buckets import Fingerprinter
 from rlhfkit.weight_sync._errors import (
+    ArmedSyncStillReceiving,
     FingerprintMismatchError,
     ManifestMismatchError,
     WeightSyncAborted,
     WeightSyncError,
+    WeightSyncRejoinError,
     WeightSyncTimeout,
+    WeightSyncVersionError,
 )
 from rlhfkit.weight_sync._manifest import Manifest, TensorSpec, describe_parameters, plan_buckets, to_spec
 from rlhfkit.weight_sync._peers import ReceiverSide, SenderSide
@@ -69,6 +72,9 @@ __all__ = [
     "ManifestMismatchError",
     "FingerprintMismatchError",
     "WeightSyncAborted",
+    "WeightSyncRejoinError",
+    "WeightSyncVersionError",
+    "ArmedSyncStillReceiving",
 ]
 
 logger = logging.getLogger(__name__)
@@ -469,6 +475,9 @@ class WeightReceiver:
                     after_pack: Callable[[int, list[torch.Tensor]], None]) -> object:
         from rlhfkit.weight_sync._peers import load_local
 
+        if manifest.version <= self._version:
+            raise WeightSyncVersionError(f"the in-process receiver holds weight version {self._version} and was "
+                                         f"offered version {manifest.version}; versions must strictly increase")
         loaded = load_local(manifest, self.expected, iterator, load_fn, fingerprinter, after_pack)
         self._version = manifest.version
         return loaded
@@ -488,25 +497,30 @@ class WeightReceiver:
 
 class ArmedReceive:
     """One sync received ahead of time: a background thread waits until the sender starts it (re-waiting after each
-    ``wait_for_sync`` timeout, so a long training phase is fine), then runs ``receive()`` — e.g. an engine's own
-    receive-and-load. The sender's ``send`` is then the whole sync: nothing has to reach the engine first.
+    ``wait_for_sync`` timeout, so a long training phase is fine, up to ``wait_s`` in all), then runs ``receive()`` —
+    e.g. an engine's own receive-and-load. The sender's ``send`` is then the whole sync: nothing has to reach the
+    engine first.
 
     :meth:`settle` ends it: a sync the sender has started is waited for (its result returned, its error raised); one
     it has not is called off (``WeightReceiver.call_off``; the sender's ``send`` of it then fails at once, naming
     the receiver) and None is returned. Nothing may touch what ``receive`` writes until ``settle`` has returned.
+    When no sync starts within ``wait_s``, the thread calls the sync off itself and :meth:`settle` raises
+    :class:`WeightSyncTimeout`.
 
     Args:
         receiver: a :class:`WeightReceiver` (anything with ``wait_for_sync()`` and ``call_off()``).
         receive: called in the thread once the sync has started; its return value is :meth:`settle`'s.
         device: a CUDA device to make current in the thread (a new thread starts on device 0).
+        wait_s: the longest wait for the sender to start the sync (a training phase is usually far shorter).
     """
 
     def __init__(self, receiver: Any, receive: Callable[[], Any], *, device: torch.device | str | None = None,
-                 name: str = "rlhfkit-armed-receive") -> None:
+                 name: str = "rlhfkit-armed-receive", wait_s: float = 3600.0) -> None:
         if not (callable(getattr(receiver, "wait_for_sync", None)) and callable(getattr(receiver, "call_off", None))):
             raise TypeError(f"the weight receiver {type(receiver).__name__} has no wait_for_sync()/call_off(), which "
                             "an armed receive needs")
-        self.receiver, self._receive = receiver, receive
+        _check_seconds("wait_s", wait_s)
+        self.receiver, self._receive, self.wait_s = receiver, receive, float(wait_s)
         self._device = torch.device(device) if device is not None else None
         self.started = False  # the sender started the sync (set before receive() runs)
         self._result: Any = None
@@ -514,17 +528,28 @@ class ArmedReceive:
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
+    def _await_start(self) -> bool:
+        """Wait (in bounded steps) until the sender starts the sync: True; called off: False. Past ``wait_s`` the sync
+        is called off here and WeightSyncTimeout raised, unless the sender got there first."""
+        deadline = time.monotonic() + self.wait_s
+        while time.monotonic() < deadline:
+            try:
+                return bool(self.receiver.wait_for_sync(max(0.001, min(deadline - time.monotonic(),
+                                                                       _wait_step(self.receiver)))))
+            except WeightSyncTimeout:
+                continue
+        if not self.receiver.call_off():
+            return True  # the sender started it just now: receive it
+        raise WeightSyncTimeout(f"an armed weight sync waited {self.wait_s:g} s (wait_s) and the sender did not start "
+                                "it; it was called off. Is the trainer alive and sending? Arm again before the next "
+                                "sync, or pass a larger wait_s")
+
     def _run(self) -> None:
         try:
             if self._device is not None and self._device.type == "cuda":
                 torch.cuda.set_device(self._device)
-            while True:
-                try:
-                    if not self.receiver.wait_for_sync():
-                        return  # called off
-                    break
-                except WeightSyncTimeout:
-                    continue
+            if not self._await_start():
+                return  # called off
             self.started = True
             self._result = self._receive()
         except BaseException as error:  # handed to settle()
@@ -535,17 +560,28 @@ class ArmedReceive:
         """Whether the thread is still waiting or receiving."""
         return self._thread.is_alive()
 
-    def settle(self, timeout_s: float | None = None) -> Any:
-        """Call the sync off if it has not started, else wait for it (up to ``timeout_s``; default: no limit — the
-        channel's own timeouts end a stuck sync); return ``receive()``'s result (None if called off) or raise its
-        error. Raises TimeoutError, leaving the thread running, when it is still receiving after ``timeout_s``."""
+    def settle(self, timeout_s: float = 600.0) -> Any:
+        """Call the sync off if it has not started, else wait for it (up to ``timeout_s``); return ``receive()``'s
+        result (None if called off) or raise its error. Raises :class:`ArmedSyncStillReceiving` (a
+        :class:`WeightSyncTimeout`), leaving the thread running, when it is still receiving after ``timeout_s``."""
+        _check_seconds("timeout_s", timeout_s)
         if not self.started:
             self.receiver.call_off()  # False when the sender got there first: then wait for that sync below
         self._thread.join(timeout_s)
         if self._thread.is_alive():
-            raise TimeoutError(f"an armed weight sync is still receiving after {timeout_s:g}s; the sender may be "
-                               "stuck (the channel's timeout will end it)")
+            raise ArmedSyncStillReceiving(f"an armed weight sync is still receiving after {timeout_s:g}s; the sender "
+                                          "may be stuck (the channel's timeout will end it)")
         if self._error is not None:
             raise self._error
         return self._result
 
+
+def _check_seconds(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(f"{name}={value!r}; must be a number of seconds > 0")
+
+
+def _wait_step(receiver: Any) -> float:
+    """One ``wait_for_sync`` step: the receiver's own channel timeout when it has one."""
+    config = getattr(receiver, "config", None)
+    return float(getattr(config, "timeout_s", 300.0))

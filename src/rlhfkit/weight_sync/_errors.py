@@ -8,6 +8,9 @@ __all__ = [
     "ManifestMismatchError",
     "FingerprintMismatchError",
     "WeightSyncAborted",
+    "WeightSyncRejoinError",
+    "WeightSyncVersionError",
+    "ArmedSyncStillReceiving",
     "error_from_report",
     "error_kind",
 ]
@@ -35,12 +38,29 @@ class WeightSyncAborted(WeightSyncError):
     """The other side gave up mid-sync (its error is quoted in the message)."""
 
 
+class WeightSyncRejoinError(WeightSyncError):
+    """A receiver tried to join a group that has already formed (e.g. a restarted engine process). A group's process
+    group and version sequence cannot be re-joined: open a new group (a new sender, new ``group_name``/port) and
+    have every receiver join that one."""
+
+
+class WeightSyncVersionError(WeightSyncError, ValueError):
+    """A sync offered a weight version that is not newer than the one the receiver holds."""
+
+
+class ArmedSyncStillReceiving(WeightSyncTimeout):
+    """``ArmedReceive.settle`` ran past its timeout while the sync was still being received; the receive goes on
+    (settle again to wait for it)."""
+
+
 _KINDS: dict[str, type[WeightSyncError]] = {
     "error": WeightSyncError,
     "timeout": WeightSyncTimeout,
     "manifest": ManifestMismatchError,
     "fingerprint": FingerprintMismatchError,
     "aborted": WeightSyncAborted,
+    "rejoin": WeightSyncRejoinError,
+    "version": WeightSyncVersionError,
 }
 
 

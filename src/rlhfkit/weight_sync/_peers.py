@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -32,6 +33,8 @@ from rlhfkit.weight_sync._errors import (
     ManifestMismatchError,
     WeightSyncAborted,
     WeightSyncError,
+    WeightSyncRejoinError,
+    WeightSyncVersionError,
     error_from_report,
     error_kind,
 )
@@ -112,6 +115,7 @@ class SenderSide:
         hellos = self.control.gather(lambda r: f"hello/{r}", self.peers,
                                      what="its hello (has it called WeightReceiver.receive?)")
         self.labels = {rank: str(hello.get("label", "")) for rank, hello in hellos.items()}
+        self.control.put("formed", {"pid": os.getpid()})  # a receiver that comes later (restarted) refuses to join
         if self.config.backend == "cuda_ipc":
             from rlhfkit.weight_sync._ipc import IpcSender
 
@@ -358,7 +362,14 @@ class ReceiverSide:
             e = self.endpoint
             store = open_store(host=e.host, port=e.port, is_master=False, timeout_s=self.config.timeout_s,
                                peer=self._sender_name(0))
-            self.control = ControlChannel(store, timeout_s=self.config.timeout_s, peer_name=self._sender_name)
+            control = ControlChannel(store, timeout_s=self.config.timeout_s, peer_name=self._sender_name)
+            if control.peek("formed") is not None:
+                raise WeightSyncRejoinError(
+                    f"{self.who} cannot join group {e.group_name!r} at {e.host}:{e.port}: the group has already "
+                    "formed (this receiver, or the process it replaces, joined it before — e.g. an engine restarted "
+                    "into a running group). A weight-sync group cannot be re-joined: close the sender, open a new "
+                    "group (a new WeightSender, with a new group_name or port) and create every receiver for it")
+            self.control = control
             self.control.put(f"hello/{e.rank}", {"label": e.label, **self.hello})
         return self.control
 
@@ -453,6 +464,11 @@ class ReceiverSide:
         self.seen = version
         try:
             manifest, problems = self._parse(version, data, expected)
+            if manifest.version <= held:
+                raise WeightSyncVersionError(
+                    f"{self.who} holds weight version {held} and sync {manifest.version} offers version "
+                    f"{manifest.version}; versions must strictly increase (has the sender restarted? open a new "
+                    "group for a new sender)")
         except WeightSyncError as error:  # tell the sender, which waits for this receiver's report
             self.control.put(f"{version}/done/{self.endpoint.rank}",
                              {"error": error_kind(error), "message": str(error), "version": held})

@@ -71,6 +71,15 @@ def _short(error: BaseException) -> str:
     return text if len(text) <= 800 else text[:800] + " ..."
 
 
+def original_exception(error: BaseException) -> str:
+    """``"Type: message"`` of the exception a Ray task raised, for one that reached the driver only as Ray's
+    ``UnserializableException`` (its class could not be unpickled here): the last line of the traceback Ray kept."""
+    trace = getattr(error, "_original_stack_trace", None)
+    lines = [line.strip() for line in _ANSI.sub("", str(trace if trace else error)).splitlines() if line.strip()]
+    text = lines[-1] if lines else type(error).__name__
+    return text if len(text) <= 800 else text[:800] + " ..."
+
+
 class WorkerGroup:
     """The ranks of one plan role as Ray actors of ``worker_cls`` (a :class:`Worker` subclass).
 
@@ -268,6 +277,18 @@ class WorkerGroup:
                     cause = error.cause if getattr(error, "cause", None) is not None else error
                     raise WorkerError(
                         f"role {self.role!r} rank {rank} raised in '{method}': {type(cause).__name__}: {cause}",
+                        role=self.role, rank=rank, method=method,
+                    ) from error
+                except ray.exceptions.UnserializableException as error:
+                    raise WorkerError(
+                        f"role {self.role!r} rank {rank} raised in '{method}': {original_exception(error)} (its "
+                        "exception class could not be re-created here; make it picklable to catch it by type)",
+                        role=self.role, rank=rank, method=method,
+                    ) from error
+                except ray.exceptions.RayError as error:  # object lost, system error, ...: still name who
+                    raise WorkerError(
+                        f"role {self.role!r} rank {rank} ({self._where(rank)}) failed during '{method}': "
+                        f"{type(error).__name__}: {_short(error)}",
                         role=self.role, rank=rank, method=method,
                     ) from error
         return results

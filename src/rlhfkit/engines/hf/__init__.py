@@ -33,7 +33,7 @@ import torch
 from rlhfkit._optional import require
 from rlhfkit.engines.hf._sampling import make_generators, sample_next_tokens
 from rlhfkit.engines.hf._state import EngineWeightState
-from rlhfkit.engines.protocol import WAKE_TAGS, SamplingConfig
+from rlhfkit.engines.protocol import WAKE_TAGS, SamplingConfig, next_weight_version
 from rlhfkit.types import Rollout
 
 __all__ = ["HFEngineConfig", "HFEngine"]
@@ -111,8 +111,8 @@ class HFEngine:
         """Wrap an already loaded causal LM (it stays on its device; the engine does not copy it).
 
         Args:
-            model: a transformers causal LM (``model(input_ids, attention_mask, position_ids, past_key_values,
-                use_cache)`` returning ``.logits`` and ``.past_key_values``).
+            model: a transformers causal LM (``model(input_ids, attention_mask, position_ids, cache, use_cache)``
+                returning ``.logits`` and ``.cache``; ``past_key_values`` on transformers releases before the rename).
             tokenizer: optional, to decode ``response_text``.
             pad_token_id: filler for left padding (masked out, so any valid id works); default: the model's or the
                 tokenizer's pad token, else its first EOS token, else 0.
@@ -142,7 +142,11 @@ class HFEngine:
         self._generator.manual_seed(seed)
         self._kv_awake = True
         self._version = 0
-        self._takes_logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
+        parameters = inspect.signature(model.forward).parameters
+        self._takes_logits_to_keep = "logits_to_keep" in parameters
+        # transformers >= 5.2x renamed the forward argument and output field ``past_key_values`` to ``cache`` and
+        # warns on the old name; older releases (and vLLM's pinned one) only know ``past_key_values``.
+        self._cache_name = "cache" if "cache" in parameters else "past_key_values"
         self._vocab_size = _vocab_size(model)
 
     # ------------------------------------------------------------------ protocol: lifecycle
@@ -187,13 +191,13 @@ class HFEngine:
         reaches the model; the tensors before it in the stream have already been applied (streaming keeps memory at
         one tensor). If the load fails midway, the version is not bumped and :meth:`generate` refuses to run until a
         later load succeeds. Returns how many tensors were loaded; the weight version becomes ``version`` (default:
-        the current version + 1).
+        the current version + 1), which must be newer than the current one (:class:`WeightVersionError` otherwise,
+        raised before anything is copied).
         """
-        if version is not None and (not isinstance(version, int) or version < 0):
-            raise ValueError(f"load_weights(version={version!r}); must be a non-negative int or None")
+        new_version = next_weight_version(f"hf engine on {self.device}", self._version, version)
         items = weights.items() if isinstance(weights, Mapping) else weights
         count = self._state.load(items)
-        self._version = self._version + 1 if version is None else version
+        self._version = new_version
         return count
 
     # ------------------------------------------------------------------ protocol: generate
@@ -257,11 +261,13 @@ class HFEngine:
         finally:
             self.model.train(was_training)
 
-    def _forward(self, input_ids, attention_mask, position_ids, past_key_values=None):
+    def _forward(self, input_ids, attention_mask, position_ids, cache=None):
         kwargs = {"logits_to_keep": 1} if self._takes_logits_to_keep else {}
+        if cache is not None:
+            kwargs[self._cache_name] = cache
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                         past_key_values=past_key_values, use_cache=True, **kwargs)
-        return out.logits[:, -1, :], out.past_key_values
+                         use_cache=True, **kwargs)
+        return out.logits[:, -1, :], getattr(out, self._cache_name)
 
     def _generate_chunk(self, prompts: list[list[int]], request_indices: list[int],
                         sampling: SamplingConfig) -> list[_ChunkOutput]:

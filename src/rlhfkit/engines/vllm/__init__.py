@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from rlhfkit._optional import require
+from rlhfkit.weight_sync import ArmedSyncStillReceiving, ManifestMismatchError, WeightSyncVersionError
 from rlhfkit.engines.vllm._compat import (
     VLLMFeatureError,
     detect_features,
@@ -46,7 +47,7 @@ from rlhfkit.engines.vllm._compat import (
 )
 from rlhfkit.engines.vllm._config import WORKER_EXTENSION, VLLMEngineConfig, build_llm_kwargs
 from rlhfkit.engines.vllm._ray import create_engine_group, create_engines, kill_engines, plan_launches, wait_ready
-from rlhfkit.engines.protocol import WAKE_TAGS, SamplingConfig
+from rlhfkit.engines.protocol import WAKE_TAGS, SamplingConfig, WeightVersionError, next_weight_version
 from rlhfkit.engines.router import pack_generate_result
 from rlhfkit.types import Rollout
 
@@ -303,7 +304,7 @@ class VLLMEngine:
         A failure part-way marks the weights invalid (generation is refused until a complete load)."""
         self.settle_weight_sync()
         self._check_weights_awake("load_weights")
-        new_version = self._version + 1 if version is None else int(version)
+        new_version = next_weight_version(f"engine {self.engine_index}", self._version, version)
         timeout = self.config.control_timeout_s
         count, bucket, bucket_bytes = 0, [], 0
         self._rpc("rlhfkit_begin_weight_update", self.config.weight_loading, timeout=timeout)
@@ -365,6 +366,8 @@ class VLLMEngine:
         """Receive one sync in every worker (blocks until the sender has sent it); returns the workers' reports."""
         self.settle_weight_sync()
         self._check_weights_awake("receive_weights")
+        if version is not None:
+            next_weight_version(f"engine {self.engine_index}", self._version, version)
         return self._received(lambda: self._rpc("rlhfkit_receive_weights", version, self.config.weight_loading,
                                                 timeout=self.config.control_timeout_s))
 
@@ -380,6 +383,8 @@ class VLLMEngine:
         then fails at once, naming the engine."""
         self.settle_weight_sync()
         self._check_weights_awake("arm_weight_sync")
+        if version is not None:
+            next_weight_version(f"engine {self.engine_index}", self._version, version)
         reports = self._rpc("rlhfkit_arm_weight_sync", version, self.config.weight_loading,
                             timeout=self.config.control_timeout_s)
         self._armed = True
@@ -393,25 +398,25 @@ class VLLMEngine:
             return None
         self._armed = False
         timeout = self.config.control_timeout_s
-        try:
-            reports = self._received(lambda: self._rpc("rlhfkit_settle_weight_sync", timeout,
-                                                       timeout=timeout + 30.0))
-        except BaseException as error:
-            if "still receiving" in str(error):  # (ArmedReceive.settle's timeout) the workers stay armed
-                self._armed = True
-            raise
+        reports = self._received(lambda: self._rpc("rlhfkit_settle_weight_sync", timeout, timeout=timeout + 30.0))
         return reports or None
 
     def _received(self, call: Any) -> list[dict[str, Any]]:
         """Run a receiving RPC and take its reports (workers whose armed sync was called off report None)."""
         try:
             reports = call()
-        except BaseException as error:
-            # A manifest mismatch fails before any byte moves; after any other failure some buckets may have landed
-            # and the weights could be a mix of two versions.
-            if "ManifestMismatchError" not in {cls.__name__ for cls in type(error).__mro__}:
-                self._invalidate("a weight sync failed part-way")
+        except (ManifestMismatchError, WeightSyncVersionError, WeightVersionError):
+            raise  # refused before any byte moved: the weights are untouched
+        except BaseException:
+            # after any other failure some buckets may have landed and the weights could be a mix of two versions
+            # (an executor that does not carry the exception's type lands here too: the safe side)
+            self._invalidate("a weight sync failed part-way")
             raise
+        still = [report for report in reports if isinstance(report, dict) and report.get("still_receiving")]
+        if still:  # ArmedReceive.settle's timeout: the workers stay armed, a later settle waits again
+            self._armed = True
+            raise ArmedSyncStillReceiving(f"engine {self.engine_index}: {still[0].get('message')} "
+                                          f"(worker rank(s) {[report.get('rank') for report in still]})")
         if all(report is None for report in reports):  # an armed sync that never started
             return []
         if any(report is None for report in reports):

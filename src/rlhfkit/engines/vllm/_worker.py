@@ -261,7 +261,10 @@ class WeightSyncExtension:
             with self._rlhfkit_device_context():
                 api[1](self._rlhfkit_model(), self.model_config)  # type: ignore[attr-defined]
         if version is not None:
-            state["version"] = int(version)
+            from rlhfkit.engines.protocol import next_weight_version
+
+            state["version"] = next_weight_version(f"vLLM worker rank {int(getattr(self, 'rank', 0))}",
+                                                   int(state["version"]), int(version))
         return {**session, "version": state["version"], "rank": int(getattr(self, "rank", 0))}
 
     def rlhfkit_mark_weights_discarded(self) -> None:
@@ -306,6 +309,16 @@ class WeightSyncExtension:
         if receiver is None:
             raise RuntimeError("rlhfkit_receive_weights called before rlhfkit_init_weight_sync; call "
                                "engine.init_weight_sync(...) first")
+        from rlhfkit.engines.protocol import next_weight_version
+
+        who, held = f"vLLM worker rank {int(getattr(self, 'rank', 0))}", int(state["version"])
+        if version is not None:
+            next_weight_version(who, held, version)
+
+        def check_version(offered: int | None) -> None:  # the sync's own version, before its first tensor loads
+            if version is None and offered is not None:
+                next_weight_version(who, held, int(offered))
+
         started = time.perf_counter()
         self.rlhfkit_begin_weight_update(loading)
         begun = time.perf_counter()
@@ -320,13 +333,17 @@ class WeightSyncExtension:
                     loading_s[0] += time.perf_counter() - start
 
             if state["session"]["planned"] and _takes_by_bucket(state, receiver):
-                def load_buckets(buckets: Iterable[list[Any]]) -> int:
+                def load_buckets(buckets: Iterable[list[Any]], version: int | None = None) -> int:
+                    check_version(version)
                     return sum(timed(self._rlhfkit_load_batch, bucket) for bucket in buckets)
 
                 report = plain_report(receiver.receive(load_buckets, by_bucket=True))
             else:
-                report = plain_report(receiver.receive(
-                    lambda weights: timed(self._rlhfkit_load, weights, borrowed=True)))
+                def load_stream(weights: Iterable[Any], version: int | None = None) -> int:
+                    check_version(version)
+                    return timed(self._rlhfkit_load, weights, borrowed=True)
+
+                report = plain_report(receiver.receive(load_stream))
         finally:
             received = time.perf_counter()
             session = self.rlhfkit_finish_weight_update(None)
@@ -377,13 +394,18 @@ class WeightSyncExtension:
     def rlhfkit_settle_weight_sync(self, timeout_s: float = 600.0) -> dict[str, Any] | None:
         """End an armed sync: if the sender has started it, wait (up to ``timeout_s``) until it is loaded and return
         its report (as :meth:`rlhfkit_receive_weights`), or raise its error; if not, call it off (the sender's
-        ``send`` of it then fails at once, naming this worker) and return None."""
+        ``send`` of it then fails at once, naming this worker) and return None. Still receiving after ``timeout_s``:
+        ``{"still_receiving": True, "message": ..., "rank": ...}`` (the sync stays armed)."""
         state = self._rlhfkit_state()
         armed = state.get("armed")
         if armed is None:
             return None
+        from rlhfkit.weight_sync import ArmedSyncStillReceiving
+
         try:
             return armed.settle(timeout_s)
+        except ArmedSyncStillReceiving as error:  # plain data: an executor may not carry the exception's type
+            return {"still_receiving": True, "message": str(error), "rank": int(getattr(self, "rank", 0))}
         finally:
             if not armed.running:  # (still receiving after timeout_s: stays armed, a later settle waits again)
                 state["armed"] = None
