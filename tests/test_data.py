@@ -307,6 +307,15 @@ HAND_CASES = [
 ]
 
 
+@pytest.mark.parametrize(("field", "value"), [("min_value", "0"), ("max_value", 2.5), ("seed", None),
+                                             ("allow_negative", "no"), ("template", 5), ("min_value", True)])
+def test_arithmetic_task_fields_of_the_wrong_type(field, value):
+    """Review defect 5 (sibling in ArithmeticTask): a field of the wrong type raised a bare TypeError from a comparison
+    (``min_value="0"``) or was accepted (``allow_negative="no"`` is truthy)."""
+    with pytest.raises(TypeError, match=rf"ArithmeticTask\.{field}={re.escape(repr(value))} is a"):
+        ArithmeticTask(**{field: value})
+
+
 @pytest.mark.parametrize("response,label,expected", HAND_CASES)
 def test_arithmetic_score_hand_worked(response, label, expected):
     assert arithmetic_score(response, label) == pytest.approx(expected, abs=1e-12)

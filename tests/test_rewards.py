@@ -459,3 +459,22 @@ def test_overlong_penalty_against_dapo_formula():
     assert half.tolist() == pytest.approx([-0.25])
     with pytest.raises(ValueError, match="buffer_length=0"):
         overlong_penalty([1], max_length=10, buffer_length=0)
+
+
+@pytest.mark.parametrize(("build", "expected"), [
+    (lambda: RewardFunctionConfig(fn=length_reward, weight="1"), r"RewardFunctionConfig.weight='1' is a str"),
+    (lambda: RewardFunctionConfig(fn=length_reward, timeout_s="5"), r"RewardFunctionConfig.timeout_s='5' is a str"),
+    (lambda: RewardFunctionConfig(fn=length_reward, batch_size=True), r"RewardFunctionConfig.batch_size=True is a bool"),
+    (lambda: RewardFunctionConfig(fn=length_reward, name=3), r"RewardFunctionConfig.name=3 is a int"),
+    (lambda: RewardModelConfig(model="m", max_batch_size="8"), r"RewardModelConfig.max_batch_size='8' is a str"),
+    (lambda: RewardModelConfig(model="m", attn_implementation=1), r"RewardModelConfig.attn_implementation=1 is a int"),
+    (lambda: apply_reward_function(length_reward, ["p"], ["r"], error_score="0"),
+     r"apply_reward_function.error_score='0' is a str"),
+    (lambda: apply_reward_function(length_reward, ["p"], ["r"], timeout_s="1"),
+     r"apply_reward_function.timeout_s='1' is a str; pass a number \(int or float\) or None"),
+])
+def test_config_fields_of_the_wrong_type_name_field_and_value(build, expected):
+    """Review defect 5 (sibling in the reward configs): a field of the wrong type raised a bare TypeError from a
+    comparison or math.isfinite, or was accepted (a bool batch size); now a TypeError names the field and value."""
+    with pytest.raises(TypeError, match=expected):
+        build()

@@ -24,7 +24,8 @@ from collections.abc import Callable, Mapping, Sequence, Set
 from dataclasses import dataclass
 from typing import Any, Literal
 
-__all__ = ["RewardFailure", "RewardReport", "RewardError", "apply_reward_function", "function_name"]
+__all__ = ["RewardFailure", "RewardReport", "RewardError", "apply_reward_function", "check_field_type",
+           "function_name"]
 
 logger = logging.getLogger(__name__)
 
@@ -247,6 +248,21 @@ def _as_score(value: Any) -> float | None:
         return None
 
 
+def check_field_type(owner: str, field: str, value: Any, kind: str) -> None:
+    """TypeError naming ``<owner>.<field>``, its value and what to pass. ``kind``: ``"int"``, ``"real"`` (int or
+    float), ``"str"``, ``"bool"``, each optionally ``"|None"``. A bool is never taken for an int or a real."""
+    base, _, optional = kind.partition("|")
+    if optional and value is None:
+        return
+    fits = {"int": lambda v: isinstance(v, int) and not isinstance(v, bool),
+            "real": lambda v: isinstance(v, numbers.Real) and not isinstance(v, bool),
+            "str": lambda v: isinstance(v, str), "bool": lambda v: isinstance(v, bool)}[base](value)
+    if not fits:
+        wanted = {"int": "an int", "real": "a number (int or float)", "str": "a string", "bool": "True or False"}[base]
+        raise TypeError(f"{owner}.{field}={value!r} is a {type(value).__name__}; pass {wanted}"
+                        f"{' or None' if optional else ''}")
+
+
 def _validate_args(prompts, responses, labels, batch_size, on_error, error_score, max_workers, timeout_s):
     if isinstance(responses, str) or isinstance(prompts, str):
         raise TypeError("apply_reward_function(prompts, responses, ...) take lists of strings, got a single string")
@@ -254,13 +270,16 @@ def _validate_args(prompts, responses, labels, batch_size, on_error, error_score
         raise ValueError(f"apply_reward_function: {len(labels)} labels for {len(responses)} responses")
     if len(prompts) != len(responses):
         raise ValueError(f"apply_reward_function: {len(prompts)} prompts for {len(responses)} responses")
-    if not isinstance(batch_size, int) or batch_size < 1:
+    for field, value, kind in (("batch_size", batch_size, "int"), ("error_score", error_score, "real"),
+                               ("max_workers", max_workers, "int"), ("timeout_s", timeout_s, "real|None")):
+        check_field_type("apply_reward_function", field, value, kind)
+    if batch_size < 1:
         raise ValueError(f"apply_reward_function(batch_size={batch_size!r}); must be a positive int")
     if on_error not in ("raise", "assign"):
         raise ValueError(f"apply_reward_function(on_error={on_error!r}); choose 'raise' or 'assign'")
     if not math.isfinite(error_score):
         raise ValueError(f"apply_reward_function(error_score={error_score}); must be finite")
-    if not isinstance(max_workers, int) or max_workers < 1:
+    if max_workers < 1:
         raise ValueError(f"apply_reward_function(max_workers={max_workers!r}); must be a positive int")
     if timeout_s is not None and not timeout_s > 0:
         raise ValueError(f"apply_reward_function(timeout_s={timeout_s}); must be > 0 or None")
