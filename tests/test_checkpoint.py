@@ -91,8 +91,9 @@ def _run_killed(tmp_path, action, root, kill_at):
     import sys
     script = tmp_path / "killer.py"
     script.write_text(_KILLER)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))    # the rlhfkit under test, however it is found
     return subprocess.Popen([sys.executable, str(script), action, str(root), kill_at], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True, env=env)
 
 
 def _assert_visible_complete(root):

@@ -464,7 +464,8 @@ def test_overlong_penalty_against_dapo_formula():
 @pytest.mark.parametrize(("build", "expected"), [
     (lambda: RewardFunctionConfig(fn=length_reward, weight="1"), r"RewardFunctionConfig.weight='1' is a str"),
     (lambda: RewardFunctionConfig(fn=length_reward, timeout_s="5"), r"RewardFunctionConfig.timeout_s='5' is a str"),
-    (lambda: RewardFunctionConfig(fn=length_reward, batch_size=True), r"RewardFunctionConfig.batch_size=True is a bool"),
+    (lambda: RewardFunctionConfig(fn=length_reward, batch_size=True),
+     r"RewardFunctionConfig.batch_size=True is a bool"),
     (lambda: RewardFunctionConfig(fn=length_reward, name=3), r"RewardFunctionConfig.name=3 is a int"),
     (lambda: RewardModelConfig(model="m", max_batch_size="8"), r"RewardModelConfig.max_batch_size='8' is a str"),
     (lambda: RewardModelConfig(model="m", attn_implementation=1), r"RewardModelConfig.attn_implementation=1 is a int"),

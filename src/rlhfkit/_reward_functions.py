@@ -2,10 +2,10 @@
 
 Part of :mod:`rlhfkit.rewards` (re-exported there). Sync functions run in daemon worker threads, async ones
 (``async def``) as concurrent asyncio tasks in a daemon thread's event loop, so a hung call never blocks interpreter
-exit. A batch that raises is re-run one sample at a time, so a failure names the sample(s) that
-cause it; a non-finite or non-numeric score (a string such as ``"0.5"``, None, a dict) fails its sample. The caller chooses: ``on_error="raise"`` raises
-:class:`RewardError`, ``"assign"`` gives failed samples ``error_score`` and lists them in the :class:`RewardReport`.
-A function returning the wrong number of scores always raises. Needs only the standard library.
+exit. A batch that raises is re-run one sample at a time, so a failure names the sample(s) that cause it; a
+non-finite or non-numeric score (a string such as ``"0.5"``, None, a dict) fails its sample. The caller chooses:
+``on_error="raise"`` raises :class:`RewardError`, ``"assign"`` gives failed samples ``error_score`` and lists them in
+the :class:`RewardReport`. A function returning the wrong number of scores (or a dict or set) always raises. Needs only the standard library.
 """
 
 from __future__ import annotations

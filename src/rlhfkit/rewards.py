@@ -7,7 +7,8 @@ What it does:
 - :func:`apply_reward_function` runs ``fn(prompts, responses, labels) -> list[float]`` (sync in daemon worker
   threads, or ``async def`` with asyncio) over batches; an exception, a non-finite or a non-numeric score is reported
   with the sample index and the function's name, and the caller chooses between raising :class:`RewardError` and
-  assigning a configured score. Nothing is dropped silently; a hung function never blocks interpreter exit. :func:`apply_reward_functions` sums several functions with weights.
+  assigning a configured score. Nothing is dropped silently; a hung function never blocks interpreter exit.
+  :func:`apply_reward_functions` sums several functions with weights.
 - :class:`RunningMeanStd` (Chan's parallel update, optionally over a ``torch.distributed`` group),
   :func:`clip_rewards`, :func:`overlong_penalty` (DAPO soft overlong punishment).
 - :func:`rollout_texts` lines up prompts, responses and labels of a list of rollouts for the functions above.
