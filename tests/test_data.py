@@ -147,6 +147,117 @@ def test_dataset_errors(tokenizer, tmp_path):
         PromptDatasetConfig(system_prompt="x")
 
 
+def test_jsonl_with_a_non_utf8_byte_names_file_and_line(tokenizer, tmp_path):
+    """Review defect 5: a non-UTF-8 byte raised a bare UnicodeDecodeError naming neither the file nor the line."""
+    path = tmp_path / "latin1.jsonl"
+    path.write_bytes(b'{"prompt": "ok", "label": "1"}\n{"prompt": "caf\xe9", "label": "2"}\n')
+    with pytest.raises(ValueError, match=r"latin1.jsonl:2: not valid UTF-8 \(byte 0xe9 at column 16\)"):
+        PromptDataset.from_file(path, tokenizer)
+    bom = tmp_path / "bom.jsonl"                     # sibling: a UTF-8 BOM (Windows editors) is not an error
+    bom.write_bytes(b'\xef\xbb\xbf{"prompt": "ok", "label": "1"}\n')
+    assert PromptDataset.from_file(bom, tokenizer)[0][1] == "ok"
+
+
+@pytest.mark.parametrize("template", [False, True])
+def test_lone_surrogate_names_the_record(tokenizer, tmp_path, template):
+    """Review defect 5: a lone surrogate (a JSON "\ud800" escape without its pair) made the tokenizer raise a
+    TypeError naming no record."""
+    path = tmp_path / "surrogate.jsonl"
+    path.write_text('{"prompt": "fine", "label": "1"}\n{"prompt": "bad \\ud800 text", "label": "2"}\n')
+    with pytest.raises(ValueError, match=r"record 1 field 'prompt' holds '\\ud800' at character"):
+        PromptDataset.from_file(path, tokenizer, PromptDatasetConfig(apply_chat_template=template))
+
+
+def test_tokenizer_errors_keep_their_type_and_name_the_record(tokenizer):
+    """Review defect 5, sibling: any other tokenizer or chat-template failure keeps its type and gains a note naming
+    the record."""
+
+    class Picky:
+        def __call__(self, text, **kwargs):
+            if "boom" in text:
+                raise OverflowError("cannot encode")
+            return tokenizer(text, **kwargs)
+
+        def apply_chat_template(self, messages, **kwargs):
+            if messages[-1]["content"] == "template boom":
+                raise KeyError("role")
+            return tokenizer.apply_chat_template(messages, **kwargs)
+
+    records = [{"prompt": "fine", "label": "1"}, {"prompt": "boom", "label": "2"}]
+    with pytest.raises(OverflowError, match="cannot encode") as caught:
+        PromptDataset(records, Picky())
+    assert caught.value.__notes__ == ["while tokenizing PromptDataset record 1 (field 'prompt')"]
+    records[1]["prompt"] = "template boom"
+    with pytest.raises(KeyError) as caught:
+        PromptDataset(records, Picky(), PromptDatasetConfig(apply_chat_template=True))
+    assert caught.value.__notes__ == ["while applying the chat template to PromptDataset record 1 (field 'prompt')"]
+
+
+def test_records_of_the_wrong_shape_are_a_clear_type_error(tokenizer):
+    """Review defect 5: a dict of columns instead of rows raised ``KeyError: 0``."""
+    columns = {"prompt": ["a", "b"], "label": ["1", "2"]}
+    with pytest.raises(TypeError, match=r"dict of columns \(keys \['prompt', 'label'\]\); it expects rows"):
+        PromptDataset(columns, tokenizer)
+    rows = [dict(zip(columns, row)) for row in zip(*columns.values())]     # the conversion the message suggests
+    assert [PromptDataset(rows, tokenizer)[i][1] for i in range(2)] == ["a", "b"]
+    with pytest.raises(TypeError, match=r"DatasetDict pass one split"):
+        PromptDataset({"train": Indexable(rows)}, tokenizer)
+    with pytest.raises(TypeError, match="generator, which has no len"):
+        PromptDataset((row for row in rows), tokenizer)
+    with pytest.raises(TypeError, match="config=...\\) got a dict; pass a PromptDatasetConfig"):
+        PromptDataset(rows, tokenizer, {"input_key": "prompt"})
+
+
+@pytest.mark.parametrize(("field", "value", "expected"), [
+    ("prompt_max_len", "8", r"prompt_max_len='8' is a str, expected int or None"),
+    ("prompt_max_len", 8.0, r"prompt_max_len=8.0 is a float, expected int or None"),
+    ("prompt_max_len", True, r"prompt_max_len=True is a bool, expected int or None"),
+    ("input_key", 3, r"input_key=3 is a int, expected str"),
+    ("label_key", ["answer"], r"label_key=\['answer'\] is a list, expected str or None"),
+    ("apply_chat_template", "yes", r"apply_chat_template='yes' is a str, expected bool"),
+    ("system_prompt", 1, r"system_prompt=1 is a int, expected str or None"),
+    ("on_overlong", ["reject"], r"on_overlong=\['reject'\] is a list, expected str"),
+])
+def test_config_fields_of_the_wrong_type_name_field_and_value(field, value, expected):
+    """Review defect 5: ``prompt_max_len="8"`` raised a bare TypeError from a comparison; every field's type is
+    checked when the config is built."""
+    with pytest.raises(TypeError, match=rf"PromptDatasetConfig\.{expected}"):
+        PromptDatasetConfig(**{field: value})
+
+
+@pytest.mark.parametrize("prompt", ["", "   ", [], [{"role": "user", "content": ""}], None])
+@pytest.mark.parametrize("template", [False, True])
+def test_empty_prompt_is_rejected_with_or_without_chat_template(tokenizer, prompt, template):
+    """Review defect 6: an empty prompt was kept when the chat template was on (the template wraps it into a
+    non-empty text), but rejected without it."""
+    records = [{"prompt": "fine", "label": "1"}, {"prompt": prompt, "label": "2"}]
+    config = PromptDatasetConfig(apply_chat_template=template)
+    if not template and not isinstance(prompt, str):
+        error = TypeError                               # without the template a prompt must be a string at all
+        match = "record 1 field 'prompt' is a"
+    else:
+        error, match = ValueError, "record 1 field 'prompt' is an empty prompt"
+    with pytest.raises(error, match=match):
+        PromptDataset(records, tokenizer, config)
+
+
+def test_truncation_never_starts_inside_a_multibyte_character(tokenizer):
+    """Review defect 6: ``on_overlong="truncate"`` kept the last prompt_max_len tokens even when the first of them
+    held only the tail bytes of a character, so the prompt text began with U+FFFD."""
+    text = "naïve café — 日本語 ok"
+    ids = tokenizer(text)["input_ids"]
+    broken = [limit for limit in range(1, len(ids)) if tokenizer.decode(ids[-limit:]).startswith("\ufffd")]
+    assert broken, "the tokenizer should split some character over tokens, else this test checks nothing"
+    for limit in range(2, len(ids)):
+        dataset = PromptDataset([{"prompt": text, "label": "1"}], tokenizer,
+                                PromptDatasetConfig(prompt_max_len=limit, on_overlong="truncate"))
+        kept, kept_text, _ = dataset[0]
+        assert "\ufffd" not in kept_text and text.endswith(kept_text), (limit, kept_text)
+        assert kept == ids[-len(kept):] and len(kept) <= limit and len(kept) >= limit - 3
+        assert tokenizer.decode(kept) == kept_text
+    assert dataset.stats.num_truncated == 1
+
+
 # ---------------------------------------------------------------- arithmetic task
 
 
@@ -194,6 +305,15 @@ HAND_CASES = [
     ("68 68 68 68", "68", 0.1 * 8 / 11 + 0.1 * 4 / 11 + 0.3 + 0.4),
     ("x7", "7", 0.1 * 1 / 2 + 0.1 * 1 + 0.3 + 0.4),
 ]
+
+
+@pytest.mark.parametrize(("field", "value"), [("min_value", "0"), ("max_value", 2.5), ("seed", None),
+                                             ("allow_negative", "no"), ("template", 5), ("min_value", True)])
+def test_arithmetic_task_fields_of_the_wrong_type(field, value):
+    """Review defect 5 (sibling in ArithmeticTask): a field of the wrong type raised a bare TypeError from a comparison
+    (``min_value="0"``) or was accepted (``allow_negative="no"`` is truthy)."""
+    with pytest.raises(TypeError, match=rf"ArithmeticTask\.{field}={re.escape(repr(value))} is a"):
+        ArithmeticTask(**{field: value})
 
 
 @pytest.mark.parametrize("response,label,expected", HAND_CASES)

@@ -208,7 +208,7 @@ def test_invalid_scores_and_wrong_length():
     for on_error in ("raise", "assign"):
         with pytest.raises(RewardError, match=r"'short' returned 2 values for samples 0..2 \(3 samples\)"):
             apply_reward_function(short, PROMPTS, RESPONSES, batch_size=3, on_error=on_error)
-    with pytest.raises(RewardError, match="returned float"):
+    with pytest.raises(RewardError, match="returned a float"):
         apply_reward_function(lambda p, r, l: 1.0, PROMPTS, RESPONSES)
 
 
@@ -233,6 +233,79 @@ def test_timeout_is_reported():
 
     with pytest.raises(RewardError, match="timeout_s"):
         apply_reward_function(hangs, PROMPTS[:2], RESPONSES[:2], timeout_s=0.5)
+
+
+_HANGING_REWARD = """
+import asyncio, sys, threading, time
+from rlhfkit.rewards import apply_reward_function
+kind = sys.argv[1]
+def hangs(prompts, responses, labels):
+    threading.Event().wait()                 # never returns
+async def blocks_the_loop(prompts, responses, labels):
+    time.sleep(3600)                         # synchronous code inside a coroutine: the loop cannot cancel it
+fn = hangs if kind == "sync" else blocks_the_loop
+started = time.monotonic()
+scores, report = apply_reward_function(fn, ["p", "q"], ["a", "b"], batch_size=1, timeout_s=0.5, on_error="assign")
+assert [f.kind for f in report.failures] == ["timeout", "timeout"], report
+print(f"returned after {time.monotonic() - started:.1f}s", flush=True)
+"""
+
+
+@pytest.mark.parametrize("kind", ["sync", "async_blocking"])
+def test_hung_reward_function_does_not_block_interpreter_exit(tmp_path, kind):
+    """Review defect 3: a sync reward function that hangs made the call return after timeout_s, but the process could
+    never exit (concurrent.futures joined the stuck worker thread at shutdown). Sibling: an ``async def`` that blocks
+    its event loop with synchronous code was never timed out at all."""
+    import subprocess
+    import sys
+    script = tmp_path / "hang.py"
+    script.write_text(_HANGING_REWARD)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    started = time.monotonic()
+    try:
+        result = subprocess.run([sys.executable, str(script), kind], capture_output=True, text=True, timeout=60,
+                                env=env)
+    except subprocess.TimeoutExpired as error:
+        pytest.fail(f"the process did not exit 60 s after its reward call returned: {error.stdout!r}")
+    assert result.returncode == 0, result.stderr
+    assert "returned after" in result.stdout
+    assert time.monotonic() - started < 60
+
+
+@pytest.mark.parametrize("on_error", ["raise", "assign"])
+def test_non_numeric_scores_fail_their_sample_naming_index_and_type(on_error):
+    """Review defect 4: a score given as a string ("0.5") was parsed by float() and accepted silently; the docs say a
+    non-number fails its sample. bool, ints, numpy and tensor scalars stay numbers."""
+    import numpy
+
+    values = ["0.5", {"score": 1.0}, None, b"1", 1 + 2j, [0.5], float("nan"), True, 2, numpy.float32(0.25),
+              torch.tensor(0.75)]
+
+    def mixed(prompts, responses, labels):
+        return [values[int(r)] for r in responses]
+
+    responses = [str(i) for i in range(len(values))]
+    prompts = ["p"] * len(values)
+    if on_error == "raise":
+        with pytest.raises(RewardError, match=r"sample 0: score '0.5' \(str\) is not a number") as caught:
+            apply_reward_function(mixed, prompts, responses, batch_size=4, on_error="raise")
+        assert caught.value.indices == [0, 1, 2, 3, 4, 5, 6]
+        return
+    scores, report = apply_reward_function(mixed, prompts, responses, batch_size=4, on_error="assign",
+                                           error_score=-1.0)
+    assert scores == [-1.0] * 7 + [1.0, 2.0, 0.25, 0.75]
+    assert [f.kind for f in report.failures] == ["invalid"] * 6 + ["non_finite"]
+    assert "(dict)" in report.failures[1].message and "(NoneType)" in report.failures[2].message
+
+
+def test_mapping_or_set_returned_for_a_batch_is_a_contract_violation():
+    """Review defect 4, sibling: a dict ``{0: 0.5, 1: 0.7}`` has the right length and iterating it gave its keys as
+    scores, silently; any mapping or set returned for a batch now raises whatever ``on_error``."""
+    for returned in ({0: 0.5, 1: 0.7}, {0.5, 0.7}):
+        for on_error in ("raise", "assign"):
+            with pytest.raises(RewardError, match=f"returned a {type(returned).__name__} for samples 0..1"):
+                apply_reward_function(lambda p, r, l, returned=returned: returned, ["p", "q"], ["a", "b"],
+                                      on_error=on_error)
 
 
 def test_combined_weighted_functions():
@@ -386,3 +459,23 @@ def test_overlong_penalty_against_dapo_formula():
     assert half.tolist() == pytest.approx([-0.25])
     with pytest.raises(ValueError, match="buffer_length=0"):
         overlong_penalty([1], max_length=10, buffer_length=0)
+
+
+@pytest.mark.parametrize(("build", "expected"), [
+    (lambda: RewardFunctionConfig(fn=length_reward, weight="1"), r"RewardFunctionConfig.weight='1' is a str"),
+    (lambda: RewardFunctionConfig(fn=length_reward, timeout_s="5"), r"RewardFunctionConfig.timeout_s='5' is a str"),
+    (lambda: RewardFunctionConfig(fn=length_reward, batch_size=True),
+     r"RewardFunctionConfig.batch_size=True is a bool"),
+    (lambda: RewardFunctionConfig(fn=length_reward, name=3), r"RewardFunctionConfig.name=3 is a int"),
+    (lambda: RewardModelConfig(model="m", max_batch_size="8"), r"RewardModelConfig.max_batch_size='8' is a str"),
+    (lambda: RewardModelConfig(model="m", attn_implementation=1), r"RewardModelConfig.attn_implementation=1 is a int"),
+    (lambda: apply_reward_function(length_reward, ["p"], ["r"], error_score="0"),
+     r"apply_reward_function.error_score='0' is a str"),
+    (lambda: apply_reward_function(length_reward, ["p"], ["r"], timeout_s="1"),
+     r"apply_reward_function.timeout_s='1' is a str; pass a number \(int or float\) or None"),
+])
+def test_config_fields_of_the_wrong_type_name_field_and_value(build, expected):
+    """Review defect 5 (sibling in the reward configs): a field of the wrong type raised a bare TypeError from a
+    comparison or math.isfinite, or was accepted (a bool batch size); now a TypeError names the field and value."""
+    with pytest.raises(TypeError, match=expected):
+        build()

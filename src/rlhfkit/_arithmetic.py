@@ -53,6 +53,12 @@ class ArithmeticTask:
     seed: int = 0
 
     def __post_init__(self) -> None:
+        for field, wanted in (("min_value", int), ("max_value", int), ("template", str), ("allow_negative", bool),
+                              ("seed", int)):
+            value = getattr(self, field)
+            if not isinstance(value, wanted) or (wanted is int and isinstance(value, bool)):
+                raise TypeError(f"ArithmeticTask.{field}={value!r} is a {type(value).__name__}; pass a "
+                                f"{wanted.__name__}")
         if self.min_value > self.max_value:
             raise ValueError(f"ArithmeticTask.min_value={self.min_value} > max_value={self.max_value}; swap them")
         if not isinstance(self.ops, tuple) or not self.ops or any(op not in _OPS for op in self.ops):

@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import logging
 import random
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -61,7 +61,8 @@ class PromptDatasetConfig:
         system_prompt: with the chat template, a system message put before a string prompt.
         prompt_max_len: longest prompt in tokens (after the template); None for no limit.
         on_overlong: ``"truncate"`` keeps the *last* ``prompt_max_len`` tokens (the end holds the question and the
-            generation prompt; the text is re-decoded from the kept tokens), ``"reject"`` drops the prompt,
+            generation prompt; the text is re-decoded from the kept tokens, and up to 3 leading tokens that hold only
+            part of a character are dropped too), ``"reject"`` drops the prompt,
             ``"error"`` raises ValueError naming the record. All are counted in the stats.
     """
 
@@ -73,8 +74,14 @@ class PromptDatasetConfig:
     on_overlong: Literal["truncate", "reject", "error"] = "reject"
 
     def __post_init__(self) -> None:
-        if not isinstance(self.input_key, str) or not self.input_key:
-            raise ValueError(f"PromptDatasetConfig.input_key={self.input_key!r}; name the record field of the prompt")
+        _check_type("input_key", self.input_key, str, "name the record field of the prompt, e.g. 'prompt'")
+        if not self.input_key:
+            raise ValueError("PromptDatasetConfig.input_key=''; name the record field of the prompt")
+        _check_type("label_key", self.label_key, (str, type(None)), "name the label field, or None for no labels")
+        _check_type("apply_chat_template", self.apply_chat_template, bool, "pass True or False")
+        _check_type("system_prompt", self.system_prompt, (str, type(None)), "pass a string or None")
+        _check_type("prompt_max_len", self.prompt_max_len, (int, type(None)), "pass a number of tokens, e.g. 512")
+        _check_type("on_overlong", self.on_overlong, str, "pass 'truncate', 'reject' or 'error'")
         if self.prompt_max_len is not None and self.prompt_max_len < 1:
             raise ValueError(f"PromptDatasetConfig.prompt_max_len={self.prompt_max_len}; must be >= 1 or None")
         if self.on_overlong not in ("truncate", "reject", "error"):
@@ -83,6 +90,14 @@ class PromptDatasetConfig:
         if self.system_prompt is not None and not self.apply_chat_template:
             raise ValueError("PromptDatasetConfig.system_prompt is set but apply_chat_template=False; enable the "
                              "chat template or drop the system prompt")
+
+
+def _check_type(field: str, value: Any, types: type | tuple[type, ...], fix: str) -> None:
+    """TypeError naming ``PromptDatasetConfig.<field>``, its value and the fix; a bool is not accepted as an int."""
+    wanted = types if isinstance(types, tuple) else (types,)
+    if (isinstance(value, bool) and bool not in wanted) or not isinstance(value, wanted):
+        names = " or ".join("None" if t is type(None) else t.__name__ for t in wanted)
+        raise TypeError(f"PromptDatasetConfig.{field}={value!r} is a {type(value).__name__}, expected {names}; {fix}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -115,10 +130,16 @@ class PromptBatch:
 
 
 def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
-    """Records of a JSON-lines file (blank lines skipped); errors name the line."""
+    """Records of a UTF-8 JSON-lines file (blank lines and a leading BOM skipped); errors name the file and line."""
     records = []
-    with open(path, encoding="utf-8") as handle:
-        for number, line in enumerate(handle, start=1):
+    with open(path, "rb") as handle:
+        for number, raw in enumerate(handle, start=1):
+            try:
+                line = raw.decode("utf-8-sig" if number == 1 else "utf-8")
+            except UnicodeDecodeError as error:
+                raise ValueError(f"{path}:{number}: not valid UTF-8 (byte {raw[error.start]:#04x} at column "
+                                 f"{error.start + 1}); JSON lines must be UTF-8, re-encode the file (e.g. iconv -f "
+                                 "latin1 -t utf-8)") from error
             if not line.strip():
                 continue
             try:
@@ -147,9 +168,11 @@ class PromptDataset:
     """
 
     def __init__(self, records: Sequence[dict[str, Any]], tokenizer, config: PromptDatasetConfig | None = None):
+        if config is not None and not isinstance(config, PromptDatasetConfig):
+            raise TypeError(f"PromptDataset(config=...) got a {type(config).__name__}; pass a PromptDatasetConfig, "
+                            "e.g. PromptDatasetConfig(input_key='question')")
         self.config = config or PromptDatasetConfig()
-        if isinstance(records, (str, Path)):
-            raise TypeError(f"PromptDataset(records={str(records)!r}) got a path; use PromptDataset.from_file()")
+        _check_records(records)
         self.tokenizer = tokenizer
         self._token_ids: list[list[int]] = []
         self._texts: list[str] = []
@@ -186,19 +209,54 @@ class PromptDataset:
     def _format(self, index: int, record: Any) -> str:
         if not isinstance(record, dict):
             raise TypeError(f"PromptDataset: record {index} is a {type(record).__name__}, expected a dict")
-        if self.config.input_key not in record:
-            raise ValueError(f"PromptDataset: record {index} has no field {self.config.input_key!r} (fields: "
+        key = self.config.input_key
+        if key not in record:
+            raise ValueError(f"PromptDataset: record {index} has no field {key!r} (fields: "
                              f"{sorted(record)}); set PromptDatasetConfig.input_key")
-        prompt = record[self.config.input_key]
+        prompt = record[key]
+        if not self.config.apply_chat_template and not isinstance(prompt, str):
+            raise TypeError(f"PromptDataset: record {index} field {key!r} is a "
+                            f"{type(prompt).__name__}; without the chat template prompts must be strings")
+        _check_not_empty(index, key, prompt)
         if not self.config.apply_chat_template:
-            if not isinstance(prompt, str):
-                raise TypeError(f"PromptDataset: record {index} field {self.config.input_key!r} is a "
-                                f"{type(prompt).__name__}; without the chat template prompts must be strings")
             return prompt
         messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": str(prompt)}]
         if self.config.system_prompt is not None and not isinstance(prompt, list):
             messages = [{"role": "system", "content": self.config.system_prompt}, *messages]
-        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        try:
+            return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        except Exception as error:                 # re-raised as the tokenizer's own type, with the record named
+            error.add_note(f"while applying the chat template to PromptDataset record {index} (field {key!r})")
+            raise
+
+    def _tokenize(self, index: int, text: str) -> list[int]:
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as error:        # e.g. a JSON "\ud800" escape without its pair
+            raise ValueError(f"PromptDataset: record {index} field {self.config.input_key!r} holds "
+                             f"{text[error.start]!r} at character {error.start} (a lone surrogate, not text a "
+                             "tokenizer can encode); fix or drop the record") from error
+        try:
+            # A chat template already holds its special tokens; do not let the tokenizer add another BOS.
+            return list(self.tokenizer(text, add_special_tokens=not self.config.apply_chat_template)["input_ids"])
+        except Exception as error:                 # re-raised as the tokenizer's own type, with the record named
+            error.add_note(f"while tokenizing PromptDataset record {index} (field {self.config.input_key!r})")
+            raise
+
+    def _truncate(self, ids: list[int], text: str) -> tuple[list[int], str]:
+        """The last ``prompt_max_len`` tokens, minus leading tokens that hold only part of a character.
+
+        A byte-level tokenizer can split one character over several tokens; keeping the tail of such a split would
+        decode to U+FFFD. Up to 3 more leading tokens are dropped until the kept text starts on a whole character.
+        """
+        kept = ids[-self.config.prompt_max_len:]
+        decoded = self.tokenizer.decode(kept)
+        for _ in range(3):                         # a UTF-8 character has at most 3 continuation bytes
+            if not decoded.startswith("\ufffd") or text.endswith(decoded) or len(kept) == 1:
+                break
+            kept = kept[1:]
+            decoded = self.tokenizer.decode(kept)
+        return kept, decoded
 
     def _add(self, index: int, record: Any) -> str:
         text = self._format(index, record)
@@ -208,8 +266,7 @@ class PromptDataset:
                 raise ValueError(f"PromptDataset: record {index} has no label field {self.config.label_key!r}; set "
                                  "PromptDatasetConfig.label_key=None for unlabeled prompts")
             label = str(record[self.config.label_key])
-        # A chat template already holds its special tokens; do not let the tokenizer add another BOS.
-        ids = list(self.tokenizer(text, add_special_tokens=not self.config.apply_chat_template)["input_ids"])
+        ids = self._tokenize(index, text)
         if not ids:
             raise ValueError(f"PromptDataset: record {index} tokenizes to no tokens (text {text!r})")
         status = "kept"
@@ -220,8 +277,7 @@ class PromptDataset:
                                  f"{limit}; raise prompt_max_len or set on_overlong='truncate' or 'reject'")
             if self.config.on_overlong == "reject":
                 return "rejected"
-            ids = ids[-limit:]
-            text = self.tokenizer.decode(ids)
+            ids, text = self._truncate(ids, text)
             status = "truncated"
         self._token_ids.append(ids)
         self._texts.append(text)
@@ -268,8 +324,8 @@ class PromptDataset:
         if per_epoch == 0:
             raise ValueError(f"PromptDataset.stream(batch_size={batch_size}) exceeds the {len(self)} prompts; "
                              "lower batch_size")
-        if start_step < 0:
-            raise ValueError(f"PromptDataset.stream(start_step={start_step}); must be >= 0")
+        if isinstance(start_step, bool) or not isinstance(start_step, int) or start_step < 0:
+            raise ValueError(f"PromptDataset.stream(start_step={start_step!r}); must be an int >= 0")
         step, epoch, order = start_step, None, []
         while True:
             if step // per_epoch != epoch:
@@ -280,6 +336,38 @@ class PromptDataset:
             step += 1
 
 
+def _check_not_empty(index: int, key: str, prompt: Any) -> None:
+    """An empty prompt is an error with or without the chat template (a template would wrap it into a non-empty
+    text that asks the policy nothing)."""
+    if isinstance(prompt, str):
+        empty = not prompt.strip()
+    elif isinstance(prompt, list):
+        contents = [message.get("content") if isinstance(message, dict) else None for message in prompt]
+        empty = all(isinstance(content, str) and not content.strip() for content in contents)  # [] is empty too
+    else:
+        empty = prompt is None
+    if empty:
+        raise ValueError(f"PromptDataset: record {index} field {key!r} is an empty prompt ({prompt!r}); drop the "
+                         "record or fill in the prompt")
+
+
+def _check_records(records: Any) -> None:
+    """Records must be rows: an indexable of dicts. Catch the common wrong shapes before touching them."""
+    if isinstance(records, (str, Path)):
+        raise TypeError(f"PromptDataset(records={str(records)!r}) got a path; use PromptDataset.from_file()")
+    if isinstance(records, Mapping):
+        keys = list(records)[:5]
+        if all(isinstance(records[key], (list, tuple)) for key in keys):
+            raise TypeError(f"PromptDataset(records=...) got a dict of columns (keys {keys}); it expects rows, a "
+                            "list of dicts. Convert with [dict(zip(columns, row)) for row in zip(*columns.values())]"
+                            " or datasets.Dataset.from_dict(columns)")
+        raise TypeError(f"PromptDataset(records=...) got a {type(records).__name__} (keys {keys}); it expects rows, a "
+                        "list of dicts (for a DatasetDict pass one split, e.g. records['train'])")
+    if not hasattr(records, "__len__") or not hasattr(records, "__getitem__"):
+        raise TypeError(f"PromptDataset(records=...) got a {type(records).__name__}, which has no len() or integer "
+                        "indexing; pass a list of dicts (e.g. list(records)) or a datasets.Dataset")
+
+
 def _check_batch_size(batch_size: int) -> None:
-    if not isinstance(batch_size, int) or batch_size < 1:
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size={batch_size!r}; must be a positive int")

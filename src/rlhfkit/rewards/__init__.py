@@ -4,10 +4,11 @@ What it does:
 
 - :class:`RewardModel` scores prompt + response token ids with a one-label sequence-classification model, in
   batches, at each sequence's last real token (``rlhfkit[hf]`` to load from a path).
-- :func:`apply_reward_function` runs ``fn(prompts, responses, labels) -> list[float]`` (sync in a thread pool, or
-  ``async def`` with asyncio) over batches; an exception or a non-finite score is reported with the sample index and
-  the function's name, and the caller chooses between raising :class:`RewardError` and assigning a configured score.
-  Nothing is dropped silently. :func:`apply_reward_functions` sums several functions with weights.
+- :func:`apply_reward_function` runs ``fn(prompts, responses, labels) -> list[float]`` (sync in daemon worker
+  threads, or ``async def`` with asyncio) over batches; an exception, a non-finite or a non-numeric score is reported
+  with the sample index and the function's name, and the caller chooses between raising :class:`RewardError` and
+  assigning a configured score. Nothing is dropped silently; a hung function never blocks interpreter exit.
+  :func:`apply_reward_functions` sums several functions with weights.
 - :class:`RunningMeanStd` (Chan's parallel update, optionally over a ``torch.distributed`` group),
   :func:`clip_rewards`, :func:`overlong_penalty` (DAPO soft overlong punishment).
 - :func:`rollout_texts` lines up prompts, responses and labels of a list of rollouts for the functions above.
@@ -28,6 +29,7 @@ from rlhfkit.rewards._functions import (
     RewardFailure,
     RewardReport,
     apply_reward_function,
+    check_field_type,
     function_name,
 )
 from rlhfkit.rewards._model import RewardModel, RewardModelConfig
@@ -74,15 +76,18 @@ class RewardFunctionConfig:
         if not callable(self.fn):
             raise TypeError(f"RewardFunctionConfig.fn={self.fn!r} is not callable; pass fn(prompts, responses, "
                             "labels) -> list[float]")
+        for field, kind in (("weight", "real"), ("name", "str|None"), ("batch_size", "int"), ("on_error", "str"),
+                            ("error_score", "real"), ("max_workers", "int"), ("timeout_s", "real|None")):
+            check_field_type("RewardFunctionConfig", field, getattr(self, field), kind)
         if not math.isfinite(self.weight):
             raise ValueError(f"RewardFunctionConfig.weight={self.weight}; must be finite")
-        if not isinstance(self.batch_size, int) or self.batch_size < 1:
+        if self.batch_size < 1:
             raise ValueError(f"RewardFunctionConfig.batch_size={self.batch_size!r}; must be a positive int")
         if self.on_error not in ("raise", "assign"):
             raise ValueError(f"RewardFunctionConfig.on_error={self.on_error!r}; choose 'raise' or 'assign'")
         if not math.isfinite(self.error_score):
             raise ValueError(f"RewardFunctionConfig.error_score={self.error_score}; must be finite")
-        if not isinstance(self.max_workers, int) or self.max_workers < 1:
+        if self.max_workers < 1:
             raise ValueError(f"RewardFunctionConfig.max_workers={self.max_workers!r}; must be a positive int")
         if self.timeout_s is not None and not self.timeout_s > 0:
             raise ValueError(f"RewardFunctionConfig.timeout_s={self.timeout_s}; must be > 0 or None")

@@ -1,10 +1,11 @@
 """Apply Python reward functions ``fn(prompts, responses, labels) -> scores`` in batches, reporting every failure.
 
-Part of :mod:`rlhfkit.rewards` (re-exported there). Sync functions run in a thread pool, async ones (``async def``)
-as concurrent asyncio tasks. A batch that raises is re-run one sample at a time, so a failure names the sample(s) that
-cause it; a non-finite or non-numeric score fails its sample. The caller chooses: ``on_error="raise"`` raises
-:class:`RewardError`, ``"assign"`` gives failed samples ``error_score`` and lists them in the :class:`RewardReport`.
-A function returning the wrong number of scores always raises. Needs only the standard library.
+Part of :mod:`rlhfkit.rewards` (re-exported there). Sync functions run in daemon worker threads, async ones
+(``async def``) as concurrent asyncio tasks in a daemon thread's event loop, so a hung call never blocks interpreter
+exit. A batch that raises is re-run one sample at a time, so a failure names the sample(s) that cause it; a
+non-finite or non-numeric score (a string such as ``"0.5"``, None, a dict) fails its sample. The caller chooses:
+``on_error="raise"`` raises :class:`RewardError`, ``"assign"`` gives failed samples ``error_score`` and lists them in
+the :class:`RewardReport`. A function returning the wrong number of scores (or a dict or set) always raises. Needs only the standard library.
 """
 
 from __future__ import annotations
@@ -15,16 +16,21 @@ import functools
 import inspect
 import logging
 import math
+import numbers
+import queue
+import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence, Set
 from dataclasses import dataclass
 from typing import Any, Literal
 
-__all__ = ["RewardFailure", "RewardReport", "RewardError", "apply_reward_function", "function_name"]
+__all__ = ["RewardFailure", "RewardReport", "RewardError", "apply_reward_function", "check_field_type",
+           "function_name"]
 
 logger = logging.getLogger(__name__)
 
 FailureKind = Literal["exception", "non_finite", "invalid", "timeout"]
+_CANCEL_GRACE_S = 2.0  # how long past timeout_s an async call's loop may take to cancel its tasks
 
 
 @dataclass(frozen=True)
@@ -119,20 +125,38 @@ async def _await(awaitable):
 
 
 def _run_sync(fn, slices, inputs, max_workers: int, timeout_s: float | None) -> list[_Outcome]:
+    # Daemon threads of our own, not a ThreadPoolExecutor: concurrent.futures joins its workers at interpreter exit,
+    # so one hung reward call would keep the process from ever exiting. A call past timeout_s is abandoned.
     outcomes = [_Outcome(start, stop) for start, stop in slices]
-    executor = concurrent.futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="reward")
-    try:
-        futures = {executor.submit(_call_sync, fn, *(x[o.start:o.stop] for x in inputs)): o for o in outcomes}
-        done, _ = concurrent.futures.wait(futures, timeout=timeout_s)
-        for future, outcome in futures.items():
-            if future not in done:
-                outcome.timed_out = True
-            elif future.exception() is not None:
-                outcome.error = future.exception()
-            else:
-                outcome.values = future.result()
-    finally:
-        executor.shutdown(wait=False, cancel_futures=True)
+    futures = {concurrent.futures.Future(): outcome for outcome in outcomes}
+    jobs: queue.SimpleQueue = queue.SimpleQueue()
+    for future, outcome in futures.items():
+        jobs.put((future, outcome))
+
+    def work() -> None:
+        while True:
+            try:
+                future, outcome = jobs.get_nowait()
+            except queue.Empty:
+                return
+            if not future.set_running_or_notify_cancel():   # cancelled at the deadline before it started
+                continue
+            try:
+                future.set_result(_call_sync(fn, *(x[outcome.start:outcome.stop] for x in inputs)))
+            except BaseException as error:                 # handed to the caller as this batch's outcome
+                future.set_exception(error)
+
+    for number in range(min(max_workers, len(outcomes))):
+        threading.Thread(target=work, name=f"reward-{number}", daemon=True).start()
+    done, _ = concurrent.futures.wait(futures, timeout=timeout_s)
+    for future, outcome in futures.items():
+        if future not in done:
+            future.cancel()
+            outcome.timed_out = True
+        elif future.exception() is not None:
+            outcome.error = future.exception()
+        else:
+            outcome.values = future.result()
     return outcomes
 
 
@@ -156,40 +180,87 @@ async def _gather_async(fn, outcomes: list[_Outcome], inputs, max_workers: int, 
 
 
 def _run_async(fn, slices, inputs, max_workers: int, timeout_s: float | None) -> list[_Outcome]:
+    # The loop runs in a daemon thread of its own (also when the caller is inside a running loop): a coroutine that
+    # blocks the loop with synchronous code, or ignores cancellation, cannot stall the caller past timeout_s (plus a
+    # grace for cancelling) nor keep the interpreter from exiting.
     outcomes = [_Outcome(start, stop) for start, stop in slices]
-    coroutine = _gather_async(fn, outcomes, inputs, max_workers, timeout_s)
+    finished = concurrent.futures.Future()
+
+    def loop() -> None:
+        try:
+            asyncio.run(_gather_async(fn, outcomes, inputs, max_workers, timeout_s))
+        except BaseException as error:                     # re-raised in the caller below
+            finished.set_exception(error)
+        else:
+            finished.set_result(None)
+
+    threading.Thread(target=loop, name="reward-asyncio", daemon=True).start()
     try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        asyncio.run(coroutine)
-    else:  # called from inside an event loop (a notebook, an async trainer): use a loop of our own in a thread
-        with concurrent.futures.ThreadPoolExecutor(max_workers=1) as executor:
-            executor.submit(asyncio.run, coroutine).result()
-    return outcomes
+        finished.result(timeout=None if timeout_s is None else timeout_s + _CANCEL_GRACE_S)
+    except concurrent.futures.TimeoutError:
+        logger.warning("reward function's event loop still blocked %.1f s past timeout_s=%s; abandoning it",
+                       _CANCEL_GRACE_S, timeout_s)
+        for outcome in outcomes:
+            if outcome.values is None and outcome.error is None:
+                outcome.timed_out = True
+    return [_Outcome(o.start, o.stop, o.values, o.error, o.timed_out) for o in outcomes]  # a snapshot
 
 
 def _check_values(name: str, outcome: _Outcome) -> list[tuple[int, float | RewardFailure]]:
-    """Per-sample scores or failures of a finished call; a wrong count raises RewardError."""
+    """Per-sample scores or failures of a finished call; a wrong count or a non-sequence raises RewardError."""
     expected = outcome.stop - outcome.start
     values = outcome.values
-    if isinstance(values, (str, bytes)) or not hasattr(values, "__len__") or len(values) != expected:
-        got = f"{len(values)} values" if hasattr(values, "__len__") else type(values).__name__
+    if (isinstance(values, (str, bytes, Mapping, Set)) or not hasattr(values, "__len__")
+            or not hasattr(values, "__getitem__") or len(values) != expected):
+        got = (f"a {type(values).__name__}" if isinstance(values, (str, bytes, Mapping, Set))
+               or not hasattr(values, "__len__") else f"{len(values)} values")
         raise RewardError(name, message=f"reward function {name!r} returned {got} for samples {outcome.start}.."
-                                        f"{outcome.stop - 1} ({expected} samples); it must return one score per "
-                                        "sample")
+                                        f"{outcome.stop - 1} ({expected} samples); it must return a list with one "
+                                        "score per sample, in order")
     checked: list[tuple[int, float | RewardFailure]] = []
-    for offset, value in enumerate(values):
+    for offset in range(expected):
         index = outcome.start + offset
-        try:
-            score = float(value)
-        except (TypeError, ValueError):
-            checked.append((index, RewardFailure(index, name, "invalid", f"score {value!r} is not a number")))
-            continue
-        if not math.isfinite(score):
+        value = values[offset]
+        score = _as_score(value)
+        if score is None:
+            checked.append((index, RewardFailure(
+                index, name, "invalid", f"score {value!r:.80} ({type(value).__name__}) is not a number; return an "
+                                        "int or float per sample")))
+        elif not math.isfinite(score):
             checked.append((index, RewardFailure(index, name, "non_finite", f"non-finite score {score}")))
         else:
             checked.append((index, score))
     return checked
+
+
+def _as_score(value: Any) -> float | None:
+    """``value`` as a float if it is a real number (bool, int, float, numpy scalars, one-element tensors), else None.
+
+    Deliberately not ``float(value)`` alone: that parses strings ("0.5") and would let a function that returns text
+    pass unnoticed."""
+    if isinstance(value, (str, bytes, bytearray, Mapping, complex)) or value is None:
+        return None
+    if not isinstance(value, numbers.Real) and not hasattr(type(value), "__float__"):
+        return None
+    try:
+        return float(value)
+    except (TypeError, ValueError):                    # e.g. a tensor of several elements, a complex one
+        return None
+
+
+def check_field_type(owner: str, field: str, value: Any, kind: str) -> None:
+    """TypeError naming ``<owner>.<field>``, its value and what to pass. ``kind``: ``"int"``, ``"real"`` (int or
+    float), ``"str"``, ``"bool"``, each optionally ``"|None"``. A bool is never taken for an int or a real."""
+    base, _, optional = kind.partition("|")
+    if optional and value is None:
+        return
+    fits = {"int": lambda v: isinstance(v, int) and not isinstance(v, bool),
+            "real": lambda v: isinstance(v, numbers.Real) and not isinstance(v, bool),
+            "str": lambda v: isinstance(v, str), "bool": lambda v: isinstance(v, bool)}[base](value)
+    if not fits:
+        wanted = {"int": "an int", "real": "a number (int or float)", "str": "a string", "bool": "True or False"}[base]
+        raise TypeError(f"{owner}.{field}={value!r} is a {type(value).__name__}; pass {wanted}"
+                        f"{' or None' if optional else ''}")
 
 
 def _validate_args(prompts, responses, labels, batch_size, on_error, error_score, max_workers, timeout_s):
@@ -199,13 +270,16 @@ def _validate_args(prompts, responses, labels, batch_size, on_error, error_score
         raise ValueError(f"apply_reward_function: {len(labels)} labels for {len(responses)} responses")
     if len(prompts) != len(responses):
         raise ValueError(f"apply_reward_function: {len(prompts)} prompts for {len(responses)} responses")
-    if not isinstance(batch_size, int) or batch_size < 1:
+    for field, value, kind in (("batch_size", batch_size, "int"), ("error_score", error_score, "real"),
+                               ("max_workers", max_workers, "int"), ("timeout_s", timeout_s, "real|None")):
+        check_field_type("apply_reward_function", field, value, kind)
+    if batch_size < 1:
         raise ValueError(f"apply_reward_function(batch_size={batch_size!r}); must be a positive int")
     if on_error not in ("raise", "assign"):
         raise ValueError(f"apply_reward_function(on_error={on_error!r}); choose 'raise' or 'assign'")
     if not math.isfinite(error_score):
         raise ValueError(f"apply_reward_function(error_score={error_score}); must be finite")
-    if not isinstance(max_workers, int) or max_workers < 1:
+    if max_workers < 1:
         raise ValueError(f"apply_reward_function(max_workers={max_workers!r}); must be a positive int")
     if timeout_s is not None and not timeout_s > 0:
         raise ValueError(f"apply_reward_function(timeout_s={timeout_s}); must be > 0 or None")
@@ -259,7 +333,7 @@ def apply_reward_function(fn: Callable, prompts: Sequence[str], responses: Seque
         max_workers: batches in flight at once (threads for sync functions, tasks for async ones).
         timeout_s: deadline for all batches together (and again for re-running a failed batch per sample);
             unfinished samples fail as ``"timeout"``. Async calls are cancelled; a sync call cannot be killed and
-            keeps its worker thread until it returns.
+            keeps its (daemon) worker thread until it returns, which never delays interpreter exit.
         name: name used in reports and errors (default: the function's name).
 
     Returns:

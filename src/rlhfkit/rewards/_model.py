@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from rlhfkit._optional import require
+from rlhfkit._reward_functions import check_field_type
 from rlhfkit.types import Rollout
 
 __all__ = ["RewardModelConfig", "RewardModel"]
@@ -43,6 +44,9 @@ class RewardModelConfig:
     attn_implementation: str | None = None
 
     def __post_init__(self) -> None:
+        for field, kind in (("device", "str"), ("dtype", "str"), ("max_batch_size", "int"),
+                            ("attn_implementation", "str|None")):
+            check_field_type("RewardModelConfig", field, getattr(self, field), kind)
         if not isinstance(self.model, str) or not self.model:
             raise ValueError(f"RewardModelConfig.model={self.model!r}; pass the path of a saved reward model")
         if self.dtype not in (*_DTYPES, "auto"):
