@@ -397,7 +397,7 @@ def test_the_largest_allowed_plan_is_built_quickly(no_ray):
     """The sanity bound is not a performance cliff: a plan of MAX_GPUS GPUs builds in well under a few seconds."""
     import time
 
-    from rlhfkit._placement_plan import MAX_GPUS, MAX_GPUS_PER_NODE
+    from rlhfkit.placement import MAX_GPUS, MAX_GPUS_PER_NODE
 
     start = time.monotonic()
     inventory = Inventory.uniform(num_nodes=MAX_GPUS // MAX_GPUS_PER_NODE, gpus_per_node=MAX_GPUS_PER_NODE)

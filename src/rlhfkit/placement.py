@@ -23,6 +23,8 @@ from __future__ import annotations
 
 from rlhfkit._placement_memory import MemoryConfig, MemoryEstimate, ModelMemory, estimate_memory
 from rlhfkit._placement_plan import (
+    MAX_GPUS,
+    MAX_GPUS_PER_NODE,
     SHARE_RESOLUTION,
     ColocationGroup,
     Inventory,
@@ -45,6 +47,8 @@ from rlhfkit._placement_ray import (
 )
 
 __all__ = [
+    "MAX_GPUS",
+    "MAX_GPUS_PER_NODE",
     "SHARE_RESOLUTION",
     "ColocationGroup",
     "Inventory",
