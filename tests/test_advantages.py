@@ -456,3 +456,25 @@ def test_gae_on_cuda_matches_naive_loop_even_with_tf32():
     close(adv.cpu(), ref_adv)
     close(ret.cpu(), ref_ret)
     close(returns.cpu(), naive_returns(rewards, mask, cu, 0.99))
+
+
+@pytest.mark.parametrize("shift_mean", [True, False])
+def test_whiten_masked_out_nan_does_not_poison_the_gradient(shift_mean):
+    """Review defect: a NaN (or inf) outside the mask was ignored by whiten's forward but made every gradient entry
+    NaN; the gradient now equals that of the same values with the masked-out entries set to 0, and is 0 there."""
+    mask = torch.arange(12) % 4 != 0
+    weights = torch.randn(12, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    clean = torch.randn(12, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    clean[~mask] = 0.0
+    dirty = clean.clone()
+    dirty[0], dirty[4], dirty[8] = math.nan, math.inf, -math.inf
+    grads = []
+    for values in (clean, dirty):
+        leaf = values.clone().requires_grad_()
+        out = whiten(leaf, mask, shift_mean=shift_mean)
+        (out * weights).sum().backward()
+        grads.append(leaf.grad)
+        close(out, whiten(clean, mask, shift_mean=shift_mean), tol=1e-12)
+    assert torch.isfinite(grads[1]).all(), grads[1]
+    close(grads[1], grads[0], tol=1e-12)
+    assert (grads[1][~mask] == 0).all() and grads[1][mask].abs().sum() > 0

@@ -637,3 +637,35 @@ def test_model_logprobs_packed_equal_padded_on_gpu(attn, tiny_qwen2_path):
     packed = model_logprobs(model, batch)
     reference = _padded_reference(model, batch)
     torch.testing.assert_close(packed, reference.to(packed.device), atol=1e-4, rtol=1e-4)
+
+
+def test_masked_out_nan_never_reaches_a_gradient_of_any_masked_reduction():
+    """Sibling of the whiten defect (review): NaN/inf outside the loss mask must not poison gradients of aggregate,
+    policy_loss (token and sequence ratio), value_loss and kl_loss; gradients equal those with zeros there."""
+    from rlhfkit.losses import aggregate, kl_loss, value_loss
+
+    cu = torch.tensor([0, 4, 8])
+    mask = torch.tensor([0, 1, 1, 0, 0, 1, 1, 1], dtype=torch.bool)
+    gen = torch.Generator().manual_seed(3)
+    ref = -torch.rand(8, dtype=torch.float64, generator=gen)
+    ones = torch.ones(8, dtype=torch.float64)
+    clean = torch.randn(8, dtype=torch.float64, generator=gen)
+    clean[~mask] = 0.0
+    losses = {
+        "aggregate": lambda x: aggregate(x, mask, cu, mode="seq_mean_token_mean"),
+        "policy_token": lambda x: policy_loss(-x.abs(), ref, ones, mask, cu)[0],
+        "policy_sequence": lambda x: policy_loss(-x.abs(), ref, ones, mask, cu, ratio_level="sequence")[0],
+        "value": lambda x: value_loss(x, clean + 0.01, ones, mask, cu, clip=0.2)[0],
+        "kl": lambda x: kl_loss(-x.abs(), ref, mask, cu, estimator="k3")[0],
+    }
+    dirty = clean.clone()
+    dirty[0], dirty[3], dirty[4] = math.nan, math.inf, -math.inf
+    for name, loss in losses.items():
+        grads = []
+        for values in (clean, dirty):
+            leaf = values.clone().requires_grad_()
+            loss(leaf).backward()
+            grads.append(leaf.grad)
+        assert torch.isfinite(grads[1]).all(), (name, grads[1])
+        torch.testing.assert_close(grads[1], grads[0], msg=name)
+        assert grads[1][mask].abs().sum() > 0, name

@@ -75,10 +75,14 @@ def whiten(values: torch.Tensor, mask: torch.Tensor, *, shift_mean: bool = True,
     check_finite("values", values.flatten(), unit="token", mask=mask.flatten())
     x = values.to(torch.promote_types(values.dtype, torch.float32))
     zero = torch.zeros((), dtype=x.dtype, device=x.device)
+    # Every masked-out entry is replaced by 0 *before* any arithmetic: with ``torch.where`` only at the end, a NaN
+    # outside the mask is ignored by the forward but its 0 * NaN reaches the variance's gradient, making the whole
+    # gradient NaN.
     masked = torch.where(mask, x, zero)
     mean = masked.sum() / count
-    var = torch.where(mask, x - mean, zero).square().sum() / count
-    whitened = (x - mean) * torch.rsqrt(var + eps)
+    centered = torch.where(mask, masked - mean, zero)
+    var = centered.square().sum() / count
+    whitened = centered * torch.rsqrt(var + eps)
     if not shift_mean:
         whitened = whitened + mean
     return torch.where(mask, whitened, zero).to(values.dtype)
