@@ -669,3 +669,31 @@ def test_masked_out_nan_never_reaches_a_gradient_of_any_masked_reduction():
         assert torch.isfinite(grads[1]).all(), (name, grads[1])
         torch.testing.assert_close(grads[1], grads[0], msg=name)
         assert grads[1][mask].abs().sum() > 0, name
+
+
+def test_losses_raise_when_the_result_overflows_although_inputs_are_finite():
+    """Review defect: policy_loss returned -inf for huge (finite) advantages without an error. The result of every
+    loss is checked; the error names what overflowed and the fix. Siblings: value_loss, kl_loss, aggregate."""
+    from rlhfkit.losses import aggregate, kl_loss, value_loss
+
+    cu = torch.tensor([0, 4])
+    mask = torch.tensor([False, True, True, True])
+    logprobs = torch.tensor([0.0, -0.1, -0.2, -0.3])
+    cases = [
+        (lambda: policy_loss(logprobs, logprobs - 0.1, torch.full((4,), 3e38), mask, cu),
+         r"policy_loss is -inf although its inputs are finite: the loss overflowed torch\.float32.*max \|advantages\| "
+         r"on loss tokens = 3e\+38, ratio max = 1\.11\. Normalise or clip the advantages"),
+        (lambda: policy_loss(logprobs, logprobs, torch.full((4,), 2e38), mask, cu),  # each term finite, the sum not
+         r"policy_loss is -inf .*-A \* ratio, or its sum"),
+        (lambda: value_loss(torch.full((4,), 1e20), torch.zeros(4), torch.zeros(4), mask, cu),
+         r"value_loss is inf .*max \|values\| = 1e\+20.*Scale the rewards/returns down"),
+        (lambda: kl_loss(torch.full((4,), -200.0), torch.zeros(4), mask, cu, clamp=None),
+         r"kl_loss is inf .*max \|logprobs - ref_logprobs\| on loss tokens = 200, clamp=None\. Keep a clamp"),
+        (lambda: aggregate(torch.full((4,), 3e38), mask, cu),
+         r"aggregate: the token_mean of per_token is inf .*the sum overflowed torch\.float32"),
+    ]
+    for build, pattern in cases:
+        with pytest.raises(ValueError, match=pattern):
+            build()
+    loss, stats = policy_loss(logprobs, logprobs - 0.1, torch.full((4,), 1e30), mask, cu)  # large but representable
+    assert math.isfinite(stats["loss"]) and stats["loss"] < -1e30

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 __all__ = [
+    "check_overflow",
     "check_float_vector",
     "check_same_length",
     "check_mask",
@@ -87,6 +88,24 @@ def check_finite(name: str, value: torch.Tensor, *, unit: str = "sample", mask: 
         raise ValueError(
             f"{name} is not finite at {unit} index {index} (value {value[index].item()}); "
             f"{int(bad.sum())} non-finite entries in total. Fix or filter these {unit}s before this step."
+        )
+
+
+def check_overflow(name: str, value: torch.Tensor, *, unit: str, mask: torch.Tensor | None = None, fix: str) -> None:
+    """Raise when a *result* is NaN/inf (inside ``mask``) although the inputs were checked finite: an overflow.
+
+    Inputs are checked before computing; a finite but huge input (rewards of 1e38) can still overflow the result's
+    dtype, which would otherwise flow on silently as inf/NaN advantages.
+    """
+    bad = ~torch.isfinite(value.detach())
+    if mask is not None:
+        bad &= mask
+    if bool(bad.any()):
+        index = int(torch.nonzero(bad)[0])
+        raise ValueError(
+            f"{name} overflowed {value.dtype} (largest finite {torch.finfo(value.dtype).max:.3g}): it is "
+            f"{value[index].item()} at {unit} index {index} although the inputs are finite; {int(bad.sum())} "
+            f"non-finite entries in total. {fix}"
         )
 
 

@@ -90,7 +90,14 @@ def aggregate(per_token: torch.Tensor, mask: torch.Tensor, cu_seqlens: torch.Ten
         mask: ``[T]`` bool loss mask. cu_seqlens: ``[N + 1]`` boundaries.
     """
     cu = check_token_inputs(mask, cu_seqlens, per_token=per_token)
-    return reduce_tokens(per_token, mask, cu, mode=mode, num_tokens=num_tokens, num_seqs=num_seqs)
+    result = reduce_tokens(per_token, mask, cu, mode=mode, num_tokens=num_tokens, num_seqs=num_seqs)
+    if not bool(torch.isfinite(result.detach())):
+        # Inputs on loss tokens are finite (checked above), so only the sum can have overflowed.
+        largest = float(torch.where(mask, per_token.detach().abs(), torch.zeros_like(per_token.detach())).max())
+        raise ValueError(f"aggregate: the {mode} of per_token is {float(result)} although per_token is finite on loss "
+                         f"tokens: the sum overflowed {result.dtype} (max |per_token| = {largest:.3g}); scale the "
+                         "per-token loss down or pass float64")
+    return result
 
 
 def reduce_tokens(per_token: torch.Tensor, mask: torch.Tensor, cu: torch.Tensor, *, mode: str,

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from rlhfkit._advantages_checks import check_cu_seqlens, check_finite, check_float_vector, check_mask
+from rlhfkit._advantages_checks import check_cu_seqlens, check_finite, check_float_vector, check_mask, check_overflow
 from rlhfkit._advantages_group import grpo_advantages, reinforce_baseline_advantages, rloo_advantages
 from rlhfkit._advantages_kl import (
     AdaptiveKLController,
@@ -85,7 +85,14 @@ def whiten(values: torch.Tensor, mask: torch.Tensor, *, shift_mean: bool = True,
     whitened = centered * torch.rsqrt(var + eps)
     if not shift_mean:
         whitened = whitened + mean
-    return torch.where(mask, whitened, zero).to(values.dtype)
+    out = torch.where(mask, whitened, zero).to(values.dtype)
+    if not bool(torch.isfinite(var.detach())):
+        # (x - mean)^2 overflowed: rsqrt(inf) = 0 would silently whiten everything to 0 (or NaN).
+        raise ValueError(f"whiten: the variance of values overflowed {x.dtype} (max |values| on the mask = "
+                         f"{float(masked.detach().abs().max()):.3g}); scale the values down or pass float64")
+    check_overflow("whiten", out.flatten(), unit="token", mask=mask.flatten(),
+                   fix="Scale the values down or pass float64")
+    return out
 
 
 def broadcast_to_tokens(seq_values: torch.Tensor, mask: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
