@@ -352,7 +352,7 @@ def test_policy_loss_microbatch_and_dp_invariance(mode, case):
     logprobs = (-_tokens(batch, gen).abs() - 0.5).requires_grad_()
     old = logprobs.detach() + _tokens(batch, gen, 0.4)
     advantages = _tokens(batch, gen)
-    engine = old + _tokens(batch, gen, 0.3)
+    engine = (old + _tokens(batch, gen, 0.3)).clamp(max=0.0)  # engine log-probs are <= 0 (checked)
 
     def loss_fn(b, i, nt, ns):
         return policy_loss(logprobs[i], old[i], advantages[i], b.loss_mask, b.cu_seqlens, engine_logprobs=engine[i],
@@ -405,7 +405,7 @@ def test_policy_loss_matches_naive_loop(case):
     lp = -_tokens(batch, gen).abs() - 0.3
     old = lp + _tokens(batch, gen, 0.5)
     adv = _tokens(batch, gen)
-    eng = old + _tokens(batch, gen, 0.3)
+    eng = (old + _tokens(batch, gen, 0.3)).clamp(max=0.0)  # engine log-probs are <= 0 (checked)
     mask = batch.loss_mask
     per_token = torch.zeros(batch.num_tokens, dtype=torch.float64)
     for segment in _segments(batch):

@@ -40,8 +40,8 @@ def _random_sequences(seed: int, num: int = 5, low: int = 1, high: int = 9, voca
 def test_pack_sequences_hand_derived_layout():
     batch = pack_sequences([torch.tensor([5, 6, 7]), torch.tensor([8, 9])],
                            loss_masks=[torch.tensor([False, True, True]), torch.tensor([False, True])],
-                           pad_to_multiple_of=4, pad_token_id=-1)
-    assert batch.input_ids.tolist() == [5, 6, 7, 8, 9, -1, -1, -1]
+                           pad_to_multiple_of=4, pad_token_id=99)
+    assert batch.input_ids.tolist() == [5, 6, 7, 8, 9, 99, 99, 99]
     assert batch.position_ids.tolist() == [0, 1, 2, 0, 1, 0, 1, 2]
     assert batch.cu_seqlens.dtype == torch.int32 and batch.cu_seqlens.tolist() == [0, 3, 5]
     assert batch.loss_mask.tolist() == [False, True, True, False, True, False, False, False]
@@ -438,3 +438,86 @@ def test_packed_logits_on_gpu_equal_separate_runs(tiny_llama_path, attn):
 
 def test_packed_batch_type_is_reused():
     assert isinstance(pack_sequences([torch.tensor([1])]), PackedBatch)
+
+
+def test_select_sequences_refuses_duplicates_naming_the_index():
+    """Review defect: select_sequences(batch, [0, 0]) duplicated a sequence silently (its tokens counted twice)."""
+    batch = pack_sequences([torch.tensor([1, 2, 3]), torch.tensor([4, 5]), torch.tensor([6, 7])])
+    with pytest.raises(ValueError, match=r"indices=\[2, 0, 2\] name sequence 2 more than once"):
+        select_sequences(batch, [2, 0, 2])
+    selected, index = select_sequences(batch, [2, 0])
+    assert selected.input_ids.tolist() == [6, 7, 1, 2, 3] and index.tolist() == [5, 6, 0, 1, 2]
+
+
+def test_negative_token_ids_are_refused_naming_the_sample():
+    """Review defect: negative token ids (e.g. -100 left from HF labels) were packed; now refused with the sample
+    index and position, in pack_sequences/PackedBatch, Rollout, and for a negative pad_token_id."""
+    from rlhfkit.types import Rollout
+
+    with pytest.raises(ValueError, match=r"PackedBatch\.input_ids\[4\]=-100 in sequence \(sample index\) 1, "
+                                         r"position 1; token ids are >= 0"):
+        pack_sequences([torch.tensor([1, 2, 3]), torch.tensor([4, -100])])
+    with pytest.raises(ValueError, match=r"pad_token_id=-1; must be a token id >= 0"):
+        pack_sequences([torch.tensor([1, 2, 3])], pad_to_multiple_of=4, pad_token_id=-1)
+    with pytest.raises(ValueError, match=r"Rollout\(prompt_index=3, sample_index=1\)\.response_token_ids\[1\]=-100"):
+        Rollout(prompt_token_ids=torch.tensor([1]), response_token_ids=torch.tensor([2, -100]), prompt_index=3,
+                sample_index=1)
+
+
+def test_positive_engine_logprobs_are_refused_naming_sample_and_position():
+    """Review defect: positive engine log-probs were accepted; Rollout and policy_loss refuse them (> 1e-3)."""
+    from rlhfkit.losses import policy_loss
+    from rlhfkit.types import Rollout
+
+    with pytest.raises(ValueError, match=r"Rollout\.response_logprobs\[1\]=0\.5 > 0 \(prompt_index=0, "
+                                         r"sample_index=2\); log-probs are <= 0"):
+        Rollout(prompt_token_ids=torch.tensor([1]), response_token_ids=torch.tensor([2, 3]),
+                response_logprobs=torch.tensor([-0.1, 0.5]), sample_index=2)
+    Rollout(prompt_token_ids=torch.tensor([1]), response_token_ids=torch.tensor([2]),
+            response_logprobs=torch.tensor([1e-6]))  # float32 rounding just above 0 is tolerated
+    batch = pack_sequences([torch.tensor([1, 2, 3]), torch.tensor([4, 5])],
+                           loss_masks=[torch.tensor([False, True, True]), torch.tensor([False, True])])
+    lp = torch.tensor([0.0, -0.1, -0.2, 0.0, -0.3])
+    engine = lp.clone()
+    engine[4] = 0.25
+    with pytest.raises(ValueError, match=r"engine_logprobs is 0\.25 > 0 at sequence 1, position 1 \(packed position "
+                                         r"4\); log-probs are <= 0"):
+        policy_loss(lp, lp, lp, batch.loss_mask, batch.cu_seqlens, engine_logprobs=engine)
+
+
+def test_losses_refuse_a_loss_mask_on_a_sequence_first_token():
+    """Review defect: a loss mask True on a sequence's first token (which has no log-prob) was accepted by the
+    losses; every loss now refuses it naming the sequence and the alignment convention."""
+    from rlhfkit.losses import aggregate, kl_loss, policy_loss, value_loss
+
+    cu = torch.tensor([0, 3, 5], dtype=torch.int32)
+    mask = torch.tensor([False, True, True, True, True])  # sequence 1 starts at packed position 3
+    x = torch.tensor([0.0, -0.1, -0.2, -0.3, -0.4])
+    pattern = (r"mask is True on the first token of sequence 1 \(packed position 3\); the first token of a sequence "
+               r"is a prompt token and has no log-prob \(rlhfkit aligns a token's log-prob at the token's own position")
+    for call in (lambda: policy_loss(x, x, x, mask, cu), lambda: value_loss(x, x, x, mask, cu),
+                 lambda: kl_loss(x, x, mask, cu), lambda: aggregate(x, mask, cu)):
+        with pytest.raises(ValueError, match=pattern):
+            call()
+
+
+def test_hf_shifted_and_padded_shapes_get_the_convention_and_the_conversion():
+    """Review defect: HF-style shifted log-probs ([T - N] or [B, L - 1]) and padded [B, L] masks were reported only as
+    a length mismatch; the error now states rlhfkit's alignment and names the conversion helpers."""
+    from rlhfkit.advantages import discounted_returns
+    from rlhfkit.losses import policy_loss
+
+    batch = pack_sequences([torch.tensor([1, 2, 3]), torch.tensor([4, 5])],
+                           loss_masks=[torch.tensor([False, True, True]), torch.tensor([False, True])])
+    lp = torch.tensor([0.0, -0.1, -0.2, 0.0, -0.3])
+    with pytest.raises(ValueError, match=r"old_logprobs has 5 - 2 entries, one fewer per sequence: HF-style shifted "
+                                         r"log-probs .*log p\(token_t \| tokens_<t\) is stored at index t, and index 0 "
+                                         r"of each sequence is unused.*Insert a 0 at each sequence start"):
+        policy_loss(lp, torch.tensor([-0.1, -0.2, -0.3]), lp, batch.loss_mask, batch.cu_seqlens)
+    with pytest.raises(ValueError, match=r"mask looks like a padded \[B, L\] batch \(2, 3\).*rlhfkit\.packing\."
+                                         r"pack_padded\(input_ids, attention_mask"):
+        policy_loss(lp, lp, lp, torch.ones(2, 3, dtype=torch.bool), batch.cu_seqlens)
+    with pytest.raises(ValueError, match=r"advantages looks like a padded \[B, L\] batch.*unpad_to_packed"):
+        policy_loss(lp, lp, torch.zeros(2, 2), batch.loss_mask, batch.cu_seqlens)
+    with pytest.raises(ValueError, match=r"mask looks like a padded \[B, L\] batch"):
+        discounted_returns(torch.zeros(5), torch.ones(2, 3, dtype=torch.bool), batch.cu_seqlens, gamma=1.0)

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from rlhfkit._packing_checks import token_shape_hint
+
 __all__ = [
     "check_overflow",
     "check_float_vector",
@@ -24,7 +26,8 @@ def check_float_vector(name: str, value: object) -> torch.Tensor:
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
     if value.ndim != 1:
-        raise ValueError(f"{name} must be 1-D ([T] packed or [N] per sequence), got shape {tuple(value.shape)}")
+        raise ValueError(f"{name} must be 1-D ([T] packed or [N] per sequence), got shape {tuple(value.shape)}."
+                         + token_shape_hint(name, value, 0))
     if not value.is_floating_point():
         raise ValueError(f"{name} must be a floating tensor, got dtype {value.dtype}; convert it with .float()")
     return value
@@ -47,7 +50,8 @@ def check_mask(mask: object, num_tokens: int, *, name: str = "mask") -> torch.Te
     if mask.dtype != torch.bool:
         raise ValueError(f"{name} must be a bool tensor, got dtype {mask.dtype}; use mask.bool()")
     if mask.shape != (num_tokens,):
-        raise ValueError(f"{name} has shape {tuple(mask.shape)}; expected ({num_tokens},) like the per-token values")
+        raise ValueError(f"{name} has shape {tuple(mask.shape)}; expected ({num_tokens},) like the per-token values."
+                         + token_shape_hint(name, mask, num_tokens))
     return mask
 
 

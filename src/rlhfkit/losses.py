@@ -59,6 +59,7 @@ Mismatch = Literal["none", "tis", "token_mask", "seq_mask"]
 _MISMATCH = ("none", "tis", "token_mask", "seq_mask")
 # exp(20) ≈ 4.9e8: log-ratios are clamped to ±MAX_LOG_RATIO so a diverged policy gives a huge, finite ratio.
 MAX_LOG_RATIO = 20.0
+_LOGPROB_NAMES = ("engine_logprobs",)  # the engine's own log-probs: a wrong field (probabilities) is a common slip
 
 
 def shift_to_tokens(per_row: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
@@ -323,7 +324,8 @@ def policy_loss(
     """
     _check_policy_scalars(clip_low, clip_high, dual_clip, ratio_level, mismatch, mismatch_threshold,
                           engine_logprobs, aggregation)
-    cu = check_token_inputs(mask, cu_seqlens, logprobs=logprobs, old_logprobs=old_logprobs, advantages=advantages,
+    cu = check_token_inputs(mask, cu_seqlens, logprob_names=_LOGPROB_NAMES, logprobs=logprobs,
+                            old_logprobs=old_logprobs, advantages=advantages,
                             engine_logprobs=engine_logprobs)
     dtype = torch.promote_types(logprobs.dtype, torch.float32)
     zero = torch.zeros((), dtype=dtype, device=logprobs.device)
@@ -423,7 +425,8 @@ def kl_loss(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask: torch.Tens
     """
     if aggregation not in AGGREGATIONS:
         raise ValueError(f"aggregation={aggregation!r}; expected one of {AGGREGATIONS}")
-    cu = check_token_inputs(mask, cu_seqlens, logprobs=logprobs, ref_logprobs=ref_logprobs)
+    cu = check_token_inputs(mask, cu_seqlens, logprob_names=_LOGPROB_NAMES, logprobs=logprobs,
+                            ref_logprobs=ref_logprobs)
     dtype = torch.promote_types(logprobs.dtype, torch.float32)
     zero = torch.zeros((), dtype=dtype, device=logprobs.device)
     logprobs = torch.where(mask, logprobs.to(dtype), zero)

@@ -93,6 +93,9 @@ def pack_sequences(
         pad_token_id: token id of the padding tail.
     """
     _check_multiple(pad_to_multiple_of)
+    if isinstance(pad_token_id, bool) or not isinstance(pad_token_id, int) or pad_token_id < 0:
+        raise ValueError(f"pad_token_id={pad_token_id!r}; must be a token id >= 0 (the padding tail goes through the "
+                         "model's embedding), e.g. the tokenizer's pad_token_id")
     if isinstance(sequences, torch.Tensor) or len(sequences) == 0:
         raise ValueError("sequences must be a non-empty list of 1-D token tensors (an empty batch is invalid)")
     for i, seq in enumerate(sequences):
@@ -201,7 +204,7 @@ def unpad_to_packed(padded: torch.Tensor, seq_lens: Sequence[int] | torch.Tensor
 
 
 def select_sequences(batch: PackedBatch, indices: Sequence[int] | torch.Tensor) -> tuple[PackedBatch, torch.Tensor]:
-    """Keep the sequences ``indices`` (in that order) of ``batch``.
+    """Keep the sequences ``indices`` (in that order, each at most once) of ``batch``.
 
     Returns the new batch (no padding tail) and the ``[T']`` int64 index of its tokens in the original stream, so
     per-token tensors follow with ``x[index]``.
@@ -214,6 +217,11 @@ def select_sequences(batch: PackedBatch, indices: Sequence[int] | torch.Tensor) 
         raise ValueError(f"indices must be a non-empty 1-D list of sequence indices, got shape {tuple(idx.shape)}")
     if bool(((idx < 0) | (idx >= batch.num_seqs)).any()):
         raise ValueError(f"indices={idx.tolist()} must be in [0, {batch.num_seqs}) (the batch's sequences)")
+    if torch.unique(idx).numel() != idx.numel():
+        seen: set[int] = set()
+        duplicate = next(i for i in idx.tolist() if i in seen or seen.add(i))
+        raise ValueError(f"indices={idx.tolist()} name sequence {duplicate} more than once; each sequence may be "
+                         "selected once (a duplicate would count its tokens twice in the loss)")
     cu = batch.cu_seqlens.long()
     lengths = (cu[1:] - cu[:-1])[idx]
     token_index = torch.repeat_interleave(cu[:-1][idx], lengths) + _restarting_positions(lengths)

@@ -16,6 +16,8 @@ from typing import Literal
 
 import torch
 
+from rlhfkit._packing_checks import check_logprob_values
+
 __all__ = ["FinishReason", "Rollout", "PackedBatch", "Experience"]
 
 FinishReason = Literal["stop", "length", "abort"]
@@ -68,6 +70,14 @@ class Rollout:
         _check_tensor("Rollout", "response_token_ids", self.response_token_ids, ndim=1, dtypes=_INT)
         if self.prompt_token_ids.numel() == 0:
             raise ValueError("Rollout.prompt_token_ids is empty; a prompt needs at least one token")
+        for name in ("prompt_token_ids", "response_token_ids"):
+            ids = getattr(self, name)
+            if ids.numel() and bool((ids < 0).any()):
+                position = int(torch.nonzero(ids < 0)[0])
+                raise ValueError(
+                    f"Rollout(prompt_index={self.prompt_index}, sample_index={self.sample_index}).{name}[{position}]="
+                    f"{int(ids[position])}; token ids are >= 0 (a padding or ignore value such as -100 left in?)"
+                )
         if self.response_logprobs is not None:
             _check_tensor("Rollout", "response_logprobs", self.response_logprobs, ndim=1, dtypes=_FLOAT)
             if self.response_logprobs.shape != self.response_token_ids.shape:
@@ -75,6 +85,10 @@ class Rollout:
                     f"Rollout.response_logprobs has shape {tuple(self.response_logprobs.shape)} but "
                     f"response_token_ids has shape {tuple(self.response_token_ids.shape)}; they must match"
                 )
+            check_logprob_values(
+                "Rollout.response_logprobs", self.response_logprobs,
+                where=f"prompt_index={self.prompt_index}, sample_index={self.sample_index}",
+            )
         if self.finish_reason not in _FINISH_REASONS:
             raise ValueError(f"Rollout.finish_reason={self.finish_reason!r}; expected one of {_FINISH_REASONS}")
         if self.prompt_index < 0 or self.sample_index < 0:
@@ -143,6 +157,14 @@ class PackedBatch:
                              "of a sequence has no log-prob")
         if bool(self.loss_mask[int(cu[-1]):].any()):
             raise ValueError("PackedBatch.loss_mask is True on padding tokens after cu_seqlens[-1]")
+        negative = self.input_ids < 0
+        if bool(negative.any()):
+            token = int(torch.nonzero(negative)[0])
+            where = ("the padding tail (pad_token_id)" if token >= int(cu[-1]) else
+                     f"sequence (sample index) {int(torch.searchsorted(cu[1:], cu.new_tensor(token), right=True))}, "
+                     f"position {token - int(cu[int(torch.searchsorted(cu[1:], cu.new_tensor(token), right=True))])}")
+            raise ValueError(f"PackedBatch.input_ids[{token}]={int(self.input_ids[token])} in {where}; token ids are "
+                             ">= 0 (a padding or ignore value such as -100 left in the tokens?)")
 
     @property
     def num_tokens(self) -> int:
