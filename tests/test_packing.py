@@ -521,3 +521,121 @@ def test_hf_shifted_and_padded_shapes_get_the_convention_and_the_conversion():
         policy_loss(lp, lp, torch.zeros(2, 2), batch.loss_mask, batch.cu_seqlens)
     with pytest.raises(ValueError, match=r"mask looks like a padded \[B, L\] batch"):
         discounted_returns(torch.zeros(5), torch.ones(2, 3, dtype=torch.bool), batch.cu_seqlens, gamma=1.0)
+
+
+# ---------------------------------------------------------------------- padded HF batches <-> packed (review item 6)
+
+def _generate_like(gen):
+    """A model.generate-style batch: prompts left-padded to width 4, responses right-padded to width 3."""
+    prompts = [[5, 6], [7, 8, 9, 10], [11]]
+    responses = [[12, 13, 14], [15], [16, 17]]
+    rows, masks = [], []
+    for prompt, response in zip(prompts, responses):
+        rows.append([0] * (4 - len(prompt)) + prompt + response + [0] * (3 - len(response)))
+        masks.append([0] * (4 - len(prompt)) + [1] * (len(prompt) + len(response)) + [0] * (3 - len(response)))
+    return torch.tensor(rows), torch.tensor(masks), prompts, responses
+
+
+def test_pack_padded_generate_output_with_per_generated_token_logprobs():
+    """pack_padded on left-padded prompts + right-padded responses: sequences, loss mask on the responses, and
+    generated-token log-probs ([B, R]) placed at each token's own position."""
+    from rlhfkit.packing import pack_padded
+
+    ids, attention, prompts, responses = _generate_like(None)
+    generated = -torch.arange(1, 10, dtype=torch.float32).reshape(3, 3) / 10  # [B, R]; padding columns ignored
+    batch, logprobs = pack_padded(ids, attention, prompt_length=4, logprobs=generated)
+    expected = [p + r for p, r in zip(prompts, responses)]
+    assert batch.input_ids.tolist() == sum(expected, [])
+    assert batch.cu_seqlens.tolist() == [0, 5, 10, 13]
+    assert batch.loss_mask.tolist() == sum([[False] * len(p) + [True] * len(r) for p, r in zip(prompts, responses)], [])
+    # row 0 response tokens 12, 13, 14 -> -0.1, -0.2, -0.3; row 1 token 15 -> -0.4; row 2 tokens 16, 17 -> -0.7, -0.8
+    assert logprobs.tolist() == pytest.approx([0, 0, -0.1, -0.2, -0.3, 0, 0, 0, 0, -0.4, 0, -0.7, -0.8])
+    same, _ = pack_padded(ids, attention, response_mask=torch.zeros_like(ids, dtype=torch.bool).index_fill(
+        1, torch.arange(4, 7), True))
+    assert torch.equal(same.loss_mask, batch.loss_mask)
+
+
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_unpack_to_padded_and_pack_padded_round_trip(side):
+    """packed -> padded (either side) -> packed gives back the batch and the token-aligned log-probs exactly."""
+    from rlhfkit.packing import pack_padded, unpack_to_padded
+
+    gen = torch.Generator().manual_seed(0)
+    lengths = [3, 7, 2, 5]
+    seqs = [torch.randint(1, 50, (n,), generator=gen) for n in lengths]
+    masks = [torch.arange(n) >= 1 + int(torch.randint(0, n - 1, (1,), generator=gen)) for n in lengths]
+    batch = pack_sequences(seqs, loss_masks=masks, pad_to_multiple_of=8)
+    logprobs = torch.where(batch.loss_mask, -torch.rand(batch.num_tokens, generator=gen), torch.zeros(()))
+    padded = unpack_to_padded(batch, logprobs, side=side, pad_token_id=99)
+    assert padded.input_ids.shape == (4, 7) and padded.side == side
+    for row, seq in enumerate(seqs):
+        real = padded.attention_mask[row].bool()
+        assert padded.input_ids[row][real].tolist() == seq.tolist()
+        assert (padded.input_ids[row][~real] == 99).all()
+        assert real.tolist() == ([True] * len(seq) + [False] * (7 - len(seq)) if side == "right"
+                                 else [False] * (7 - len(seq)) + [True] * len(seq))
+    back, back_logprobs = pack_padded(padded.input_ids, padded.attention_mask, response_mask=padded.loss_mask,
+                                      logprobs=padded.values[0], pad_to_multiple_of=8)
+    for name in ("input_ids", "position_ids", "cu_seqlens", "loss_mask"):
+        assert torch.equal(getattr(back, name).long(), getattr(batch, name).long()), name
+    assert torch.equal(back_logprobs, logprobs)
+
+
+def test_pack_padded_hf_shifted_logprobs_match_rlhfkit_packed_logprobs(tiny_llama_path):
+    """HF-style shifted log-probs of a padded forward ([B, L - 1], entry j = log p(token j+1)) packed by pack_padded
+    equal rlhfkit's own token-aligned packed log-probs of the same model on the loss tokens."""
+    from rlhfkit.losses import model_logprobs
+    from rlhfkit.packing import pack_padded
+
+    model = _load(tiny_llama_path, "sdpa")
+    for side in ("right", "left"):
+        ids, attention, _, _ = _generate_like(None)
+        if side == "right":  # move every row's real tokens to the left edge
+            order = torch.argsort(1 - attention, dim=1, stable=True)
+            ids, attention = ids.gather(1, order), attention.gather(1, order)
+        positions = (attention.cumsum(1) - 1).clamp(min=0)
+        with torch.no_grad():
+            logits = model(input_ids=ids, attention_mask=attention, position_ids=positions).logits
+            shifted = torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+            response = torch.zeros_like(attention, dtype=torch.bool)
+            if side == "left":
+                response[:, 4:] = True
+            else:
+                for row, length in enumerate((2, 4, 1)):
+                    response[row, length:] = True
+            batch, packed = pack_padded(ids, attention, response_mask=response, logprobs=shifted)
+            ours = model_logprobs(model, batch)
+        mask = batch.loss_mask
+        assert mask.sum() == 6
+        torch.testing.assert_close(packed[mask], ours[mask], atol=1e-5, rtol=1e-5)
+
+
+def test_pack_padded_bad_input_names_row_and_fix():
+    from rlhfkit.packing import pack_padded
+
+    ids, attention, _, _ = _generate_like(None)
+    holes = attention.clone()
+    holes[0, 4] = 0
+    with pytest.raises(ValueError, match=r"attention_mask row 0 has padding between real tokens \(columns 2..6 hold 4"):
+        pack_padded(ids, holes, prompt_length=4)
+    with pytest.raises(ValueError, match=r"row 2: its first real token \(column 3\) is a response token"):
+        pack_padded(ids, attention, prompt_length=3)
+    with pytest.raises(ValueError, match=r"logprobs has 2 columns; expected 7, 6 or 3"):
+        pack_padded(ids, attention, prompt_length=4, logprobs=torch.zeros(3, 2))
+    with pytest.raises(ValueError, match=r"logprobs at row 0, token column 5 is 0\.5"):
+        pack_padded(ids, attention, prompt_length=4, logprobs=torch.tensor([[-0.1, 0.5, -0.1]] * 3))
+    with pytest.raises(ValueError, match=r"give prompt_length or response_mask, not both"):
+        pack_padded(ids, attention, prompt_length=4, response_mask=attention.bool())
+
+
+def test_docs_packing_padded_snippet_runs(capsys):
+    """The docs/packing.md 'Padded HF batches' snippet runs, and engine and trainer log-probs agree in it."""
+    import pathlib
+    import re
+
+    text = (pathlib.Path(__file__).parent.parent / "docs" / "packing.md").read_text()
+    section = text[text.index("## Padded HF batches"):]
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    exec(compile(code, "docs/packing.md", "exec"), {"__name__": "docs_snippet"})
+    gap = re.search(r"^tensor\(([-\d.e]+)\)$", capsys.readouterr().out, re.M)
+    assert gap is not None and float(gap.group(1)) < 1e-4

@@ -3,7 +3,9 @@
 A packed stream lays sequences end to end in one ``[T]`` tensor with ``cu_seqlens`` (``[N + 1]`` int32 boundaries),
 ``position_ids`` that restart at 0 at every sequence start, and a ``loss_mask``; an optional padding tail (to make
 ``T`` a multiple of some number) follows ``cu_seqlens[-1]``, has its own restarting position ids and is never in the
-loss. This module converts between that layout and lists / padded ``[N, L]`` tensors, selects sequences, splits
+loss. This module converts between that layout and lists / padded ``[N, L]`` tensors (:func:`pack_padded` takes a
+padded HF batch such as ``model.generate`` output, log-probs included; :func:`unpack_to_padded` gives one back), selects
+sequences, splits
 sequences into balanced micro-batches by token budget (:func:`partition_by_token_budget`), computes the global
 token / sequence counts that make losses invariant to data-parallel sharding (:func:`global_counts`), and runs a
 HF causal LM on a packed batch with sequence boundaries respected (:func:`packed_logits`).
@@ -27,12 +29,15 @@ import torch
 
 from rlhfkit._packing_attention import VARLEN_ATTENTION, register_varlen_attention
 from rlhfkit._packing_checks import check_cu_seqlens
+from rlhfkit._packing_padded import pack_padded, unpack_to_padded
 from rlhfkit._packing_partition import global_counts, partition_by_token_budget
 from rlhfkit.types import PackedBatch, Rollout
 
 __all__ = [
     "pack_sequences",
     "pack_rollouts",
+    "pack_padded",
+    "unpack_to_padded",
     "unpack",
     "pad_packed",
     "unpad_to_packed",

@@ -18,7 +18,7 @@ import torch
 
 from rlhfkit._packing_checks import check_logprob_values
 
-__all__ = ["FinishReason", "Rollout", "PackedBatch", "Experience"]
+__all__ = ["FinishReason", "Rollout", "PackedBatch", "PaddedBatch", "Experience"]
 
 FinishReason = Literal["stop", "length", "abort"]
 _FINISH_REASONS = ("stop", "length", "abort")
@@ -196,6 +196,39 @@ class PackedBatch:
 
     def to(self, device: torch.device | str) -> PackedBatch:
         return replace(self, **{f.name: getattr(self, f.name).to(device) for f in fields(self)})
+
+
+@dataclass(frozen=True, kw_only=True)
+class PaddedBatch:
+    """A packed batch laid out as HF-style padded rows (:func:`rlhfkit.packing.unpack_to_padded`).
+
+    Attributes:
+        input_ids: ``[N, L]`` int64, each sequence in one row, padded with the pad token.
+        attention_mask: ``[N, L]`` int64, 1 on real tokens, 0 on padding.
+        loss_mask: ``[N, L]`` bool, the packed batch's loss mask (response tokens).
+        values: the per-token tensors passed along, each ``[N, L, ...]``, still aligned at each token's own position
+            (entry ``[i, t]`` is about token ``t`` of row ``i``; for HF-style shifted log-probs take ``[:, 1:]``).
+        side: ``"right"`` or ``"left"``, where the padding is.
+    """
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    loss_mask: torch.Tensor
+    values: tuple[torch.Tensor, ...] = ()
+    side: Literal["right", "left"] = "right"
+
+    def __post_init__(self) -> None:
+        _check_tensor("PaddedBatch", "input_ids", self.input_ids, ndim=2, dtypes=_INT)
+        _check_tensor("PaddedBatch", "attention_mask", self.attention_mask, ndim=2, dtypes=_INT)
+        _check_tensor("PaddedBatch", "loss_mask", self.loss_mask, ndim=2, dtypes=(torch.bool,))
+        for name in ("attention_mask", "loss_mask"):
+            if getattr(self, name).shape != self.input_ids.shape:
+                raise ValueError(f"PaddedBatch.{name} has shape {tuple(getattr(self, name).shape)} but input_ids has "
+                                 f"{tuple(self.input_ids.shape)}")
+        if not isinstance(self.values, tuple):
+            raise TypeError(f"PaddedBatch.values must be a tuple of tensors, got {type(self.values).__name__}")
+        if self.side not in ("right", "left"):
+            raise ValueError(f"PaddedBatch.side={self.side!r}; expected 'right' or 'left'")
 
 
 @dataclass(frozen=True, kw_only=True)
