@@ -326,7 +326,8 @@ WRONG_TYPES = [
     # (id, builder, message pattern): each config field's type is checked strictly (bool is not a number)
     ("share-str", lambda: RoleSpec(name="actor", num_gpus=1, share="0.5"),
      r"RoleSpec\(name='actor'\)\.share must be a number \(int or float\), got '0\.5' \(str\)"),
-    ("share-bool", lambda: RoleSpec(name="actor", num_gpus=1, share=True), r"share must be a number.*got True \(bool\)"),
+    ("share-bool", lambda: RoleSpec(name="actor", num_gpus=1, share=True),
+     r"share must be a number.*got True \(bool\)"),
     ("num-gpus-float", lambda: RoleSpec(name="actor", num_gpus=2.0), r"num_gpus must be an int, got 2\.0"),
     ("num-gpus-bool", lambda: RoleSpec(name="actor", num_gpus=True), r"num_gpus must be an int, got True"),
     ("name-int", lambda: RoleSpec(name=3, num_gpus=1), r"RoleSpec\.name must be a str, got 3 \(int\)"),

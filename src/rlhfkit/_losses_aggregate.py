@@ -66,8 +66,9 @@ def check_token_inputs(mask: object, cu_seqlens: object, *, logprob_names: tuple
         token = int(torch.nonzero((present[name] > LOGPROB_TOLERANCE) & mask)[0])
         seq = int(torch.searchsorted(cu[1:], torch.tensor(token, device=cu.device), right=True))
         raise ValueError(f"{name} is {present[name][token].item():.4g} > 0 at sequence {seq}, position "
-                         f"{token - int(cu[seq])} (packed position {token}); log-probs are <= 0. Pass log-probabilities "
-                         "(log_softmax of the logits at the sampled token), not probabilities, logits or rewards")
+                         f"{token - int(cu[seq])} (packed position {token}); log-probs are <= 0. Pass "
+                         "log-probabilities (log_softmax of the logits at the sampled token), not probabilities, logits "
+                         "or rewards")
     return cu
 
 

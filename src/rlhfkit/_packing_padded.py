@@ -2,7 +2,8 @@
 
 People arrive with what ``model.generate`` gives: ``[B, L]`` rows of left-padded prompts followed by right-padded
 responses, an ``attention_mask``, and log-probs either per generated token (``[B, R]``, e.g. from
-``compute_transition_scores``) or HF-style shifted from a forward (``[B, L - 1]``, entry ``j`` = log p(token ``j + 1``)).
+``compute_transition_scores``) or HF-style shifted from a forward (``[B, L - 1]``, entry ``j`` = log p(token
+``j + 1``)).
 rlhfkit's convention differs: a token's log-prob is stored at the token's *own* position of a packed ``[T]`` stream
 (index 0 of each sequence unused). These two functions convert both ways.
 """

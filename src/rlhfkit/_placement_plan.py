@@ -290,7 +290,9 @@ class PlacementConfig:
                 f"({type(self.inventory).__name__}); e.g. Inventory.uniform(num_nodes=1, gpus_per_node=8)"
             )
         if not isinstance(self.hybrid, bool):
-            raise TypeError(f"PlacementConfig.hybrid must be a bool, got {self.hybrid!r} ({type(self.hybrid).__name__})")
+            raise TypeError(
+                f"PlacementConfig.hybrid must be a bool, got {self.hybrid!r} ({type(self.hybrid).__name__})"
+            )
         groups = _colocation_groups(self.colocate)
         if self.hybrid and groups:
             raise ValueError("PlacementConfig: hybrid=True already colocates every role; leave colocate empty")

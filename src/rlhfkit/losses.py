@@ -238,7 +238,9 @@ def _stats(mask: torch.Tensor, **named: tuple[str, torch.Tensor]) -> dict[str, f
 
 def _magnitude(tensor: torch.Tensor, mask: torch.Tensor) -> float:
     """Largest ``|tensor|`` on loss tokens (0 with none); used only to explain an overflow, so the sync is fine."""
-    return float(torch.where(mask, tensor.detach().abs(), torch.zeros_like(tensor.detach())).max()) if mask.any() else 0.0
+    if not mask.any():
+        return 0.0
+    return float(torch.where(mask, tensor.detach().abs(), torch.zeros_like(tensor.detach())).max())
 
 
 def _check_loss(name: str, stats: dict[str, float], dtype: torch.dtype, causes: str, fix: str) -> dict[str, float]:
