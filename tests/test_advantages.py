@@ -456,3 +456,45 @@ def test_gae_on_cuda_matches_naive_loop_even_with_tf32():
     close(adv.cpu(), ref_adv)
     close(ret.cpu(), ref_ret)
     close(returns.cpu(), naive_returns(rewards, mask, cu, 0.99))
+
+
+@pytest.mark.parametrize("shift_mean", [True, False])
+def test_whiten_masked_out_nan_does_not_poison_the_gradient(shift_mean):
+    """Review defect: a NaN (or inf) outside the mask was ignored by whiten's forward but made every gradient entry
+    NaN; the gradient now equals that of the same values with the masked-out entries set to 0, and is 0 there."""
+    mask = torch.arange(12) % 4 != 0
+    weights = torch.randn(12, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    clean = torch.randn(12, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    clean[~mask] = 0.0
+    dirty = clean.clone()
+    dirty[0], dirty[4], dirty[8] = math.nan, math.inf, -math.inf
+    grads = []
+    for values in (clean, dirty):
+        leaf = values.clone().requires_grad_()
+        out = whiten(leaf, mask, shift_mean=shift_mean)
+        (out * weights).sum().backward()
+        grads.append(leaf.grad)
+        close(out, whiten(clean, mask, shift_mean=shift_mean), tol=1e-12)
+    assert torch.isfinite(grads[1]).all(), grads[1]
+    close(grads[1], grads[0], tol=1e-12)
+    assert (grads[1][~mask] == 0).all() and grads[1][mask].abs().sum() > 0
+
+
+def test_advantage_results_that_overflow_raise_instead_of_flowing_on():
+    """Sibling of the policy_loss -inf defect (review): huge finite rewards made whiten return all zeros (or NaN),
+    kl_shaped_rewards -inf and rloo_advantages inf, silently; each now raises naming the overflow and the fix."""
+    mask = torch.tensor([False, True, True, True])
+    cu = torch.tensor([0, 4], dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"whiten: the variance of values overflowed torch\.float32 \(max \|values\| "
+                                         r"on the mask = 1e\+20\)"):
+        whiten(torch.tensor([0.0, 1e20, -1e20, 5.0]), mask)
+    with pytest.raises(ValueError, match=r"kl_shaped_rewards overflowed torch\.float32 .* -inf at token index 1.*"
+                                         r"Lower kl_coef"):
+        kl_shaped_rewards(torch.tensor([0.0]), torch.full((4,), 3e38), mask, cu, kl_coef=2.0)
+    with pytest.raises(ValueError, match=r"rloo_advantages overflowed torch\.float32.* inf at sample index 0"):
+        rloo_advantages(torch.tensor([3e38, -3e38, 1.0, 2.0]), torch.tensor([0, 0, 1, 1]))
+    with pytest.raises(ValueError, match=r"discounted_returns overflowed"):
+        discounted_returns(torch.tensor([0.0, 3e38, 3e38, 3e38]), mask, cu, gamma=1.0)
+    with pytest.raises(ValueError, match=r"gae advantages overflowed"):
+        gae(torch.tensor([0.0, 3e38, 3e38, 3e38]), torch.zeros(4), mask, cu, gamma=1.0, lam=1.0)
+    close(whiten(torch.tensor([0.0, 1e18, -1e18, 0.0]), mask), torch.tensor([0.0, 1.2247, -1.2247, 0.0]), tol=1e-4)

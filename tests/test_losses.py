@@ -352,7 +352,7 @@ def test_policy_loss_microbatch_and_dp_invariance(mode, case):
     logprobs = (-_tokens(batch, gen).abs() - 0.5).requires_grad_()
     old = logprobs.detach() + _tokens(batch, gen, 0.4)
     advantages = _tokens(batch, gen)
-    engine = old + _tokens(batch, gen, 0.3)
+    engine = (old + _tokens(batch, gen, 0.3)).clamp(max=0.0)  # engine log-probs are <= 0 (checked)
 
     def loss_fn(b, i, nt, ns):
         return policy_loss(logprobs[i], old[i], advantages[i], b.loss_mask, b.cu_seqlens, engine_logprobs=engine[i],
@@ -405,7 +405,7 @@ def test_policy_loss_matches_naive_loop(case):
     lp = -_tokens(batch, gen).abs() - 0.3
     old = lp + _tokens(batch, gen, 0.5)
     adv = _tokens(batch, gen)
-    eng = old + _tokens(batch, gen, 0.3)
+    eng = (old + _tokens(batch, gen, 0.3)).clamp(max=0.0)  # engine log-probs are <= 0 (checked)
     mask = batch.loss_mask
     per_token = torch.zeros(batch.num_tokens, dtype=torch.float64)
     for segment in _segments(batch):
@@ -637,3 +637,63 @@ def test_model_logprobs_packed_equal_padded_on_gpu(attn, tiny_qwen2_path):
     packed = model_logprobs(model, batch)
     reference = _padded_reference(model, batch)
     torch.testing.assert_close(packed, reference.to(packed.device), atol=1e-4, rtol=1e-4)
+
+
+def test_masked_out_nan_never_reaches_a_gradient_of_any_masked_reduction():
+    """Sibling of the whiten defect (review): NaN/inf outside the loss mask must not poison gradients of aggregate,
+    policy_loss (token and sequence ratio), value_loss and kl_loss; gradients equal those with zeros there."""
+    from rlhfkit.losses import aggregate, kl_loss, value_loss
+
+    cu = torch.tensor([0, 4, 8])
+    mask = torch.tensor([0, 1, 1, 0, 0, 1, 1, 1], dtype=torch.bool)
+    gen = torch.Generator().manual_seed(3)
+    ref = -torch.rand(8, dtype=torch.float64, generator=gen)
+    ones = torch.ones(8, dtype=torch.float64)
+    clean = torch.randn(8, dtype=torch.float64, generator=gen)
+    clean[~mask] = 0.0
+    losses = {
+        "aggregate": lambda x: aggregate(x, mask, cu, mode="seq_mean_token_mean"),
+        "policy_token": lambda x: policy_loss(-x.abs(), ref, ones, mask, cu)[0],
+        "policy_sequence": lambda x: policy_loss(-x.abs(), ref, ones, mask, cu, ratio_level="sequence")[0],
+        "value": lambda x: value_loss(x, clean + 0.01, ones, mask, cu, clip=0.2)[0],
+        "kl": lambda x: kl_loss(-x.abs(), ref, mask, cu, estimator="k3")[0],
+    }
+    dirty = clean.clone()
+    dirty[0], dirty[3], dirty[4] = math.nan, math.inf, -math.inf
+    for name, loss in losses.items():
+        grads = []
+        for values in (clean, dirty):
+            leaf = values.clone().requires_grad_()
+            loss(leaf).backward()
+            grads.append(leaf.grad)
+        assert torch.isfinite(grads[1]).all(), (name, grads[1])
+        torch.testing.assert_close(grads[1], grads[0], msg=name)
+        assert grads[1][mask].abs().sum() > 0, name
+
+
+def test_losses_raise_when_the_result_overflows_although_inputs_are_finite():
+    """Review defect: policy_loss returned -inf for huge (finite) advantages without an error. The result of every
+    loss is checked; the error names what overflowed and the fix. Siblings: value_loss, kl_loss, aggregate."""
+    from rlhfkit.losses import aggregate, kl_loss, value_loss
+
+    cu = torch.tensor([0, 4])
+    mask = torch.tensor([False, True, True, True])
+    logprobs = torch.tensor([0.0, -0.1, -0.2, -0.3])
+    cases = [
+        (lambda: policy_loss(logprobs, logprobs - 0.1, torch.full((4,), 3e38), mask, cu),
+         r"policy_loss is -inf although its inputs are finite: the loss overflowed torch\.float32.*max \|advantages\| "
+         r"on loss tokens = 3e\+38, ratio max = 1\.11\. Normalise or clip the advantages"),
+        (lambda: policy_loss(logprobs, logprobs, torch.full((4,), 2e38), mask, cu),  # each term finite, the sum not
+         r"policy_loss is -inf .*-A \* ratio, or its sum"),
+        (lambda: value_loss(torch.full((4,), 1e20), torch.zeros(4), torch.zeros(4), mask, cu),
+         r"value_loss is inf .*max \|values\| = 1e\+20.*Scale the rewards/returns down"),
+        (lambda: kl_loss(torch.full((4,), -200.0), torch.zeros(4), mask, cu, clamp=None),
+         r"kl_loss is inf .*max \|logprobs - ref_logprobs\| on loss tokens = 200, clamp=None\. Keep a clamp"),
+        (lambda: aggregate(torch.full((4,), 3e38), mask, cu),
+         r"aggregate: the token_mean of per_token is inf .*the sum overflowed torch\.float32"),
+    ]
+    for build, pattern in cases:
+        with pytest.raises(ValueError, match=pattern):
+            build()
+    loss, stats = policy_loss(logprobs, logprobs - 0.1, torch.full((4,), 1e30), mask, cu)  # large but representable
+    assert math.isfinite(stats["loss"]) and stats["loss"] < -1e30

@@ -40,8 +40,8 @@ def _random_sequences(seed: int, num: int = 5, low: int = 1, high: int = 9, voca
 def test_pack_sequences_hand_derived_layout():
     batch = pack_sequences([torch.tensor([5, 6, 7]), torch.tensor([8, 9])],
                            loss_masks=[torch.tensor([False, True, True]), torch.tensor([False, True])],
-                           pad_to_multiple_of=4, pad_token_id=-1)
-    assert batch.input_ids.tolist() == [5, 6, 7, 8, 9, -1, -1, -1]
+                           pad_to_multiple_of=4, pad_token_id=99)
+    assert batch.input_ids.tolist() == [5, 6, 7, 8, 9, 99, 99, 99]
     assert batch.position_ids.tolist() == [0, 1, 2, 0, 1, 0, 1, 2]
     assert batch.cu_seqlens.dtype == torch.int32 and batch.cu_seqlens.tolist() == [0, 3, 5]
     assert batch.loss_mask.tolist() == [False, True, True, False, True, False, False, False]
@@ -438,3 +438,204 @@ def test_packed_logits_on_gpu_equal_separate_runs(tiny_llama_path, attn):
 
 def test_packed_batch_type_is_reused():
     assert isinstance(pack_sequences([torch.tensor([1])]), PackedBatch)
+
+
+def test_select_sequences_refuses_duplicates_naming_the_index():
+    """Review defect: select_sequences(batch, [0, 0]) duplicated a sequence silently (its tokens counted twice)."""
+    batch = pack_sequences([torch.tensor([1, 2, 3]), torch.tensor([4, 5]), torch.tensor([6, 7])])
+    with pytest.raises(ValueError, match=r"indices=\[2, 0, 2\] name sequence 2 more than once"):
+        select_sequences(batch, [2, 0, 2])
+    selected, index = select_sequences(batch, [2, 0])
+    assert selected.input_ids.tolist() == [6, 7, 1, 2, 3] and index.tolist() == [5, 6, 0, 1, 2]
+
+
+def test_negative_token_ids_are_refused_naming_the_sample():
+    """Review defect: negative token ids (e.g. -100 left from HF labels) were packed; now refused with the sample
+    index and position, in pack_sequences/PackedBatch, Rollout, and for a negative pad_token_id."""
+    from rlhfkit.types import Rollout
+
+    with pytest.raises(ValueError, match=r"PackedBatch\.input_ids\[4\]=-100 in sequence \(sample index\) 1, "
+                                         r"position 1; token ids are >= 0"):
+        pack_sequences([torch.tensor([1, 2, 3]), torch.tensor([4, -100])])
+    with pytest.raises(ValueError, match=r"pad_token_id=-1; must be a token id >= 0"):
+        pack_sequences([torch.tensor([1, 2, 3])], pad_to_multiple_of=4, pad_token_id=-1)
+    with pytest.raises(ValueError, match=r"Rollout\(prompt_index=3, sample_index=1\)\.response_token_ids\[1\]=-100"):
+        Rollout(prompt_token_ids=torch.tensor([1]), response_token_ids=torch.tensor([2, -100]), prompt_index=3,
+                sample_index=1)
+
+
+def test_positive_engine_logprobs_are_refused_naming_sample_and_position():
+    """Review defect: positive engine log-probs were accepted; Rollout and policy_loss refuse them (> 1e-3)."""
+    from rlhfkit.losses import policy_loss
+    from rlhfkit.types import Rollout
+
+    with pytest.raises(ValueError, match=r"Rollout\.response_logprobs\[1\]=0\.5 > 0 \(prompt_index=0, "
+                                         r"sample_index=2\); log-probs are <= 0"):
+        Rollout(prompt_token_ids=torch.tensor([1]), response_token_ids=torch.tensor([2, 3]),
+                response_logprobs=torch.tensor([-0.1, 0.5]), sample_index=2)
+    Rollout(prompt_token_ids=torch.tensor([1]), response_token_ids=torch.tensor([2]),
+            response_logprobs=torch.tensor([1e-6]))  # float32 rounding just above 0 is tolerated
+    batch = pack_sequences([torch.tensor([1, 2, 3]), torch.tensor([4, 5])],
+                           loss_masks=[torch.tensor([False, True, True]), torch.tensor([False, True])])
+    lp = torch.tensor([0.0, -0.1, -0.2, 0.0, -0.3])
+    engine = lp.clone()
+    engine[4] = 0.25
+    with pytest.raises(ValueError, match=r"engine_logprobs is 0\.25 > 0 at sequence 1, position 1 \(packed position "
+                                         r"4\); log-probs are <= 0"):
+        policy_loss(lp, lp, lp, batch.loss_mask, batch.cu_seqlens, engine_logprobs=engine)
+
+
+def test_losses_refuse_a_loss_mask_on_a_sequence_first_token():
+    """Review defect: a loss mask True on a sequence's first token (which has no log-prob) was accepted by the
+    losses; every loss now refuses it naming the sequence and the alignment convention."""
+    from rlhfkit.losses import aggregate, kl_loss, policy_loss, value_loss
+
+    cu = torch.tensor([0, 3, 5], dtype=torch.int32)
+    mask = torch.tensor([False, True, True, True, True])  # sequence 1 starts at packed position 3
+    x = torch.tensor([0.0, -0.1, -0.2, -0.3, -0.4])
+    pattern = (r"mask is True on the first token of sequence 1 \(packed position 3\); the first token of a sequence "
+               r"is a prompt token and has no log-prob \(rlhfkit aligns a token's log-prob at the token's own position")
+    for call in (lambda: policy_loss(x, x, x, mask, cu), lambda: value_loss(x, x, x, mask, cu),
+                 lambda: kl_loss(x, x, mask, cu), lambda: aggregate(x, mask, cu)):
+        with pytest.raises(ValueError, match=pattern):
+            call()
+
+
+def test_hf_shifted_and_padded_shapes_get_the_convention_and_the_conversion():
+    """Review defect: HF-style shifted log-probs ([T - N] or [B, L - 1]) and padded [B, L] masks were reported only as
+    a length mismatch; the error now states rlhfkit's alignment and names the conversion helpers."""
+    from rlhfkit.advantages import discounted_returns
+    from rlhfkit.losses import policy_loss
+
+    batch = pack_sequences([torch.tensor([1, 2, 3]), torch.tensor([4, 5])],
+                           loss_masks=[torch.tensor([False, True, True]), torch.tensor([False, True])])
+    lp = torch.tensor([0.0, -0.1, -0.2, 0.0, -0.3])
+    with pytest.raises(ValueError, match=r"old_logprobs has 5 - 2 entries, one fewer per sequence: HF-style shifted "
+                                         r"log-probs .*log p\(token_t \| tokens_<t\) is stored at index t, and index 0 "
+                                         r"of each sequence is unused.*Insert a 0 at each sequence start"):
+        policy_loss(lp, torch.tensor([-0.1, -0.2, -0.3]), lp, batch.loss_mask, batch.cu_seqlens)
+    with pytest.raises(ValueError, match=r"mask looks like a padded \[B, L\] batch \(2, 3\).*rlhfkit\.packing\."
+                                         r"pack_padded\(input_ids, attention_mask"):
+        policy_loss(lp, lp, lp, torch.ones(2, 3, dtype=torch.bool), batch.cu_seqlens)
+    with pytest.raises(ValueError, match=r"advantages looks like a padded \[B, L\] batch.*unpad_to_packed"):
+        policy_loss(lp, lp, torch.zeros(2, 2), batch.loss_mask, batch.cu_seqlens)
+    with pytest.raises(ValueError, match=r"mask looks like a padded \[B, L\] batch"):
+        discounted_returns(torch.zeros(5), torch.ones(2, 3, dtype=torch.bool), batch.cu_seqlens, gamma=1.0)
+
+
+# ---------------------------------------------------------------------- padded HF batches <-> packed (review item 6)
+
+def _generate_like(gen):
+    """A model.generate-style batch: prompts left-padded to width 4, responses right-padded to width 3."""
+    prompts = [[5, 6], [7, 8, 9, 10], [11]]
+    responses = [[12, 13, 14], [15], [16, 17]]
+    rows, masks = [], []
+    for prompt, response in zip(prompts, responses):
+        rows.append([0] * (4 - len(prompt)) + prompt + response + [0] * (3 - len(response)))
+        masks.append([0] * (4 - len(prompt)) + [1] * (len(prompt) + len(response)) + [0] * (3 - len(response)))
+    return torch.tensor(rows), torch.tensor(masks), prompts, responses
+
+
+def test_pack_padded_generate_output_with_per_generated_token_logprobs():
+    """pack_padded on left-padded prompts + right-padded responses: sequences, loss mask on the responses, and
+    generated-token log-probs ([B, R]) placed at each token's own position."""
+    from rlhfkit.packing import pack_padded
+
+    ids, attention, prompts, responses = _generate_like(None)
+    generated = -torch.arange(1, 10, dtype=torch.float32).reshape(3, 3) / 10  # [B, R]; padding columns ignored
+    batch, logprobs = pack_padded(ids, attention, prompt_length=4, logprobs=generated)
+    expected = [p + r for p, r in zip(prompts, responses)]
+    assert batch.input_ids.tolist() == sum(expected, [])
+    assert batch.cu_seqlens.tolist() == [0, 5, 10, 13]
+    assert batch.loss_mask.tolist() == sum([[False] * len(p) + [True] * len(r) for p, r in zip(prompts, responses)], [])
+    # row 0 response tokens 12, 13, 14 -> -0.1, -0.2, -0.3; row 1 token 15 -> -0.4; row 2 tokens 16, 17 -> -0.7, -0.8
+    assert logprobs.tolist() == pytest.approx([0, 0, -0.1, -0.2, -0.3, 0, 0, 0, 0, -0.4, 0, -0.7, -0.8])
+    same, _ = pack_padded(ids, attention, response_mask=torch.zeros_like(ids, dtype=torch.bool).index_fill(
+        1, torch.arange(4, 7), True))
+    assert torch.equal(same.loss_mask, batch.loss_mask)
+
+
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_unpack_to_padded_and_pack_padded_round_trip(side):
+    """packed -> padded (either side) -> packed gives back the batch and the token-aligned log-probs exactly."""
+    from rlhfkit.packing import pack_padded, unpack_to_padded
+
+    gen = torch.Generator().manual_seed(0)
+    lengths = [3, 7, 2, 5]
+    seqs = [torch.randint(1, 50, (n,), generator=gen) for n in lengths]
+    masks = [torch.arange(n) >= 1 + int(torch.randint(0, n - 1, (1,), generator=gen)) for n in lengths]
+    batch = pack_sequences(seqs, loss_masks=masks, pad_to_multiple_of=8)
+    logprobs = torch.where(batch.loss_mask, -torch.rand(batch.num_tokens, generator=gen), torch.zeros(()))
+    padded = unpack_to_padded(batch, logprobs, side=side, pad_token_id=99)
+    assert padded.input_ids.shape == (4, 7) and padded.side == side
+    for row, seq in enumerate(seqs):
+        real = padded.attention_mask[row].bool()
+        assert padded.input_ids[row][real].tolist() == seq.tolist()
+        assert (padded.input_ids[row][~real] == 99).all()
+        assert real.tolist() == ([True] * len(seq) + [False] * (7 - len(seq)) if side == "right"
+                                 else [False] * (7 - len(seq)) + [True] * len(seq))
+    back, back_logprobs = pack_padded(padded.input_ids, padded.attention_mask, response_mask=padded.loss_mask,
+                                      logprobs=padded.values[0], pad_to_multiple_of=8)
+    for name in ("input_ids", "position_ids", "cu_seqlens", "loss_mask"):
+        assert torch.equal(getattr(back, name).long(), getattr(batch, name).long()), name
+    assert torch.equal(back_logprobs, logprobs)
+
+
+def test_pack_padded_hf_shifted_logprobs_match_rlhfkit_packed_logprobs(tiny_llama_path):
+    """HF-style shifted log-probs of a padded forward ([B, L - 1], entry j = log p(token j+1)) packed by pack_padded
+    equal rlhfkit's own token-aligned packed log-probs of the same model on the loss tokens."""
+    from rlhfkit.losses import model_logprobs
+    from rlhfkit.packing import pack_padded
+
+    model = _load(tiny_llama_path, "sdpa")
+    for side in ("right", "left"):
+        ids, attention, _, _ = _generate_like(None)
+        if side == "right":  # move every row's real tokens to the left edge
+            order = torch.argsort(1 - attention, dim=1, stable=True)
+            ids, attention = ids.gather(1, order), attention.gather(1, order)
+        positions = (attention.cumsum(1) - 1).clamp(min=0)
+        with torch.no_grad():
+            logits = model(input_ids=ids, attention_mask=attention, position_ids=positions).logits
+            shifted = torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+            response = torch.zeros_like(attention, dtype=torch.bool)
+            if side == "left":
+                response[:, 4:] = True
+            else:
+                for row, length in enumerate((2, 4, 1)):
+                    response[row, length:] = True
+            batch, packed = pack_padded(ids, attention, response_mask=response, logprobs=shifted)
+            ours = model_logprobs(model, batch)
+        mask = batch.loss_mask
+        assert mask.sum() == 6
+        torch.testing.assert_close(packed[mask], ours[mask], atol=1e-5, rtol=1e-5)
+
+
+def test_pack_padded_bad_input_names_row_and_fix():
+    from rlhfkit.packing import pack_padded
+
+    ids, attention, _, _ = _generate_like(None)
+    holes = attention.clone()
+    holes[0, 4] = 0
+    with pytest.raises(ValueError, match=r"attention_mask row 0 has padding between real tokens \(columns 2..6 hold 4"):
+        pack_padded(ids, holes, prompt_length=4)
+    with pytest.raises(ValueError, match=r"row 2: its first real token \(column 3\) is a response token"):
+        pack_padded(ids, attention, prompt_length=3)
+    with pytest.raises(ValueError, match=r"logprobs has 2 columns; expected 7, 6 or 3"):
+        pack_padded(ids, attention, prompt_length=4, logprobs=torch.zeros(3, 2))
+    with pytest.raises(ValueError, match=r"logprobs at row 0, token column 5 is 0\.5"):
+        pack_padded(ids, attention, prompt_length=4, logprobs=torch.tensor([[-0.1, 0.5, -0.1]] * 3))
+    with pytest.raises(ValueError, match=r"give prompt_length or response_mask, not both"):
+        pack_padded(ids, attention, prompt_length=4, response_mask=attention.bool())
+
+
+def test_docs_packing_padded_snippet_runs(capsys):
+    """The docs/packing.md 'Padded HF batches' snippet runs, and engine and trainer log-probs agree in it."""
+    import pathlib
+    import re
+
+    text = (pathlib.Path(__file__).parent.parent / "docs" / "packing.md").read_text()
+    section = text[text.index("## Padded HF batches"):]
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    exec(compile(code, "docs/packing.md", "exec"), {"__name__": "docs_snippet"})
+    gap = re.search(r"^tensor\(([-\d.e]+)\)$", capsys.readouterr().out, re.M)
+    assert gap is not None and float(gap.group(1)) < 1e-4

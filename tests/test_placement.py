@@ -318,3 +318,92 @@ def test_placement_and_workers_import_without_ray():
     assert result.returncode == 0, result.stderr
     assert "IMPORT-ERROR rlhfkit.placement needs the optional dependency 'ray'" in result.stdout
     assert "pip install 'rlhfkit[ray]'" in result.stdout
+
+
+ONE = dict(inventory=Inventory.uniform(num_nodes=1, gpus_per_node=2))
+PAIR = (RoleSpec(name="actor", num_gpus=2), RoleSpec(name="reference", num_gpus=2))
+WRONG_TYPES = [
+    # (id, builder, message pattern): each config field's type is checked strictly (bool is not a number)
+    ("share-str", lambda: RoleSpec(name="actor", num_gpus=1, share="0.5"),
+     r"RoleSpec\(name='actor'\)\.share must be a number \(int or float\), got '0\.5' \(str\)"),
+    ("share-bool", lambda: RoleSpec(name="actor", num_gpus=1, share=True),
+     r"share must be a number.*got True \(bool\)"),
+    ("num-gpus-float", lambda: RoleSpec(name="actor", num_gpus=2.0), r"num_gpus must be an int, got 2\.0"),
+    ("num-gpus-bool", lambda: RoleSpec(name="actor", num_gpus=True), r"num_gpus must be an int, got True"),
+    ("name-int", lambda: RoleSpec(name=3, num_gpus=1), r"RoleSpec\.name must be a str, got 3 \(int\)"),
+    ("label-int", lambda: RoleSpec(name="actor", num_gpus=1, label=3), r"label must be a str, got 3 \(int\)"),
+    ("flat-colocate",
+     lambda: PlacementConfig(roles=PAIR, colocate=("actor", "reference"), **ONE),
+     r"PlacementConfig\.colocate=\('actor', 'reference'\) is a flat tuple of role names; it must be a tuple of "
+     r"groups, e.g\. colocate=\(\('actor', 'reference'\),\)"),
+    ("colocate-list-of-str", lambda: PlacementConfig(roles=PAIR, colocate=["actor", "reference"], **ONE),
+     r"PlacementConfig\.colocate must be a tuple of groups"),
+    ("colocate-group-int", lambda: PlacementConfig(roles=PAIR, colocate=(3,), **ONE),
+     r"PlacementConfig\.colocate\[0\]=3 \(int\)"),
+    ("group-str", lambda: ColocationGroup(roles="ab"), r"ColocationGroup\.roles must be a tuple of role names"),
+    ("group-member-int", lambda: ColocationGroup(roles=("actor", 1)), r"each role name must be a str, got 1"),
+    ("hybrid-int", lambda: PlacementConfig(roles=PAIR, hybrid=1, **ONE), r"hybrid must be a bool, got 1 \(int\)"),
+    ("roles-list", lambda: PlacementConfig(roles=list(PAIR), **ONE), r"roles must be a tuple of RoleSpec, got list"),
+    ("inventory-int", lambda: PlacementConfig(roles=PAIR, inventory=8), r"inventory must be an Inventory, got 8"),
+    ("nodes-list", lambda: Inventory(nodes=[NodeSpec(num_gpus=1)]), r"Inventory\.nodes must be a tuple of NodeSpec"),
+    ("resources-list", lambda: NodeSpec(num_gpus=1, resources=["h100"]), r"resources must be a mapping"),
+    ("resource-bool", lambda: NodeSpec(num_gpus=1, resources={"h100": True}), r"must be a number.*True \(bool\)"),
+    ("memory-str", lambda: MemoryConfig(gpu_memory_gib="80"), r"gpu_memory_gib must be a number.*'80' \(str\)"),
+    ("zero-stage-bool", lambda: ModelMemory(num_params=10, zero_stage=True), r"zero_stage must be an int"),
+    ("activation-str", lambda: ModelMemory(num_params=10, activation_gib="1"), r"activation_gib must be a number"),
+    ("phases-flat-str", lambda: MemoryConfig(phases={"train": "actor"}),
+     r"MemoryConfig\.phases\['train'\]='actor' \(str\).*Write \('actor',\)"),
+]
+
+
+@pytest.mark.parametrize("build,pattern", [c[1:] for c in WRONG_TYPES], ids=[c[0] for c in WRONG_TYPES])
+def test_wrong_field_types_raise_type_error_naming_field_and_shape(no_ray, build, pattern):
+    """Review defect: share="0.5" gave a bare TypeError, share=True was taken as 1.0, a flat colocate tuple was split
+    into characters; every config field now raises a TypeError naming the field and the right shape."""
+    with pytest.raises(TypeError, match=pattern):
+        plan_placement(build())
+
+
+NOT_FINITE_OR_HUGE = [
+    ("resource-inf", lambda: NodeSpec(num_gpus=1, resources={"h100": float("inf")}),
+     r"NodeSpec\.resources\['h100'\]=inf; must be a finite number"),
+    ("resource-nan", lambda: NodeSpec(num_gpus=1, resources={"h100": float("nan")}), r"=nan; must be a finite"),
+    ("share-nan", lambda: RoleSpec(name="actor", num_gpus=1, share=float("nan")), r"share=nan; must be a finite"),
+    ("memory-inf", lambda: MemoryConfig(gpu_memory_gib=float("inf")), r"gpu_memory_gib=inf; must be a finite"),
+    ("role-10**12", lambda: RoleSpec(name="actor", num_gpus=10**12),
+     r"RoleSpec\(name='actor'\)\.num_gpus=1000000000000 is above the sanity bound 131072; is it a typo\?"),
+    ("engines-10**12", lambda: engines(10**12), r"engines\.num_engines=1000000000000 is above the sanity bound"),
+    ("tp-huge", lambda: engines(1, 4096), r"tensor_parallel_size=4096 is above the sanity bound 1024"),
+    ("node-10**12", lambda: NodeSpec(num_gpus=10**12), r"NodeSpec\.num_gpus=1000000000000 is above the sanity bound"),
+    ("uniform-10**12-nodes", lambda: Inventory.uniform(num_nodes=10**12, gpus_per_node=8),
+     r"num_nodes=1000000000000 is above the sanity bound"),
+    ("uniform-product", lambda: Inventory.uniform(num_nodes=1 << 12, gpus_per_node=1024),
+     r"num_nodes=4096 x gpus_per_node=1024 = 4194304 GPUs, above the sanity bound 131072"),
+]
+
+
+@pytest.mark.parametrize("build,pattern", [c[1:] for c in NOT_FINITE_OR_HUGE], ids=[c[0] for c in NOT_FINITE_OR_HUGE])
+def test_infinite_nan_and_absurd_sizes_are_rejected_at_once(no_ray, build, pattern):
+    """Review defect: num_gpus=10**12 ran out of memory after tens of seconds and an infinite resource was accepted;
+    both now raise ValueError in the constructor, before any per-GPU list is built."""
+    import time
+
+    start = time.monotonic()
+    with pytest.raises(ValueError, match=pattern):
+        plan_placement(build())
+    assert time.monotonic() - start < 1.0
+
+
+def test_the_largest_allowed_plan_is_built_quickly(no_ray):
+    """The sanity bound is not a performance cliff: a plan of MAX_GPUS GPUs builds in well under a few seconds."""
+    import time
+
+    from rlhfkit.placement import MAX_GPUS, MAX_GPUS_PER_NODE
+
+    start = time.monotonic()
+    inventory = Inventory.uniform(num_nodes=MAX_GPUS // MAX_GPUS_PER_NODE, gpus_per_node=MAX_GPUS_PER_NODE)
+    plan = plan_placement(PlacementConfig(roles=(RoleSpec(name="actor", num_gpus=MAX_GPUS),), inventory=inventory))
+    assert len(plan.ranks("actor")) == MAX_GPUS and time.monotonic() - start < 5.0
+    with pytest.raises(ValueError, match=r"roles need 131072 GPUs .* but the inventory has 1 node\(s\), 8 GPUs"):
+        PlacementConfig(roles=(RoleSpec(name="actor", num_gpus=MAX_GPUS),),
+                        inventory=Inventory.uniform(num_nodes=1, gpus_per_node=8))

@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import torch
 
+from rlhfkit._cu_seqlens import token_shape_hint
+
 __all__ = [
+    "check_overflow",
     "check_float_vector",
     "check_same_length",
     "check_mask",
@@ -23,7 +26,8 @@ def check_float_vector(name: str, value: object) -> torch.Tensor:
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
     if value.ndim != 1:
-        raise ValueError(f"{name} must be 1-D ([T] packed or [N] per sequence), got shape {tuple(value.shape)}")
+        raise ValueError(f"{name} must be 1-D ([T] packed or [N] per sequence), got shape {tuple(value.shape)}."
+                         + token_shape_hint(name, value, 0))
     if not value.is_floating_point():
         raise ValueError(f"{name} must be a floating tensor, got dtype {value.dtype}; convert it with .float()")
     return value
@@ -46,7 +50,8 @@ def check_mask(mask: object, num_tokens: int, *, name: str = "mask") -> torch.Te
     if mask.dtype != torch.bool:
         raise ValueError(f"{name} must be a bool tensor, got dtype {mask.dtype}; use mask.bool()")
     if mask.shape != (num_tokens,):
-        raise ValueError(f"{name} has shape {tuple(mask.shape)}; expected ({num_tokens},) like the per-token values")
+        raise ValueError(f"{name} has shape {tuple(mask.shape)}; expected ({num_tokens},) like the per-token values."
+                         + token_shape_hint(name, mask, num_tokens))
     return mask
 
 
@@ -87,6 +92,24 @@ def check_finite(name: str, value: torch.Tensor, *, unit: str = "sample", mask: 
         raise ValueError(
             f"{name} is not finite at {unit} index {index} (value {value[index].item()}); "
             f"{int(bad.sum())} non-finite entries in total. Fix or filter these {unit}s before this step."
+        )
+
+
+def check_overflow(name: str, value: torch.Tensor, *, unit: str, mask: torch.Tensor | None = None, fix: str) -> None:
+    """Raise when a *result* is NaN/inf (inside ``mask``) although the inputs were checked finite: an overflow.
+
+    Inputs are checked before computing; a finite but huge input (rewards of 1e38) can still overflow the result's
+    dtype, which would otherwise flow on silently as inf/NaN advantages.
+    """
+    bad = ~torch.isfinite(value.detach())
+    if mask is not None:
+        bad &= mask
+    if bool(bad.any()):
+        index = int(torch.nonzero(bad)[0])
+        raise ValueError(
+            f"{name} overflowed {value.dtype} (largest finite {torch.finfo(value.dtype).max:.3g}): it is "
+            f"{value[index].item()} at {unit} index {index} although the inputs are finite; {int(bad.sum())} "
+            f"non-finite entries in total. {fix}"
         )
 
 

@@ -16,7 +16,9 @@ from typing import Literal
 
 import torch
 
-__all__ = ["Rollout", "PackedBatch", "Experience"]
+from rlhfkit._cu_seqlens import check_logprob_values
+
+__all__ = ["Rollout", "PackedBatch", "PaddedBatch", "Experience"]
 
 FinishReason = Literal["stop", "length", "abort"]
 _FINISH_REASONS = ("stop", "length", "abort")
@@ -68,6 +70,14 @@ class Rollout:
         _check_tensor("Rollout", "response_token_ids", self.response_token_ids, ndim=1, dtypes=_INT)
         if self.prompt_token_ids.numel() == 0:
             raise ValueError("Rollout.prompt_token_ids is empty; a prompt needs at least one token")
+        for name in ("prompt_token_ids", "response_token_ids"):
+            ids = getattr(self, name)
+            if ids.numel() and bool((ids < 0).any()):
+                position = int(torch.nonzero(ids < 0)[0])
+                raise ValueError(
+                    f"Rollout(prompt_index={self.prompt_index}, sample_index={self.sample_index}).{name}[{position}]="
+                    f"{int(ids[position])}; token ids are >= 0 (a padding or ignore value such as -100 left in?)"
+                )
         if self.response_logprobs is not None:
             _check_tensor("Rollout", "response_logprobs", self.response_logprobs, ndim=1, dtypes=_FLOAT)
             if self.response_logprobs.shape != self.response_token_ids.shape:
@@ -75,6 +85,10 @@ class Rollout:
                     f"Rollout.response_logprobs has shape {tuple(self.response_logprobs.shape)} but "
                     f"response_token_ids has shape {tuple(self.response_token_ids.shape)}; they must match"
                 )
+            check_logprob_values(
+                "Rollout.response_logprobs", self.response_logprobs,
+                where=f"prompt_index={self.prompt_index}, sample_index={self.sample_index}",
+            )
         if self.finish_reason not in _FINISH_REASONS:
             raise ValueError(f"Rollout.finish_reason={self.finish_reason!r}; expected one of {_FINISH_REASONS}")
         if self.prompt_index < 0 or self.sample_index < 0:
@@ -143,6 +157,14 @@ class PackedBatch:
                              "of a sequence has no log-prob")
         if bool(self.loss_mask[int(cu[-1]):].any()):
             raise ValueError("PackedBatch.loss_mask is True on padding tokens after cu_seqlens[-1]")
+        negative = self.input_ids < 0
+        if bool(negative.any()):
+            token = int(torch.nonzero(negative)[0])
+            where = ("the padding tail (pad_token_id)" if token >= int(cu[-1]) else
+                     f"sequence (sample index) {int(torch.searchsorted(cu[1:], cu.new_tensor(token), right=True))}, "
+                     f"position {token - int(cu[int(torch.searchsorted(cu[1:], cu.new_tensor(token), right=True))])}")
+            raise ValueError(f"PackedBatch.input_ids[{token}]={int(self.input_ids[token])} in {where}; token ids are "
+                             ">= 0 (a padding or ignore value such as -100 left in the tokens?)")
 
     @property
     def num_tokens(self) -> int:
@@ -174,6 +196,39 @@ class PackedBatch:
 
     def to(self, device: torch.device | str) -> PackedBatch:
         return replace(self, **{f.name: getattr(self, f.name).to(device) for f in fields(self)})
+
+
+@dataclass(frozen=True, kw_only=True)
+class PaddedBatch:
+    """A packed batch laid out as HF-style padded rows (:func:`rlhfkit.packing.unpack_to_padded`).
+
+    Attributes:
+        input_ids: ``[N, L]`` int64, each sequence in one row, padded with the pad token.
+        attention_mask: ``[N, L]`` int64, 1 on real tokens, 0 on padding.
+        loss_mask: ``[N, L]`` bool, the packed batch's loss mask (response tokens).
+        values: the per-token tensors passed along, each ``[N, L, ...]``, still aligned at each token's own position
+            (entry ``[i, t]`` is about token ``t`` of row ``i``; for HF-style shifted log-probs take ``[:, 1:]``).
+        side: ``"right"`` or ``"left"``, where the padding is.
+    """
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    loss_mask: torch.Tensor
+    values: tuple[torch.Tensor, ...] = ()
+    side: Literal["right", "left"] = "right"
+
+    def __post_init__(self) -> None:
+        _check_tensor("PaddedBatch", "input_ids", self.input_ids, ndim=2, dtypes=_INT)
+        _check_tensor("PaddedBatch", "attention_mask", self.attention_mask, ndim=2, dtypes=_INT)
+        _check_tensor("PaddedBatch", "loss_mask", self.loss_mask, ndim=2, dtypes=(torch.bool,))
+        for name in ("attention_mask", "loss_mask"):
+            if getattr(self, name).shape != self.input_ids.shape:
+                raise ValueError(f"PaddedBatch.{name} has shape {tuple(getattr(self, name).shape)} but input_ids has "
+                                 f"{tuple(self.input_ids.shape)}")
+        if not isinstance(self.values, tuple):
+            raise TypeError(f"PaddedBatch.values must be a tuple of tensors, got {type(self.values).__name__}")
+        if self.side not in ("right", "left"):
+            raise ValueError(f"PaddedBatch.side={self.side!r}; expected 'right' or 'left'")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from rlhfkit._checks import check_cu_seqlens, check_finite, check_float_vector, check_mask
+from rlhfkit._checks import check_cu_seqlens, check_finite, check_float_vector, check_mask, check_overflow
 from rlhfkit.advantages._group import grpo_advantages, reinforce_baseline_advantages, rloo_advantages
 from rlhfkit.advantages._kl import (
     AdaptiveKLController,
@@ -75,13 +75,24 @@ def whiten(values: torch.Tensor, mask: torch.Tensor, *, shift_mean: bool = True,
     check_finite("values", values.flatten(), unit="token", mask=mask.flatten())
     x = values.to(torch.promote_types(values.dtype, torch.float32))
     zero = torch.zeros((), dtype=x.dtype, device=x.device)
+    # Every masked-out entry is replaced by 0 *before* any arithmetic: with ``torch.where`` only at the end, a NaN
+    # outside the mask is ignored by the forward but its 0 * NaN reaches the variance's gradient, making the whole
+    # gradient NaN.
     masked = torch.where(mask, x, zero)
     mean = masked.sum() / count
-    var = torch.where(mask, x - mean, zero).square().sum() / count
-    whitened = (x - mean) * torch.rsqrt(var + eps)
+    centered = torch.where(mask, masked - mean, zero)
+    var = centered.square().sum() / count
+    whitened = centered * torch.rsqrt(var + eps)
     if not shift_mean:
         whitened = whitened + mean
-    return torch.where(mask, whitened, zero).to(values.dtype)
+    out = torch.where(mask, whitened, zero).to(values.dtype)
+    if not bool(torch.isfinite(var.detach())):
+        # (x - mean)^2 overflowed: rsqrt(inf) = 0 would silently whiten everything to 0 (or NaN).
+        raise ValueError(f"whiten: the variance of values overflowed {x.dtype} (max |values| on the mask = "
+                         f"{float(masked.detach().abs().max()):.3g}); scale the values down or pass float64")
+    check_overflow("whiten", out.flatten(), unit="token", mask=mask.flatten(),
+                   fix="Scale the values down or pass float64")
+    return out
 
 
 def broadcast_to_tokens(seq_values: torch.Tensor, mask: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import torch
 
-from rlhfkit._checks import check_finite, check_float_vector, check_group_ids
+from rlhfkit._checks import check_finite, check_float_vector, check_group_ids, check_overflow
+
+_FIX = "Scale the rewards down (or normalise them before this step), or pass float64 rewards"
 
 __all__ = ["grpo_advantages", "rloo_advantages", "reinforce_baseline_advantages", "group_stats"]
 
@@ -70,7 +72,10 @@ def grpo_advantages(
     advantages = rewards.to(torch.float64) - mean
     if scale_by_std:
         advantages = advantages / (std + eps)
-    return advantages.to(torch.promote_types(rewards.dtype, torch.float32))
+    out = advantages.to(torch.promote_types(rewards.dtype, torch.float32))
+    check_overflow("grpo_advantages" if scale_by_std else "reinforce_baseline_advantages (r - group mean)", out,
+                   unit="sample", fix=_FIX)
+    return out
 
 
 def rloo_advantages(rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
@@ -94,7 +99,9 @@ def rloo_advantages(rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.Ten
         )
     x = rewards.to(torch.float64)
     advantages = x - (sums - x) / (counts - 1)
-    return advantages.to(torch.promote_types(rewards.dtype, torch.float32))
+    out = advantages.to(torch.promote_types(rewards.dtype, torch.float32))
+    check_overflow("rloo_advantages", out, unit="sample", fix=_FIX)
+    return out
 
 
 def reinforce_baseline_advantages(rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:

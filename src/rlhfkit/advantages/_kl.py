@@ -22,6 +22,7 @@ from rlhfkit._checks import (
     check_cu_seqlens,
     check_float_vector,
     check_mask,
+    check_overflow,
     check_same_length,
 )
 
@@ -115,6 +116,8 @@ def kl_shaped_rewards(
     rewards = torch.where(mask, -kl_coef * kl.to(dtype), torch.zeros((), dtype=dtype, device=kl.device))
     last, has_token = last_loss_token(mask, cu)
     rewards[last[has_token]] += seq_rewards.to(dtype)[has_token]
+    check_overflow("kl_shaped_rewards", rewards, unit="token", mask=mask,
+                   fix="Lower kl_coef, keep a clamp in kl_estimate (clamp=10.0), or scale the sequence rewards down")
     return rewards
 
 

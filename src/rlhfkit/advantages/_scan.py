@@ -19,6 +19,7 @@ from rlhfkit._checks import (
     check_finite,
     check_float_vector,
     check_mask,
+    check_overflow,
     check_same_length,
 )
 
@@ -124,6 +125,8 @@ def discounted_returns(
     out_dtype = torch.promote_types(token_rewards.dtype, torch.float32)
     out = torch.zeros(token_rewards.shape, dtype=out_dtype, device=token_rewards.device)
     out[mask] = returns[row, column].to(out_dtype)
+    check_overflow("discounted_returns", out, unit="token", mask=mask,
+                   fix="Scale the token rewards down, or pass float64 token_rewards")
     return out
 
 
@@ -169,4 +172,7 @@ def gae(
     ret_out = torch.zeros(values.shape, dtype=out_dtype, device=values.device)
     adv_out[mask] = advantages[row, column].to(out_dtype)
     ret_out[mask] = (advantages + value_matrix)[row, column].to(out_dtype)
+    fix = "Scale the token rewards (and so the critic's values) down, or pass float64 tensors"
+    check_overflow("gae advantages", adv_out, unit="token", mask=mask, fix=fix)
+    check_overflow("gae returns", ret_out, unit="token", mask=mask, fix=fix)
     return adv_out, ret_out

@@ -22,6 +22,7 @@ import torch
 
 from rlhfkit._checks import check_finite
 from rlhfkit.advantages import KLEstimator
+from rlhfkit._cu_seqlens import token_shape_hint
 from rlhfkit.experience._estimators import (
     ESTIMATORS,
     GROUP_ESTIMATORS,
@@ -125,7 +126,8 @@ def _call_forward(role: str, fn: ForwardFn, batch: PackedBatch) -> tuple[torch.T
     if out.shape != (batch.num_tokens,) or not out.is_floating_point():
         dtype = str(out.dtype).removeprefix("torch.")
         raise ValueError(f"{name} returned a {dtype} tensor of shape {tuple(out.shape)}; expected a float tensor of "
-                         f"shape ({batch.num_tokens},): one token-aligned value per packed token")
+                         f"shape ({batch.num_tokens},): one token-aligned value per packed token."
+                         + token_shape_hint("its output", out, int(batch.cu_seqlens[-1]), batch.num_seqs))
     out = out.detach().to(device=batch.input_ids.device, dtype=torch.float32)
     _check_finite_tokens(f"{name} returned", out, batch)
     elapsed = time.perf_counter() - start

@@ -87,6 +87,7 @@ class TrainerWorker(Worker):
         self.awake = False
         self.sender: Any = None
         self._pending_backward = False
+        self._resident = _Resident()
 
     # ------------------------------------------------------------------ lifecycle
     def load(self, config: Any) -> dict[str, Any]:
@@ -99,15 +100,18 @@ class TrainerWorker(Worker):
             torch.cuda.set_device(self.device())
         torch.manual_seed(config.seed)
         overrides = {"managed_gradient_accumulation": False} if config.trains else None
-        self.model = DeepSpeedEngine.from_pretrained(self.model_path, role=self.role, config=config.deepspeed,
-                                                     ds_config_overrides=overrides)
+        model = DeepSpeedEngine.from_pretrained(self.model_path, role=self.role, config=config.deepspeed,
+                                                ds_config_overrides=overrides)
         gc.collect()
         gc.freeze()  # offload_states calls gc.collect(); frozen long-lived objects make that cheap
-        self._transition("sleep", "load")
+        (model if config.offload else self._resident).sleep()
+        self._transition("sleep", "load")  # the claim was taken with no model: release it the same way
+        self.model = model
         return {"parameters": sum(getattr(p, "ds_numel", p.numel()) for p in self.model.module.parameters())}
 
     def _sleepable(self) -> Any:
-        return self.model if (self.config.offload and self.model is not None) else _Resident()
+        """What the guard wakes and puts to sleep (one object for the whole run: the guard's claim names it)."""
+        return self.model if (self.config.offload and self.model is not None) else self._resident
 
     def _transition(self, action: str, phase: str, **kwargs: Any) -> float:
         if action == "wake":

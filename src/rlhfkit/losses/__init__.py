@@ -59,6 +59,7 @@ Mismatch = Literal["none", "tis", "token_mask", "seq_mask"]
 _MISMATCH = ("none", "tis", "token_mask", "seq_mask")
 # exp(20) ≈ 4.9e8: log-ratios are clamped to ±MAX_LOG_RATIO so a diverged policy gives a huge, finite ratio.
 MAX_LOG_RATIO = 20.0
+_LOGPROB_NAMES = ("engine_logprobs",)  # the engine's own log-probs: a wrong field (probabilities) is a common slip
 
 
 def shift_to_tokens(per_row: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
@@ -235,6 +236,25 @@ def _stats(mask: torch.Tensor, **named: tuple[str, torch.Tensor]) -> dict[str, f
     return result
 
 
+def _magnitude(tensor: torch.Tensor, mask: torch.Tensor) -> float:
+    """Largest ``|tensor|`` on loss tokens (0 with none); used only to explain an overflow, so the sync is fine."""
+    if not mask.any():
+        return 0.0
+    return float(torch.where(mask, tensor.detach().abs(), torch.zeros_like(tensor.detach())).max())
+
+
+def _check_loss(name: str, stats: dict[str, float], dtype: torch.dtype, causes: str, fix: str) -> dict[str, float]:
+    """Raise when a loss came out inf/NaN although its inputs were finite: an overflow inside the loss itself.
+
+    The inputs are checked on loss tokens before anything is computed; this checks the *result*, so a finite but huge
+    input (e.g. advantages of 1e38) cannot silently produce a ``-inf`` loss and a NaN update.
+    """
+    if math.isfinite(stats["loss"]):
+        return stats
+    raise ValueError(f"{name} is {stats['loss']} although its inputs are finite: the loss overflowed "
+                     f"{dtype} (largest finite {torch.finfo(dtype).max:.3g}); {causes}. {fix}")
+
+
 def _policy_ratio(logprobs, old_logprobs, mask, cu, ratio_level):
     """Returns ``(log_ratio used by the loss, token log-ratio)``, both ``[T]`` and clamped to ±MAX_LOG_RATIO."""
     token_log_ratio = (logprobs - old_logprobs).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
@@ -306,7 +326,8 @@ def policy_loss(
     """
     _check_policy_scalars(clip_low, clip_high, dual_clip, ratio_level, mismatch, mismatch_threshold,
                           engine_logprobs, aggregation)
-    cu = check_token_inputs(mask, cu_seqlens, logprobs=logprobs, old_logprobs=old_logprobs, advantages=advantages,
+    cu = check_token_inputs(mask, cu_seqlens, logprob_names=_LOGPROB_NAMES, logprobs=logprobs,
+                            old_logprobs=old_logprobs, advantages=advantages,
                             engine_logprobs=engine_logprobs)
     dtype = torch.promote_types(logprobs.dtype, torch.float32)
     zero = torch.zeros((), dtype=dtype, device=logprobs.device)
@@ -329,7 +350,16 @@ def policy_loss(
     token_ratio = torch.exp(token_log_ratio)
     stats.update(approx_kl=("mean", token_ratio - 1 - token_log_ratio), ratio_mean=("mean", ratio),
                  ratio_min=("min", ratio), ratio_max=("max", ratio))
-    return loss, _stats(mask, loss=("value", loss), **stats)
+    result = _stats(mask, loss=("value", loss), **stats)
+    if math.isfinite(result["loss"]):
+        return loss, result
+    causes = (f"the per-token loss -A * ratio, or its sum, is too large: max |advantages| on loss tokens = "
+              f"{_magnitude(adv, mask):.3g}, ratio max = {result['ratio_max']:.3g}")
+    if engine_logprobs is not None and mismatch != "none":
+        causes += f", mismatch weight max = {_magnitude(weights, mask):.3g}"
+    fix = ("Normalise or clip the advantages (e.g. rlhfkit.advantages.whiten; check the reward scale), or pass "
+           "float64 tensors")
+    return loss, _check_loss("policy_loss", result, dtype, causes, fix)
 
 
 def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,
@@ -369,9 +399,16 @@ def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Te
     variance = _masked_mean((target - _masked_mean(target, mask)).square(), mask)
     residual_variance = _masked_mean((residual - _masked_mean(residual, mask)).square(), mask)
     explained = 1 - residual_variance / variance.clamp(min=1e-12)
-    return loss, _stats(mask, loss=("value", loss), value_clip_fraction=("mean", clipped_active),
-                        values_mean=("mean", values), returns_mean=("mean", target),
-                        explained_variance=("value", explained))
+    result = _stats(mask, loss=("value", loss), value_clip_fraction=("mean", clipped_active),
+                    values_mean=("mean", values), returns_mean=("mean", target),
+                    explained_variance=("value", explained))
+    if math.isfinite(result["loss"]):
+        return loss, result
+    causes = (f"the squared error 0.5 (V - R)^2, or its sum, is too large: max |values| = "
+              f"{_magnitude(values, mask):.3g}, max |returns| = {_magnitude(target, mask):.3g}, max |old_values| = "
+              f"{_magnitude(old, mask):.3g} on loss tokens")
+    fix = "Scale the rewards/returns down (or normalise them), check the critic's output head, or pass float64 tensors"
+    return loss, _check_loss("value_loss", result, dtype, causes, fix)
 
 
 def kl_loss(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask: torch.Tensor, cu_seqlens: torch.Tensor, *,
@@ -390,11 +427,20 @@ def kl_loss(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask: torch.Tens
     """
     if aggregation not in AGGREGATIONS:
         raise ValueError(f"aggregation={aggregation!r}; expected one of {AGGREGATIONS}")
-    cu = check_token_inputs(mask, cu_seqlens, logprobs=logprobs, ref_logprobs=ref_logprobs)
+    cu = check_token_inputs(mask, cu_seqlens, logprob_names=_LOGPROB_NAMES, logprobs=logprobs,
+                            ref_logprobs=ref_logprobs)
     dtype = torch.promote_types(logprobs.dtype, torch.float32)
     zero = torch.zeros((), dtype=dtype, device=logprobs.device)
     logprobs = torch.where(mask, logprobs.to(dtype), zero)
     ref = torch.where(mask, ref_logprobs.detach().to(dtype), zero)
     kl = kl_estimate(logprobs, ref, estimator=estimator, clamp=clamp)
     loss = reduce_tokens(kl, mask, cu, mode=aggregation, num_tokens=num_tokens, num_seqs=num_seqs)
-    return loss, _stats(mask, loss=("value", loss), kl_mean=("mean", kl), kl_max=("max", kl))
+    result = _stats(mask, loss=("value", loss), kl_mean=("mean", kl), kl_max=("max", kl))
+    if math.isfinite(result["loss"]):
+        return loss, result
+    gap = _magnitude(logprobs - ref, mask)
+    causes = (f"the per-token {estimator} estimate, or its sum, is too large: max |logprobs - ref_logprobs| on loss "
+              f"tokens = {gap:.3g}, clamp={clamp!r}")
+    fix = ("Keep a clamp on the log-ratio (clamp=10.0, the default) or check that ref_logprobs come from the same "
+           "tokens and temperature as logprobs")
+    return loss, _check_loss("kl_loss", result, dtype, causes, fix)

@@ -7,7 +7,7 @@ from typing import Literal
 
 import torch
 
-from rlhfkit._cu_seqlens import check_cu_seqlens
+from rlhfkit._cu_seqlens import CONVENTION, LOGPROB_TOLERANCE, check_cu_seqlens, token_shape_hint
 
 __all__ = ["Aggregation", "AGGREGATIONS", "aggregate", "reduce_tokens", "check_token_inputs", "segment_sum",
            "check_count"]
@@ -16,37 +16,59 @@ Aggregation = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"]
 AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum")
 
 
-def check_token_inputs(mask: object, cu_seqlens: object, **tensors: torch.Tensor | None) -> torch.Tensor:
+def check_token_inputs(mask: object, cu_seqlens: object, *, logprob_names: tuple[str, ...] = (),
+                       **tensors: torch.Tensor | None) -> torch.Tensor:
     """Validate per-token float tensors, the bool loss mask and ``cu_seqlens``; return ``cu_seqlens`` as int64.
 
-    Every tensor must be ``[T]`` floating with the mask's length, and finite wherever the mask is True.
+    Every tensor must be ``[T]`` floating with the mask's length, and finite wherever the mask is True; the mask is
+    never True on a sequence's first token (it has no log-prob); the tensors named in ``logprob_names`` are
+    log-probabilities, so ``<= LOGPROB_TOLERANCE`` on loss tokens. One device sync for all of it.
     """
     if not isinstance(mask, torch.Tensor) or mask.ndim != 1 or mask.dtype != torch.bool:
+        hint = token_shape_hint("mask", mask, 0) if isinstance(mask, torch.Tensor) else ""
         raise ValueError(f"mask must be a [T] bool tensor (the loss mask), got "
-                         f"{getattr(mask, 'shape', type(mask).__name__)} {getattr(mask, 'dtype', '')}")
+                         f"{getattr(mask, 'shape', type(mask).__name__)} {getattr(mask, 'dtype', '')}.{hint}")
     num_tokens = mask.shape[0]
+    cu = check_cu_seqlens(cu_seqlens, num_tokens).to(mask.device)
+    num_seqs, num_real = cu.numel() - 1, int(cu[-1])
     for name, value in tensors.items():
         if value is None:
             continue
         if not isinstance(value, torch.Tensor) or value.ndim != 1 or not value.is_floating_point():
+            hint = token_shape_hint(name, value, num_real, num_seqs) if isinstance(value, torch.Tensor) else ""
             raise ValueError(f"{name} must be a [T] floating tensor, got "
-                             f"{getattr(value, 'shape', type(value).__name__)} {getattr(value, 'dtype', '')}")
+                             f"{getattr(value, 'shape', type(value).__name__)} {getattr(value, 'dtype', '')}.{hint}")
         if value.shape[0] != num_tokens:
             raise ValueError(f"{name} has {value.shape[0]} entries but mask has {num_tokens}; per-token tensors "
-                             "must share the packed stream's length (nothing is broadcast)")
+                             "must share the packed stream's length (nothing is broadcast)."
+                             + token_shape_hint(name, value, num_real, num_seqs))
         if value.device != mask.device:
             raise ValueError(f"{name} is on {value.device} but mask is on {mask.device}")
-    cu = check_cu_seqlens(cu_seqlens, num_tokens).to(mask.device)
-    if bool(mask[int(cu[-1]):].any()):
-        raise ValueError(f"mask is True after cu_seqlens[-1]={int(cu[-1])}; padding is never in the loss")
-    finite = [torch.isfinite(v.detach()[mask]).all() for v in tensors.values() if v is not None]
-    if finite:
-        ok = torch.stack(finite).tolist()
-        names = [n for n, v in tensors.items() if v is not None]
-        bad = [n for n, good in zip(names, ok) if not good]
-        if bad:
-            raise ValueError(f"{', '.join(bad)} contain NaN or inf on loss tokens (where mask is True); check the "
-                             "forward pass that produced them")
+    present = {n: v.detach() for n, v in tensors.items() if v is not None}
+    flags = [mask[num_real:].any(), mask[cu[:-1]].any()]
+    flags += [~torch.isfinite(v[mask]).all() for v in present.values()]
+    flags += [(v[mask] > LOGPROB_TOLERANCE).any() for n, v in present.items() if n in logprob_names]
+    bad = torch.stack(flags).tolist()
+    if bad[0]:
+        raise ValueError(f"mask is True after cu_seqlens[-1]={num_real}; padding is never in the loss")
+    if bad[1]:
+        seq = int(torch.nonzero(mask[cu[:-1]])[0])
+        raise ValueError(f"mask is True on the first token of sequence {seq} (packed position {int(cu[seq])}); the "
+                         f"first token of a sequence is a prompt token and has no log-prob ({CONVENTION}). Set the "
+                         "loss mask on response tokens only (rlhfkit.packing.pack_rollouts / pack_padded do)")
+    nonfinite = [n for n, flag in zip(present, bad[2:2 + len(present)]) if flag]
+    if nonfinite:
+        raise ValueError(f"{', '.join(nonfinite)} contain NaN or inf on loss tokens (where mask is True); check the "
+                         "forward pass that produced them")
+    positive = [n for n, flag in zip([n for n in present if n in logprob_names], bad[2 + len(present):]) if flag]
+    if positive:
+        name = positive[0]
+        token = int(torch.nonzero((present[name] > LOGPROB_TOLERANCE) & mask)[0])
+        seq = int(torch.searchsorted(cu[1:], torch.tensor(token, device=cu.device), right=True))
+        raise ValueError(f"{name} is {present[name][token].item():.4g} > 0 at sequence {seq}, position "
+                         f"{token - int(cu[seq])} (packed position {token}); log-probs are <= 0. Pass "
+                         "log-probabilities (log_softmax of the logits at the sampled token), not probabilities, logits "
+                         "or rewards")
     return cu
 
 
@@ -90,7 +112,14 @@ def aggregate(per_token: torch.Tensor, mask: torch.Tensor, cu_seqlens: torch.Ten
         mask: ``[T]`` bool loss mask. cu_seqlens: ``[N + 1]`` boundaries.
     """
     cu = check_token_inputs(mask, cu_seqlens, per_token=per_token)
-    return reduce_tokens(per_token, mask, cu, mode=mode, num_tokens=num_tokens, num_seqs=num_seqs)
+    result = reduce_tokens(per_token, mask, cu, mode=mode, num_tokens=num_tokens, num_seqs=num_seqs)
+    if not bool(torch.isfinite(result.detach())):
+        # Inputs on loss tokens are finite (checked above), so only the sum can have overflowed.
+        largest = float(torch.where(mask, per_token.detach().abs(), torch.zeros_like(per_token.detach())).max())
+        raise ValueError(f"aggregate: the {mode} of per_token is {float(result)} although per_token is finite on loss "
+                         f"tokens: the sum overflowed {result.dtype} (max |per_token| = {largest:.3g}); scale the "
+                         "per-token loss down or pass float64")
+    return result
 
 
 def reduce_tokens(per_token: torch.Tensor, mask: torch.Tensor, cu: torch.Tensor, *, mode: str,

@@ -3,7 +3,9 @@
 A packed stream lays sequences end to end in one ``[T]`` tensor with ``cu_seqlens`` (``[N + 1]`` int32 boundaries),
 ``position_ids`` that restart at 0 at every sequence start, and a ``loss_mask``; an optional padding tail (to make
 ``T`` a multiple of some number) follows ``cu_seqlens[-1]``, has its own restarting position ids and is never in the
-loss. This module converts between that layout and lists / padded ``[N, L]`` tensors, selects sequences, splits
+loss. This module converts between that layout and lists / padded ``[N, L]`` tensors (:func:`pack_padded` takes a
+padded HF batch such as ``model.generate`` output, log-probs included; :func:`unpack_to_padded` gives one back), selects
+sequences, splits
 sequences into balanced micro-batches by token budget (:func:`partition_by_token_budget`), computes the global
 token / sequence counts that make losses invariant to data-parallel sharding (:func:`global_counts`), and runs a
 HF causal LM on a packed batch with sequence boundaries respected (:func:`packed_logits`).
@@ -27,12 +29,15 @@ import torch
 
 from rlhfkit.packing._attention import VARLEN_ATTENTION, register_varlen_attention
 from rlhfkit._cu_seqlens import check_cu_seqlens
+from rlhfkit.packing._padded import pack_padded, unpack_to_padded
 from rlhfkit.packing._partition import global_counts, partition_by_token_budget
 from rlhfkit.types import PackedBatch, Rollout
 
 __all__ = [
     "pack_sequences",
     "pack_rollouts",
+    "pack_padded",
+    "unpack_to_padded",
     "unpack",
     "pad_packed",
     "unpad_to_packed",
@@ -92,6 +97,9 @@ def pack_sequences(
         pad_token_id: token id of the padding tail.
     """
     _check_multiple(pad_to_multiple_of)
+    if isinstance(pad_token_id, bool) or not isinstance(pad_token_id, int) or pad_token_id < 0:
+        raise ValueError(f"pad_token_id={pad_token_id!r}; must be a token id >= 0 (the padding tail goes through the "
+                         "model's embedding), e.g. the tokenizer's pad_token_id")
     if isinstance(sequences, torch.Tensor) or len(sequences) == 0:
         raise ValueError("sequences must be a non-empty list of 1-D token tensors (an empty batch is invalid)")
     for i, seq in enumerate(sequences):
@@ -200,7 +208,7 @@ def unpad_to_packed(padded: torch.Tensor, seq_lens: Sequence[int] | torch.Tensor
 
 
 def select_sequences(batch: PackedBatch, indices: Sequence[int] | torch.Tensor) -> tuple[PackedBatch, torch.Tensor]:
-    """Keep the sequences ``indices`` (in that order) of ``batch``.
+    """Keep the sequences ``indices`` (in that order, each at most once) of ``batch``.
 
     Returns the new batch (no padding tail) and the ``[T']`` int64 index of its tokens in the original stream, so
     per-token tensors follow with ``x[index]``.
@@ -213,6 +221,11 @@ def select_sequences(batch: PackedBatch, indices: Sequence[int] | torch.Tensor) 
         raise ValueError(f"indices must be a non-empty 1-D list of sequence indices, got shape {tuple(idx.shape)}")
     if bool(((idx < 0) | (idx >= batch.num_seqs)).any()):
         raise ValueError(f"indices={idx.tolist()} must be in [0, {batch.num_seqs}) (the batch's sequences)")
+    if torch.unique(idx).numel() != idx.numel():
+        seen: set[int] = set()
+        duplicate = next(i for i in idx.tolist() if i in seen or seen.add(i))
+        raise ValueError(f"indices={idx.tolist()} name sequence {duplicate} more than once; each sequence may be "
+                         "selected once (a duplicate would count its tokens twice in the loss)")
     cu = batch.cu_seqlens.long()
     lengths = (cu[1:] - cu[:-1])[idx]
     token_index = torch.repeat_interleave(cu[:-1][idx], lengths) + _restarting_positions(lengths)

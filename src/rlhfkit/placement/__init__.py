@@ -23,6 +23,8 @@ from __future__ import annotations
 
 from rlhfkit.placement._memory import MemoryConfig, MemoryEstimate, ModelMemory, estimate_memory
 from rlhfkit.placement._plan import (
+    MAX_GPUS,
+    MAX_GPUS_PER_NODE,
     SHARE_RESOLUTION,
     ColocationGroup,
     Inventory,
@@ -45,6 +47,8 @@ from rlhfkit.placement._ray import (
 )
 
 __all__ = [
+    "MAX_GPUS",
+    "MAX_GPUS_PER_NODE",
     "ColocationGroup",
     "Inventory",
     "MaterializedPlan",

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Literal
 
-from rlhfkit.placement._plan import PlacementPlan
+from rlhfkit.placement._plan import PlacementPlan, _check_name, _check_real
 
 __all__ = ["ModelMemory", "MemoryConfig", "MemoryEstimate", "estimate_memory"]
 
@@ -47,13 +47,23 @@ class ModelMemory:
     activation_gib: float = 0.0
 
     def __post_init__(self) -> None:
-        if isinstance(self.num_params, bool) or not isinstance(self.num_params, int) or self.num_params < 1:
+        if isinstance(self.num_params, bool) or not isinstance(self.num_params, int):
+            raise TypeError(
+                f"ModelMemory.num_params must be an int, got {self.num_params!r} ({type(self.num_params).__name__})"
+            )
+        if self.num_params < 1:
             raise ValueError(f"ModelMemory.num_params={self.num_params!r}; give the parameter count (int >= 1)")
+        _check_name("ModelMemory.kind", self.kind, example="trainable")
         if self.kind not in ("trainable", "frozen", "engine"):
             raise ValueError(f"ModelMemory.kind={self.kind!r}; use 'trainable', 'frozen' or 'engine'")
         for name in ("bytes_per_param", "grad_bytes_per_param", "optimizer_bytes_per_param", "activation_gib"):
-            if not getattr(self, name) >= 0:
+            if not _check_real("ModelMemory", name, getattr(self, name)) >= 0:
                 raise ValueError(f"ModelMemory.{name}={getattr(self, name)}; must be >= 0")
+        if isinstance(self.zero_stage, bool) or not isinstance(self.zero_stage, int):
+            raise TypeError(
+                f"ModelMemory.zero_stage must be an int (0, 1, 2 or 3), got {self.zero_stage!r} "
+                f"({type(self.zero_stage).__name__})"
+            )
         if self.zero_stage not in (0, 1, 2, 3):
             raise ValueError(f"ModelMemory.zero_stage={self.zero_stage!r}; use 0, 1, 2 or 3")
 
@@ -78,16 +88,34 @@ class MemoryConfig:
     phases: Mapping[str, tuple[str, ...]] | None = None
 
     def __post_init__(self) -> None:
-        if not self.gpu_memory_gib > 0:
+        if not _check_real("MemoryConfig", "gpu_memory_gib", self.gpu_memory_gib) > 0:
             raise ValueError(f"MemoryConfig.gpu_memory_gib={self.gpu_memory_gib}; must be > 0")
-        if not 0 < self.engine_memory_fraction <= 1:
+        if not 0 < _check_real("MemoryConfig", "engine_memory_fraction", self.engine_memory_fraction) <= 1:
             raise ValueError(f"MemoryConfig.engine_memory_fraction={self.engine_memory_fraction}; must be in (0, 1]")
-        if not self.context_gib >= 0:
+        if not _check_real("MemoryConfig", "context_gib", self.context_gib) >= 0:
             raise ValueError(f"MemoryConfig.context_gib={self.context_gib}; must be >= 0")
         if self.phases is not None:
-            if not self.phases:
-                raise ValueError("MemoryConfig.phases is empty; give at least one phase or None")
-            object.__setattr__(self, "phases", MappingProxyType({k: tuple(v) for k, v in self.phases.items()}))
+            object.__setattr__(self, "phases", MappingProxyType(_checked_phases(self.phases)))
+
+
+def _checked_phases(phases: object) -> dict[str, tuple[str, ...]]:
+    shape = "a mapping of phase name to a tuple of role names, e.g. phases={'train': ('actor',)}"
+    if not isinstance(phases, Mapping):
+        raise TypeError(f"MemoryConfig.phases must be {shape}; got {phases!r} ({type(phases).__name__})")
+    if not phases:
+        raise ValueError("MemoryConfig.phases is empty; give at least one phase or None")
+    checked = {}
+    for phase, roles in phases.items():
+        _check_name("MemoryConfig.phases key", phase, example="train")
+        if not isinstance(roles, (tuple, list)):
+            raise TypeError(
+                f"MemoryConfig.phases[{phase!r}]={roles!r} ({type(roles).__name__}); it must be {shape}"
+                + (f". Write ({roles!r},)" if isinstance(roles, str) else "")
+            )
+        for role in roles:
+            _check_name(f"MemoryConfig.phases[{phase!r}]: each role name", role, example="actor")
+        checked[phase] = tuple(roles)
+    return checked
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -23,19 +23,44 @@ __all__ = [
     "engines",
     "plan_placement",
     "SHARE_RESOLUTION",
+    "MAX_GPUS",
+    "MAX_GPUS_PER_NODE",
 ]
 
 # Ray stores fractional resources with 4 decimals; a share below this cannot be requested.
 SHARE_RESOLUTION = 1e-4
 _NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_.\-]*$")
 _EPS = 1e-9
+# Sanity bounds, far above any real cluster, checked before any per-GPU list is built: a typo such as
+# num_gpus=10**12 would otherwise allocate for minutes and run out of memory instead of raising.
+MAX_GPUS = 1 << 17  # GPUs of one role, one inventory, and nodes of one inventory
+MAX_GPUS_PER_NODE = 1024  # GPUs (Ray GPU resources) of one node; also bounds a rank's TP size
 
 
-def _check_count(owner: str, name: str, value: object, *, minimum: int = 1) -> None:
+def _check_count(owner: str, name: str, value: object, *, minimum: int = 1, maximum: int = MAX_GPUS) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{owner}.{name} must be an int, got {value!r} ({type(value).__name__})")
     if value < minimum:
         raise ValueError(f"{owner}.{name}={value}; must be >= {minimum}")
+    if value > maximum:
+        raise ValueError(
+            f"{owner}.{name}={value} is above the sanity bound {maximum}; is it a typo? (rlhfkit plans at most "
+            f"{MAX_GPUS} GPUs and {MAX_GPUS_PER_NODE} GPUs per node)"
+        )
+
+
+def _check_real(owner: str, name: str, value: object) -> float:
+    """``value`` as a finite float; bool, strings and other non-numbers raise TypeError, inf/NaN ValueError."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{owner}.{name} must be a number (int or float), got {value!r} ({type(value).__name__})")
+    if not math.isfinite(value):
+        raise ValueError(f"{owner}.{name}={value!r}; must be a finite number")
+    return float(value)
+
+
+def _check_name(owner: str, value: object, *, example: str) -> None:
+    if not isinstance(value, str):
+        raise TypeError(f"{owner} must be a str, got {value!r} ({type(value).__name__}); e.g. {example!r}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -60,10 +85,16 @@ class RoleSpec:
     label: str | None = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.name, str) or not _NAME_RE.match(self.name):
+        _check_name("RoleSpec.name", self.name, example="actor")
+        if not _NAME_RE.match(self.name):
             raise ValueError(f"RoleSpec.name={self.name!r}; use letters, digits, '_', '-', '.' (e.g. 'actor')")
-        _check_count(f"RoleSpec(name={self.name!r})", "num_gpus", self.num_gpus)
-        _check_count(f"RoleSpec(name={self.name!r})", "gpus_per_rank", self.gpus_per_rank)
+        owner = f"RoleSpec(name={self.name!r})"
+        _check_count(owner, "num_gpus", self.num_gpus)
+        _check_count(owner, "gpus_per_rank", self.gpus_per_rank, maximum=MAX_GPUS_PER_NODE)
+        if self.share is not None:
+            _check_real(owner, "share", self.share)
+        if self.label is not None:
+            _check_name(f"{owner}.label", self.label, example="h100")
         if self.num_gpus % self.gpus_per_rank:
             raise ValueError(
                 f"tensor_parallel_size (gpus_per_rank)={self.gpus_per_rank} does not divide the {self.num_gpus} GPUs "
@@ -97,7 +128,7 @@ def engines(
 ) -> RoleSpec:
     """The role of ``num_engines`` rollout engines of ``tensor_parallel_size`` GPUs each."""
     _check_count("engines", "num_engines", num_engines)
-    _check_count("engines", "tensor_parallel_size", tensor_parallel_size)
+    _check_count("engines", "tensor_parallel_size", tensor_parallel_size, maximum=MAX_GPUS_PER_NODE)
     return RoleSpec(
         name=name, num_gpus=num_engines * tensor_parallel_size, gpus_per_rank=tensor_parallel_size,
         share=share, label=label,
@@ -119,11 +150,17 @@ class NodeSpec:
     resources: Mapping[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        _check_count("NodeSpec", "num_gpus", self.num_gpus)
+        _check_count("NodeSpec", "num_gpus", self.num_gpus, maximum=MAX_GPUS_PER_NODE)
+        if not isinstance(self.resources, Mapping):
+            raise TypeError(
+                f"NodeSpec.resources must be a mapping of resource name to amount, got {self.resources!r} "
+                f"({type(self.resources).__name__}); e.g. resources={{'h100': 1}}"
+            )
         for key, amount in dict(self.resources).items():
-            if not isinstance(key, str) or not key or key in ("GPU", "CPU", "memory", "object_store_memory"):
+            _check_name("NodeSpec.resources key", key, example="h100")
+            if not key or key in ("GPU", "CPU", "memory", "object_store_memory"):
                 raise ValueError(f"NodeSpec.resources key {key!r}; use a custom resource name such as 'h100'")
-            if isinstance(amount, bool) or not isinstance(amount, (int, float)) or not amount > 0:
+            if not _check_real("NodeSpec", f"resources[{key!r}]", amount) > 0:
                 raise ValueError(f"NodeSpec.resources[{key!r}]={amount!r}; must be a positive number (e.g. 1)")
         object.__setattr__(self, "resources", MappingProxyType(dict(self.resources)))
 
@@ -139,16 +176,30 @@ class Inventory:
     nodes: tuple[NodeSpec, ...]
 
     def __post_init__(self) -> None:
-        if not isinstance(self.nodes, tuple) or not self.nodes:
-            raise ValueError(f"Inventory.nodes={self.nodes!r}; give a non-empty tuple of NodeSpec")
+        if not isinstance(self.nodes, tuple):
+            raise TypeError(
+                f"Inventory.nodes must be a tuple of NodeSpec, got {type(self.nodes).__name__}; "
+                "e.g. nodes=(NodeSpec(num_gpus=8),)"
+            )
+        if not self.nodes:
+            raise ValueError("Inventory.nodes is empty; give a non-empty tuple of NodeSpec")
         for index, node in enumerate(self.nodes):
             if not isinstance(node, NodeSpec):
                 raise TypeError(f"Inventory.nodes[{index}] must be a NodeSpec, got {type(node).__name__}")
+        if self.num_gpus > MAX_GPUS:
+            raise ValueError(
+                f"Inventory has {self.num_gpus} GPUs, above the sanity bound {MAX_GPUS}; is a count a typo?"
+            )
 
     @classmethod
     def uniform(cls, *, num_nodes: int, gpus_per_node: int, resources: Mapping[str, float] | None = None) -> Inventory:
         _check_count("Inventory.uniform", "num_nodes", num_nodes)
-        _check_count("Inventory.uniform", "gpus_per_node", gpus_per_node)
+        _check_count("Inventory.uniform", "gpus_per_node", gpus_per_node, maximum=MAX_GPUS_PER_NODE)
+        if num_nodes * gpus_per_node > MAX_GPUS:
+            raise ValueError(
+                f"Inventory.uniform: num_nodes={num_nodes} x gpus_per_node={gpus_per_node} = "
+                f"{num_nodes * gpus_per_node} GPUs, above the sanity bound {MAX_GPUS}; is a count a typo?"
+            )
         return cls(nodes=tuple(NodeSpec(num_gpus=gpus_per_node, resources=resources or {}) for _ in range(num_nodes)))
 
     @property
@@ -170,10 +221,41 @@ class ColocationGroup:
     roles: tuple[str, ...]
 
     def __post_init__(self) -> None:
-        if not isinstance(self.roles, tuple) or len(self.roles) < 2:
+        if not isinstance(self.roles, tuple):
+            raise TypeError(
+                f"ColocationGroup.roles must be a tuple of role names, got {self.roles!r} "
+                f"({type(self.roles).__name__}); e.g. roles=('actor', 'reference')"
+            )
+        for name in self.roles:
+            _check_name(f"ColocationGroup.roles={self.roles!r}: each role name", name, example="actor")
+        if len(self.roles) < 2:
             raise ValueError(f"ColocationGroup.roles={self.roles!r}; give a tuple of at least two role names")
         if len(set(self.roles)) != len(self.roles):
             raise ValueError(f"ColocationGroup.roles={self.roles!r} names a role twice")
+
+
+def _colocation_groups(colocate: object) -> tuple[ColocationGroup, ...]:
+    """``PlacementConfig.colocate`` as groups; a flat tuple of names (a common slip) raises with the right shape."""
+    shape = "a tuple of groups, e.g. colocate=(('actor', 'reference'),) or colocate=(ColocationGroup(roles=(...)),)"
+    if not isinstance(colocate, tuple):
+        raise TypeError(f"PlacementConfig.colocate must be {shape}; got {colocate!r} ({type(colocate).__name__})")
+    if any(isinstance(group, str) for group in colocate):
+        raise TypeError(
+            f"PlacementConfig.colocate={colocate!r} is a flat tuple of role names; it must be {shape}. "
+            f"Write colocate=({colocate!r},)"
+        )
+    groups = []
+    for index, group in enumerate(colocate):
+        if isinstance(group, ColocationGroup):
+            groups.append(group)
+        elif isinstance(group, (tuple, list)):
+            groups.append(ColocationGroup(roles=tuple(group)))
+        else:
+            raise TypeError(
+                f"PlacementConfig.colocate[{index}]={group!r} ({type(group).__name__}); each group must be a tuple "
+                f"of role names or a ColocationGroup: {shape}"
+            )
+    return tuple(groups)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -195,9 +277,23 @@ class PlacementConfig:
     def __post_init__(self) -> None:
         from rlhfkit.placement._checks import check_config
 
-        if not isinstance(self.roles, tuple) or not self.roles:
-            raise ValueError(f"PlacementConfig.roles={self.roles!r}; give a non-empty tuple of RoleSpec")
-        groups = tuple(g if isinstance(g, ColocationGroup) else ColocationGroup(roles=tuple(g)) for g in self.colocate)
+        if not isinstance(self.roles, tuple):
+            raise TypeError(
+                f"PlacementConfig.roles must be a tuple of RoleSpec, got {type(self.roles).__name__}; "
+                "e.g. roles=(RoleSpec(name='actor', num_gpus=8),)"
+            )
+        if not self.roles:
+            raise ValueError("PlacementConfig.roles is empty; give a non-empty tuple of RoleSpec")
+        if not isinstance(self.inventory, Inventory):
+            raise TypeError(
+                f"PlacementConfig.inventory must be an Inventory, got {self.inventory!r} "
+                f"({type(self.inventory).__name__}); e.g. Inventory.uniform(num_nodes=1, gpus_per_node=8)"
+            )
+        if not isinstance(self.hybrid, bool):
+            raise TypeError(
+                f"PlacementConfig.hybrid must be a bool, got {self.hybrid!r} ({type(self.hybrid).__name__})"
+            )
+        groups = _colocation_groups(self.colocate)
         if self.hybrid and groups:
             raise ValueError("PlacementConfig: hybrid=True already colocates every role; leave colocate empty")
         if self.hybrid:

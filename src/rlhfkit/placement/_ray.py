@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rlhfkit._optional import require
-from rlhfkit.placement._plan import _EPS, SHARE_RESOLUTION, PlacementPlan, RankPlacement
+from rlhfkit.placement._plan import _EPS, SHARE_RESOLUTION, PlacementPlan, RankPlacement, _check_real
 
 __all__ = [
     "MaterializedPlan",
@@ -275,9 +275,9 @@ def materialize(
     pg_module = require("ray.util.placement_group", user=_USER)
     if not isinstance(plan, PlacementPlan):
         raise TypeError(f"materialize takes a PlacementPlan (from plan_placement), got {type(plan).__name__}")
-    if not timeout_s > 0:
+    if not _check_real("materialize", "timeout_s", timeout_s) > 0:
         raise ValueError(f"timeout_s={timeout_s}; must be > 0")
-    if not cpus_per_bundle >= 0:
+    if not _check_real("materialize", "cpus_per_bundle", cpus_per_bundle) >= 0:
         raise ValueError(f"cpus_per_bundle={cpus_per_bundle}; must be >= 0")
     if not ray.is_initialized():
         raise RuntimeError("materialize needs a Ray connection; call rlhfkit.workers.ray_init() or ray.init() first")

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from rlhfkit._optional import require
-from rlhfkit._reward_functions import check_field_type
+from rlhfkit.rewards._functions import check_field_type
 from rlhfkit.types import Rollout
 
 __all__ = ["RewardModelConfig", "RewardModel"]
