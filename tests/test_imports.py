@@ -141,7 +141,9 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 SHARED_PRIVATE: dict[str, frozenset[str] | None] = {
     "rlhfkit._optional": None,  # the "pip install 'rlhfkit[extra]'" helper
     "rlhfkit._checks": frozenset({"rlhfkit.advantages", "rlhfkit.experience"}),
-    "rlhfkit._cu_seqlens": frozenset({"rlhfkit.packing", "rlhfkit.losses"}),
+    # the packed-layout checks and their messages (cu_seqlens, log-prob alignment) every core block shares
+    "rlhfkit._cu_seqlens": frozenset({"rlhfkit.packing", "rlhfkit.losses", "rlhfkit.types", "rlhfkit.experience",
+                                      "rlhfkit._checks"}),
     "rlhfkit._arithmetic": frozenset({"rlhfkit.data"}),
 }
 # Blocks that must import (at module level) nothing beyond the standard library, torch, einops and each other.
