@@ -136,6 +136,7 @@ def main(argv=None) -> list[dict]:
                         rollouts, torch.tensor(scores), config=config,
                         policy_logprobs_fn=lambda b: engine_token_logprobs(rollouts, b),
                         ref_logprobs_fn=lambda b: ref_logprobs)
+                    stats = {k: v for k, v in stats.items() if not k.startswith("time/")}  # timer has the phases
                 # 4. The actor wakes and trains over minibatches; then it keeps only its weights for the push.
                 with timer.phase("train_actor"):
                     minibatches = list(iterate_minibatches(experience, num_minibatches=MINIBATCHES, seed=step))

@@ -143,6 +143,7 @@ def main(argv=None) -> list[dict]:
                     experience, stats = make_experience(
                         rollouts, rewards, config=config, policy_logprobs_fn=lambda b: engine_token_logprobs(
                             rollouts, b), ref_logprobs_fn=lambda b: ref_logprobs, values_fn=lambda b: values)
+                    stats = {k: v for k, v in stats.items() if not k.startswith("time/")}  # timer has the phases
                 minibatches = list(iterate_minibatches(experience, num_minibatches=MINIBATCHES, seed=step))
                 with timer.phase("train_actor"):
                     for index, minibatch in enumerate(minibatches):

@@ -1,0 +1,220 @@
+"""rlhfkit.hybrid's blocks on CPU: a real Hybrid run (Ray with one logical GPU, rlhfkit's HF engine, DeepSpeed ZeRO-1
+actor and reference on CPU, gloo push) driven primitive by primitive, its errors, and the timer, metrics and options
+that need no cluster."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import threading
+import time
+
+import pytest
+import torch
+
+from rlhfkit.hybrid import EnginesBusyError, LossFunctionError, MetricsLogger, PhaseTimer, RoleAsleepError
+from rlhfkit.options import parse_options
+
+
+# ------------------------------------------------------------------------------------------------ no cluster
+def test_phase_timer_moves_worker_switch_time_to_sleep_wake():
+    timer = PhaseTimer()
+    timer.start_step()
+    with timer.phase("train"):
+        time.sleep(0.05)
+        timer.count_switch(0.02)  # the workers' own wake/sleep inside the call
+    with timer.phase("weight_sync"):
+        time.sleep(0.01)
+    row = timer.end_step()
+    assert row["time/train_s"] == pytest.approx(0.03, abs=0.015)
+    assert row["time/sleep_wake_s"] == pytest.approx(0.02, abs=1e-9)
+    assert row["time/phase_switch_s"] == pytest.approx(row["time/sleep_wake_s"] + row["time/weight_sync_s"])
+    assert 0 < row["time/phase_switch_fraction"] < 1
+    with pytest.raises(RuntimeError, match="do not nest"):
+        with timer.phase("a"), timer.phase("b"):
+            pass
+
+
+def test_metrics_logger_writes_numbers_only(tmp_path):
+    with MetricsLogger(tmp_path) as metrics:
+        row = metrics.log(3, {"loss": torch.tensor(1.0).item(), "flag": True, "name": "x", "n": 2})
+    assert row == {"step": 3.0, "loss": 1.0, "n": 2.0}
+    assert json.loads((tmp_path / "metrics.jsonl").read_text()) == row
+
+
+def test_metrics_logger_names_the_extra_for_wandb(tmp_path, monkeypatch):
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_wandb(name, *args, **kwargs):
+        if name == "wandb":
+            raise ImportError("no wandb here")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_wandb)
+    with pytest.raises(ImportError, match=r"pip install 'rlhfkit\[wandb\]'"):
+        MetricsLogger(tmp_path, wandb_project="p")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _Options:
+    model: str | None = None
+    steps: int = 3
+    lr: float = 1e-3
+    resident: bool = False
+
+
+def test_parse_options_types_defaults_and_errors(capsys):
+    assert parse_options(_Options, []) == _Options()
+    parsed = parse_options(_Options, ["--model", "m", "--steps", "7", "--lr", "0.5", "--resident", "yes"])
+    assert parsed == _Options(model="m", steps=7, lr=0.5, resident=True)
+    assert parse_options(_Options, ["--model", "none"]).model is None
+    for argv, message in ((["--steps", "x"], "--steps"), (["--resident", "maybe"], "expected true or false")):
+        with pytest.raises(SystemExit):
+            parse_options(_Options, argv)
+        assert message in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------------------ a real run
+@pytest.fixture(scope="module")
+def hybrid(tiny_llama_path, tmp_path_factory):
+    ray = pytest.importorskip("ray")
+    pytest.importorskip("deepspeed")
+    from rlhfkit.deepspeed_engine import DeepSpeedEngineConfig
+    from rlhfkit.hybrid import Hybrid, HybridConfig, TrainerConfig
+
+    if ray.is_initialized():
+        ray.shutdown()
+    deepspeed = DeepSpeedEngineConfig(zero_stage=1, bf16=False, optimizer="torch_adamw", learning_rate=1e-3)
+    # engine sleep level 1 keeps its weights: the error tests generate again without pushing weights
+    run = Hybrid.start(HybridConfig(model=str(tiny_llama_path), device="cpu", engine="hf", engine_sleep_level=1,
+                                    call_timeout_s=120,
+                                    sync_timeout_s=60),
+                       {"actor": TrainerConfig(deepspeed=deepspeed), "reference": TrainerConfig(deepspeed=deepspeed)})
+    yield run
+    run.close()
+
+
+def _experience(hybrid, step: int = 0):
+    from rlhfkit.engines import SamplingConfig
+    from rlhfkit.experience import ExperienceConfig, engine_token_logprobs, make_experience
+    from rlhfkit.packing import pack_rollouts
+
+    prompts = [[5, 6, 7], [8, 9, 10, 11]]
+    rollouts = hybrid.engines.generate(prompts, SamplingConfig(n=4, max_new_tokens=6, seed=step))
+    batch = pack_rollouts(rollouts)
+    ref = hybrid.trainers["reference"].forward(batch)
+    scores = torch.arange(len(rollouts), dtype=torch.float32) % 3
+    experience, _ = make_experience(rollouts, scores, config=ExperienceConfig(estimator="grpo"),
+                                    policy_logprobs_fn=lambda b: engine_token_logprobs(rollouts, b),
+                                    ref_logprobs_fn=lambda b: ref)
+    return experience
+
+
+def pg_loss(logprobs, micro, *, num_tokens, num_seqs):
+    from rlhfkit.losses import policy_loss
+
+    return policy_loss(logprobs, micro.old_logprobs, micro.advantages, micro.batch.loss_mask, micro.batch.cu_seqlens,
+                       num_tokens=num_tokens, num_seqs=num_seqs)
+
+
+def vector_loss(logprobs, micro, *, num_tokens, num_seqs):
+    return logprobs * 2  # not a scalar
+
+
+def nan_loss(logprobs, micro, *, num_tokens, num_seqs):
+    return logprobs.sum() * float("nan")
+
+
+def crashing_loss(logprobs, micro, *, num_tokens, num_seqs):
+    raise KeyError("the user's loss has a bug")
+
+
+@pytest.mark.slow
+@pytest.mark.ray
+def test_primitives_train_push_and_match_the_engine(hybrid):
+    actor = hybrid.trainers["actor"]
+    experience = _experience(hybrid)
+    trained = actor.forward(experience.batch, sleep_after=False)  # the same weights the engine sampled with
+    mask = experience.batch.loss_mask
+    assert (trained[mask] - experience.old_logprobs[mask]).abs().max() < 1e-4
+    stats = actor.forward_backward(experience, pg_loss)
+    stats |= actor.optim_step(sleep_after="keep_weights")
+    assert stats["actor/grad_norm"] > 0 and stats["actor/global_step"] >= 1
+    before = hybrid.engines.weight_versions()
+    pushed = hybrid.push_weights()
+    assert pushed["engine/weight_version"] == before[0] + 1
+    with pytest.raises(Exception, match="'rollout' is awake there"):  # the push left the engines awake
+        actor.forward(experience.batch)
+    hybrid.engines.sleep(level=1)  # level 1 keeps the engine's weights: later tests generate without a push
+    after = actor.forward(experience.batch)  # new weights: log-probs moved
+    assert (after[mask] - trained[mask]).abs().max() > 1e-6
+
+
+@pytest.mark.slow
+@pytest.mark.ray
+@pytest.mark.parametrize("loss, match", [(vector_loss, r"returned \(\d+,\)"), (nan_loss, "returned nan")])
+def test_bad_loss_functions_name_role_rank_and_phase_and_leave_nothing_awake(hybrid, loss, match):
+    from rlhfkit.workers import WorkerError
+
+    experience = _experience(hybrid, step=1)
+    with pytest.raises(WorkerError, match=match) as raised:
+        hybrid.trainers["actor"].forward_backward(experience, loss)
+    text = str(raised.value)
+    assert "LossFunctionError" in text and "'actor' rank 0, phase 'train_actor', micro-batch 0" in text
+    assert isinstance(raised.value.__cause__, LossFunctionError) or "LossFunctionError" in text
+    hybrid.trainers["reference"].forward(experience.batch)  # the actor was put back to sleep: the GPU is free
+
+
+@pytest.mark.slow
+@pytest.mark.ray
+def test_a_crash_inside_a_call_names_the_role_and_rank_and_releases_the_gpu(hybrid):
+    from rlhfkit.workers import WorkerError
+
+    experience = _experience(hybrid, step=2)
+    with pytest.raises(WorkerError, match=r"role 'actor' rank 0 raised in 'forward_backward': KeyError"):
+        hybrid.trainers["actor"].forward_backward(experience, crashing_loss)
+    hybrid.trainers["reference"].forward(experience.batch)
+
+
+@pytest.mark.slow
+@pytest.mark.ray
+def test_primitives_on_a_sleeping_role_are_refused(hybrid):
+    from rlhfkit.workers import WorkerError
+
+    experience = _experience(hybrid, step=3)
+    actor = hybrid.trainers["actor"]
+    with pytest.raises(WorkerError, match="RoleAsleepError: forward\\(\\) called while 'actor' rank 0 is asleep"):
+        actor.forward(experience.batch, wake=False)
+    with pytest.raises(WorkerError, match="optim_step\\(\\) on 'actor' rank 0 with no forward_backward"):
+        actor.optim_step()
+    assert issubclass(RoleAsleepError, RuntimeError)
+
+
+@pytest.mark.slow
+@pytest.mark.ray
+def test_pushing_weights_while_the_engines_generate_is_refused(hybrid):
+    from rlhfkit.engines import SamplingConfig
+
+    engines = hybrid.engines
+    release = threading.Event()
+    original = engines.group.generate
+
+    def slow_generate(*args, **kwargs):
+        release.wait(30)
+        return original(*args, **kwargs)
+
+    engines.group.generate = slow_generate
+    worker = threading.Thread(target=engines.generate, args=([[5, 6, 7]], SamplingConfig(n=2, max_new_tokens=2)))
+    worker.start()
+    try:
+        deadline = time.monotonic() + 10
+        while not engines.generating and time.monotonic() < deadline:
+            time.sleep(0.01)
+        with pytest.raises(EnginesBusyError, match="the engines are generating"):
+            hybrid.push_weights()
+    finally:
+        release.set()
+        worker.join(60)
+        engines.group.generate = original
