@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -22,6 +23,7 @@ EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 def _load(name: str):
     spec = importlib.util.spec_from_file_location(f"{name}_example", EXAMPLES / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while building the options class
     spec.loader.exec_module(module)
     return module
 
