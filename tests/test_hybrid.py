@@ -194,6 +194,25 @@ def test_primitives_on_a_sleeping_role_are_refused(hybrid):
 
 @pytest.mark.slow
 @pytest.mark.ray
+def test_generating_with_weights_the_actor_moved_past_is_refused(hybrid):
+    """Forgetting push_weights: the rollouts would come from weights one version behind the actor's."""
+    from rlhfkit.engines import SamplingConfig
+    from rlhfkit.engines.protocol import WeightLagError
+
+    actor, engines = hybrid.trainers["actor"], hybrid.engines
+    experience = _experience(hybrid, step=4)  # on-policy: the engines hold the actor's weights
+    actor.forward_backward(experience, pg_loss)
+    actor.optim_step(sleep_after="keep_weights")
+    version = hybrid.actor_version()
+    with pytest.raises(WeightLagError, match=f"trainer.*{version}"):
+        engines.generate([[5, 6, 7]], SamplingConfig(n=2, max_new_tokens=2))
+    hybrid.push_weights()
+    rollouts = engines.generate([[5, 6, 7]], SamplingConfig(n=2, max_new_tokens=2))
+    assert {r.weight_version for r in rollouts} == {version}
+
+
+@pytest.mark.slow
+@pytest.mark.ray
 def test_pushing_weights_while_the_engines_generate_is_refused(hybrid):
     from rlhfkit.engines import SamplingConfig
 

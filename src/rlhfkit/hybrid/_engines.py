@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from rlhfkit.hybrid._errors import EnginesBusyError
@@ -116,8 +116,9 @@ class RolloutEngines:
     sleep after when they share GPUs with trainers), :meth:`sleep`/:meth:`wake` under the guard, versions."""
 
     def __init__(self, group: Any, handles: Sequence[Any], *, colocated: bool, sleep_level: int,
-                 timer: Any = None) -> None:
+                 timer: Any = None, trainer_version: Callable[[], int] | None = None) -> None:
         self.group, self.handles = group, list(handles)
+        self.trainer_version = trainer_version  # checked against the rollouts' weight versions (max_weight_lag)
         self.colocated, self.sleep_level, self.timer = colocated, sleep_level, timer
         self.asleep = False
         self._generating = 0
@@ -146,13 +147,16 @@ class RolloutEngines:
     def generate(self, prompt_token_ids: Sequence[Sequence[int]], sampling: Any, *,
                  sleep_after: bool | None = None) -> list:
         """Rollouts of every prompt (``sampling.n`` each), spread over the engines. Asleep engines are woken first;
-        ``sleep_after`` (default: when the engines share their GPUs with trainers) puts them to sleep after."""
+        ``sleep_after`` (default: when the engines share their GPUs with trainers) puts them to sleep after. Rollouts
+        of weights older than the actor's by more than ``HybridConfig.max_weight_lag`` versions raise
+        :class:`~rlhfkit.engines.protocol.WeightLagError` (the engines stay awake: push, then generate again)."""
         if self.asleep:
             self.wake(phase="generate")
         with self._lock:
             self._generating += 1
         try:
-            rollouts = self.group.generate(prompt_token_ids, sampling)
+            version = self.trainer_version() if self.trainer_version is not None else None
+            rollouts = self.group.generate(prompt_token_ids, sampling, trainer_version=version)
         finally:
             with self._lock:
                 self._generating -= 1

@@ -40,12 +40,16 @@ class HybridConfig:
         num_gpus, num_nodes: GPUs per node the plan uses, and nodes.
         colocate: engines share the trainers' GPUs (the hybrid engine) or get ``engine_gpus`` GPUs of their own.
         engine_gpus, tensor_parallel_size: engine GPUs when not colocated; GPUs per vLLM engine.
-        engine_memory: vLLM's share of GPU memory (default 0.3 colocated, 0.85 on its own GPUs).
+        engine_memory: vLLM's share of GPU memory (default 0.15 colocated, 0.85 on its own GPUs): weights + KV cache,
+            woken at every step, so an oversized share costs wake time and peak memory.
         engine_sleep_level: 2 (default) drops the engine's weights while asleep, as the push rewrites them; 1 keeps
             them in host memory; 0 keeps the engine resident (the guard still orders the phases).
         max_model_len, enforce_eager: vLLM settings.
         dtype: engine and weight-sync dtype (float32 keeps engine and trainer log-probs within ~1e-3 on small models).
         sync_bucket_mb: weight-sync bucket size.
+        max_weight_lag: how many weight versions rollouts may lag the actor (0: on-policy). The actor is one version
+            ahead of the engines from its first ``optim_step`` after a push until the next push; generating past the
+            bound raises :class:`~rlhfkit.engines.protocol.WeightLagError` (a forgotten ``push_weights``).
         seed: engine sampling seed (engine ``i`` uses ``seed + i``).
         ray_address: join a running cluster (default ``$RAY_ADDRESS``, else start a local one).
         start_timeout_s, call_timeout_s, sync_timeout_s: bounds of start-up, of each call, of each sync wait.
@@ -65,6 +69,7 @@ class HybridConfig:
     enforce_eager: bool = False
     dtype: str = "float32"
     sync_bucket_mb: int = 128
+    max_weight_lag: int = 0
     seed: int = 0
     ray_address: str | None = None
     start_timeout_s: float = 900.0
@@ -78,9 +83,10 @@ class HybridConfig:
             if getattr(self, name) not in choices:
                 raise ValueError(f"HybridConfig.{name}={getattr(self, name)!r}; expected one of {choices}")
         for name in ("num_gpus", "num_nodes", "engine_gpus", "tensor_parallel_size", "sync_bucket_mb", "seed",
-                     "max_model_len"):
+                     "max_model_len", "max_weight_lag"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < (0 if name == "seed" else 1):
+            if isinstance(value, bool) or not isinstance(value, int) or value < (0 if name in ("seed",
+                                                                                            "max_weight_lag") else 1):
                 raise ValueError(f"HybridConfig.{name}={value!r}; must be a positive int")
         if self.engine_sleep_level not in (0, 1, 2):
             raise ValueError(f"HybridConfig.engine_sleep_level={self.engine_sleep_level!r}; expected 0, 1 or 2")
@@ -134,6 +140,7 @@ class Hybrid:
         self._workers: dict[str, Any] = {}
         self._placed = self._store = self._group = None
         self._started_ray = False
+        self._pushed_version = 0
 
     # ------------------------------------------------------------------ start
     @classmethod
@@ -228,7 +235,7 @@ class Hybrid:
         if config.engine == "vllm":
             from rlhfkit.engines.vllm import VLLMEngineConfig, create_engines
 
-            memory = config.engine_memory or (0.3 if config.colocate else 0.85)
+            memory = config.engine_memory or (0.15 if config.colocate else 0.85)
             engine_config = VLLMEngineConfig(
                 model=config.model, num_engines=len(gpus), tensor_parallel_size=config.tensor_parallel_size,
                 gpu_memory_utilization=memory, enable_sleep_mode=config.colocate, seed=config.seed,
@@ -247,9 +254,11 @@ class Hybrid:
                     guard_store=self._store, gpus=engine_gpus, dtype=dtype))
             ray.get([handle.ready.remote() for handle in self._handles], timeout=config.start_timeout_s)
         self._group = EngineGroup(self._handles, forward_prompt_indices=True, config=EngineGroupConfig(
-            generate_timeout_s=config.call_timeout_s, control_timeout_s=config.call_timeout_s))
+            generate_timeout_s=config.call_timeout_s, control_timeout_s=config.call_timeout_s,
+            max_weight_lag=config.max_weight_lag))
         self.engines = RolloutEngines(self._group, self._handles, colocated=config.colocate,
-                                      sleep_level=config.engine_sleep_level, timer=self.timer)
+                                      sleep_level=config.engine_sleep_level, timer=self.timer,
+                                      trainer_version=self.actor_version)
         if config.colocate:  # the trainers load next; level 1 keeps the weights for the first generation
             self._group.call("guarded_sleep", 1, "startup")
             self.engines.asleep = True
@@ -289,6 +298,11 @@ class Hybrid:
         ray.get(refs, timeout=config.call_timeout_s)
 
     # ------------------------------------------------------------------ weights
+    def actor_version(self) -> int:
+        """The weight version the actor holds: the last pushed one, plus one once it has stepped since."""
+        actor = self.trainers.get("actor")
+        return self._pushed_version + (1 if actor is not None and actor.steps_since_push else 0)
+
     def push_weights(self, role: str = "actor") -> dict[str, float]:
         """Move ``role``'s weights into every engine: the role keeps only its weights (if awake), the engines wake
         their weights, the weights stream, the role sleeps fully and the engines wake their KV cache. Timed as the
@@ -318,6 +332,7 @@ class Hybrid:
             if colocated:
                 engines.wake(["kv_cache"], phase="generate")
         report = next(item for item in sent if item)
+        self._pushed_version, trainer.steps_since_push = int(report["version"]), 0
         versions = [int(worker["version"]) for reports in received for worker in reports]
         return {"sync/version": float(report["version"]), "sync/bytes": float(report["bytes"]),
                 "sync/sender_s": float(report["seconds"]), "engine/weight_version": float(min(versions))}

@@ -47,7 +47,9 @@ class TrainerConfig:
 
     Attributes:
         deepspeed: the model's DeepSpeed configuration (:class:`~rlhfkit.deepspeed_engine.DeepSpeedEngineConfig`).
-            Trained roles get ``loss_normalization="global"`` and caller-owned accumulation (``optim_step``).
+            Trained roles get ``loss_normalization="global"`` and caller-owned accumulation (``optim_step``). Its
+            ``attn_implementation=None`` becomes :data:`rlhfkit.packing.VARLEN_ATTENTION` (each packed sequence's
+            attention alone, ``N * L^2``, instead of a ``T^2`` block-diagonal mask over the micro-batch).
         model: HF folder of this role (default: the run's model).
         offload: sleep by moving every state to pinned host memory (True, the hybrid engine) or stay on the GPU and
             only return cached blocks (False, when memory is plentiful); the phase guard orders phases either way.
@@ -85,10 +87,14 @@ class TrainerConfig:
         """This config as a role's worker gets it (trained roles: global loss normalisation)."""
         import dataclasses
 
+        from rlhfkit.packing import VARLEN_ATTENTION
+
         trains = role in ("actor", "critic")
         deepspeed = self.deepspeed
         if trains and deepspeed.loss_normalization != "global":
             deepspeed = dataclasses.replace(deepspeed, loss_normalization="global")
+        if deepspeed.attn_implementation is None:
+            deepspeed = dataclasses.replace(deepspeed, attn_implementation=VARLEN_ATTENTION)
         config = dataclasses.replace(self, deepspeed=deepspeed)
         object.__setattr__(config, "trains", trains)
         return config
@@ -120,6 +126,7 @@ class TrainerGroup:
         self.workers, self.config, self.timer = workers, config, timer
         self.role, self.world_size = workers.role, workers.world_size
         self.peak_gib = 0.0
+        self.steps_since_push = 0  # optimizer steps whose weights the engines do not have yet
 
     def _shards(self, lengths: list[int]) -> list[list[list[int]]]:
         """Per rank, its micro-batches (sequence indices): token-balanced, the same count on every rank."""
@@ -201,6 +208,7 @@ class TrainerGroup:
         ``{role}/global_step``. ``sleep_after="keep_weights"`` keeps only the weights for a weight push."""
         phase = phase or f"train_{self.role}"
         results = self.workers.call("optim_step", phase=phase, sleep_after=sleep_after)
+        self.steps_since_push += 1
         self._account(results, phase)
         return {f"{self.role}/{key}": value for key, value in results[0]["stats"].items()}
 
