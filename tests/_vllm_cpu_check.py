@@ -213,6 +213,9 @@ def main(out_dir: str) -> None:
     record("stop_token", finish=stopped.finish_reason, response=stopped.response_token_ids.tolist(),
            expected_prefix=rollouts[0].response_token_ids.tolist()[:3])
 
+    # a fresh gloo sender starts at version 1: it runs while the engine still holds version 0 (versions strictly
+    # increase in an engine; a later sender would continue from the engine's version)
+    check_gloo_sync(engine, hf_a, check_greedy)
     fingerprint_a = engine.weight_fingerprint()
     t0 = time.time()
     count = engine.load_weights(hf_b.state_dict().items())
@@ -235,7 +238,6 @@ def main(out_dir: str) -> None:
     record("receive_b", init=init, reports=reports, version=engine.weight_version,
            worker_versions=engine.worker_versions())
     check_greedy("greedy_b_after_receive", hf_b)
-    check_gloo_sync(engine, hf_a, check_greedy)
     record("copy_plan", **engine.llm.collective_rpc(record_copy_plan, args=(str(path_b),))[0])
     record("health", **{k: v for k, v in engine.health_check().items() if k != "workers"})
     try:
