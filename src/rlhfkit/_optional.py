@@ -23,6 +23,8 @@ _EXTRA_OF_PACKAGE = {
     "datasets": "data",
     "tqdm": "examples",
     "matplotlib": "examples",
+    "wandb": "wandb",
+    "tensorboard": "tensorboard",
 }
 
 
