@@ -66,15 +66,51 @@ def assert_bitwise_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor])
         assert a[name].dtype == b[name].dtype and torch.equal(a[name], b[name]), name
 
 
-class CorruptingSender(WeightSender):
-    """Flips one byte of bucket ``corrupt_bucket`` after it was fingerprinted (in-transit corruption)."""
+class _CorruptingFingerprinter(Fingerprinter):
+    """The sender's fingerprinter, which flips one byte of the data it has just fingerprinted when told to: the
+    receiver then sees a bucket whose bytes changed after their fingerprint was taken (in-transit corruption)."""
 
-    corrupt_bucket: int | None = None
+    def __init__(self) -> None:
+        super().__init__()
+        self.corrupt_call: int | None = None  # which fingerprint of the sync (0, 1, ...) to corrupt after
+        self.calls = 0
 
-    def _after_pack(self, bucket_index, tensors):
-        if bucket_index == self.corrupt_bucket:
-            raw = tensors[0].view(-1).view(torch.uint8) if tensors[0].dim() else tensors[0].view(1).view(torch.uint8)
+    def _corrupt(self, tensors) -> None:
+        if self.calls == self.corrupt_call:
+            first = tensors[0]
+            raw = first.view(-1).view(torch.uint8) if first.dim() else first.view(1).view(torch.uint8)
             raw[0] ^= 0x10
+        self.calls += 1
+
+    def of_tensors(self, tensors):
+        result = super().of_tensors(tensors)
+        self._corrupt(tensors)
+        return result
+
+    def of_payload(self, payload, bucket):
+        result = super().of_payload(payload, bucket)
+        self._corrupt([payload])
+        return result
+
+
+class CorruptingSender(WeightSender):
+    """A sender whose bucket ``corrupt_bucket`` is corrupted after it was fingerprinted. The corruption lives in the
+    test (a fingerprinter that flips a byte), not in production code: the sender fingerprints each bucket once when
+    it packs it; in-process it fingerprints each bucket twice (when packed, and again just before handing it over)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._fingerprinter = _CorruptingFingerprinter()
+        if self._side is not None:
+            self._side.fingerprinter = self._fingerprinter
+        self.corrupt_bucket: int | None = None
+
+    def send(self, *args, **kwargs):
+        fingerprints_per_bucket = 2 if self._side is None else 1
+        self._fingerprinter.calls = 0
+        self._fingerprinter.corrupt_call = (None if self.corrupt_bucket is None
+                                            else self.corrupt_bucket * fingerprints_per_bucket)
+        return super().send(*args, **kwargs)
 
 
 # ---------------------------------------------------------------------------------------------------- configs

@@ -186,8 +186,13 @@ def plan_sleep(ds_engine, *, zero_stage: int, has_optimizer: bool, offload_optim
 
 
 def _is_fused_adam(optimizer) -> bool:
-    cls = type(optimizer)
-    return cls.__name__ == "FusedAdam" and cls.__module__.startswith("deepspeed.")
+    """DeepSpeed's FusedAdam, by type (imported only when the optimizer comes from deepspeed: importing the op does
+    not build it)."""
+    if not type(optimizer).__module__.startswith("deepspeed."):
+        return False
+    from deepspeed.ops.adam import FusedAdam
+
+    return isinstance(optimizer, FusedAdam)
 
 
 def _basic_optimizer(ds_engine, zero_stage: int):

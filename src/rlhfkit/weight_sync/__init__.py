@@ -335,13 +335,11 @@ class WeightSender:
             self._version += 1
             manifest = Manifest(version=self._version, specs=tuple(specs), buckets=buckets, capacity=capacity,
                                 fingerprints=self.config.fingerprints)
-            receiver._load_local(manifest, iterator, load_fn, self._fingerprinter, self._after_pack)
+            receiver._load_local(manifest, iterator, load_fn, self._fingerprinter)
             versions: tuple[int, ...] = (receiver.version,)
         else:
-            hooked = type(self)._after_pack is not WeightSender._after_pack  # the default hook does nothing
             # described here from the tensors themselves: the stream needs no second check against its specs
-            manifest, versions = self._side.send(specs, iterator, self._after_pack if hooked else None,
-                                                 trusted=description is None)
+            manifest, versions = self._side.send(specs, iterator, trusted=description is None)
         return SyncReport(version=manifest.version, role="sender", backend=self.config.backend,
                           num_tensors=len(manifest.specs), num_bytes=manifest.total_bytes,
                           num_buckets=len(manifest.buckets), seconds=time.perf_counter() - started,
@@ -357,12 +355,6 @@ class WeightSender:
         if self.config.dtype is not None:
             specs = [s._replace(dtype=self.config.dtype) if s.dtype.is_floating_point else s for s in specs]
         return named_tensors, specs
-
-    def _after_pack(self, bucket_index: int, tensors: list[torch.Tensor]) -> None:
-        """Test hook: called with a bucket's tensors once packed and fingerprinted, before they travel.
-
-        Subclasses may modify ``tensors`` in place to simulate corruption in transit (the fingerprint check then
-        fails on the receiver). Does nothing here."""
 
     def close(self) -> None:
         """Release the bucket buffers, the process group and the store (receivers then fail their next wait)."""
@@ -471,14 +463,13 @@ class WeightReceiver:
             raise RuntimeError("an in-process receiver is driven by its sender's send(); it has nothing to call off")
         return self._side.call_off()
 
-    def _load_local(self, manifest: Manifest, iterator, load_fn: LoadFn, fingerprinter: Fingerprinter,
-                    after_pack: Callable[[int, list[torch.Tensor]], None]) -> object:
+    def _load_local(self, manifest: Manifest, iterator, load_fn: LoadFn, fingerprinter: Fingerprinter) -> object:
         from rlhfkit.weight_sync._peers import load_local
 
         if manifest.version <= self._version:
             raise WeightSyncVersionError(f"the in-process receiver holds weight version {self._version} and was "
                                          f"offered version {manifest.version}; versions must strictly increase")
-        loaded = load_local(manifest, self.expected, iterator, load_fn, fingerprinter, after_pack)
+        loaded = load_local(manifest, self.expected, iterator, load_fn, fingerprinter)
         self._version = manifest.version
         return loaded
 

@@ -46,7 +46,6 @@ __all__ = ["SenderSide", "ReceiverSide", "load_local"]
 logger = logging.getLogger(__name__)
 CALLED_OFF = b"\x00called-off:"  # a sync's manifest and start keys when a receiver called it off before it started
 CLAIMED = b"\x00sent"  # a sync's manifest key once the sender has claimed it (the manifest travels in the start key)
-AfterPack = Callable[[int, list[torch.Tensor]], None] | None  # a test hook (None: no hook)
 
 
 def _mismatch_message(manifest: Manifest, who: str, problems: list[str]) -> str:
@@ -128,7 +127,7 @@ class SenderSide:
                                    device=self.slots.device, describe_group=self.describe_group)
         self.transport = CollectiveSender(self.link, self.slots)
 
-    def send(self, specs: list[TensorSpec], iterator: Iterator, after_pack: AfterPack, *,
+    def send(self, specs: list[TensorSpec], iterator: Iterator, *,
              trusted: bool = False) -> tuple[Manifest, tuple]:
         """One sync. ``trusted``: ``specs`` were just read off the very tensors ``iterator`` yields (no need to check
         each tensor against its spec again)."""
@@ -145,7 +144,7 @@ class SenderSide:
             bucket = manifest.buckets[0]
             self.transport.acquire(manifest.version, bucket)
             try:
-                first = self._fill(manifest, bucket, iterator, after_pack, trusted=trusted)
+                first = self._fill(manifest, bucket, iterator, trusted=trusted)
                 if getattr(self.transport, "inline_first", False):
                     first_message = json.dumps(self.transport.ready(manifest.version, bucket, *first)).encode()
             except Exception as error:  # noqa: BLE001 — re-raised in _stream, after the receivers are told
@@ -165,7 +164,7 @@ class SenderSide:
             if not prechecked:
                 self._check(manifest)
                 clock.mark("check")
-            self._stream(manifest, iterator, after_pack, first, sent_first=first_message is not None,
+            self._stream(manifest, iterator, first, sent_first=first_message is not None,
                          trusted=trusted)
             clock.mark("stream")
             self._delete_stale()  # now that receivers are busy loading
@@ -238,7 +237,7 @@ class SenderSide:
             raise ManifestMismatchError(message)
         self.control.put(f"{version}/go", {"go": 1})
 
-    def _stream(self, manifest: Manifest, iterator: Iterator, after_pack: AfterPack,
+    def _stream(self, manifest: Manifest, iterator: Iterator,
                 first: tuple | Exception | None, *, sent_first: bool = False, trusted: bool = False) -> None:
         """Publish every bucket in order; bucket 0 is ``first``, filled (or failed) before the manifest went out
         (``sent_first``: its message went with the start)."""
@@ -257,7 +256,7 @@ class SenderSide:
                         continue
                     published = first
                 else:
-                    published = self._fill(manifest, bucket, iterator, after_pack, trusted=trusted)
+                    published = self._fill(manifest, bucket, iterator, trusted=trusted)
             except Exception as error:
                 self._abort(manifest, bucket, f"the sender failed while packing bucket {bucket.index}: "
                                               f"{type(error).__name__}: {error}", peer_failed=False)
@@ -271,25 +270,19 @@ class SenderSide:
         except WeightSyncError as error:
             raise WeightSyncError(f"{error} (while sending to {self.describe_group()})") from error
 
-    def _fill(self, manifest: Manifest, bucket: Any, iterator: Iterator, after_pack: AfterPack, *,
+    def _fill(self, manifest: Manifest, bucket: Any, iterator: Iterator, *,
               trusted: bool = False) -> tuple:
         """Make bucket ``bucket`` ready; returns the extra arguments of the transport's ``publish``."""
         if manifest.zero_copy:  # receivers read the source tensors where they are
             tensors = collect_bucket(manifest, bucket, iterator, self.slots.device, trusted=trusted)
-            if manifest.fingerprints or after_pack is not None:
-                detached = [t.detach() for t in tensors]
-                fingerprint = int(self.fingerprinter.of_tensors(detached).item()) if manifest.fingerprints else None
-                if after_pack is not None:
-                    after_pack(bucket.index, detached)
-                return tensors, fingerprint
+            if manifest.fingerprints:
+                return tensors, int(self.fingerprinter.of_tensors([t.detach() for t in tensors]).item())
             return tensors, None
         views = self.slots.views(manifest, bucket)
         pack_bucket(manifest, bucket, iterator, views)
         fingerprint = (self.fingerprinter.of_payload(self.slots.buffer(bucket), bucket) if manifest.fingerprints
                        else None)
         self.slots.write_tail(bucket, fingerprint, STATUS_OK)
-        if after_pack is not None:
-            after_pack(bucket.index, views)
         return ()
 
     def _abort(self, manifest: Manifest, bucket: Any, message: str, *, peer_failed: bool) -> None:
@@ -571,12 +564,12 @@ class ReceiverSide:
 
 
 def load_local(manifest: Manifest, expected: Sequence[TensorSpec] | None, iterator: Iterator, load_fn: Callable,
-               fingerprinter: Fingerprinter, after_pack: AfterPack) -> Any:
+               fingerprinter: Fingerprinter) -> Any:
     """In-process sync: same checks (manifest, fingerprints, full consumption), no copies into buckets."""
     problems = compare_manifest(manifest, expected)
     if problems:
         raise ManifestMismatchError(_mismatch_message(manifest, "the in-process receiver", problems))
-    stream = local_stream(manifest, iterator, fingerprinter, after_pack)
+    stream = local_stream(manifest, iterator, fingerprinter)
     consumed = [0]
 
     def counted() -> Iterator[tuple[str, torch.Tensor]]:

@@ -228,8 +228,8 @@ class ReceivedStream:
             self.transport.receive(version, bucket)
 
 
-def local_stream(manifest: Manifest, iterator: Iterator, fingerprinter: Fingerprinter,
-                 after_pack: Callable[[int, list[torch.Tensor]], None]) -> Iterator[tuple[str, torch.Tensor]]:
+def local_stream(manifest: Manifest, iterator: Iterator,
+                 fingerprinter: Fingerprinter) -> Iterator[tuple[str, torch.Tensor]]:
     """In-process: the source's tensors (cast when the manifest says so) handed over directly, bucket by bucket,
     with the fingerprint taken when the bucket is assembled checked again just before it is handed over."""
     for bucket in manifest.buckets:
@@ -237,7 +237,6 @@ def local_stream(manifest: Manifest, iterator: Iterator, fingerprinter: Fingerpr
         tensors = [take_tensor(iterator, spec, bucket.start + i, len(manifest.specs)).to(spec.dtype)
                    for i, spec in enumerate(specs)]
         sent = fingerprinter.of_tensors(tensors) if manifest.fingerprints else None
-        after_pack(bucket.index, tensors)
         if sent is not None:
             got = fingerprinter.of_tensors(tensors)
             if not bool(torch.equal(sent, got)):
