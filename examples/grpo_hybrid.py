@@ -34,6 +34,7 @@ from rlhfkit.losses import kl_loss, policy_loss
 from rlhfkit.options import parse_options
 from rlhfkit.packing import pack_rollouts
 from rlhfkit.rewards import apply_reward_function
+from rlhfkit.tiny_models import TinyModelConfig, build_tiny_model
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -76,13 +77,8 @@ def prompts_of_step(task, tokenizer, step: int, count: int):
 
 def start(options: Options) -> Hybrid:
     cpu = options.device == "cpu"
-    model = options.model
-    if model is None:  # CPU smoke runs: a tiny random Llama with a locally trained tokenizer
-        from rlhfkit.tiny_models import TinyModelConfig, build_tiny_model
-
-        model = str(Path(options.out) / "tiny_model")
-        if not (Path(model) / "config.json").exists():
-            build_tiny_model(model, TinyModelConfig(hidden_size=64, num_layers=2, seed=SEED))
+    tiny = TinyModelConfig(hidden_size=64, num_layers=2, seed=SEED)  # CPU smoke runs: a tiny random Llama
+    model = options.model or str(build_tiny_model(Path(options.out) / "tiny_model", tiny, exist_ok=True))
     deepspeed = DeepSpeedEngineConfig(zero_stage=1, bf16=False, optimizer="torch_adamw" if cpu else "fused_adam",
                                       learning_rate=options.lr, gradient_clipping=1.0)
     offload = not options.resident

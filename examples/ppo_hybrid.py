@@ -35,6 +35,7 @@ from rlhfkit.losses import policy_loss, value_loss
 from rlhfkit.options import parse_options
 from rlhfkit.packing import pack_rollouts
 from rlhfkit.rewards import apply_reward_function
+from rlhfkit.tiny_models import TinyModelConfig, build_tiny_model
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -74,13 +75,9 @@ def critic_loss(values, micro, *, num_tokens, num_seqs):
 
 
 def start(options: Options) -> Hybrid:
-    cpu, model = options.device == "cpu", options.model
-    if model is None:
-        from rlhfkit.tiny_models import TinyModelConfig, build_tiny_model
-
-        model = str(Path(options.out) / "tiny_model")
-        if not (Path(model) / "config.json").exists():
-            build_tiny_model(model, TinyModelConfig(hidden_size=64, num_layers=2, seed=SEED))
+    cpu = options.device == "cpu"
+    tiny = TinyModelConfig(hidden_size=64, num_layers=2, seed=SEED)  # CPU smoke runs: a tiny random Llama
+    model = options.model or str(build_tiny_model(Path(options.out) / "tiny_model", tiny, exist_ok=True))
     frozen = DeepSpeedEngineConfig(zero_stage=1, bf16=False, optimizer="torch_adamw" if cpu else "fused_adam",
                                    gradient_clipping=1.0)
     offload = not options.resident

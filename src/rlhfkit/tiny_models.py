@@ -98,12 +98,15 @@ def train_tokenizer(texts: list[str], *, vocab_size: int = 384):
 
 
 def build_tiny_model(output_dir: str | Path, config: TinyModelConfig | None = None,
-                     corpus: list[str] | None = None) -> Path:
+                     corpus: list[str] | None = None, *, exist_ok: bool = False) -> Path:
     """Write a random-weight causal LM and its tokenizer to ``output_dir`` (``save_pretrained``); returns the path.
+    ``exist_ok=True`` returns a folder that already holds a model (``config.json``) as it is.
 
     Load it back with ``AutoModelForCausalLM.from_pretrained(path)`` and ``AutoTokenizer.from_pretrained(path)``.
     The end-of-turn token ``<|end|>`` and ``<|eos|>`` are both generation EOS tokens.
     """
+    if exist_ok and (Path(output_dir) / "config.json").exists():
+        return Path(output_dir)
     config = config or TinyModelConfig()
     torch = require("torch")
     transformers = require("transformers", user="rlhfkit.tiny_models")
