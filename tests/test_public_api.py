@@ -22,10 +22,6 @@ PENDING: dict[str, str] = {
 # Public names found without docs or use when this test was written (wave 2): users need them, their docs pages are
 # to be written. Same rules as PENDING: shrink it, never grow it.
 DEBT: dict[str, list[str]] = {
-    "rlhfkit.engines.protocol.WeightVersionError": ['use'],  # wave 2 (issue 19): new, not yet shown in an example or docs snippet
-    "rlhfkit.engines.protocol.WeightLagError": ['use'],  # wave 2 (issue 19): new, not yet shown in an example or docs snippet
-    "rlhfkit.engines.protocol.next_weight_version": ['docs', 'use'],  # wave 2 (issue 19): new, not yet shown in an example or docs snippet
-    "rlhfkit.engines.protocol.check_weight_lag": ['use'],  # wave 2 (issue 19): new, not yet shown in an example or docs snippet
     "rlhfkit.engines.router.EngineGroupConfig": ['use'],  # wave 2 (issue 19): new, not yet shown in an example or docs snippet
     "rlhfkit.engines.router.EngineGroup": ['use'],  # wave 2 (issue 19): new, not yet shown in an example or docs snippet
     "rlhfkit.engines.vllm.VLLMEngineActor": ['use'],  # wave 2 (issue 19): new, not yet shown in an example or docs snippet
