@@ -32,9 +32,6 @@ DEBT: dict[str, list[str]] = {
     "rlhfkit.placement.MAX_GPUS_PER_NODE": ['use'],  # wave 2 (issue 19): new, not yet shown in an example or docs snippet
     "rlhfkit.types.PaddedBatch": ['use'],  # wave 2 (issue 19): new, not yet shown in an example or docs snippet
     "rlhfkit.weight_sync.ArmedReceive": ['use'],  # wave 2 (issue 19): new, not yet shown in an example or docs snippet
-    "rlhfkit.weight_sync.WeightSyncRejoinError": ['use'],  # wave 2 (issue 19): new, not yet shown in an example or docs snippet
-    "rlhfkit.weight_sync.WeightSyncVersionError": ['use'],  # wave 2 (issue 19): new, not yet shown in an example or docs snippet
-    "rlhfkit.weight_sync.ArmedSyncStillReceiving": ['use'],  # wave 2 (issue 19): new, not yet shown in an example or docs snippet
     "rlhfkit.advantages.KLEstimator": ["docs", "use"],
     "rlhfkit.advantages.kl_shaped_rewards": ["use"],
     "rlhfkit.advantages.discounted_returns": ["use"],
@@ -90,14 +87,7 @@ DEBT: dict[str, list[str]] = {
     "rlhfkit.rewards.clip_rewards": ["use"],
     "rlhfkit.types.PackedBatch": ["use"],
     "rlhfkit.types.Experience": ["use"],
-    "rlhfkit.weight_sync.SyncReport": ["use"],
-    "rlhfkit.weight_sync.Manifest": ["use"],
     "rlhfkit.weight_sync.flatten_parameters": ["use"],
-    "rlhfkit.weight_sync.WeightSyncError": ["use"],
-    "rlhfkit.weight_sync.WeightSyncTimeout": ["use"],
-    "rlhfkit.weight_sync.ManifestMismatchError": ["use"],
-    "rlhfkit.weight_sync.FingerprintMismatchError": ["use"],
-    "rlhfkit.weight_sync.WeightSyncAborted": ["use"],
     "rlhfkit.workers.PendingCall": ["docs", "use"],
     "rlhfkit.workers.WorkerError": ["use"],
     "rlhfkit.workers.WorkerInfo": ["docs", "use"],
