@@ -32,14 +32,6 @@ DEBT: dict[str, list[str]] = {
     "rlhfkit.placement.MAX_GPUS_PER_NODE": ['use'],  # wave 2 (issue 19): new, not yet shown in an example or docs snippet
     "rlhfkit.types.PaddedBatch": ['use'],  # wave 2 (issue 19): new, not yet shown in an example or docs snippet
     "rlhfkit.weight_sync.ArmedReceive": ['use'],  # wave 2 (issue 19): new, not yet shown in an example or docs snippet
-    "rlhfkit.advantages.KLEstimator": ["docs", "use"],
-    "rlhfkit.advantages.kl_shaped_rewards": ["use"],
-    "rlhfkit.advantages.discounted_returns": ["use"],
-    "rlhfkit.advantages.whiten": ["use"],
-    "rlhfkit.advantages.rloo_advantages": ["use"],
-    "rlhfkit.advantages.reinforce_baseline_advantages": ["use"],
-    "rlhfkit.advantages.FixedKLController": ["use"],
-    "rlhfkit.advantages.AdaptiveKLController": ["use"],
     "rlhfkit.data.PromptDatasetStats": ["docs", "use"],
     "rlhfkit.data.PromptBatch": ["use"],
     "rlhfkit.data.arithmetic_score": ["use"],
@@ -55,18 +47,6 @@ DEBT: dict[str, list[str]] = {
     "rlhfkit.engines.vllm.kill_engines": ["docs", "use"],
     "rlhfkit.engines.vllm.VLLMFeatureError": ["use"],
     "rlhfkit.experience.ForwardFn": ["docs", "use"],
-    "rlhfkit.losses.token_logprobs": ["use"],
-    "rlhfkit.losses.entropy_from_logits": ["use"],
-    "rlhfkit.losses.aggregate": ["use"],
-    "rlhfkit.losses.Aggregation": ["use"],
-    "rlhfkit.losses.MAX_LOG_RATIO": ["use"],
-    "rlhfkit.packing.pack_sequences": ["use"],
-    "rlhfkit.packing.unpack": ["use"],
-    "rlhfkit.packing.pad_packed": ["use"],
-    "rlhfkit.packing.unpad_to_packed": ["use"],
-    "rlhfkit.packing.packed_inputs": ["use"],
-    "rlhfkit.packing.register_varlen_attention": ["use"],
-    "rlhfkit.packing.VARLEN_ATTENTION": ["docs", "use"],  # the old hybrid example used it
     "rlhfkit.phase.PhaseStore": ["docs", "use"],
     "rlhfkit.phase.LocalPhaseStore": ["use"],
     "rlhfkit.phase.FilePhaseStore": ["use"],
