@@ -27,15 +27,12 @@ DEBT: dict[str, list[str]] = {
     "rlhfkit.engines.vllm.VLLMEngineActor": ['use'],  # wave 2 (issue 19): new, not yet shown in an example or docs snippet
     "rlhfkit.engines.vllm.create_engines": ['use'],  # wave 2 (issue 19): new, not yet shown in an example or docs snippet
     "rlhfkit.experience.select_experience": ['use'],  # wave 2 (issue 19): new, not yet shown in an example or docs snippet
-    "rlhfkit.phase.PhaseStoreCorruptError": ['use'],  # wave 2 (issue 19): new, not yet shown in an example or docs snippet
     "rlhfkit.placement.MAX_GPUS": ['use'],  # wave 2 (issue 19): new, not yet shown in an example or docs snippet
     "rlhfkit.placement.MAX_GPUS_PER_NODE": ['use'],  # wave 2 (issue 19): new, not yet shown in an example or docs snippet
     "rlhfkit.types.PaddedBatch": ['use'],  # wave 2 (issue 19): new, not yet shown in an example or docs snippet
     "rlhfkit.weight_sync.ArmedReceive": ['use'],  # wave 2 (issue 19): new, not yet shown in an example or docs snippet
     "rlhfkit.data.PromptDatasetStats": ["docs", "use"],
     "rlhfkit.data.PromptBatch": ["use"],
-    "rlhfkit.data.arithmetic_score": ["use"],
-    "rlhfkit.data.arithmetic_score_parts": ["use"],
     "rlhfkit.deepspeed_engine.ValueModel": ["use"],
     "rlhfkit.deepspeed_engine.lr_factor": ["use"],
     "rlhfkit.engines.router.EngineError": ["use"],
@@ -47,11 +44,6 @@ DEBT: dict[str, list[str]] = {
     "rlhfkit.engines.vllm.kill_engines": ["docs", "use"],
     "rlhfkit.engines.vllm.VLLMFeatureError": ["use"],
     "rlhfkit.experience.ForwardFn": ["docs", "use"],
-    "rlhfkit.phase.PhaseStore": ["docs", "use"],
-    "rlhfkit.phase.LocalPhaseStore": ["use"],
-    "rlhfkit.phase.FilePhaseStore": ["use"],
-    "rlhfkit.phase.Sleepable": ["docs", "use"],
-    "rlhfkit.phase.Transition": ["use"],
     "rlhfkit.placement.ColocationGroup": ["use"],
     "rlhfkit.placement.MaterializedPlan": ["use"],
     "rlhfkit.placement.MemoryEstimate": ["docs", "use"],
@@ -59,12 +51,6 @@ DEBT: dict[str, list[str]] = {
     "rlhfkit.placement.PlacementTimeoutError": ["use"],
     "rlhfkit.placement.RankPlacement": ["docs", "use"],
     "rlhfkit.placement.ray_share": ["docs", "use"],
-    "rlhfkit.rewards.RewardFunctionConfig": ["use"],
-    "rlhfkit.rewards.RewardFailure": ["docs", "use"],
-    "rlhfkit.rewards.RewardReport": ["use"],
-    "rlhfkit.rewards.RewardError": ["use"],
-    "rlhfkit.rewards.apply_reward_functions": ["use"],
-    "rlhfkit.rewards.clip_rewards": ["use"],
     "rlhfkit.types.PackedBatch": ["use"],
     "rlhfkit.types.Experience": ["use"],
     "rlhfkit.weight_sync.flatten_parameters": ["use"],
