@@ -22,43 +22,6 @@ PENDING: dict[str, str] = {
 # Public names found without docs or use when this test was written (wave 2): users need them, their docs pages are
 # to be written. Same rules as PENDING: shrink it, never grow it.
 DEBT: dict[str, list[str]] = {
-    "rlhfkit.engines.router.EngineGroupConfig": ['use'],  # wave 2 (issue 19): new, not yet shown in an example or docs snippet
-    "rlhfkit.engines.router.EngineGroup": ['use'],  # wave 2 (issue 19): new, not yet shown in an example or docs snippet
-    "rlhfkit.engines.vllm.VLLMEngineActor": ['use'],  # wave 2 (issue 19): new, not yet shown in an example or docs snippet
-    "rlhfkit.engines.vllm.create_engines": ['use'],  # wave 2 (issue 19): new, not yet shown in an example or docs snippet
-    "rlhfkit.experience.select_experience": ['use'],  # wave 2 (issue 19): new, not yet shown in an example or docs snippet
-    "rlhfkit.placement.MAX_GPUS": ['use'],  # wave 2 (issue 19): new, not yet shown in an example or docs snippet
-    "rlhfkit.placement.MAX_GPUS_PER_NODE": ['use'],  # wave 2 (issue 19): new, not yet shown in an example or docs snippet
-    "rlhfkit.types.PaddedBatch": ['use'],  # wave 2 (issue 19): new, not yet shown in an example or docs snippet
-    "rlhfkit.weight_sync.ArmedReceive": ['use'],  # wave 2 (issue 19): new, not yet shown in an example or docs snippet
-    "rlhfkit.data.PromptDatasetStats": ["docs", "use"],
-    "rlhfkit.data.PromptBatch": ["use"],
-    "rlhfkit.deepspeed_engine.ValueModel": ["use"],
-    "rlhfkit.deepspeed_engine.lr_factor": ["use"],
-    "rlhfkit.engines.router.EngineError": ["use"],
-    "rlhfkit.engines.router.EngineTimeoutError": ["use"],
-    "rlhfkit.engines.router.EngineDiedError": ["use"],
-    "rlhfkit.engines.router.pack_generate_result": ["use"],
-    "rlhfkit.engines.router.unpack_generate_result": ["use"],
-    "rlhfkit.engines.vllm.plan_launches": ["use"],
-    "rlhfkit.engines.vllm.kill_engines": ["docs", "use"],
-    "rlhfkit.engines.vllm.VLLMFeatureError": ["use"],
-    "rlhfkit.experience.ForwardFn": ["docs", "use"],
-    "rlhfkit.placement.ColocationGroup": ["use"],
-    "rlhfkit.placement.MaterializedPlan": ["use"],
-    "rlhfkit.placement.MemoryEstimate": ["docs", "use"],
-    "rlhfkit.placement.PlacementPlan": ["use"],
-    "rlhfkit.placement.PlacementTimeoutError": ["use"],
-    "rlhfkit.placement.RankPlacement": ["docs", "use"],
-    "rlhfkit.placement.ray_share": ["docs", "use"],
-    "rlhfkit.types.PackedBatch": ["use"],
-    "rlhfkit.types.Experience": ["use"],
-    "rlhfkit.weight_sync.flatten_parameters": ["use"],
-    "rlhfkit.workers.PendingCall": ["docs", "use"],
-    "rlhfkit.workers.WorkerError": ["use"],
-    "rlhfkit.workers.WorkerInfo": ["docs", "use"],
-    "rlhfkit.workers.WorkerTimeoutError": ["use"],
-    "rlhfkit.workers.select_device": ["use"],
 }
 # Whole modules still being written (the lead's rlhfkit.hybrid): remove the prefix once docs/hybrid.md and an example
 # cover their names.
