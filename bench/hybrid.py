@@ -52,7 +52,8 @@ def run_ours(args, out: Path) -> dict:
     log = out.with_suffix(".log")
     out.mkdir(parents=True, exist_ok=True)
     with log.open("w") as handle:
-        code = subprocess.run(command, stdout=handle, stderr=subprocess.STDOUT, timeout=args.timeout).returncode
+        code = subprocess.run(command, stdout=handle, stderr=subprocess.STDOUT, timeout=args.timeout,
+                              check=False).returncode
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()] \
         if (out / "metrics.jsonl").exists() else []
     first = _first_step_start(log) if rows else None
@@ -77,7 +78,8 @@ def run_trl(args, out: Path) -> dict:
         command.append("--no-sleep")
     started = time.time()
     with out.with_suffix(".log").open("w") as handle:
-        code = subprocess.run(command, stdout=handle, stderr=subprocess.STDOUT, timeout=args.timeout).returncode
+        code = subprocess.run(command, stdout=handle, stderr=subprocess.STDOUT, timeout=args.timeout,
+                              check=False).returncode
     result = json.loads(out.read_text()) if out.exists() else {}
     result.setdefault("wall_s", time.time() - started)
     result["launch_to_first_step_s"] = (result.get("startup") or {}).get("trainer_init_s")

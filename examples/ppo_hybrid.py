@@ -20,7 +20,6 @@ Writes ``metrics.jsonl`` and ``phases.jsonl`` under ``--out``; see docs/hybrid.m
 from __future__ import annotations
 
 import dataclasses
-import functools
 from dataclasses import dataclass
 from pathlib import Path
 

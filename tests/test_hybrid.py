@@ -30,9 +30,8 @@ def test_phase_timer_moves_worker_switch_time_to_sleep_wake():
     assert row["time/sleep_wake_s"] == pytest.approx(0.02, abs=1e-9)
     assert row["time/phase_switch_s"] == pytest.approx(row["time/sleep_wake_s"] + row["time/weight_sync_s"])
     assert 0 < row["time/phase_switch_fraction"] < 1
-    with pytest.raises(RuntimeError, match="do not nest"):
-        with timer.phase("a"), timer.phase("b"):
-            pass
+    with pytest.raises(RuntimeError, match="do not nest"), timer.phase("a"), timer.phase("b"):
+        pass
 
 
 def test_metrics_logger_writes_numbers_only(tmp_path):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["HybridCallError", "LossFunctionError", "RoleAsleepError", "EnginesBusyError"]
+__all__ = ["EnginesBusyError", "HybridCallError", "LossFunctionError", "RoleAsleepError"]
 
 
 class HybridCallError(RuntimeError):
