@@ -32,8 +32,10 @@ from rlhfkit.losses._aggregate import (
     Aggregation,
     aggregate,
     check_token_inputs,
+    masked_mean,
+    masked_stats,
     reduce_tokens,
-    segment_sum,
+    seq_mean_per_token,
 )
 from rlhfkit.losses._logprobs import check_logits, entropy_from_logits, token_logprobs
 from rlhfkit.advantages import kl_estimate
@@ -152,25 +154,6 @@ def _loss_token_logprobs(model, batch: PackedBatch, temperature: float, chunk_si
     return logprobs, entropy.new_zeros(batch.num_tokens).index_copy(0, tokens, entropy)
 
 
-def _masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    return torch.where(mask, values, torch.zeros_like(values)).sum() / mask.sum().clamp(min=1)
-
-
-def _broadcast_seq(per_seq: torch.Tensor, cu: torch.Tensor, num_tokens: int) -> torch.Tensor:
-    """``[N]`` → ``[T]``: every token gets its sequence's value; the padding tail gets 0."""
-    out = per_seq.new_zeros(num_tokens)
-    end = int(cu[-1])
-    out[:end] = torch.repeat_interleave(per_seq, cu[1:] - cu[:-1])
-    return out
-
-
-def _seq_mean(values: torch.Tensor, mask: torch.Tensor, cu: torch.Tensor) -> torch.Tensor:
-    """``[T]`` → ``[T]``: each token gets the mean of ``values`` over its sequence's loss tokens (differentiable)."""
-    masked = torch.where(mask, values, torch.zeros_like(values))
-    per_seq = segment_sum(masked, cu) / segment_sum(mask.to(values.dtype), cu).clamp(min=1)
-    return _broadcast_seq(per_seq, cu, values.shape[0])
-
-
 def _check_policy_scalars(clip_low, clip_high, dual_clip, ratio_level, mismatch, mismatch_threshold,
                           engine_logprobs, aggregation) -> None:
     if not 0 <= clip_low < 1:
@@ -206,34 +189,11 @@ def _mismatch_weights(old_logprobs, engine_logprobs, mask, cu, mismatch, thresho
         outside = (ratio > threshold) | (ratio < 1 / threshold)
     elif mismatch == "seq_mask":
         # Sequence ratio as the geometric mean of token ratios: a product over hundreds of tokens is unusable.
-        seq_ratio = torch.exp(_seq_mean(log_ratio, mask, cu))
+        seq_ratio = torch.exp(seq_mean_per_token(log_ratio, mask, cu))
         outside = (seq_ratio > threshold) | (seq_ratio < 1 / threshold)
     else:
         outside = torch.zeros_like(mask)
     return (~outside).to(old_logprobs.dtype), log_ratio, outside & mask
-
-
-def _stats(mask: torch.Tensor, **named: tuple[str, torch.Tensor]) -> dict[str, float]:
-    """Reduce masked tensors to floats with one device sync: ``name=(reduction, tensor)``."""
-    count = mask.sum()
-    values = []
-    for reduction, tensor in named.values():
-        tensor = tensor.detach().to(torch.float64)
-        if reduction == "mean":
-            values.append(_masked_mean(tensor, mask))
-        elif reduction == "min":
-            values.append(torch.where(mask, tensor, torch.full_like(tensor, math.inf)).min())
-        elif reduction == "max":
-            values.append(torch.where(mask, tensor, torch.full_like(tensor, -math.inf)).max())
-        else:
-            values.append(tensor.reshape(()))
-    floats = torch.stack(values + [count.to(torch.float64)]).tolist()
-    empty = floats[-1] == 0
-    result = {}
-    for (name, (reduction, _)), value in zip(named.items(), floats):
-        result[name] = math.nan if empty and reduction in ("mean", "min", "max") else value
-    result["num_loss_tokens"] = floats[-1]
-    return result
 
 
 def _magnitude(tensor: torch.Tensor, mask: torch.Tensor) -> float:
@@ -262,7 +222,7 @@ def _policy_ratio(logprobs, old_logprobs, mask, cu, ratio_level):
         return token_log_ratio, token_log_ratio
     # GSPO-token (Zheng et al. 2025, eq. 13): value = the sequence's geometric-mean ratio s_i, gradient
     # s_i * grad log pi(y_t). With a sequence-level advantage and seq_mean_token_mean this is exactly GSPO.
-    seq_log_ratio = _seq_mean(logprobs - old_logprobs, mask, cu).detach().clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
+    seq_log_ratio = seq_mean_per_token(logprobs - old_logprobs, mask, cu).detach().clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
     return seq_log_ratio + (logprobs - logprobs.detach()), token_log_ratio
 
 
@@ -350,7 +310,7 @@ def policy_loss(
     token_ratio = torch.exp(token_log_ratio)
     stats.update(approx_kl=("mean", token_ratio - 1 - token_log_ratio), ratio_mean=("mean", ratio),
                  ratio_min=("min", ratio), ratio_max=("max", ratio))
-    result = _stats(mask, loss=("value", loss), **stats)
+    result = masked_stats(mask, loss=("value", loss), **stats)
     if math.isfinite(result["loss"]):
         return loss, result
     causes = (f"the per-token loss -A * ratio, or its sum, is too large: max |advantages| on loss tokens = "
@@ -396,10 +356,10 @@ def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Te
         error = torch.maximum(error, clipped_error)
     loss = reduce_tokens(0.5 * error, mask, cu, mode=aggregation, num_tokens=num_tokens, num_seqs=num_seqs)
     residual = target - values.detach()
-    variance = _masked_mean((target - _masked_mean(target, mask)).square(), mask)
-    residual_variance = _masked_mean((residual - _masked_mean(residual, mask)).square(), mask)
+    variance = masked_mean((target - masked_mean(target, mask)).square(), mask)
+    residual_variance = masked_mean((residual - masked_mean(residual, mask)).square(), mask)
     explained = 1 - residual_variance / variance.clamp(min=1e-12)
-    result = _stats(mask, loss=("value", loss), value_clip_fraction=("mean", clipped_active),
+    result = masked_stats(mask, loss=("value", loss), value_clip_fraction=("mean", clipped_active),
                     values_mean=("mean", values), returns_mean=("mean", target),
                     explained_variance=("value", explained))
     if math.isfinite(result["loss"]):
@@ -435,7 +395,7 @@ def kl_loss(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask: torch.Tens
     ref = torch.where(mask, ref_logprobs.detach().to(dtype), zero)
     kl = kl_estimate(logprobs, ref, estimator=estimator, clamp=clamp)
     loss = reduce_tokens(kl, mask, cu, mode=aggregation, num_tokens=num_tokens, num_seqs=num_seqs)
-    result = _stats(mask, loss=("value", loss), kl_mean=("mean", kl), kl_max=("max", kl))
+    result = masked_stats(mask, loss=("value", loss), kl_mean=("mean", kl), kl_max=("max", kl))
     if math.isfinite(result["loss"]):
         return loss, result
     gap = _magnitude(logprobs - ref, mask)

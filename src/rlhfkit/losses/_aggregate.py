@@ -10,7 +10,7 @@ import torch
 from rlhfkit._cu_seqlens import CONVENTION, LOGPROB_TOLERANCE, check_cu_seqlens, token_shape_hint
 
 __all__ = ["Aggregation", "AGGREGATIONS", "aggregate", "reduce_tokens", "check_token_inputs", "segment_sum",
-           "check_count"]
+           "check_count", "masked_mean", "broadcast_seq", "seq_mean_per_token", "masked_stats"]
 
 Aggregation = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"]
 AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum")
@@ -147,3 +147,52 @@ def reduce_tokens(per_token: torch.Tensor, mask: torch.Tensor, cu: torch.Tensor,
                          "alone; pass the global count (rlhfkit.packing.global_counts)")
     denominator = num_seqs if num_seqs is not None else local.clamp(min=1).to(dtype)
     return seq_totals.sum() / denominator
+
+
+def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean of ``values`` over ``mask`` (0 with no True entry); values outside the mask are ignored, even NaN."""
+    return torch.where(mask, values, torch.zeros_like(values)).sum() / mask.sum().clamp(min=1)
+
+
+def broadcast_seq(per_seq: torch.Tensor, cu: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """``[N]`` → ``[T]``: every token gets its sequence's value; the padding tail gets 0."""
+    out = per_seq.new_zeros(num_tokens)
+    end = int(cu[-1])
+    out[:end] = torch.repeat_interleave(per_seq, cu[1:] - cu[:-1])
+    return out
+
+
+def seq_mean_per_token(values: torch.Tensor, mask: torch.Tensor, cu: torch.Tensor) -> torch.Tensor:
+    """``[T]`` → ``[T]``: each token gets the mean of ``values`` over its sequence's loss tokens (differentiable)."""
+    masked = torch.where(mask, values, torch.zeros_like(values))
+    per_seq = segment_sum(masked, cu) / segment_sum(mask.to(values.dtype), cu).clamp(min=1)
+    return broadcast_seq(per_seq, cu, values.shape[0])
+
+
+def masked_stats(mask: torch.Tensor, **named: tuple[str, torch.Tensor]) -> dict[str, float]:
+    """Reduce masked tensors to floats with one device sync: ``name=(reduction, tensor)``.
+
+    Reductions: ``"mean"``/``"min"``/``"max"`` of a ``[T]`` tensor over ``mask``; ``"scalar"``, a ready 0-d tensor;
+    all four are NaN when ``mask`` has no True entry. ``"value"``: a 0-d tensor reported as is (a loss). Adds
+    ``num_loss_tokens``.
+    """
+    count = mask.sum()
+    values = []
+    for reduction, tensor in named.values():
+        tensor = tensor.detach().to(torch.float64)
+        if reduction == "mean":
+            values.append(masked_mean(tensor, mask))
+        elif reduction == "min":
+            values.append(torch.where(mask, tensor, torch.full_like(tensor, math.inf)).min())
+        elif reduction == "max":
+            values.append(torch.where(mask, tensor, torch.full_like(tensor, -math.inf)).max())
+        else:
+            assert reduction in ("value", "scalar"), reduction
+            values.append(tensor.reshape(()))
+    floats = torch.stack(values + [count.to(torch.float64)]).tolist()
+    empty = floats[-1] == 0
+    result = {}
+    for (name, (reduction, _)), value in zip(named.items(), floats):
+        result[name] = math.nan if empty and reduction != "value" else value
+    result["num_loss_tokens"] = floats[-1]
+    return result
