@@ -9,6 +9,8 @@ What it does:
     a sequence-level ratio (GSPO, Zheng et al. 2025, arXiv:2507.18071), and rollout-engine/trainer mismatch
     correction with the engine's log-probs: truncated importance sampling (Yao et al. 2025, “Your efficient RL
     framework secretly brings you off-policy RL training”) or token / sequence masking of outlying ratios;
+  - those off-policy corrections as pure functions (:func:`importance_weights`, :func:`mismatch_stats`: token,
+    sequence and geometric-mean levels, truncation or masking; ``_offpolicy.py``), which ``policy_loss`` calls;
   - the (optionally clipped) value loss of PPO2, a KL loss with the k1/k2/k3 estimators of
     :func:`rlhfkit.advantages.kl_estimate`;
   - aggregation (:func:`aggregate`) by token mean, sequence mean of token means (GRPO) or sequence mean of token sums
@@ -27,6 +29,7 @@ from typing import Literal
 
 import torch
 
+from rlhfkit.advantages import kl_estimate
 from rlhfkit.losses._aggregate import (
     AGGREGATIONS,
     Aggregation,
@@ -38,29 +41,38 @@ from rlhfkit.losses._aggregate import (
     seq_mean_per_token,
 )
 from rlhfkit.losses._logprobs import check_logits, entropy_from_logits, token_logprobs
-from rlhfkit.advantages import kl_estimate
+from rlhfkit.losses._offpolicy import (
+    MAX_LOG_RATIO,
+    clamped_log_ratio,
+    importance_weights,
+    mismatch_stats,
+    token_mismatch_specs,
+    weights_from_log_ratio,
+)
 from rlhfkit.packing import packed_logits
 from rlhfkit.types import PackedBatch
 
 __all__ = [
-    "token_logprobs",
-    "packed_logprobs",
-    "model_logprobs",
-    "entropy_from_logits",
-    "shift_to_tokens",
-    "aggregate",
-    "policy_loss",
-    "value_loss",
-    "kl_loss",
-    "Aggregation",
     "MAX_LOG_RATIO",
+    "Aggregation",
+    "aggregate",
+    "entropy_from_logits",
+    "importance_weights",
+    "kl_loss",
+    "mismatch_stats",
+    "model_logprobs",
+    "packed_logprobs",
+    "policy_loss",
+    "shift_to_tokens",
+    "token_logprobs",
+    "value_loss",
 ]
 
 RatioLevel = Literal["token", "sequence"]
 Mismatch = Literal["none", "tis", "token_mask", "seq_mask"]
 _MISMATCH = ("none", "tis", "token_mask", "seq_mask")
-# exp(20) ≈ 4.9e8: log-ratios are clamped to ±MAX_LOG_RATIO so a diverged policy gives a huge, finite ratio.
-MAX_LOG_RATIO = 20.0
+# policy_loss's mismatch options as importance_weights' (level, mode); the threshold C gives [1/C, C].
+_MISMATCH_WEIGHTS = {"tis": ("token", "truncate"), "token_mask": ("token", "mask"), "seq_mask": ("geometric", "mask")}
 _LOGPROB_NAMES = ("engine_logprobs",)  # the engine's own log-probs: a wrong field (probabilities) is a common slip
 
 
@@ -174,28 +186,6 @@ def _check_policy_scalars(clip_low, clip_high, dual_clip, ratio_level, mismatch,
         raise ValueError(f"aggregation={aggregation!r}; expected one of {AGGREGATIONS}")
 
 
-def _mismatch_weights(old_logprobs, engine_logprobs, mask, cu, mismatch, threshold):
-    """Per-token weights correcting for the engine (behaviour) policy differing from the trainer's old policy.
-
-    Returns ``(weights [T], engine log-ratio [T], dropped/truncated [T] bool)``; weights are constants.
-    """
-    log_ratio = torch.where(mask, old_logprobs - engine_logprobs, torch.zeros_like(old_logprobs))
-    log_ratio = log_ratio.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
-    ratio = torch.exp(log_ratio)
-    if mismatch == "tis":
-        affected = ratio > threshold
-        return ratio.clamp(max=threshold), log_ratio, affected & mask
-    if mismatch == "token_mask":
-        outside = (ratio > threshold) | (ratio < 1 / threshold)
-    elif mismatch == "seq_mask":
-        # Sequence ratio as the geometric mean of token ratios: a product over hundreds of tokens is unusable.
-        seq_ratio = torch.exp(seq_mean_per_token(log_ratio, mask, cu))
-        outside = (seq_ratio > threshold) | (seq_ratio < 1 / threshold)
-    else:
-        outside = torch.zeros_like(mask)
-    return (~outside).to(old_logprobs.dtype), log_ratio, outside & mask
-
-
 def _magnitude(tensor: torch.Tensor, mask: torch.Tensor) -> float:
     """Largest ``|tensor|`` on loss tokens (0 with none); used only to explain an overflow, so the sync is fine."""
     if not mask.any():
@@ -274,7 +264,11 @@ def policy_loss(
         mismatch: with ``w = exp(old_logprobs - engine_logprobs)`` and ``C = mismatch_threshold``: ``"tis"``
             multiplies each token's loss by ``min(w, C)``; ``"token_mask"`` drops tokens with ``w`` outside
             ``[1/C, C]``; ``"seq_mask"`` drops sequences whose geometric-mean ``w`` is outside ``[1/C, C]``. Dropped
-            tokens still count in the normalisers, so the result stays DP invariant.
+            tokens still count in the normalisers, so the result stays DP invariant. These are
+            :func:`importance_weights` with ``target_logprobs=old_logprobs``, ``behaviour_logprobs=engine_logprobs``
+            and ``(level, mode)`` = ``("token", "truncate")``, ``("token", "mask")``, ``("geometric", "mask")``,
+            ``high=C`` (and ``low=1/C`` for the masks); for other combinations multiply ``advantages`` by the weights
+            yourself (``mismatch="none"``).
         aggregation, num_tokens, num_seqs: see :func:`aggregate`.
 
     Returns:
@@ -299,13 +293,17 @@ def policy_loss(
     per_token, stats = _clipped_surrogate(ratio, adv, clip_low, clip_high, dual_clip)
     if engine_logprobs is not None:
         engine = torch.where(mask, engine_logprobs.detach().to(dtype), zero)
-        weights, engine_log_ratio, affected = _mismatch_weights(old, engine, mask, cu, mismatch, mismatch_threshold)
+        engine_log_ratio = clamped_log_ratio(old, engine, mask)
+        affected = torch.zeros_like(mask)
         if mismatch != "none":
+            level, mode = _MISMATCH_WEIGHTS[mismatch]
+            low = None if mode == "truncate" else 1 / mismatch_threshold
+            weights, affected = weights_from_log_ratio(engine_log_ratio, mask, cu, level=level, mode=mode, low=low,
+                                                       high=mismatch_threshold)
             per_token = per_token * weights
-        engine_ratio = torch.exp(engine_log_ratio)
-        stats.update(mismatch_kl=("mean", engine_ratio - 1 - engine_log_ratio),
-                     mismatch_ratio_mean=("mean", engine_ratio), mismatch_ratio_min=("min", engine_ratio),
-                     mismatch_ratio_max=("max", engine_ratio), mismatch_affected_fraction=("mean", affected))
+        specs = token_mismatch_specs(engine_log_ratio)
+        stats.update({f"mismatch_{name}": specs[name] for name in ("kl", "ratio_mean", "ratio_min", "ratio_max")})
+        stats.update(mismatch_affected_fraction=("mean", affected))
     loss = reduce_tokens(per_token, mask, cu, mode=aggregation, num_tokens=num_tokens, num_seqs=num_seqs)
     token_ratio = torch.exp(token_log_ratio)
     stats.update(approx_kl=("mean", token_ratio - 1 - token_log_ratio), ratio_mean=("mean", ratio),

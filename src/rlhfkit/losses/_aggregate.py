@@ -9,8 +9,19 @@ import torch
 
 from rlhfkit._cu_seqlens import CONVENTION, LOGPROB_TOLERANCE, check_cu_seqlens, token_shape_hint
 
-__all__ = ["Aggregation", "AGGREGATIONS", "aggregate", "reduce_tokens", "check_token_inputs", "segment_sum",
-           "check_count", "masked_mean", "broadcast_seq", "seq_mean_per_token", "masked_stats"]
+__all__ = [
+    "AGGREGATIONS",
+    "Aggregation",
+    "aggregate",
+    "broadcast_seq",
+    "check_count",
+    "check_token_inputs",
+    "masked_mean",
+    "masked_stats",
+    "reduce_tokens",
+    "segment_sum",
+    "seq_mean_per_token",
+]
 
 Aggregation = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"]
 AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum")
