@@ -124,8 +124,8 @@ def importance_weights(target_logprobs: torch.Tensor, behaviour_logprobs: torch.
     ``level`` — which ratio each token is judged by:
       - ``"token"``: its own ``r_t``.
       - ``"sequence"``: its sequence's ``exp(Σ_t log r_t)`` over the loss tokens — the exact sequence likelihood
-        ratio ``π_target(y) / π_behaviour(y)`` (sequence-level TIS, unbiased for a sequence-level objective). Its
-        variance grows exponentially with length, so use it with ``mode="truncate"`` and a generous ``high``.
+        ratio ``π_target(y) / π_behaviour(y)`` (sequence-level TIS; untruncated it is unbiased for a sequence-level
+        objective). Its variance grows exponentially with length, so use it with ``mode="truncate"`` and a generous ``high``.
       - ``"geometric"``: its sequence's geometric mean ``exp(mean_t log r_t)`` — length normalised (GSPO's ratio,
         Zheng et al. 2025, arXiv:2507.18071), so one threshold means the same for 10 and 10,000 tokens. The right
         statistic for masking whole sequences: a product over hundreds of tokens each off by 0.5 % already exceeds
@@ -133,8 +133,9 @@ def importance_weights(target_logprobs: torch.Tensor, behaviour_logprobs: torch.
 
     ``mode``:
       - ``"truncate"`` (TIS, Yao et al. 2025): weight ``min(r, high)``; ``low`` must be None.
-      - ``"mask"`` (masked IS: IcePop's token masking, MIS of Liu, Li et al. 2025 at a sequence level): weight 1 if ``low <= r <= high`` else 0 — the
-        token (or, at a sequence level, the whole sequence) is dropped; ``low`` defaults to ``1 / high``.
+      - ``"mask"`` (masked IS: IcePop's token masking; MIS of Liu, Li et al. 2025 at a sequence level): weight 1 if
+        ``low <= r <= high`` else 0 — the token (or, at a sequence level, the whole sequence) is dropped; ``low``
+        defaults to ``1 / high``.
 
     Args:
         target_logprobs: ``[T]`` log-probs of the policy being trained for (the trainer's, e.g. ``old_logprobs``).
