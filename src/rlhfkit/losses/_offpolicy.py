@@ -125,7 +125,8 @@ def importance_weights(target_logprobs: torch.Tensor, behaviour_logprobs: torch.
       - ``"token"``: its own ``r_t``.
       - ``"sequence"``: its sequence's ``exp(Σ_t log r_t)`` over the loss tokens — the exact sequence likelihood
         ratio ``π_target(y) / π_behaviour(y)`` (sequence-level TIS; untruncated it is unbiased for a sequence-level
-        objective). Its variance grows exponentially with length, so use it with ``mode="truncate"`` and a generous ``high``.
+        objective). Its variance grows exponentially with length, so use it with ``mode="truncate"`` and a
+        generous ``high``.
       - ``"geometric"``: its sequence's geometric mean ``exp(mean_t log r_t)`` — length normalised (GSPO's ratio,
         Zheng et al. 2025, arXiv:2507.18071), so one threshold means the same for 10 and 10,000 tokens. The right
         statistic for masking whole sequences: a product over hundreds of tokens each off by 0.5 % already exceeds
