@@ -30,7 +30,7 @@ import torch
 
 from rlhfkit.types import Rollout
 
-__all__ = ["RolloutBufferConfig", "RolloutBuffer", "RolloutProducer", "RolloutBufferClosedError",
+__all__ = ["RolloutBuffer", "RolloutBufferClosedError", "RolloutBufferConfig", "RolloutProducer",
            "RolloutProducerError", "RolloutTimeoutError", "staleness"]
 
 logger = logging.getLogger(__name__)
@@ -308,7 +308,8 @@ class RolloutBuffer:
         (at most ``timeout_s``, default ``config.get_timeout_s``) until that many are queued. Staler groups are dropped
         and counted. Raises a producer's :class:`RolloutProducerError`, :class:`RolloutBufferClosedError` after
         :meth:`close`, :class:`RolloutTimeoutError` naming what it waited for."""
-        if isinstance(num_groups, bool) or not isinstance(num_groups, int) or not 1 <= num_groups <= self.config.capacity:
+        capacity = self.config.capacity
+        if isinstance(num_groups, bool) or not isinstance(num_groups, int) or not 1 <= num_groups <= capacity:
             raise ValueError(f"get(num_groups={num_groups!r}); must be an int in [1, capacity={self.config.capacity}]")
         _check_version("trainer_version", trainer_version)
         timeout = _check_seconds("timeout_s", self.config.get_timeout_s if timeout_s is None else timeout_s)
@@ -442,7 +443,8 @@ class RolloutProducer:
             raise TypeError(f"generate must be generate_fn(prompts, weight_version) or an object with .generate, got "
                             f"{type(generate).__name__}")
         if not callable(current_version):
-            raise TypeError(f"current_version must be a callable returning an int, got {type(current_version).__name__}")
+            raise TypeError("current_version must be a callable returning an int, got "
+                            f"{type(current_version).__name__}")
         self.buffer, self.name, self._current_version = buffer, str(name), current_version
         self._prompts = iter(prompts)
         self._timeout = _check_seconds("admission_timeout_s", buffer.config.put_timeout_s
@@ -483,7 +485,7 @@ class RolloutProducer:
     def __enter__(self) -> RolloutProducer:
         return self.start()
 
-    def __exit__(self, *exc_info: Any) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         self.stop()
 
     def _run(self) -> None:
