@@ -33,6 +33,7 @@ CORE_MODULES = (
     "rlhfkit.engines",
     "rlhfkit.engines.protocol",
     "rlhfkit.checkpoint",
+    "rlhfkit.rollouts",
     # the blocks below need an extra to *run*, but must still import without it (heavy imports live in functions)
     "rlhfkit.weight_sync",
     "rlhfkit.placement",
@@ -148,7 +149,7 @@ SHARED_PRIVATE: dict[str, frozenset[str] | None] = {
 }
 # Blocks that must import (at module level) nothing beyond the standard library, torch, einops and each other.
 CORE_BLOCKS = ("rlhfkit", "rlhfkit.types", "rlhfkit.packing", "rlhfkit.advantages", "rlhfkit.losses",
-               "rlhfkit.experience", "rlhfkit._optional", "rlhfkit._checks", "rlhfkit._cu_seqlens")
+               "rlhfkit.experience", "rlhfkit.rollouts", "rlhfkit._optional", "rlhfkit._checks", "rlhfkit._cu_seqlens")
 CORE_THIRD_PARTY = frozenset({"torch", "einops"})
 
 

@@ -1,0 +1,313 @@
+"""rlhfkit.rollouts: the staleness-bounded buffer and the background producer (issue 21).
+
+Timing tests use a plain generate_fn that builds rollouts (no engine needed to test the buffer's bookkeeping) with
+injected sleeps; the equivalence test runs a real tiny HF engine behind an EngineGroup.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from rlhfkit.rollouts import (
+    RolloutBuffer,
+    RolloutBufferClosedError,
+    RolloutBufferConfig,
+    RolloutProducer,
+    RolloutProducerError,
+    RolloutTimeoutError,
+    staleness,
+)
+from rlhfkit.types import Rollout
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+
+
+def fake_rollouts(prompts, version, *, n=2, delay_s=0.0):
+    time.sleep(delay_s)
+    return [Rollout(prompt_token_ids=torch.tensor(prompt), response_token_ids=torch.tensor([1, 2, 3]),
+                    prompt_index=i, sample_index=s, weight_version=version)
+            for i, prompt in enumerate(prompts) for s in range(n)]
+
+
+def prompt_batches(batch_size=2, count=None):
+    index = 0
+    while count is None or index < count:
+        yield [[index * batch_size + j + 1, 7] for j in range(batch_size)]
+        index += 1
+
+
+def train(buffer, *, steps, groups_per_step, step_s=0.0, timeout_s=10.0):
+    """A trainer that takes groups_per_step groups per version and bumps its version after each step; returns the
+    largest staleness it saw and the version counter the producer reads."""
+    version, seen = [0], []
+    return version, seen, lambda: _train(buffer, version, seen, steps, groups_per_step, step_s, timeout_s)
+
+
+def _train(buffer, version, seen, steps, groups_per_step, step_s, timeout_s):
+    for _ in range(steps):
+        groups = buffer.get(groups_per_step, trainer_version=version[0], timeout_s=timeout_s)
+        assert len(groups) == groups_per_step and all(len(group) == 2 for group in groups)
+        seen.append(int(staleness([r for group in groups for r in group], version[0]).max()))
+        time.sleep(step_s)
+        version[0] += 1
+
+
+# --- config, helper, put -------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("fields, match", [
+    ({"max_staleness": -1, "capacity": 4}, "max_staleness=-1"),
+    ({"max_staleness": 1, "capacity": 0}, "capacity=0"),
+    ({"max_staleness": 1, "capacity": 4, "on_stale": "skip"}, "on_stale='skip'"),
+    ({"max_staleness": 1, "capacity": 4, "on_stale": "wait"}, "needs groups_per_step"),
+    ({"max_staleness": 1, "capacity": 4, "groups_per_step": 0}, "groups_per_step=0"),
+    ({"max_staleness": 1, "capacity": 4, "get_timeout_s": 0}, "get_timeout_s=0"),
+])
+def test_config_names_the_bad_field(fields, match):
+    with pytest.raises(ValueError, match=match):
+        RolloutBufferConfig(**fields)
+
+
+def test_staleness_is_trainer_minus_rollout_version_and_refuses_newer_rollouts():
+    rollouts = fake_rollouts([[1], [2]], 3, n=1) + fake_rollouts([[3]], 5, n=1)
+    assert staleness(rollouts, 5).tolist() == [2, 2, 0]
+    assert staleness([], 0).shape == (0,)
+    with pytest.raises(ValueError, match="rollout 2 has weight_version=5, newer than trainer_version=4"):
+        staleness(rollouts, 4)
+
+
+def test_put_stamps_the_group_and_get_hands_out_fifo():
+    buffer = RolloutBuffer(RolloutBufferConfig(max_staleness=2, capacity=4))
+    first, second = fake_rollouts([[1]], 0), fake_rollouts([[2]], 1)
+    buffer.put(first, weight_version=1)        # the stamp wins over the engines' own count
+    buffer.put(second)                         # None: the group's oldest Rollout.weight_version
+    groups = buffer.get(2, trainer_version=2)
+    assert [g[0].prompt_token_ids.tolist() for g in groups] == [[1], [2]]
+    assert [r.weight_version for g in groups for r in g] == [1, 1, 1, 1]
+    metrics = buffer.metrics()
+    assert metrics["staleness_hist_1"] == 4 and metrics["staleness_mean"] == 1 and metrics["groups_out"] == 2
+    with pytest.raises(ValueError, match="group\\[1\\].prompt_index=1 but group\\[0\\].prompt_index=0"):
+        buffer.put(fake_rollouts([[1], [2]], 0, n=1))
+    with pytest.raises(TypeError, match="non-empty list of Rollout"):
+        buffer.put([])
+    with pytest.raises(ValueError, match="trainer's version never goes back"):
+        buffer.get(1, trainer_version=1, timeout_s=0.05)
+
+
+def test_a_full_buffer_bounds_put_and_the_timeout_names_what_it_waited_for():
+    buffer = RolloutBuffer(RolloutBufferConfig(max_staleness=0, capacity=1))
+    buffer.put(fake_rollouts([[1]], 0))
+    with pytest.raises(RolloutTimeoutError, match=r"put\(\) of a group \(weight_version=0\) waited for room: the "
+                                                  r"buffer holds 1 of capacity=1"):
+        buffer.put(fake_rollouts([[2]], 0), timeout_s=0.05)
+    buffer.get(1, trainer_version=0)
+    with pytest.raises(RolloutTimeoutError, match=r"get\(num_groups=1, trainer_version=0\) timed out after 0.05 s "
+                                                  r"waiting for 1 groups with weight_version >= 0 .*none started"):
+        buffer.get(1, trainer_version=0, timeout_s=0.05)
+    assert buffer.metrics()["producer_waits"] == 1 and buffer.metrics()["trainer_waits"] == 1
+
+
+# --- the staleness bound under slow trainers and slow producers ----------------------------------------------------
+def test_drop_policy_holds_the_bound_with_a_slow_trainer_and_counts_drops():
+    buffer = RolloutBuffer(RolloutBufferConfig(max_staleness=1, capacity=8, on_stale="drop"))
+    version, seen, run = train(buffer, steps=6, groups_per_step=2, step_s=0.05)
+    with RolloutProducer(buffer, fake_rollouts, prompt_batches(), current_version=lambda: version[0]):
+        run()
+    metrics = buffer.metrics()
+    assert max(seen) <= 1 and metrics["staleness_max"] <= 1
+    assert metrics["dropped_groups"] > 0 and metrics["dropped_rollouts"] == 2 * metrics["dropped_groups"]
+    assert metrics["staleness_hist_0"] + metrics["staleness_hist_1"] == metrics["rollouts_out"] == 24
+
+
+def test_wait_policy_holds_the_bound_with_a_slow_trainer_without_drops():
+    buffer = RolloutBuffer(RolloutBufferConfig(max_staleness=1, capacity=8, on_stale="wait", groups_per_step=2))
+    version, seen, run = train(buffer, steps=6, groups_per_step=2, step_s=0.05)
+    with RolloutProducer(buffer, fake_rollouts, prompt_batches(), current_version=lambda: version[0]):
+        run()
+    metrics = buffer.metrics()
+    assert max(seen) <= 1 and metrics["dropped_groups"] == 0
+    assert metrics["producer_waits"] > 0 and metrics["producer_wait_s"] > 0
+    assert metrics["staleness_hist_1"] > 0  # off-policy by one version was used, not only on-policy data
+
+
+@pytest.mark.parametrize("on_stale", ["drop", "wait"])
+def test_the_bound_holds_with_a_slow_producer(on_stale):
+    buffer = RolloutBuffer(RolloutBufferConfig(max_staleness=1, capacity=4, on_stale=on_stale, groups_per_step=2))
+    version, seen, run = train(buffer, steps=5, groups_per_step=2)
+    slow = lambda prompts, v: fake_rollouts(prompts, v, delay_s=0.03)
+    with RolloutProducer(buffer, slow, prompt_batches(), current_version=lambda: version[0]):
+        run()
+    metrics = buffer.metrics()
+    assert max(seen) <= 1 and metrics["staleness_max"] <= 1
+    assert metrics["trainer_waits"] > 0 and metrics["trainer_wait_s"] > 0
+
+
+# --- failures, close, stop, interpreter exit ------------------------------------------------------------------------
+def test_a_failing_generate_fn_ends_get_with_its_error_in_bounded_time():
+    """Defect covered: an engine dying in the producer thread must not leave the trainer waiting out its timeout."""
+    def generate(prompts, version):
+        if prompts[0][0] > 4:   # the third batch
+            raise ConnectionError("engine 0 died")
+        return fake_rollouts(prompts, version)
+
+    buffer = RolloutBuffer(RolloutBufferConfig(max_staleness=4, capacity=4))  # batch 2 waits for the first get
+    with RolloutProducer(buffer, generate, prompt_batches(), current_version=lambda: 0, name="actor-rollouts"):
+        assert len(buffer.get(4, trainer_version=0, timeout_s=10)) == 4
+        start = time.monotonic()
+        with pytest.raises(RolloutProducerError, match=r"producer 'actor-rollouts' failed on prompt batch 2 "
+                                                       r"\(2 prompts\): ConnectionError: engine 0 died") as info:
+            buffer.get(1, trainer_version=0, timeout_s=30)
+        assert time.monotonic() - start < 5
+        assert isinstance(info.value.__cause__, ConnectionError) and info.value.batch_index == 2
+        with pytest.raises(RolloutProducerError):   # sticky: every later get raises it too
+            buffer.get(1, trainer_version=0, timeout_s=30)
+
+
+def test_an_admission_timeout_fails_the_producer_naming_what_it_waited_for():
+    buffer = RolloutBuffer(RolloutBufferConfig(max_staleness=0, capacity=2))
+    with RolloutProducer(buffer, fake_rollouts, prompt_batches(), current_version=lambda: 0, name="p",
+                         admission_timeout_s=0.1):
+        time.sleep(0.5)
+        with pytest.raises(RolloutProducerError, match="producer 'p' failed on prompt batch 1") as info:
+            buffer.get(2, trainer_version=0, timeout_s=5)
+    assert isinstance(info.value.__cause__, RolloutTimeoutError)
+    assert "waited to generate 2 groups at weight_version=0: the buffer holds 2" in str(info.value.__cause__)
+
+
+def test_a_batch_that_can_never_be_admitted_fails_the_producer():
+    buffer = RolloutBuffer(RolloutBufferConfig(max_staleness=0, capacity=8, on_stale="wait", groups_per_step=2))
+    with (RolloutProducer(buffer, fake_rollouts, prompt_batches(batch_size=3), current_version=lambda: 0),
+          pytest.raises(RolloutProducerError, match="on prompt batch 0") as info):
+        buffer.get(2, trainer_version=0, timeout_s=5)
+    assert isinstance(info.value.__cause__, ValueError)
+    assert "a batch of 3 prompts can never be admitted (at most 2 groups" in str(info.value.__cause__)
+
+
+def test_close_wakes_a_blocked_get_and_a_blocked_put():
+    full = RolloutBuffer(RolloutBufferConfig(max_staleness=0, capacity=1))
+    full.put(fake_rollouts([[1]], 0))
+    errors = []
+
+    def blocked_put():
+        try:
+            full.put(fake_rollouts([[2]], 0), timeout_s=30)
+        except RolloutBufferClosedError as error:
+            errors.append(error)
+
+    putter = threading.Thread(target=blocked_put, daemon=True)
+    putter.start()
+    empty = RolloutBuffer(RolloutBufferConfig(max_staleness=0, capacity=1))
+    threading.Timer(0.2, empty.close).start()
+    threading.Timer(0.2, full.close).start()
+    start = time.monotonic()
+    with pytest.raises(RolloutBufferClosedError, match="close\\(\\) was called"):
+        empty.get(1, trainer_version=0, timeout_s=30)
+    putter.join(5)
+    assert time.monotonic() - start < 5 and len(errors) == 1 and empty.closed and full.closed
+    with pytest.raises(RolloutBufferClosedError):   # queued groups are not handed out after close
+        full.get(1, trainer_version=0, timeout_s=1)
+
+
+def test_stop_joins_a_producer_blocked_on_admission():
+    buffer = RolloutBuffer(RolloutBufferConfig(max_staleness=0, capacity=2))
+    producer = RolloutProducer(buffer, fake_rollouts, prompt_batches(), current_version=lambda: 0).start()
+    deadline = time.monotonic() + 5
+    while len(buffer) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert len(buffer) == 2 and producer.running   # full: the producer waits for room
+    start = time.monotonic()
+    producer.stop(timeout_s=5)
+    assert time.monotonic() - start < 1 and not producer.running and producer.num_batches == 1
+    assert buffer.metrics()["reserved_groups"] == 0
+
+
+def test_stop_names_a_hung_generate_and_returns_within_its_bound():
+    release = threading.Event()
+    buffer = RolloutBuffer(RolloutBufferConfig(max_staleness=0, capacity=2))
+    producer = RolloutProducer(buffer, lambda prompts, v: release.wait(30) and fake_rollouts(prompts, v),
+                               prompt_batches(), current_version=lambda: 0, name="hung").start()
+    time.sleep(0.1)
+    with pytest.raises(RolloutTimeoutError, match="producer 'hung' did not stop within 0.2 s; it is generating "
+                                                  "batch 0 at weight_version=0"):
+        producer.stop(timeout_s=0.2)
+    release.set()
+    producer.stop(timeout_s=5)   # the batch finished after stop: discarded
+    assert not producer.running and len(buffer) == 0
+
+
+def test_the_process_exits_while_producers_are_blocked():
+    """Defect covered: a non-daemon producer thread would keep the interpreter alive at exit."""
+    script = textwrap.dedent("""
+        import threading, time, torch
+        from rlhfkit.rollouts import RolloutBuffer, RolloutBufferConfig, RolloutProducer
+        from rlhfkit.types import Rollout
+
+        def make(prompts, version):
+            return [Rollout(prompt_token_ids=torch.tensor(p), response_token_ids=torch.tensor([1]),
+                            prompt_index=i, weight_version=version) for i, p in enumerate(prompts)]
+
+        batches = lambda: iter([[[1, 2]]] * 100)
+        full = RolloutBuffer(RolloutBufferConfig(max_staleness=0, capacity=1))
+        RolloutProducer(full, make, batches(), current_version=lambda: 0, name="admission").start()
+        hung = RolloutBuffer(RolloutBufferConfig(max_staleness=0, capacity=1))
+        RolloutProducer(hung, lambda p, v: threading.Event().wait(), batches(), current_version=lambda: 0,
+                        name="generate").start()
+        while len(full) < 1:
+            time.sleep(0.01)
+        time.sleep(0.1)
+        print("exiting", flush=True)
+    """)
+    start = time.monotonic()
+    result = subprocess.run([sys.executable, "-c", script], check=False, capture_output=True, text=True,
+                            timeout=60, env={"PYTHONPATH": str(SRC), "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
+    assert result.returncode == 0 and "exiting" in result.stdout, result.stderr[-2000:]
+    assert time.monotonic() - start < 30
+
+
+# --- on-policy equivalence with a real engine ---------------------------------------------------------------------
+def _weights(base, step):
+    generator = torch.Generator().manual_seed(1000 + step)
+    return [(name, tensor + 0.05 * torch.randn(tensor.shape, generator=generator)) for name, tensor in base.items()]
+
+
+def test_max_staleness_0_with_a_synchronous_schedule_equals_the_synchronous_loop(tiny_llama_path):
+    """With max_staleness=0 and on_stale='wait' the producer generates batch k only after update k: the groups
+    handed out are token for token those of a plain generate-then-train loop (same prompts, seeds, weights)."""
+    from rlhfkit.engines import SamplingConfig
+    from rlhfkit.engines.hf import HFEngine, HFEngineConfig
+    from rlhfkit.engines.router import EngineGroup
+
+    sampling = SamplingConfig(n=2, max_new_tokens=6, temperature=1.0)
+    batches = [[[5, 9, 11], [17, 3]], [[8, 8, 2, 4], [30]], [[12, 13], [40, 41, 42]]]
+    seeded = lambda step: dataclasses.replace(sampling, seed=100 + step)
+
+    engine = HFEngine(HFEngineConfig(model=str(tiny_llama_path)))
+    base = {name: tensor.detach().clone() for name, tensor in engine.model.named_parameters()}
+    expected = []
+    for step, prompts in enumerate(batches):
+        expected.append(engine.generate(prompts, seeded(step)))
+        engine.load_weights(_weights(base, step))
+
+    group = EngineGroup([HFEngine(HFEngineConfig(model=str(tiny_llama_path)))])
+    buffer = RolloutBuffer(RolloutBufferConfig(max_staleness=0, capacity=4, on_stale="wait", groups_per_step=2))
+    version, got = [0], []
+    with RolloutProducer(buffer, lambda prompts, v: group.generate(prompts, seeded(v)), iter(batches),
+                         current_version=lambda: version[0]):
+        for step in range(len(batches)):
+            got.append([r for g in buffer.get(2, trainer_version=version[0], timeout_s=60) for r in g])
+            group.load_weights(_weights(base, step))
+            version[0] += 1
+    group.close()
+    assert buffer.metrics()["dropped_groups"] == 0 and buffer.metrics()["staleness_max"] == 0
+    for step, (want, have) in enumerate(zip(expected, got)):
+        assert [r.prompt_token_ids.tolist() for r in have] == [r.prompt_token_ids.tolist() for r in want]
+        assert [r.response_token_ids.tolist() for r in have] == [r.response_token_ids.tolist() for r in want], step
+        assert {r.weight_version for r in have} == {step}
+    assert len({tuple(r.response_token_ids.tolist()) for rs in got for r in rs}) > 2   # sampling, not a constant
