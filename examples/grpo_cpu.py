@@ -25,13 +25,13 @@ from transformers import AutoModelForCausalLM, AutoModelForTokenClassification, 
 
 from rlhfkit.checkpoint import (checkpoint_name, latest_checkpoint, load_torch_state, prune_checkpoints,
                                 save_torch_state)
-from rlhfkit.data import ArithmeticTask, PromptDataset, PromptDatasetConfig, arithmetic_reward
+from rlhfkit.data import ArithmeticTask, PromptDatasetConfig, arithmetic_reward, prompt_batch
 from rlhfkit.engines import SamplingConfig
 from rlhfkit.engines.hf import HFEngine
 from rlhfkit.experience import ExperienceConfig, iterate_minibatches, make_experience
 from rlhfkit.losses import kl_loss, model_logprobs, policy_loss, shift_to_tokens, value_loss
 from rlhfkit.packing import global_counts, packed_logits
-from rlhfkit.rewards import apply_reward_function
+from rlhfkit.rewards import apply_reward_function, rollout_texts
 from rlhfkit.tiny_models import TinyModelConfig, build_tiny_model
 
 
@@ -87,14 +87,6 @@ def load_models(args):
     # the engine owns a copy of the weights and receives the trainer's after every step, like a real rollout engine
     engine = HFEngine.from_model(copy.deepcopy(policy).eval(), tokenizer=tokenizer, seed=args.seed)
     return tokenizer, policy, reference, critic, engine
-
-
-def prompts_for_step(task, tokenizer, step: int, count: int):
-    """Problems ``step * count ...`` as chat prompts: token ids, prompt texts, labels."""
-    data = PromptDataset(task.records(count, start=step * count), tokenizer,
-                         PromptDatasetConfig(apply_chat_template=True))
-    batch = next(data.batches(count, seed=0, shuffle=False))
-    return batch.token_ids, batch.texts, batch.labels
 
 
 def train_on(experience, policy, critic, optimizer, critic_optimizer, args, step: int) -> dict[str, float]:
@@ -166,6 +158,7 @@ def main(argv=None) -> dict:
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=0.0)
     critic_optimizer = torch.optim.AdamW(critic.parameters(), lr=args.critic_lr) if critic is not None else None
     task = ArithmeticTask(min_value=0, max_value=args.max_value, ops=("+",), seed=args.seed)
+    chat = PromptDatasetConfig(apply_chat_template=True)
     config = ExperienceConfig(estimator=ESTIMATORS[args.estimator], kl_coef=args.kl_coef, kl_in_reward=False)
     sampling_kwargs = dict(n=args.samples_per_prompt, max_new_tokens=args.max_new_tokens,
                            temperature=args.temperature)
@@ -188,14 +181,14 @@ def main(argv=None) -> dict:
     history = []
     for step in tqdm(range(start_step, args.steps), initial=start_step, total=args.steps, desc="GRPO", unit="step"):
         t0 = time.perf_counter()
-        prompt_ids, prompts, labels = prompts_for_step(task, tokenizer, step, args.prompts_per_step)
+        count = args.prompts_per_step  # problems step * count ... of the task, as chat prompts
+        prompts = prompt_batch(task.records(count, start=step * count), tokenizer, chat)
         # every step's sampling seed is a function of the step alone, so a resumed run replays the same rollouts
-        rollouts = engine.generate(prompt_ids, SamplingConfig(seed=args.seed * 1_000_003 + step, **sampling_kwargs))
+        rollouts = engine.generate(prompts.token_ids, SamplingConfig(seed=args.seed * 1_000_003 + step,
+                                                                     **sampling_kwargs))
         t_generate = time.perf_counter() - t0
-        responses = [r.response_text for r in rollouts]
-        sample_labels = [labels[r.prompt_index] for r in rollouts]
-        scores, report = apply_reward_function(arithmetic_reward, [prompts[r.prompt_index] for r in rollouts],
-                                               responses, sample_labels, on_error="raise")
+        texts, responses, sample_labels = rollout_texts(rollouts, prompts=prompts.texts, labels=prompts.labels)
+        scores, report = apply_reward_function(arithmetic_reward, texts, responses, sample_labels)
         with torch.no_grad():
             experience, stats = make_experience(
                 rollouts, torch.tensor(scores), config=config,

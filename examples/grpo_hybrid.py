@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from rlhfkit.data import ArithmeticTask, PromptDataset, PromptDatasetConfig, arithmetic_accuracy, arithmetic_reward
+from rlhfkit.data import ArithmeticTask, PromptDatasetConfig, arithmetic_accuracy, arithmetic_reward, prompt_batch
 from rlhfkit.deepspeed_engine import DeepSpeedEngineConfig
 from rlhfkit.engines import SamplingConfig
 from rlhfkit.experience import ExperienceConfig, engine_token_logprobs, iterate_minibatches, make_experience
@@ -33,7 +33,7 @@ from rlhfkit.hybrid import Hybrid, HybridConfig, MetricsLogger, TrainerConfig
 from rlhfkit.losses import kl_loss, policy_loss
 from rlhfkit.options import parse_options
 from rlhfkit.packing import pack_rollouts
-from rlhfkit.rewards import apply_reward_function
+from rlhfkit.rewards import apply_reward_function, rollout_texts
 from rlhfkit.tiny_models import TinyModelConfig, build_tiny_model
 
 
@@ -67,14 +67,6 @@ def grpo_loss(logprobs, micro, *, num_tokens, num_seqs, kl_coef):
     return loss + kl_coef * kl, stats | {"kl_loss": kl_stats["kl_mean"], "engine_gap": float(gap.mean())}
 
 
-def prompts_of_step(task, tokenizer, step: int, count: int):
-    """Problems ``step * count ...`` of the arithmetic task as chat prompts: token ids, texts, labels."""
-    data = PromptDataset(task.records(count, start=step * count), tokenizer,
-                         PromptDatasetConfig(apply_chat_template=True))
-    batch = next(data.batches(count, seed=0, shuffle=False))
-    return batch.token_ids, batch.texts, batch.labels
-
-
 def start(options: Options) -> Hybrid:
     cpu = options.device == "cpu"
     tiny = TinyModelConfig(hidden_size=64, num_layers=2, seed=SEED)  # CPU smoke runs: a tiny random Llama
@@ -103,25 +95,24 @@ def main(argv=None) -> list[dict]:
         hybrid.timer
     tokenizer = AutoTokenizer.from_pretrained(hybrid.config.model)
     task = ArithmeticTask(min_value=0, max_value=9 if options.tiny else 99, ops=("+", "-"), seed=SEED)
-    config = ExperienceConfig(estimator="grpo")
+    config, chat = ExperienceConfig(estimator="grpo"), PromptDatasetConfig(apply_chat_template=True)
     loss_fn = functools.partial(grpo_loss, kl_coef=options.kl_coef)
     print(f"started in {hybrid.startup['total_s']:.1f} s", flush=True)
     try:
         with MetricsLogger(out) as metrics:
             for step in range(options.steps):
                 timer.start_step()
-                prompt_ids, prompts, labels = prompts_of_step(task, tokenizer, step, options.prompts_per_step)
+                count = options.prompts_per_step  # problems step * count ... of the task, as chat prompts
+                prompts = prompt_batch(task.records(count, start=step * count), tokenizer, chat)
                 sampling = SamplingConfig(n=options.samples_per_prompt, max_new_tokens=options.max_new_tokens,
                                           seed=SEED * 1_000_003 + step)
                 # 1. The engines generate holding the GPU, then sleep.
                 with timer.phase("generate"):
-                    rollouts = engines.generate(prompt_ids, sampling)
+                    rollouts = engines.generate(prompts.token_ids, sampling)
                 with timer.phase("reward"):
-                    responses = tokenizer.batch_decode([r.response_token_ids for r in rollouts],
-                                                       skip_special_tokens=True)
-                    answers = [labels[r.prompt_index] for r in rollouts]
-                    scores, _ = apply_reward_function(arithmetic_reward, [prompts[r.prompt_index] for r in rollouts],
-                                                      responses, answers, on_error="raise")
+                    texts, responses, answers = rollout_texts(rollouts, prompts=prompts.texts, labels=prompts.labels,
+                                                              tokenizer=tokenizer)
+                    scores, _ = apply_reward_function(arithmetic_reward, texts, responses, answers)
                 batch = pack_rollouts(rollouts)
                 # 2. The reference wakes, computes its log-probs on every rank, and sleeps.
                 with timer.phase("forward_reference"):

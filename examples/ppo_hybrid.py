@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from rlhfkit.data import ArithmeticTask, PromptDataset, PromptDatasetConfig, arithmetic_accuracy, arithmetic_reward
+from rlhfkit.data import ArithmeticTask, PromptDatasetConfig, arithmetic_accuracy, arithmetic_reward, prompt_batch
 from rlhfkit.deepspeed_engine import DeepSpeedEngineConfig
 from rlhfkit.engines import SamplingConfig
 from rlhfkit.experience import ExperienceConfig, engine_token_logprobs, iterate_minibatches, make_experience
@@ -33,7 +33,7 @@ from rlhfkit.hybrid import Hybrid, HybridConfig, MetricsLogger, TrainerConfig
 from rlhfkit.losses import policy_loss, value_loss
 from rlhfkit.options import parse_options
 from rlhfkit.packing import pack_rollouts
-from rlhfkit.rewards import apply_reward_function
+from rlhfkit.rewards import apply_reward_function, rollout_texts
 from rlhfkit.tiny_models import TinyModelConfig, build_tiny_model
 
 
@@ -107,25 +107,22 @@ def main(argv=None) -> list[dict]:
     tokenizer = AutoTokenizer.from_pretrained(hybrid.config.model)
     task = ArithmeticTask(min_value=0, max_value=9 if options.tiny else 99, ops=("+", "-"), seed=SEED)
     config = ExperienceConfig(estimator="gae", gamma=1.0, lam=0.95, kl_coef=options.kl_coef, kl_in_reward=True)
+    chat = PromptDatasetConfig(apply_chat_template=True)
     print(f"started in {hybrid.startup['total_s']:.1f} s", flush=True)
     try:
         with MetricsLogger(out) as metrics:
             for step in range(options.steps):
                 timer.start_step()
-                records = task.records(options.prompts_per_step, start=step * options.prompts_per_step)
-                data = PromptDataset(records, tokenizer, PromptDatasetConfig(apply_chat_template=True))
-                prompts = next(data.batches(options.prompts_per_step, seed=0, shuffle=False))
+                count = options.prompts_per_step  # problems step * count ... of the task, as chat prompts
+                prompts = prompt_batch(task.records(count, start=step * count), tokenizer, chat)
                 sampling = SamplingConfig(n=options.samples_per_prompt, max_new_tokens=options.max_new_tokens,
                                           seed=SEED * 1_000_003 + step)
                 with timer.phase("generate"):
                     rollouts = engines.generate(prompts.token_ids, sampling)
                 with timer.phase("reward"):
-                    responses = tokenizer.batch_decode([r.response_token_ids for r in rollouts],
-                                                       skip_special_tokens=True)
-                    answers = [prompts.labels[r.prompt_index] for r in rollouts]
-                    rule, _ = apply_reward_function(arithmetic_reward, [prompts.texts[r.prompt_index] for r in
-                                                                        rollouts], responses, answers,
-                                                    on_error="raise")
+                    texts, responses, answers = rollout_texts(rollouts, prompts=prompts.texts, labels=prompts.labels,
+                                                              tokenizer=tokenizer)
+                    rule, _ = apply_reward_function(arithmetic_reward, texts, responses, answers)
                 batch = pack_rollouts(rollouts)
                 # Reward model, reference and critic: each wakes, runs on every rank, sleeps.
                 with timer.phase("forward_reward"):

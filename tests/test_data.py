@@ -9,6 +9,7 @@ import re
 import pytest
 
 from rlhfkit.data import (
+    prompt_batch,
     ARITHMETIC_WEIGHTS,
     ArithmeticTask,
     PromptDataset,
@@ -91,6 +92,18 @@ def test_overlong_prompts_truncate_reject_error(tokenizer):
         PromptDataset(records, tokenizer, PromptDatasetConfig(prompt_max_len=limit, on_overlong="error"))
     with pytest.raises(ValueError, match="none of the 3 records was kept"):
         PromptDataset(records, tokenizer, PromptDatasetConfig(prompt_max_len=1))
+
+
+def test_prompt_batch_keeps_order_and_leaves_out_rejected_records(tokenizer):
+    records = [{"prompt": "What is 1 + 1?", "label": "2"}, {"prompt": "", "label": "x"},
+               {"prompt": "What is 2 + 2?", "label": "4"}]
+    with pytest.raises(ValueError, match="record 1"):  # an empty prompt is refused, naming the record
+        prompt_batch(records, tokenizer)
+    config = PromptDatasetConfig(apply_chat_template=True)
+    batch = prompt_batch([records[2], records[0]], tokenizer, config)
+    assert batch.labels == ["4", "2"] and batch.indices == [0, 1]  # the records' order, not a shuffle
+    alone = next(PromptDataset([records[2]], tokenizer, config).batches(1, seed=0, shuffle=False))
+    assert batch.token_ids[0] == alone.token_ids[0] and batch.texts[0] == alone.texts[0]
 
 
 def test_batches_are_seeded_and_cover_each_prompt_once(tokenizer):

@@ -349,6 +349,18 @@ def test_rollout_texts_lines_up_by_prompt_index():
         rollout_texts(bare)
 
 
+def test_rollout_texts_decodes_token_ids_with_a_tokenizer(tiny_llama_path):
+    """Engines that return token ids only (vLLM with detokenize=False): the tokenizer decodes, special tokens out."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama_path)
+    ids = tokenizer("7 + 1", add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    rollouts = [Rollout(prompt_token_ids=torch.tensor([1]), response_token_ids=torch.tensor(ids), prompt_index=0)]
+    prompts, responses, labels = rollout_texts(rollouts, prompts=["q"], labels=["8"], tokenizer=tokenizer)
+    assert (prompts, labels) == (["q"], ["8"]) and responses == [tokenizer.decode(ids, skip_special_tokens=True)]
+    assert tokenizer.eos_token not in responses[0] and responses[0].replace(" ", "") == "7+1"
+
+
 # ---------------------------------------------------------------- normalisation, clipping, overlong
 
 

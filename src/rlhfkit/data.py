@@ -37,6 +37,7 @@ __all__ = [
     "PromptDataset",
     "PromptDatasetStats",
     "PromptBatch",
+    "prompt_batch",
     "ArithmeticTask",
     "arithmetic_reward",
     "arithmetic_score",
@@ -366,6 +367,16 @@ def _check_records(records: Any) -> None:
     if not hasattr(records, "__len__") or not hasattr(records, "__getitem__"):
         raise TypeError(f"PromptDataset(records=...) got a {type(records).__name__}, which has no len() or integer "
                         "indexing; pass a list of dicts (e.g. list(records)) or a datasets.Dataset")
+
+
+def prompt_batch(records: Any, tokenizer: Any, config: PromptDatasetConfig | None = None) -> PromptBatch:
+    """All of ``records`` as one :class:`PromptBatch`, in order: for prompts made fresh each step (a task that
+    generates problems, an environment) rather than drawn from a dataset. Rejected records are left out, as in
+    :class:`PromptDataset`, so the batch may be shorter than ``records``."""
+    dataset = PromptDataset(records, tokenizer, config or PromptDatasetConfig())
+    if len(dataset) == 0:
+        raise ValueError(f"prompt_batch: none of the {len(records)} records was kept ({dataset.stats.as_dict()})")
+    return next(dataset.batches(len(dataset), seed=0, shuffle=False))
 
 
 def _check_batch_size(batch_size: int) -> None:

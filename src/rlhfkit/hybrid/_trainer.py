@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -68,7 +68,6 @@ class TrainerConfig:
     tf32_backward: bool = True
     tf32_frozen_forward: bool = True
     seed: int = 0
-    trains: bool = field(default=False, init=False)
 
     def __post_init__(self) -> None:
         from rlhfkit.deepspeed_engine import DeepSpeedEngineConfig
@@ -96,9 +95,7 @@ class TrainerConfig:
             deepspeed = dataclasses.replace(deepspeed, loss_normalization="global")
         if deepspeed.attn_implementation is None:
             deepspeed = dataclasses.replace(deepspeed, attn_implementation=VARLEN_ATTENTION)
-        config = dataclasses.replace(self, deepspeed=deepspeed)
-        object.__setattr__(config, "trains", trains)
-        return config
+        return dataclasses.replace(self, deepspeed=deepspeed)
 
 
 def _ship_by_value(fn: Any) -> None:
@@ -144,7 +141,7 @@ class TrainerGroup:
             out.append([[shard[i] for i in part] for part in parts])
         return out
 
-    def _account(self, results: list[dict[str, Any]], phase: str) -> None:
+    def _account(self, results: list[dict[str, Any]]) -> None:
         if self.timer is not None:
             self.timer.count_switch(max(result.get("switch_s", 0.0) for result in results))
         self.peak_gib = max([self.peak_gib] + [result.get("peak_gib", 0.0) for result in results])
@@ -166,7 +163,7 @@ class TrainerGroup:
             places.append(shard if output == "rewards" else [index for _, index in micro])
         results = self.workers.call_scattered("forward", items, output=output, temperature=temperature, phase=phase,
                                               wake=wake, sleep_after=sleep_after)
-        self._account(results, phase)
+        self._account(results)
         out = torch.zeros(batch.num_seqs if output == "rewards" else batch.num_tokens)
         for result, rank_places in zip(results, places, strict=True):
             for values, place in zip(result["outputs"], rank_places, strict=True):
@@ -197,7 +194,7 @@ class TrainerGroup:
         results = self.workers.call_scattered("forward_backward", items, loss_fn=shipped, output=output,
                                               temperature=temperature, num_tokens=num_tokens, num_seqs=num_seqs,
                                               phase=phase, wake=wake)
-        self._account(results, phase)
+        self._account(results)
         stats: dict[str, float] = {}
         for key in results[0]["stats"]:
             values = [result["stats"][key] for result in results]
@@ -210,7 +207,7 @@ class TrainerGroup:
         phase = phase or f"train_{self.role}"
         results = self.workers.call("optim_step", phase=phase, sleep_after=sleep_after)
         self.steps_since_push += 1
-        self._account(results, phase)
+        self._account(results)
         return {f"{self.role}/{key}": value for key, value in results[0]["stats"].items()}
 
     def sleep(self, *, keep_weights: bool = False, phase: str = "sleep") -> None:

@@ -89,6 +89,10 @@ class TrainerWorker(Worker):
         self._pending_backward = False
         self._resident = _Resident()
 
+    @property
+    def trains(self) -> bool:
+        return self.role in ("actor", "critic")
+
     # ------------------------------------------------------------------ lifecycle
     def load(self, config: Any) -> dict[str, Any]:
         """Build the model while holding the GPU's claim, then put it to sleep."""
@@ -99,7 +103,8 @@ class TrainerWorker(Worker):
         if self.device_kind == "cuda":
             torch.cuda.set_device(self.device())
         torch.manual_seed(config.seed)
-        overrides = {"managed_gradient_accumulation": False} if config.trains else None
+        # trained roles own the accumulation boundary: backward accumulates, optim_step() is the boundary
+        overrides = {"managed_gradient_accumulation": False} if self.trains else None
         model = DeepSpeedEngine.from_pretrained(self.model_path, role=self.role, config=config.deepspeed,
                                                 ds_config_overrides=overrides)
         gc.collect()
@@ -128,9 +133,14 @@ class TrainerWorker(Worker):
     def wake(self, phase: str = "wake") -> float:
         return 0.0 if self.awake else self._transition("wake", phase)
 
+    @property
+    def _weights_only(self) -> bool:
+        """Asleep but for the weights (``sleep(keep_weights=True)``): a push may read them, a full sleep moves them."""
+        return self.model is not None and self.model.is_asleep and self.model._weights_kept
+
     def sleep(self, phase: str = "sleep", keep_weights: bool = False) -> float:
-        if not self.awake and not (self.model is not None and self.model.is_asleep and not keep_weights
-                                   and self.config.offload):
+        """Put the role to sleep; when it kept only its weights, ``keep_weights=False`` moves those too."""
+        if not self.awake and not (self._weights_only and not keep_weights):
             return 0.0
         return self._transition("sleep", phase, keep_weights=keep_weights and self.config.offload)
 
@@ -177,7 +187,7 @@ class TrainerWorker(Worker):
             run = {"logprobs": lambda b: self.model.forward_logprobs(b, temperature=temperature,
                                                                      loss_tokens_only=True),
                    "values": self.model.forward_values, "rewards": self.model.forward_rewards}[output]
-            with torch.no_grad(), _tf32(self.config.tf32_frozen_forward and not self.config.trains):
+            with torch.no_grad(), _tf32(self.config.tf32_frozen_forward and not self.trains):
                 outputs = [run(batch).float().cpu() for batch in batches]
             peak = _peak_gib()
             switch += self._end(phase, sleep_after)
@@ -298,7 +308,7 @@ class TrainerWorker(Worker):
 
     def send_weights(self, *, phase: str) -> dict[str, Any]:
         """Stream the weights to the engines (every rank takes part in ZeRO-3's gathers; the sender ranks send)."""
-        if self.model.is_asleep and not self.model._weights_kept and self.config.offload:
+        if self.model.is_asleep and not self._weights_only:
             raise RoleAsleepError(f"push_weights: '{self.role}' rank {self.rank} is asleep without its weights; "
                                   "train with optim_step(sleep_after='keep_weights') or wake it", role=self.role,
                                   rank=self.rank, phase=phase)

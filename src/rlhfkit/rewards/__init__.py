@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from rlhfkit.rewards._functions import (
     RewardError,
@@ -127,18 +127,23 @@ def apply_reward_functions(functions: Sequence[RewardFunctionConfig | Callable],
 
 
 def rollout_texts(rollouts: Sequence[Rollout], *, prompts: Sequence[str] | None = None,
-                  labels: Sequence[str | None] | None = None) -> tuple[list[str], list[str], list[str | None]]:
+                  labels: Sequence[str | None] | None = None,
+                  tokenizer: Any = None) -> tuple[list[str], list[str], list[str | None]]:
     """Aligned ``(prompts, responses, labels)`` lists, one entry per rollout, for the reward functions.
 
     Args:
-        rollouts: from ``engine.generate``; ``response_text`` must be set (give the engine a tokenizer).
+        rollouts: from ``engine.generate``; ``response_text`` must be set (give the engine a tokenizer), or pass
+            ``tokenizer``: the responses are then decoded from their token ids (special tokens skipped), as engines
+            that return token ids only (vLLM with ``detokenize=False``) need.
         prompts: per-prompt texts of the generate request, indexed by ``Rollout.prompt_index``; default: each
             rollout's ``prompt_text`` (or ``""`` when that is None).
         labels: per-prompt labels, indexed by ``Rollout.prompt_index``; default: each rollout's ``label``.
     """
     prompt_list, response_list, label_list = [], [], []
+    decoded = (tokenizer.batch_decode([r.response_token_ids for r in rollouts], skip_special_tokens=True)
+               if tokenizer is not None else None)
     for index, rollout in enumerate(rollouts):
-        if rollout.response_text is None:
+        if decoded is None and rollout.response_text is None:
             raise ValueError(f"rollout_texts: rollout {index} has no response_text; build the engine with a "
                              "tokenizer (or decode the responses yourself)")
         for name, per_prompt in (("prompts", prompts), ("labels", labels)):
@@ -146,6 +151,6 @@ def rollout_texts(rollouts: Sequence[Rollout], *, prompts: Sequence[str] | None 
                 raise ValueError(f"rollout_texts: rollout {index} has prompt_index={rollout.prompt_index} but "
                                  f"{name} has only {len(per_prompt)} entries")
         prompt_list.append(prompts[rollout.prompt_index] if prompts is not None else (rollout.prompt_text or ""))
-        response_list.append(rollout.response_text)
+        response_list.append(decoded[index] if decoded is not None else rollout.response_text)
         label_list.append(labels[rollout.prompt_index] if labels is not None else rollout.label)
     return prompt_list, response_list, label_list
