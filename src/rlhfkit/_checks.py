@@ -82,16 +82,24 @@ def check_cu_seqlens(cu_seqlens: object, num_tokens: int, mask: torch.Tensor | N
     return cu
 
 
-def check_finite(name: str, value: torch.Tensor, *, unit: str = "sample", mask: torch.Tensor | None = None) -> None:
-    """Raise naming the first index (a ``unit``: sample or token) where ``value`` is NaN or inf (inside ``mask``)."""
+def _first_non_finite(value: torch.Tensor, mask: torch.Tensor | None) -> tuple[int, int] | None:
+    """``(first index, count)`` of the NaN/inf entries of ``value`` inside ``mask``, or None (one host sync)."""
     bad = ~torch.isfinite(value)
     if mask is not None:
         bad &= mask
-    if bool(bad.any()):
-        index = int(torch.nonzero(bad)[0])
+    if not bool(bad.any()):
+        return None
+    return int(torch.nonzero(bad)[0]), int(bad.sum())
+
+
+def check_finite(name: str, value: torch.Tensor, *, unit: str = "sample", mask: torch.Tensor | None = None) -> None:
+    """Raise naming the first index (a ``unit``: sample or token) where ``value`` is NaN or inf (inside ``mask``)."""
+    found = _first_non_finite(value, mask)
+    if found is not None:
+        index, count = found
         raise ValueError(
             f"{name} is not finite at {unit} index {index} (value {value[index].item()}); "
-            f"{int(bad.sum())} non-finite entries in total. Fix or filter these {unit}s before this step."
+            f"{count} non-finite entries in total. Fix or filter these {unit}s before this step."
         )
 
 
@@ -101,14 +109,12 @@ def check_overflow(name: str, value: torch.Tensor, *, unit: str, mask: torch.Ten
     Inputs are checked before computing; a finite but huge input (rewards of 1e38) can still overflow the result's
     dtype, which would otherwise flow on silently as inf/NaN advantages.
     """
-    bad = ~torch.isfinite(value.detach())
-    if mask is not None:
-        bad &= mask
-    if bool(bad.any()):
-        index = int(torch.nonzero(bad)[0])
+    found = _first_non_finite(value.detach(), mask)
+    if found is not None:
+        index, count = found
         raise ValueError(
             f"{name} overflowed {value.dtype} (largest finite {torch.finfo(value.dtype).max:.3g}): it is "
-            f"{value[index].item()} at {unit} index {index} although the inputs are finite; {int(bad.sum())} "
+            f"{value[index].item()} at {unit} index {index} although the inputs are finite; {count} "
             f"non-finite entries in total. {fix}"
         )
 
