@@ -9,17 +9,25 @@ sleep mode on), the same workload, one after the other in one command on the sam
 Workload: 16 prompts x 8 samples of the built-in arithmetic task, 64 new tokens, fp32, 2 minibatches, engine memory
 share 0.15 for both. Step statistics are medians over the steps after the first. For each side: step time, the time
 of each phase, phase switches (sleep/wake + weight sync) as a fraction of the step, device-wide peak GPU memory
-(NVML), time from launch to the first step, and the reward curve's ends.
+(NVML; also per process at the device peak, each process named by its role), time from launch to the first step
+(wall clock from starting the process to the first step's start, for both sides), and the reward curve's ends.
+
+Caches: each side gets its own torch-inductor, Triton and vLLM cache folders under ``--cache`` (default: next to
+``--out``), so neither warms the other's compile caches. ``--cold`` empties them first (a fresh machine's start-up);
+a second command with the same ``--cache`` measures the warm start.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -45,26 +53,92 @@ def summarize(rows: list[dict], launch_to_first_step_s: float | None = None) -> 
             "max_engine_gap": max(gaps) if gaps else None}
 
 
+def cache_env(args, side: str) -> dict[str, str]:
+    """Per-side compile caches (``--cold`` empties them first)."""
+    root = Path(args.cache or args.out.with_suffix(".cache")) / side
+    if args.cold and root.exists():
+        shutil.rmtree(root)
+    dirs = {"TORCHINDUCTOR_CACHE_DIR": root / "inductor", "TRITON_CACHE_DIR": root / "triton",
+            "VLLM_CACHE_ROOT": root / "vllm"}
+    for path in dirs.values():
+        path.mkdir(parents=True, exist_ok=True)
+    return os.environ | {k: str(v) for k, v in dirs.items()}
+
+
+class ProcessMemory:
+    """NVML used memory of GPU 0: the device peak and, at that moment, each process's share (a bench-only probe)."""
+
+    def __init__(self, interval_s: float = 0.02) -> None:
+        self.peak, self.at_peak, self.max_by_pid, self._stop = 0, {}, {}, threading.Event()
+        self._nvml = None
+        for name in ("pynvml", "vllm.third_party.pynvml"):
+            with contextlib.suppress(Exception):
+                nvml = __import__(name, fromlist=["nvmlInit"])
+                nvml.nvmlInit()
+                self._nvml, self._handle = nvml, nvml.nvmlDeviceGetHandleByIndex(0)
+                break
+        if self._nvml is not None:
+            self._thread = threading.Thread(target=self._loop, args=(interval_s,), daemon=True)
+            self._thread.start()
+
+    def _loop(self, interval_s: float) -> None:
+        while not self._stop.wait(interval_s):
+            with contextlib.suppress(Exception):
+                used = self._nvml.nvmlDeviceGetMemoryInfo(self._handle).used
+                procs = {p.pid: p.usedGpuMemory or 0
+                         for p in self._nvml.nvmlDeviceGetComputeRunningProcesses(self._handle)}
+                for pid, value in procs.items():
+                    self.max_by_pid[pid] = max(self.max_by_pid.get(pid, 0), value)
+                if used > self.peak:
+                    self.peak, self.at_peak = used, procs
+
+    def stop(self, names: dict[int, str]) -> dict:
+        self._stop.set()
+        gib = 1024**3
+
+        def named(by_pid: dict[int, int]) -> dict[str, float]:
+            return {f"{names.get(pid, 'other')}:{pid}": round(value / gib, 3) for pid, value in by_pid.items()}
+
+        return {"device_peak_gib": round(self.peak / gib, 3), "by_process_at_peak_gib": named(self.at_peak),
+                "max_by_process_gib": named(self.max_by_pid)}
+
+
+def _pid_roles(phases: Path) -> dict[int, str]:
+    names: dict[int, str] = {}
+    if phases.exists():
+        for line in phases.read_text().splitlines():
+            event = json.loads(line)
+            if "pid" in event:
+                names[int(event["pid"])] = f"{event.get('role')}{event.get('rank', '')}"
+    return names
+
+
 def run_ours(args, out: Path) -> dict:
     command = [sys.executable, str(REPO / "examples/grpo_hybrid.py"), "--model", args.model, "--out", str(out),
                "--steps", str(args.steps), "--resident", str(args.resident).lower()]
     command += [f"--{k.replace('_', '-')}={v}" for k, v in WORKLOAD.items()]
     log = out.with_suffix(".log")
     out.mkdir(parents=True, exist_ok=True)
+    env, memory, launched = cache_env(args, "rlhfkit"), ProcessMemory(), time.time()
     with log.open("w") as handle:
         code = subprocess.run(command, stdout=handle, stderr=subprocess.STDOUT, timeout=args.timeout,
-                              check=False).returncode
+                              check=False, env=env).returncode
+    processes = memory.stop(_pid_roles(out / "phases.jsonl"))
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()] \
         if (out / "metrics.jsonl").exists() else []
-    first = _first_step_start(log) if rows else None
-    return {"command": " ".join(command), "returncode": code, **(summarize(rows, first) if rows else {})}
+    first = rows[0]["timestamp"] - rows[0]["time/step_s"] - launched if rows and "timestamp" in rows[0] else None
+    return {"command": " ".join(command), "returncode": code, **(summarize(rows, first) if rows else {}),
+            "startup": _startup(log), "process_memory": processes}
 
 
-def _first_step_start(log: Path) -> float | None:
-    """The example's own "started in X s" (Hybrid.start: Ray, engines, trainers, models, weight-sync wiring)."""
+def _startup(log: Path) -> dict | None:
+    """The example's own "started in X s: {...}" (Hybrid.start: Ray, engines, trainers, models, weight-sync wiring)."""
+    import ast
+
     for line in log.read_text().splitlines():
         if line.startswith("started in "):
-            return float(line.split()[2])
+            _, _, parts = line.partition(": ")
+            return ast.literal_eval(parts) if parts.startswith("{") else {"total_s": float(line.split()[2])}
     return None
 
 
@@ -76,13 +150,15 @@ def run_trl(args, out: Path) -> dict:
                "--tf32", "--gpu-memory-utilization", "0.15"]
     if args.resident:
         command.append("--no-sleep")
-    started = time.time()
+    env, memory, launched = cache_env(args, "trl"), ProcessMemory(), time.time()
     with out.with_suffix(".log").open("w") as handle:
         code = subprocess.run(command, stdout=handle, stderr=subprocess.STDOUT, timeout=args.timeout,
-                              check=False).returncode
+                              check=False, env=env).returncode
     result = json.loads(out.read_text()) if out.exists() else {}
-    result.setdefault("wall_s", time.time() - started)
-    result["launch_to_first_step_s"] = (result.get("startup") or {}).get("trainer_init_s")
+    result.setdefault("wall_s", time.time() - launched)
+    first = result.get("first_step_unix")
+    result["launch_to_first_step_s"] = first - launched if first else None
+    result["process_memory"] = memory.stop({})
     return {"command": " ".join(command), "returncode": code, **result}
 
 
@@ -105,6 +181,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--no-peer", action="store_true")
     parser.add_argument("--timeout", type=float, default=540.0, help="limit of each side's run (s)")
     parser.add_argument("--summarize", type=Path, help="summarise an existing run directory instead")
+    parser.add_argument("--cache", type=Path, help="compile-cache root (default: next to --out)")
+    parser.add_argument("--cold", action="store_true", help="empty the compile caches first (a fresh start)")
     args = parser.parse_args(argv)
     if args.summarize:
         rows = [json.loads(line) for line in (args.summarize / "metrics.jsonl").read_text().splitlines()]

@@ -118,7 +118,7 @@ class Recorder:
     """Per-step accumulators filled by the wrappers, the reward function and the callback."""
 
     def __init__(self, cuda: bool) -> None:
-        self.cuda, self.rows, self.current = cuda, [], None
+        self.cuda, self.rows, self.current, self.first_step_unix = cuda, [], None, None
         self.nvml = NvmlPeak() if cuda else None
 
     def sync(self) -> None:
@@ -128,6 +128,8 @@ class Recorder:
             torch.cuda.synchronize()
 
     def begin(self, step: int) -> None:
+        if not self.rows and self.current is None:
+            self.first_step_unix = time.time()  # launch -> first step is measured from the process launch
         self.sync()
         if self.cuda:
             import torch
@@ -358,7 +360,7 @@ def main(argv=None) -> dict:
                                           "num_iterations", "max_steps", "loss_type", "scale_rewards", "beta",
                                           "epsilon", "bf16", "use_vllm", "vllm_mode", "vllm_enable_sleep_mode",
                                           "vllm_gpu_memory_utilization", "vllm_importance_sampling_correction")}},
-              "startup": {"trainer_init_s": startup_s}, **summarize(recorder.rows, args.warmup),
+              "startup": {"trainer_init_s": startup_s}, "first_step_unix": recorder.first_step_unix, **summarize(recorder.rows, args.warmup),
               "rows": recorder.rows}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2, default=str) + "\n")

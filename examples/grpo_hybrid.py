@@ -97,7 +97,8 @@ def main(argv=None) -> list[dict]:
     task = ArithmeticTask(min_value=0, max_value=9 if options.tiny else 99, ops=("+", "-"), seed=SEED)
     config, chat = ExperienceConfig(estimator="grpo"), PromptDatasetConfig(apply_chat_template=True)
     loss_fn = functools.partial(grpo_loss, kl_coef=options.kl_coef)
-    print(f"started in {hybrid.startup['total_s']:.1f} s", flush=True)
+    print(f"started in {hybrid.startup['total_s']:.1f} s:", {k: round(v, 1) for k, v in hybrid.startup.items()},
+          flush=True)
     try:
         with MetricsLogger(out) as metrics:
             for step in range(options.steps):

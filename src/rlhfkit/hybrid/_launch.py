@@ -126,9 +126,16 @@ class HybridConfig:
         return env | {"TORCH_CUDA_ARCH_LIST": arch, "VLLM_USE_FLASHINFER_SAMPLER": "0"}
 
 
+def _timed(fn: Any, *args: Any) -> tuple[Any, float]:
+    started = time.perf_counter()
+    return fn(*args), time.perf_counter() - started
+
+
 class Hybrid:
     """A started hybrid run: ``trainers`` (role -> :class:`TrainerGroup`), ``engines`` (:class:`RolloutEngines`),
-    ``timer`` (a :class:`PhaseTimer` every block reports its sleep/wake time to), ``startup`` (seconds)."""
+    ``timer`` (a :class:`PhaseTimer` every block reports its sleep/wake time to), ``startup`` (seconds: ``total_s``;
+    ``ray_s``; ``engines_s`` and ``<role>_process_s``, started in parallel, up to ``processes_s``; ``<role>_load_s``
+    one role after another, ``models_s`` in all; ``weight_sync_s``; ``wake_s``)."""
 
     def __init__(self, config: HybridConfig) -> None:
         self.config = config
@@ -177,21 +184,26 @@ class Hybrid:
                                    cpus_per_bundle=0)
         self._store = TCPPhaseStore.serve(host=ray.util.get_node_ip_address())
         configs = {role: trainer.for_role(role) for role, trainer in trainers.items()}
+        self.startup["ray_s"] = time.perf_counter() - started
         with ThreadPoolExecutor(1 + len(configs)) as pool:
-            engines = pool.submit(self._start_engines)
-            groups = {role: pool.submit(self._start_group, role, c.model or self.config.model)
+            engines = pool.submit(_timed, self._start_engines)
+            groups = {role: pool.submit(_timed, self._start_group, role, c.model or self.config.model)
                       for role, c in configs.items()}
             for role, future in groups.items():
-                self._workers[role] = future.result()
-            engines.result()
-        self.startup["processes_s"] = time.perf_counter() - started
+                self._workers[role], self.startup[f"{role}_process_s"] = future.result()
+            self.startup["engines_s"] = engines.result()[1]
+        mark = time.perf_counter()
+        self.startup["processes_s"] = mark - started
         for role, trainer_config in configs.items():  # one role at a time: each claims the GPU while it loads
             self._workers[role].call("load", trainer_config, timeout_s=self.config.start_timeout_s)
             self.trainers[role] = TrainerGroup(self._workers[role], trainer_config, timer=self.timer)
+            self.startup[f"{role}_load_s"], mark = time.perf_counter() - mark, time.perf_counter()
         self.startup["models_s"] = time.perf_counter() - started - self.startup["processes_s"]
         self._connect_weight_sync()
+        self.startup["weight_sync_s"], mark = time.perf_counter() - mark, time.perf_counter()
         if self.config.colocate:
             self.engines.wake(phase="generate")
+        self.startup["wake_s"] = time.perf_counter() - mark
 
     def _start_ray(self) -> bool:
         import ray

@@ -177,9 +177,10 @@ class PhaseTimer:
 
 
 class MetricsLogger:
-    """Writes one row of numbers per step: always to ``directory/metrics.jsonl``; to Weights & Biases when
-    ``wandb_project`` is set and to TensorBoard when ``tensorboard=True`` (``pip install wandb`` /
-    ``pip install tensorboard``: optional, imported only when asked for)."""
+    """Writes one row of numbers per step: always to ``directory/metrics.jsonl`` (each line also carries the
+    wall-clock ``timestamp``, Unix seconds, of when it was logged); to Weights & Biases when ``wandb_project`` is set
+    and to TensorBoard when ``tensorboard=True`` (``pip install wandb`` / ``pip install tensorboard``: optional,
+    imported only when asked for)."""
 
     def __init__(self, directory: str | Path, *, wandb_project: str | None = None, tensorboard: bool = False,
                  run_config: Mapping[str, Any] | None = None) -> None:
@@ -204,7 +205,7 @@ class MetricsLogger:
         row = {"step": float(step)} | {k: float(v) for k, v in metrics.items()
                                        if isinstance(v, (int, float)) and not isinstance(v, bool)}
         self.rows.append(row)
-        self._file.write(json.dumps(row) + "\n")
+        self._file.write(json.dumps(row | {"timestamp": time.time()}) + "\n")
         self._file.flush()
         if self._wandb is not None:
             self._wandb.log(row, step=step)

@@ -54,7 +54,9 @@ class TrainerConfig:
         model: HF folder of this role (default: the run's model).
         offload: sleep by moving every state to pinned host memory (True, the hybrid engine) or stay on the GPU and
             only return cached blocks (False, when memory is plentiful); the phase guard orders phases either way.
-        micro_batch_tokens: token budget of one micro-batch (forward and training).
+        micro_batch_tokens: token budget of one micro-batch (forward and training). Activation memory grows with
+            it; 4096 keeps a sleeping hybrid step's peak below TRL's (which checkpoints activations) without
+            recomputation (see docs/benchmarks.md).
         tf32_backward: float32 backward passes on TF32 tensor cores (the forwards, log-probs and the engine-vs-trainer
             gap stay float32).
         tf32_frozen_forward: TF32 in the no-grad forwards of frozen roles (reference, reward).
@@ -64,7 +66,7 @@ class TrainerConfig:
     deepspeed: Any
     model: str | None = None
     offload: bool = True
-    micro_batch_tokens: int = 8192
+    micro_batch_tokens: int = 4096
     tf32_backward: bool = True
     tf32_frozen_forward: bool = True
     seed: int = 0

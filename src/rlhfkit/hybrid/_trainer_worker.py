@@ -31,7 +31,7 @@ def plan_gpu_key(node: int, gpu: int) -> str:
 
 def transition_record(transition: Any, **extra: Any) -> dict[str, Any]:
     """A guarded transition as a plain dict with a wall-clock time (for ``phases.jsonl`` and order checks)."""
-    record = {"time": time.time(), "action": transition.action, "role": transition.role, "gpu": transition.gpu,
+    record = {"time": time.time(), "pid": os.getpid(), "action": transition.action, "role": transition.role, "gpu": transition.gpu,
               "phase": transition.phase, "seconds": transition.seconds}
     for name in ("allocated", "reserved", "free"):
         value = getattr(transition, name)
