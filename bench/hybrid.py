@@ -179,6 +179,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--steps", type=int, default=15)
     parser.add_argument("--resident", action="store_true", help="both sides keep everything on the GPU")
     parser.add_argument("--no-peer", action="store_true")
+    parser.add_argument("--peer-only", action="store_true", help="run TRL only (its half of a side-by-side)")
     parser.add_argument("--timeout", type=float, default=540.0, help="limit of each side's run (s)")
     parser.add_argument("--summarize", type=Path, help="summarise an existing run directory instead")
     parser.add_argument("--cache", type=Path, help="compile-cache root (default: next to --out)")
@@ -192,10 +193,13 @@ def main(argv=None) -> dict:
             parser.error("--model is required")
         work = args.out.with_suffix("")
         result = {"workload": WORKLOAD, "resident": args.resident, "date": time.strftime("%Y-%m-%d"),
-                  "device": _device(), "rlhfkit": run_ours(args, work / "rlhfkit")}
+                  "device": _device()}
+        if not args.peer_only:
+            result["rlhfkit"] = run_ours(args, work / "rlhfkit")
         if not args.no_peer:
             result["trl"] = run_trl(args, work / "trl.json")
-            result["ratio_vs_trl"] = ratios(result["rlhfkit"], result["trl"])
+            if "rlhfkit" in result:
+                result["ratio_vs_trl"] = ratios(result["rlhfkit"], result["trl"])
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps({k: v for k, v in result.items() if k != "trl"}, indent=2, default=str))
     return result
