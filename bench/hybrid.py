@@ -150,6 +150,7 @@ def run_trl(args, out: Path) -> dict:
                "--tf32", "--gpu-memory-utilization", "0.15"]
     if args.resident:
         command.append("--no-sleep")
+    out.parent.mkdir(parents=True, exist_ok=True)
     env, memory, launched = cache_env(args, "trl"), ProcessMemory(), time.time()
     with out.with_suffix(".log").open("w") as handle:
         code = subprocess.run(command, stdout=handle, stderr=subprocess.STDOUT, timeout=args.timeout,
