@@ -45,6 +45,7 @@ CORE_MODULES = (
     "rlhfkit.engines.hf",
     "rlhfkit.engines.vllm",
     "rlhfkit.engines.router",
+    "rlhfkit.openai_endpoint",
     "rlhfkit.deepspeed_engine",
     "rlhfkit.phase",
 )
