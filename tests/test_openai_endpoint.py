@@ -141,6 +141,35 @@ def test_logprobs_match_a_trainer_forward_over_a_multi_turn_session(served, hf_e
     torch.testing.assert_close(trainer[batch.loss_mask].float(), engine, atol=1e-4, rtol=0)
 
 
+def test_concurrent_sessions_are_recorded_apart(served):
+    """Four agents at once on one engine: each session holds its own turns, in its own order, and nothing else."""
+    endpoint, _ = served
+    failures = []
+
+    def agent(name):
+        messages = [{"role": "user", "content": f"I am {name}"}]
+        for turn in range(2):
+            status, answer = chat(endpoint, messages=messages, max_tokens=4, seed=turn, session=name)
+            if status != 200 or answer["rlhfkit"] != {"session_id": name, "turn_index": turn, "weight_version": 0}:
+                failures.append((name, status, answer))
+                return
+            messages += [answer["choices"][0]["message"], {"role": "user", "content": "go on"}]
+
+    threads = [threading.Thread(target=agent, args=(f"agent{i}",)) for i in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert not failures
+    for i in range(4):
+        records = endpoint.pop_records(f"agent{i}")
+        assert [r.turn_index for r in records] == [0, 1]
+        assert all(r.messages[0]["content"] == f"I am agent{i}" for r in records)
+        # turn 1's prompt holds turn 0's prompt: the same conversation, continued
+        first = records[0].prompt_token_ids
+        assert torch.equal(records[1].prompt_token_ids[:first.numel()], first)
+
+
 def test_stop_strings_cut_content_and_records_at_the_sampled_tokens(served, tokenizer):
     endpoint, spy = served
     status, free = chat(endpoint, messages=MESSAGES, max_tokens=16, seed=21, session="free")
@@ -288,3 +317,25 @@ def test_config_and_argument_errors(hf_engine, tokenizer):
     with pytest.raises(TypeError, match=r"records\[0\] is str"):
         records_to_rollouts(["x"])
     assert ChatRecord.__dataclass_params__.frozen
+
+
+class BrokenTokenizer:
+    chat_template = "x"
+
+    def apply_chat_template(self, messages, **kwargs):
+        return "text"
+
+    def encode(self, text, **kwargs):
+        raise RuntimeError("tokenizer defect (simulated)")
+
+    def decode(self, ids, **kwargs):
+        return ""
+
+
+def test_an_unexpected_error_is_a_json_500_not_a_dropped_connection(hf_engine):
+    with OpenAIEndpoint(hf_engine, BrokenTokenizer()) as endpoint:
+        code, answer = post(endpoint.url + "/chat/completions", {"messages": MESSAGES})
+        assert code == 500 and answer["error"]["type"] == "server_error"
+        assert "RuntimeError: tokenizer defect (simulated)" in answer["error"]["message"]
+        code, _ = post(endpoint.url + "/chat/completions", {"messages": MESSAGES})   # still serving
+        assert code == 500

@@ -132,7 +132,8 @@ class ChatRecord:
         response_logprobs: ``[R]`` float32, the engine's log-prob of each sampled token, ``log_softmax(logits /
             temperature)`` (see :mod:`rlhfkit.engines.protocol`).
         finish_reason: ``"stop"`` or ``"length"`` (``"abort"`` if the engine aborted).
-        temperature: the request's temperature (the trainer needs it to reproduce the log-probs).
+        temperature: the request's temperature (the trainer needs it to reproduce the log-probs; at 0, greedy, the
+            log-probs are the raw model's, as at temperature 1).
         weight_version: the engine's weight version when it sampled.
         content: the assistant text returned to the caller.
     """

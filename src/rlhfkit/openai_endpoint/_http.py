@@ -78,7 +78,12 @@ def _handler_class(service: Service, *, read_timeout_s: float, max_request_bytes
                 if body is None:
                     return
             headers = {key.lower(): value for key, value in self.headers.items()}
-            self._reply(*service(method, self.path, headers, body))
+            try:
+                reply = service(method, self.path, headers, body)
+            except Exception as error:   # a defect here: logged with its traceback, the client gets a JSON 500
+                logger.exception("openai endpoint: %s %s failed", method, self.path)
+                reply = _error(500, f"internal error: {type(error).__name__}: {error}", type="server_error")
+            self._reply(*reply)
 
         def do_GET(self) -> None:
             self._dispatch("GET")
