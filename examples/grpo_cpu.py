@@ -4,6 +4,7 @@
     python examples/grpo_cpu.py --estimator ppo       # PPO: a critic (GAE) next to the policy
     python examples/grpo_cpu.py --resume              # continue from the latest complete checkpoint
     python examples/grpo_cpu.py --model PATH          # any HF causal LM folder
+    python examples/grpo_cpu.py --dynamic-sampling    # DAPO: drop groups whose rewards are all equal, backfill
 
 One step: engine.generate → reward function → make_experience (policy/reference/critic forwards) → PPO-clip loss
 (+ KL loss) over minibatches → AdamW → the new weights into the engine. No Ray, no DeepSpeed, plain torch.
@@ -26,6 +27,7 @@ from transformers import AutoModelForCausalLM, AutoModelForTokenClassification, 
 from rlhfkit.checkpoint import (checkpoint_name, latest_checkpoint, load_torch_state, prune_checkpoints,
                                 save_torch_state)
 from rlhfkit.data import ArithmeticTask, PromptDatasetConfig, arithmetic_reward, prompt_batch
+from rlhfkit.dynamic_sampling import DynamicSampler, DynamicSamplingConfig
 from rlhfkit.engines import SamplingConfig
 from rlhfkit.engines.hf import HFEngine
 from rlhfkit.experience import ExperienceConfig, iterate_minibatches, make_experience
@@ -65,6 +67,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--resume", action="store_true", help="continue from the latest complete checkpoint")
     p.add_argument("--no-plot", action="store_true")
+    p.add_argument("--dynamic-sampling", action="store_true",
+                   help="DAPO dynamic sampling: train only on groups whose rewards differ, backfilled to a full batch")
+    p.add_argument("--oversample-factor", type=float, default=2.0, help="with --dynamic-sampling")
+    p.add_argument("--max-rounds", type=int, default=4, help="with --dynamic-sampling: generate calls per step")
     p.add_argument("--tiny", action="store_true", help="smoke run: 3 steps, small batches")
     args = p.parse_args(argv)
     if args.tiny:
@@ -87,6 +93,34 @@ def load_models(args):
     # the engine owns a copy of the weights and receives the trainer's after every step, like a real rollout engine
     engine = HFEngine.from_model(copy.deepcopy(policy).eval(), tokenizer=tokenizer, seed=args.seed)
     return tokenizer, policy, reference, critic, engine
+
+
+def dynamic_sample(args, step, engine, task, tokenizer, chat, sampling_kwargs):
+    """DAPO dynamic sampling: whole groups whose rewards differ, exactly --prompts-per-step of them, drawn from
+    fresh problems over at most --max-rounds generate calls. Returns the kept rollouts and per-group texts/labels."""
+    count = args.prompts_per_step
+    cursor = [step * args.max_rounds * math.ceil(count * args.oversample_factor)]  # disjoint problems per step
+    rounds = [0]
+
+    def next_prompts(num):
+        cursor[0] += num
+        return prompt_batch(task.records(num, start=cursor[0] - num), tokenizer, chat)
+
+    def generate(prompts):
+        rounds[0] += 1   # the seed depends on step and round only, so a resumed run replays the same rollouts
+        seed = (args.seed * 1_000_003 + step) * 64 + rounds[0]
+        return engine.generate(prompts.token_ids, SamplingConfig(seed=seed, **sampling_kwargs))
+
+    def task_reward(prompts, rollouts):
+        texts, responses, labels = rollout_texts(rollouts, prompts=prompts.texts, labels=prompts.labels)
+        return apply_reward_function(arithmetic_reward, texts, responses, labels)[0]
+
+    config = DynamicSamplingConfig(num_groups=count, oversample_factor=args.oversample_factor,
+                                   max_rounds=args.max_rounds)
+    batch = DynamicSampler(config).sample(next_prompts, generate, task_reward)
+    texts = [batch.prompts[r].texts[i] for r, i in batch.origins]
+    labels = [batch.prompts[r].labels[i] for r, i in batch.origins]
+    return batch.rollouts, texts, labels, batch.stats.as_dict()
 
 
 def train_on(experience, policy, critic, optimizer, critic_optimizer, args, step: int) -> dict[str, float]:
@@ -181,13 +215,18 @@ def main(argv=None) -> dict:
     history = []
     for step in tqdm(range(start_step, args.steps), initial=start_step, total=args.steps, desc="GRPO", unit="step"):
         t0 = time.perf_counter()
-        count = args.prompts_per_step  # problems step * count ... of the task, as chat prompts
-        prompts = prompt_batch(task.records(count, start=step * count), tokenizer, chat)
-        # every step's sampling seed is a function of the step alone, so a resumed run replays the same rollouts
-        rollouts = engine.generate(prompts.token_ids, SamplingConfig(seed=args.seed * 1_000_003 + step,
-                                                                     **sampling_kwargs))
+        if args.dynamic_sampling:
+            rollouts, prompt_texts, prompt_labels, sampling_stats = dynamic_sample(
+                args, step, engine, task, tokenizer, chat, sampling_kwargs)
+        else:
+            count = args.prompts_per_step  # problems step * count ... of the task, as chat prompts
+            prompts = prompt_batch(task.records(count, start=step * count), tokenizer, chat)
+            # every step's sampling seed is a function of the step alone, so a resumed run replays the same rollouts
+            rollouts = engine.generate(prompts.token_ids, SamplingConfig(seed=args.seed * 1_000_003 + step,
+                                                                         **sampling_kwargs))
+            prompt_texts, prompt_labels, sampling_stats = prompts.texts, prompts.labels, {}
         t_generate = time.perf_counter() - t0
-        texts, responses, sample_labels = rollout_texts(rollouts, prompts=prompts.texts, labels=prompts.labels)
+        texts, responses, sample_labels = rollout_texts(rollouts, prompts=prompt_texts, labels=prompt_labels)
         scores, report = apply_reward_function(arithmetic_reward, texts, responses, sample_labels)
         with torch.no_grad():
             experience, stats = make_experience(
@@ -196,7 +235,7 @@ def main(argv=None) -> dict:
                 ref_logprobs_fn=lambda b: model_logprobs(reference, b),
                 values_fn=(lambda b: model_values(critic, b)) if critic is not None else None)
         t_train = time.perf_counter()
-        stats |= train_on(experience, policy, critic, optimizer, critic_optimizer, args, step)
+        stats |= train_on(experience, policy, critic, optimizer, critic_optimizer, args, step) | sampling_stats
         t_sync = time.perf_counter()
         engine.load_weights(policy.named_parameters())
         exact = sum(str(r).strip() == l for r, l in zip(responses, sample_labels)) / len(responses)

@@ -59,3 +59,16 @@ def test_resume_gives_the_same_next_step_loss(grpo_cpu, tiny_llama_path, tmp_pat
         assert abs(a[step]["loss"] - b[step]["loss"]) <= 1e-6, (step, a[step]["loss"], b[step]["loss"])
         assert a[step]["reward/mean"] == b[step]["reward/mean"]
     assert a[1]["loss"] != a[2]["loss"]  # the comparison is not vacuous
+
+
+def test_dynamic_sampling_keeps_the_batch_size(grpo_cpu, tiny_llama_path, tmp_path):
+    """--dynamic-sampling (DAPO): every step trains on exactly --prompts-per-step whole informative groups."""
+    grpo_cpu.main(["--model", str(tiny_llama_path), "--output-dir", str(tmp_path), "--tiny", "--no-plot",
+                   "--dynamic-sampling"])
+    rows = _rows(tmp_path)
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    for row in rows:
+        assert row["dynamic_sampling/kept"] == 4 and row["dynamic_sampling/fill"] == 1.0
+        assert row["num_seqs"] == 16                                  # 4 groups x 4 samples
+        assert 1 <= row["dynamic_sampling/rounds"] <= 4
+        assert row["engine_vs_trainer/mean_abs_logprob_diff"] < 1e-4

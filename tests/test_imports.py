@@ -34,6 +34,7 @@ CORE_MODULES = (
     "rlhfkit.engines.protocol",
     "rlhfkit.checkpoint",
     "rlhfkit.rollouts",
+    "rlhfkit.dynamic_sampling",
     # the blocks below need an extra to *run*, but must still import without it (heavy imports live in functions)
     "rlhfkit.weight_sync",
     "rlhfkit.placement",
@@ -44,6 +45,7 @@ CORE_MODULES = (
     "rlhfkit.engines.hf",
     "rlhfkit.engines.vllm",
     "rlhfkit.engines.router",
+    "rlhfkit.openai_endpoint",
     "rlhfkit.deepspeed_engine",
     "rlhfkit.phase",
 )
@@ -141,7 +143,7 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 # must be registered here, with its users; everything else private stays inside its own block.
 SHARED_PRIVATE: dict[str, frozenset[str] | None] = {
     "rlhfkit._optional": None,  # the "pip install 'rlhfkit[extra]'" helper
-    "rlhfkit._checks": frozenset({"rlhfkit.advantages", "rlhfkit.experience"}),
+    "rlhfkit._checks": frozenset({"rlhfkit.advantages", "rlhfkit.experience", "rlhfkit.dynamic_sampling"}),
     # the packed-layout checks and their messages (cu_seqlens, log-prob alignment) every core block shares
     "rlhfkit._cu_seqlens": frozenset({"rlhfkit.packing", "rlhfkit.losses", "rlhfkit.types", "rlhfkit.experience",
                                       "rlhfkit._checks"}),
@@ -149,7 +151,8 @@ SHARED_PRIVATE: dict[str, frozenset[str] | None] = {
 }
 # Blocks that must import (at module level) nothing beyond the standard library, torch, einops and each other.
 CORE_BLOCKS = ("rlhfkit", "rlhfkit.types", "rlhfkit.packing", "rlhfkit.advantages", "rlhfkit.losses",
-               "rlhfkit.experience", "rlhfkit.rollouts", "rlhfkit._optional", "rlhfkit._checks", "rlhfkit._cu_seqlens")
+               "rlhfkit.experience", "rlhfkit.rollouts", "rlhfkit.dynamic_sampling", "rlhfkit._optional",
+               "rlhfkit._checks", "rlhfkit._cu_seqlens")
 CORE_THIRD_PARTY = frozenset({"torch", "einops"})
 
 

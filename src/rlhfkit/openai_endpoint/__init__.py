@@ -1,0 +1,416 @@
+"""An OpenAI-compatible chat-completions endpoint over any rlhfkit rollout engine, recording what was sampled.
+
+Agent code that speaks OpenAI's API (``POST /v1/chat/completions``, ``GET /v1/models``) runs unchanged against an
+rlhfkit engine — :class:`rlhfkit.engines.hf.HFEngine` on CPU, a vLLM engine or an
+:class:`~rlhfkit.engines.router.EngineGroup` of vLLM actors on GPU — and every answer is recorded token for token:
+the exact prompt token ids (the tokenizer's chat template applied here), the sampled token ids and their log-probs,
+grouped by a session id the caller gives (``X-Session-Id`` header, else the ``user`` field). A training loop turns a
+session into :class:`~rlhfkit.types.Rollout` objects (:meth:`ChatRecord.to_rollout`, :func:`records_to_rollouts`)
+without re-tokenising anything.
+
+What it does: non-streaming chat completions with ``messages`` (text content; ``tools`` are passed to the chat
+template), ``n``, ``temperature``, ``top_p``, ``max_tokens``/``max_completion_tokens``, ``stop`` (strings; a
+one-token stop string stops the engine, a longer one is cut after generation), ``seed``, ``logprobs``, and vLLM's
+``return_token_ids``; OpenAI-style JSON errors (400 naming the field for a malformed request, 404 for an unknown
+model or path, 503 while closing, 504 when the engine does not answer within ``request_timeout_s``, 500 when it
+fails). It binds 127.0.0.1 only, on an ephemeral port by default, in a daemon thread; :meth:`OpenAIEndpoint.close`
+returns in bounded time.
+
+What it does not do: streaming, tool-call parsing (the assistant's text comes back as ``content``; parse tool calls
+in your agent), ``top_logprobs``, penalties or logit bias (refused with a 400, never silently ignored: the recorded
+log-probs must describe the distribution the tokens came from), authentication, or serve anything beyond this machine.
+It does not stitch a session's turns into one sequence with a loss mask (that is ``rlhfkit.multiturn``'s job).
+
+Why not vLLM's own OpenAI server: it needs vLLM's engine process (``AsyncLLM``) and drives vLLM only; this endpoint
+drives rlhfkit's engine protocol, so the same agent code runs on the CPU ``hf`` engine in CI and on vLLM on GPU, and
+it records token ids and log-probs as rlhfkit's trainer consumes them. Needs only the standard library and torch;
+the tokenizer you pass needs ``rlhfkit[hf]`` (transformers, with jinja2 for chat templates).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import threading
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+
+from rlhfkit._optional import require
+from rlhfkit.engines.protocol import SamplingConfig
+from rlhfkit.engines.router import EngineError, EngineGroup, EngineGroupConfig, EngineTimeoutError
+from rlhfkit.openai_endpoint._http import HOST, Reply, start_server
+from rlhfkit.openai_endpoint._requests import (
+    ChatRequest,
+    EndpointError,
+    cut_at_stop,
+    error_body,
+    parse_chat_request,
+    single_token_stops,
+)
+from rlhfkit.types import Rollout
+
+__all__ = ["ChatRecord", "OpenAIEndpoint", "OpenAIEndpointConfig", "records_to_rollouts"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, kw_only=True)
+class OpenAIEndpointConfig:
+    """How an :class:`OpenAIEndpoint` serves.
+
+    Attributes:
+        model_name: the id ``GET /v1/models`` lists; a request naming another model gets a 404.
+        port: port on 127.0.0.1; 0 picks a free ephemeral port (read it from :attr:`OpenAIEndpoint.url`).
+        default_max_tokens: ``max_tokens`` of a request that gives none.
+        max_tokens_limit: the largest ``max_tokens`` accepted.
+        max_n: the largest ``n`` accepted.
+        max_model_len: when set, a request whose prompt tokens plus ``max_tokens`` exceed it gets a 400
+            (``context_length_exceeded``) before it reaches the engine.
+        request_timeout_s: longest wait for the engine's answer to one request (504 after it).
+        read_timeout_s: socket timeout while reading a request.
+        shutdown_timeout_s: how long :meth:`OpenAIEndpoint.close` waits for requests in flight.
+        max_request_bytes: the largest request body accepted (413 beyond).
+        session_header: the header that names a request's session (before the body's ``user`` field).
+        default_session_id: the session of a request that names none.
+    """
+
+    model_name: str = "rlhfkit"
+    port: int = 0
+    default_max_tokens: int = 256
+    max_tokens_limit: int = 4096
+    max_n: int = 64
+    max_model_len: int | None = None
+    request_timeout_s: float = 300.0
+    read_timeout_s: float = 30.0
+    shutdown_timeout_s: float = 10.0
+    max_request_bytes: int = 8 * 1024 * 1024
+    session_header: str = "X-Session-Id"
+    default_session_id: str = "default"
+
+    def __post_init__(self) -> None:
+        for name in ("model_name", "session_header", "default_session_id"):
+            if not isinstance(getattr(self, name), str) or not getattr(self, name):
+                raise ValueError(f"OpenAIEndpointConfig.{name}={getattr(self, name)!r}; must be a non-empty string")
+        port = self.port
+        if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+            raise ValueError(f"OpenAIEndpointConfig.port={port!r}; must be an int in [0, 65535] (0: ephemeral)")
+        for name in ("default_max_tokens", "max_tokens_limit", "max_n", "max_request_bytes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"OpenAIEndpointConfig.{name}={value!r}; must be an int >= 1")
+        if self.default_max_tokens > self.max_tokens_limit:
+            raise ValueError(f"OpenAIEndpointConfig.default_max_tokens={self.default_max_tokens} exceeds "
+                             f"max_tokens_limit={self.max_tokens_limit}; lower it or raise the limit")
+        if self.max_model_len is not None and (isinstance(self.max_model_len, bool)
+                                               or not isinstance(self.max_model_len, int) or self.max_model_len < 2):
+            raise ValueError(f"OpenAIEndpointConfig.max_model_len={self.max_model_len!r}; must be an int >= 2 or None")
+        for name in ("request_timeout_s", "read_timeout_s", "shutdown_timeout_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+                raise ValueError(f"OpenAIEndpointConfig.{name}={value!r}; must be a finite number of seconds > 0")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ChatRecord:
+    """One choice of one chat-completions request, as the engine produced it.
+
+    Attributes:
+        session_id: the caller's session (trajectory) id.
+        turn_index: the request's position among its session's requests (0-based, in order of completion).
+        choice_index: which of the request's ``n`` choices.
+        request_id: the ``id`` of the answer (``chatcmpl-...``), shared by the ``n`` choices.
+        messages: the request's messages (after validation), for logging and rewards.
+        prompt_token_ids: ``[P]`` int64, the chat-templated prompt exactly as the engine saw it.
+        response_token_ids: ``[R]`` int64, the sampled tokens (cut after the token completing a stop string, if one
+            was hit; a stop or EOS token that ended the sample is included).
+        response_logprobs: ``[R]`` float32, the engine's log-prob of each sampled token, ``log_softmax(logits /
+            temperature)`` (see :mod:`rlhfkit.engines.protocol`).
+        finish_reason: ``"stop"`` or ``"length"`` (``"abort"`` if the engine aborted).
+        temperature: the request's temperature (the trainer needs it to reproduce the log-probs; at 0, greedy, the
+            log-probs are the raw model's, as at temperature 1).
+        weight_version: the engine's weight version when it sampled.
+        content: the assistant text returned to the caller.
+    """
+
+    session_id: str
+    turn_index: int
+    choice_index: int
+    request_id: str
+    messages: list[dict[str, Any]]
+    prompt_token_ids: torch.Tensor
+    response_token_ids: torch.Tensor
+    response_logprobs: torch.Tensor
+    finish_reason: Literal["stop", "length", "abort"]
+    temperature: float
+    weight_version: int
+    content: str
+
+    def to_rollout(self, *, prompt_index: int = 0, sample_index: int | None = None,
+                   label: str | None = None) -> Rollout:
+        """This turn as a :class:`~rlhfkit.types.Rollout` (``sample_index`` defaults to ``turn_index``)."""
+        return Rollout(prompt_token_ids=self.prompt_token_ids, response_token_ids=self.response_token_ids,
+                       response_logprobs=self.response_logprobs, finish_reason=self.finish_reason,
+                       prompt_index=prompt_index, weight_version=self.weight_version, response_text=self.content,
+                       sample_index=self.turn_index if sample_index is None else sample_index, label=label)
+
+
+def records_to_rollouts(records: Sequence[ChatRecord], *, prompt_index: int = 0,
+                        label: str | None = None) -> list[Rollout]:
+    """One Rollout per record, in order, all with ``prompt_index`` (e.g. the GRPO group of the task the session
+    solved) and ``sample_index`` = position in ``records``: the per-turn form of a whole agent conversation."""
+    for index, record in enumerate(records):
+        if not isinstance(record, ChatRecord):
+            raise TypeError(f"records_to_rollouts: records[{index}] is {type(record).__name__}, not a ChatRecord")
+    return [record.to_rollout(prompt_index=prompt_index, sample_index=index, label=label)
+            for index, record in enumerate(records)]
+
+
+class OpenAIEndpoint:
+    """An OpenAI-compatible chat endpoint over ``engine`` on 127.0.0.1 (see the module docstring).
+
+    Args:
+        engine: a :class:`~rlhfkit.engines.protocol.RolloutEngine` (its calls then run on one worker thread, one at a
+            time, with ``request_timeout_s``) or an :class:`~rlhfkit.engines.router.EngineGroup` (used as is, e.g.
+            vLLM actors).
+        tokenizer: the model's tokenizer, with a chat template (``apply_chat_template``, ``encode``, ``decode``).
+        config: ports, limits and timeouts.
+
+    Use as a context manager, or :meth:`start` and :meth:`close`. Records stay readable after close.
+    """
+
+    def __init__(self, engine: Any, tokenizer: Any, config: OpenAIEndpointConfig | None = None) -> None:
+        config = config or OpenAIEndpointConfig()
+        if not isinstance(config, OpenAIEndpointConfig):
+            raise TypeError(f"OpenAIEndpoint(config=...) needs an OpenAIEndpointConfig, got {type(config).__name__}")
+        if not callable(getattr(engine, "generate", None)):
+            raise TypeError(f"OpenAIEndpoint(engine={type(engine).__name__}) has no generate(prompts, sampling); pass "
+                            "a RolloutEngine or an EngineGroup")
+        for method in ("apply_chat_template", "encode", "decode"):
+            if not callable(getattr(tokenizer, method, None)):
+                raise TypeError(f"OpenAIEndpoint(tokenizer={type(tokenizer).__name__}) has no {method}(); pass the "
+                                "model's transformers tokenizer")
+        if getattr(tokenizer, "chat_template", "") is None:
+            raise ValueError("OpenAIEndpoint: the tokenizer has no chat_template; set tokenizer.chat_template (a "
+                             "Jinja template) before serving chat requests")
+        self.config = config
+        self.tokenizer = tokenizer
+        self._owns_group = not isinstance(engine, EngineGroup)
+        self._group = (EngineGroup([engine], config=EngineGroupConfig(generate_timeout_s=config.request_timeout_s))
+                       if self._owns_group else engine)
+        self._lock = threading.Condition()
+        self._records: dict[str, list[ChatRecord]] = {}
+        self._turns: dict[str, int] = {}
+        self._in_flight = 0
+        self._state: Literal["new", "serving", "closed"] = "new"
+        self._server = self._thread = None
+        self._created = int(time.time())
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> OpenAIEndpoint:
+        """Bind 127.0.0.1 and serve in a daemon thread; returns self."""
+        if self._state != "new":
+            raise RuntimeError(f"OpenAIEndpoint.start() called on an endpoint that is {self._state}; build a new one")
+        self._server, self._thread = start_server(self._serve, port=self.config.port,
+                                                  read_timeout_s=self.config.read_timeout_s,
+                                                  max_request_bytes=self.config.max_request_bytes)
+        self._state = "serving"
+        logger.info("openai endpoint serving %r at %s", self.config.model_name, self.url)
+        return self
+
+    @property
+    def port(self) -> int:
+        if self._server is None:
+            raise RuntimeError("OpenAIEndpoint.port read before start(); call start() first")
+        return int(self._server.server_address[1])
+
+    @property
+    def url(self) -> str:
+        """The API base URL, ``http://127.0.0.1:<port>/v1`` (what OpenAI clients take as ``base_url``)."""
+        return f"http://{HOST}:{self.port}/v1"
+
+    def close(self) -> None:
+        """Stop accepting requests (new ones get 503), wait up to ``shutdown_timeout_s`` for those in flight, close
+        the socket. Idempotent; returns in bounded time even if the engine hangs."""
+        if self._state != "serving":
+            if self._state == "new" and self._owns_group:
+                self._group.close()
+            self._state = "closed"
+            return
+        deadline = time.monotonic() + self.config.shutdown_timeout_s
+        with self._lock:
+            self._state = "closed"
+            while self._in_flight and self._lock.wait(timeout=max(0.0, deadline - time.monotonic())):
+                pass
+            left = self._in_flight
+        if left:
+            logger.warning("openai endpoint: closing with %d request(s) still in flight after %g s; their clients "
+                           "get no answer", left, self.config.shutdown_timeout_s)
+        self._server.shutdown()   # returns within the serve loop's poll interval
+        self._server.server_close()
+        self._thread.join(timeout=max(0.1, deadline - time.monotonic()))
+        if self._owns_group:
+            self._group.close()
+
+    def __enter__(self) -> OpenAIEndpoint:
+        if self._state == "new":
+            self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ records
+    def session_ids(self) -> list[str]:
+        with self._lock:
+            return list(self._records)
+
+    def records(self, session_id: str) -> list[ChatRecord]:
+        """The records of one session so far, by turn then choice (a copy; KeyError names the known sessions)."""
+        with self._lock:
+            if session_id not in self._records:
+                raise KeyError(f"no records for session {session_id!r}; known sessions: {sorted(self._records)}")
+            return list(self._records[session_id])
+
+    def pop_records(self, session_id: str) -> list[ChatRecord]:
+        """Like :meth:`records`, and forget the session (records are kept until popped)."""
+        with self._lock:
+            if session_id not in self._records:
+                raise KeyError(f"no records for session {session_id!r}; known sessions: {sorted(self._records)}")
+            self._turns.pop(session_id, None)
+            return self._records.pop(session_id)
+
+    # ------------------------------------------------------------------ serving
+    def _serve(self, method: str, path: str, headers: dict[str, str], body: bytes) -> Reply:
+        route = path.split("?", 1)[0].rstrip("/")
+        if route not in ("/v1/models", "/v1/chat/completions"):
+            return 404, error_body(EndpointError(404, f"no route {method} {route!r}; this endpoint serves GET "
+                                                 "/v1/models and POST /v1/chat/completions", code="not_found"))
+        expected = "GET" if route == "/v1/models" else "POST"
+        if method != expected:
+            return 405, error_body(EndpointError(405, f"{method} {route} is not allowed; use {expected}"))
+        if route == "/v1/models":
+            return 200, {"object": "list", "data": [{"id": self.config.model_name, "object": "model",
+                                                     "created": self._created, "owned_by": "rlhfkit"}]}
+        with self._lock:
+            if self._state != "serving":
+                return 503, error_body(EndpointError(503, "the endpoint is shutting down", type="server_error"))
+            self._in_flight += 1
+        try:
+            return 200, self._complete(headers, body)
+        except EndpointError as error:
+            return error.status, error_body(error)
+        finally:
+            with self._lock:
+                self._in_flight -= 1
+                self._lock.notify_all()
+
+    def _complete(self, headers: dict[str, str], body: bytes) -> dict[str, Any]:
+        try:
+            payload = json.loads(body)
+        except (UnicodeDecodeError, json.JSONDecodeError) as error:
+            raise EndpointError(400, f"the request body is not valid JSON: {error}") from error
+        config = self.config
+        request = parse_chat_request(payload, model_name=config.model_name, max_n=config.max_n,
+                                     default_max_tokens=config.default_max_tokens,
+                                     max_tokens_limit=config.max_tokens_limit)
+        session_id = headers.get(config.session_header.lower()) or request.user or config.default_session_id
+        prompt = self._prompt_ids(request)
+        sampling = SamplingConfig(n=request.n, max_new_tokens=request.max_tokens, temperature=request.temperature,
+                                  top_p=request.top_p, seed=request.seed, logprobs=True,
+                                  stop_token_ids=single_token_stops(self.tokenizer, request.stop))
+        try:
+            rollouts = self._group.generate([prompt], sampling, timeout_s=config.request_timeout_s)
+        except EngineTimeoutError as error:
+            raise EndpointError(504, f"the engine did not answer within request_timeout_s="
+                                f"{config.request_timeout_s:g} s: {error}", type="timeout_error") from error
+        except EngineError as error:
+            logger.error("openai endpoint: the engine failed: %s", error)
+            raise EndpointError(500, f"the engine failed: {error}", type="server_error") from error
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        choices = [self._choice(request, rollout) for rollout in rollouts]
+        records = self._record(session_id, request_id, request, prompt, rollouts, choices)
+        return self._answer(request, request_id, session_id, prompt, records)
+
+    def _prompt_ids(self, request: ChatRequest) -> list[int]:
+        extra = {"tools": request.tools} if request.tools else {}
+        try:
+            text = self.tokenizer.apply_chat_template(request.messages, add_generation_prompt=True, tokenize=False,
+                                                      **extra)
+        except _template_errors() as error:
+            raise EndpointError(400, f"messages: the chat template rejected them: {type(error).__name__}: {error}",
+                                param="messages") from error
+        # the template already wrote any BOS/role tokens into the text: add no special tokens twice
+        ids = [int(token) for token in self.tokenizer.encode(text, add_special_tokens=False)]
+        if not ids:
+            raise EndpointError(400, "messages: the chat template rendered an empty prompt", param="messages")
+        limit = self.config.max_model_len
+        if limit is not None and len(ids) + request.max_tokens > limit:
+            raise EndpointError(400, f"messages: the prompt has {len(ids)} tokens and max_tokens={request.max_tokens}; "
+                                f"together they exceed max_model_len={limit}: shorten the conversation or lower "
+                                "max_tokens", param="messages", code="context_length_exceeded")
+        return ids
+
+    def _choice(self, request: ChatRequest, rollout: Rollout) -> tuple[torch.Tensor, torch.Tensor, str, str]:
+        """``(response ids [R], log-probs [R], content, finish_reason)`` with stop strings applied."""
+        if rollout.response_logprobs is None:
+            raise EndpointError(500, "the engine returned no log-probs although SamplingConfig.logprobs=True",
+                                type="server_error")
+        ids, logprobs, finish = rollout.response_token_ids, rollout.response_logprobs.float(), rollout.finish_reason
+        cut = cut_at_stop(self.tokenizer, ids.tolist(), request.stop) if request.stop and ids.numel() else None
+        if cut is not None:
+            keep, content = cut
+            return ids[:keep].clone(), logprobs[:keep].clone(), content, "stop"
+        return ids, logprobs, self.tokenizer.decode(ids.tolist(), skip_special_tokens=True), finish
+
+    def _record(self, session_id: str, request_id: str, request: ChatRequest, prompt: list[int],
+                rollouts: list[Rollout], choices: list[tuple]) -> list[ChatRecord]:
+        prompt_ids = torch.tensor(prompt, dtype=torch.long)
+        with self._lock:
+            turn = self._turns.get(session_id, 0)
+            self._turns[session_id] = turn + 1
+            records = [ChatRecord(session_id=session_id, turn_index=turn, choice_index=index, request_id=request_id,
+                                  messages=request.messages, prompt_token_ids=prompt_ids, response_token_ids=ids,
+                                  response_logprobs=logprobs, finish_reason=finish, temperature=request.temperature,
+                                  weight_version=rollout.weight_version, content=content)
+                       for index, (rollout, (ids, logprobs, content, finish)) in enumerate(zip(rollouts, choices))]
+            self._records.setdefault(session_id, []).extend(records)
+        return records
+
+    def _answer(self, request: ChatRequest, request_id: str, session_id: str, prompt: list[int],
+                records: list[ChatRecord]) -> dict[str, Any]:
+        choices = []
+        for record in records:
+            choice: dict[str, Any] = {"index": record.choice_index, "finish_reason": record.finish_reason,
+                                      "message": {"role": "assistant", "content": record.content}, "logprobs": None}
+            if request.logprobs:
+                choice["logprobs"] = {"content": [self._token_logprob(token, value) for token, value in zip(
+                    record.response_token_ids.tolist(), record.response_logprobs.tolist())]}
+            if request.return_token_ids:
+                choice["token_ids"] = record.response_token_ids.tolist()
+            choices.append(choice)
+        completion = sum(record.response_token_ids.numel() for record in records)
+        answer = {"id": request_id, "object": "chat.completion", "created": int(time.time()),
+                  "model": self.config.model_name, "choices": choices, "system_fingerprint": None,
+                  "usage": {"prompt_tokens": len(prompt), "completion_tokens": completion,
+                            "total_tokens": len(prompt) + completion},
+                  "rlhfkit": {"session_id": session_id, "turn_index": records[0].turn_index,
+                              "weight_version": records[0].weight_version}}
+        if request.return_token_ids:
+            answer["prompt_token_ids"] = prompt
+        return answer
+
+    def _token_logprob(self, token: int, value: float) -> dict[str, Any]:
+        text = self.tokenizer.decode([token])
+        return {"token": text, "logprob": value, "bytes": list(text.encode("utf-8")), "top_logprobs": []}
+
+
+def _template_errors() -> tuple[type[BaseException], ...]:
+    """What a chat template raises for messages it rejects (jinja2's ``raise_exception`` included)."""
+    jinja2 = require("jinja2", "hf", user="rlhfkit.openai_endpoint")
+    return (jinja2.TemplateError, ValueError, TypeError, KeyError, IndexError)
