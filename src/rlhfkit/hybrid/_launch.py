@@ -157,6 +157,7 @@ class Hybrid:
                 raise ValueError(f"trainer role {role!r}; expected actor, critic, reference or reward")
             if not isinstance(trainer, TrainerConfig):
                 raise TypeError(f"trainers[{role!r}] must be a TrainerConfig, got {type(trainer).__name__}")
+        _check_lora(config, trainers)
         run, started = cls(config), time.perf_counter()
         try:
             run._start(dict(trainers), started)
@@ -284,16 +285,17 @@ class Hybrid:
         backend = "gloo" if cpu else ("cuda_ipc" if config.colocate else "nccl")
         sync = WeightSyncConfig(backend=backend, bucket_bytes=config.sync_bucket_mb * 1024**2,
                                 dtype=None if cpu else getattr(torch, config.dtype), timeout_s=config.sync_timeout_s)
+        lora = {"lora": self.trainers["actor"].config.lora} if self.trainers["actor"].config.lora else {}
         if config.colocate:
             endpoints = actor.call("open_weight_sync", True, config=sync, world_size=2, group_name="weights")
-            refs = [handle.init_weight_sync.remote(sync, endpoint, first_rank=1)
+            refs = [handle.init_weight_sync.remote(sync, endpoint, first_rank=1, **lora)
                     for handle, endpoint in zip(self._handles, endpoints, strict=True)]
         else:
             senders = [rank == 0 for rank in range(actor.world_size)]
             world = 1 + len(self._handles) * tp
             endpoint = actor.call_scattered("open_weight_sync", senders, config=sync, world_size=world,
                                             group_name="weights")[0]
-            refs = [handle.init_weight_sync.remote(sync, endpoint, first_rank=1 + index * tp)
+            refs = [handle.init_weight_sync.remote(sync, endpoint, first_rank=1 + index * tp, **lora)
                     for index, handle in enumerate(self._handles)]
         ray.get(refs, timeout=config.call_timeout_s)
 
@@ -370,3 +372,19 @@ class Hybrid:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _check_lora(config: HybridConfig, trainers: Mapping[str, TrainerConfig]) -> None:
+    """LoRA settings that cannot work, refused before Ray or any actor starts."""
+    for role, trainer in trainers.items():
+        if trainer.lora is not None and role != "actor":
+            raise ValueError(f"trainers[{role!r}].lora is set; LoRA adapters are supported on the actor only")
+    lora = trainers["actor"].lora
+    if lora is None:
+        return
+    if config.engine_sleep_level == 2:
+        raise ValueError("HybridConfig.engine_sleep_level=2 discards the engines' base weights, which a LoRA push "
+                         "(adapters only) does not rewrite; use engine_sleep_level=1 (or 0) with TrainerConfig.lora")
+    from rlhfkit.lora import check_target_modules_of
+
+    check_target_modules_of(trainers["actor"].model or config.model, lora)
