@@ -53,6 +53,9 @@ class HybridConfig:
         seed: engine sampling seed (engine ``i`` uses ``seed + i``).
         ray_address: join a running cluster (default ``$RAY_ADDRESS``, else start a local one).
         start_timeout_s, call_timeout_s, sync_timeout_s: bounds of start-up, of each call, of each sync wait.
+        gpu_memory_gib: memory of one GPU for the fit check that :meth:`Hybrid.start` runs before anything starts
+            (:class:`~rlhfkit.placement.MemoryFitError` naming the phase and the shortfall). None: the driver's
+            first CUDA device when ``device="cuda"`` and it sees one, else no check.
     """
 
     model: str
@@ -75,6 +78,7 @@ class HybridConfig:
     start_timeout_s: float = 900.0
     call_timeout_s: float = 900.0
     sync_timeout_s: float = 300.0
+    gpu_memory_gib: float | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -95,6 +99,10 @@ class HybridConfig:
         for name in ("start_timeout_s", "call_timeout_s", "sync_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"HybridConfig.{name}={getattr(self, name)!r}; must be > 0 seconds")
+        if self.gpu_memory_gib is not None and (isinstance(self.gpu_memory_gib, bool)
+                                                or not isinstance(self.gpu_memory_gib, (int, float))
+                                                or not self.gpu_memory_gib > 0):
+            raise ValueError(f"HybridConfig.gpu_memory_gib={self.gpu_memory_gib!r}; GiB of one GPU (> 0) or None")
         if self.device == "cpu" and self.engine == "vllm":
             raise ValueError("HybridConfig(device='cpu') needs engine='hf' (the vLLM engine here is CUDA-only)")
         total, tp = self.num_gpus * self.num_nodes, self.tensor_parallel_size
@@ -158,6 +166,7 @@ class Hybrid:
             if not isinstance(trainer, TrainerConfig):
                 raise TypeError(f"trainers[{role!r}] must be a TrainerConfig, got {type(trainer).__name__}")
         _check_lora(config, trainers)
+        check_fit(config, trainers)
         run, started = cls(config), time.perf_counter()
         try:
             run._start(dict(trainers), started)
@@ -213,17 +222,7 @@ class Hybrid:
         return True
 
     def _plan(self, roles: tuple[str, ...]) -> Any:
-        from rlhfkit.placement import Inventory, PlacementConfig, RoleSpec, engines, plan_placement
-
-        config = self.config
-        inventory = Inventory.uniform(num_nodes=config.num_nodes, gpus_per_node=config.num_gpus)
-        engine_gpus = config.total_gpus if config.colocate else config.engine_gpus
-        specs = tuple(RoleSpec(name=role, num_gpus=config.trainer_gpus) for role in roles)
-        specs += (engines(engine_gpus // config.tensor_parallel_size, config.tensor_parallel_size),)
-        if config.colocate:
-            return plan_placement(PlacementConfig(roles=specs, inventory=inventory, hybrid=True))
-        groups = (roles,) if len(roles) > 1 else ()
-        return plan_placement(PlacementConfig(roles=specs, inventory=inventory, colocate=groups))
+        return plan_gpus(self.config, roles)
 
     def _start_engines(self) -> None:
         import ray
@@ -388,3 +387,35 @@ def _check_lora(config: HybridConfig, trainers: Mapping[str, TrainerConfig]) -> 
     from rlhfkit.lora import check_target_modules_of
 
     check_target_modules_of(trainers["actor"].model or config.model, lora)
+
+
+def plan_gpus(config: HybridConfig, roles: tuple[str, ...]) -> Any:
+    """The placement plan of a run: every role and the engines on the same GPUs when ``colocate``."""
+    from rlhfkit.placement import Inventory, PlacementConfig, RoleSpec, engines, plan_placement
+
+    inventory = Inventory.uniform(num_nodes=config.num_nodes, gpus_per_node=config.num_gpus)
+    engine_gpus = config.total_gpus if config.colocate else config.engine_gpus
+    specs = tuple(RoleSpec(name=role, num_gpus=config.trainer_gpus) for role in roles)
+    specs += (engines(engine_gpus // config.tensor_parallel_size, config.tensor_parallel_size),)
+    if config.colocate:
+        return plan_placement(PlacementConfig(roles=specs, inventory=inventory, hybrid=True))
+    groups = (roles,) if len(roles) > 1 else ()
+    return plan_placement(PlacementConfig(roles=specs, inventory=inventory, colocate=groups))
+
+
+def check_fit(config: HybridConfig, trainers: Mapping[str, TrainerConfig]) -> None:
+    """Raise :class:`~rlhfkit.placement.MemoryFitError` when the plan's memory estimate says a phase cannot fit one
+    GPU of ``config.gpu_memory_gib`` (see :mod:`rlhfkit.hybrid._fit`); nothing when the size is unknown."""
+    from rlhfkit.hybrid._fit import estimate_hybrid_memory
+
+    gpu_gib = config.gpu_memory_gib
+    if gpu_gib is None and config.device == "cuda":
+        import torch
+
+        if torch.cuda.is_available():
+            gpu_gib = torch.cuda.get_device_properties(0).total_memory / 1024**3
+    if gpu_gib is None:
+        return
+    estimate = estimate_hybrid_memory(config, trainers, plan=plan_gpus(config, tuple(trainers)),
+                                      gpu_memory_gib=gpu_gib)
+    estimate.check_fit(what=f"the hybrid run of {config.model!r} on {config.total_gpus} GPU(s)")
