@@ -8,12 +8,12 @@ import pytest
 
 transformers = pytest.importorskip("transformers")
 
-from rlhfkit.deepspeed_engine import DeepSpeedEngineConfig  # noqa: E402
-from rlhfkit.hybrid import Hybrid, HybridConfig, TrainerConfig  # noqa: E402
-from rlhfkit.hybrid._fit import model_shape  # noqa: E402
-from rlhfkit.hybrid._launch import check_fit  # noqa: E402
-from rlhfkit.lora import LoraConfig  # noqa: E402
-from rlhfkit.placement import MemoryFitError  # noqa: E402
+from rlhfkit.deepspeed_engine import DeepSpeedEngineConfig
+from rlhfkit.hybrid import Hybrid, HybridConfig, TrainerConfig
+from rlhfkit.hybrid._fit import model_shape
+from rlhfkit.hybrid._launch import check_fit
+from rlhfkit.lora import LoraConfig
+from rlhfkit.placement import MemoryFitError
 
 
 @pytest.fixture(scope="module")

@@ -11,9 +11,9 @@ pytest.importorskip("peft")
 pytest.importorskip("deepspeed")
 ray = pytest.importorskip("ray")
 
-from rlhfkit.deepspeed_engine import DeepSpeedEngineConfig  # noqa: E402
-from rlhfkit.hybrid import Hybrid, HybridConfig, TrainerConfig  # noqa: E402
-from rlhfkit.lora import LoraConfig  # noqa: E402
+from rlhfkit.deepspeed_engine import DeepSpeedEngineConfig
+from rlhfkit.hybrid import Hybrid, HybridConfig, TrainerConfig
+from rlhfkit.lora import LoraConfig
 
 DEEPSPEED = DeepSpeedEngineConfig(zero_stage=1, bf16=False, optimizer="torch_adamw", learning_rate=5e-2)
 LORA = LoraConfig(rank=4, alpha=8.0, target_modules=("q_proj", "v_proj", "up_proj"))
@@ -69,7 +69,7 @@ def test_hybrid_grpo_with_lora_trains_adapters_and_pushes_only_them(tiny_llama_p
     try:
         adapter_bytes = 2 * 4 * 4 * (64 + 64) + 2 * 4 * 4 * (64 + 32) + 2 * 4 * 4 * (64 + 128)  # fp32 A and B
         for step in range(2):
-            experience, stats = _grpo_step(run, step)
+            _, stats = _grpo_step(run, step)
             assert stats["actor/grad_norm"] > 0
             assert stats["sync/bytes"] == adapter_bytes and stats["engine/weight_version"] == step + 1
         rollouts = run.engines.generate([[5, 6, 7], [12, 13]], SamplingConfig(n=2, max_new_tokens=6, seed=9))

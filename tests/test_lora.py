@@ -8,9 +8,9 @@ import torch
 pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
 
-from rlhfkit.engines.hf import HFEngine, HFEngineConfig  # noqa: E402
-from rlhfkit.engines.protocol import SamplingConfig  # noqa: E402
-from rlhfkit.lora import (  # noqa: E402
+from rlhfkit.engines.hf import HFEngine, HFEngineConfig
+from rlhfkit.engines.protocol import SamplingConfig
+from rlhfkit.lora import (
     LoraConfig,
     adapter_name,
     apply_lora,
@@ -19,7 +19,7 @@ from rlhfkit.lora import (  # noqa: E402
     describe_adapter,
     lora_parameters,
 )
-from rlhfkit.weight_sync import ManifestMismatchError, WeightReceiver, WeightSender, WeightSyncConfig  # noqa: E402
+from rlhfkit.weight_sync import ManifestMismatchError, WeightReceiver, WeightSender, WeightSyncConfig
 
 PROMPTS = [[5, 17, 33, 40], [8, 9], [100, 101, 102, 7, 3], [60]]
 
