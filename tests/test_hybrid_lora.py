@@ -98,4 +98,7 @@ def test_lora_errors_come_before_ray_starts(tiny_llama_path):
     with pytest.raises(ValueError, match="engine_sleep_level=2"):
         Hybrid.start(_config(tiny_llama_path, engine_sleep_level=2),
                      {"actor": TrainerConfig(deepspeed=DEEPSPEED, lora=LORA)})
+    with pytest.raises(ValueError, match="engine='vllm' with TrainerConfig.lora"):
+        Hybrid.start(HybridConfig(model=str(tiny_llama_path), engine_sleep_level=1),
+                     {"actor": TrainerConfig(deepspeed=DEEPSPEED, lora=LORA)})
     assert not ray.is_initialized()

@@ -10,7 +10,7 @@ transformers = pytest.importorskip("transformers")
 
 from rlhfkit.engines.hf import HFEngine, HFEngineConfig
 from rlhfkit.engines.protocol import SamplingConfig
-from rlhfkit.lora import (
+from rlhfkit.lora import (  # noqa: E402  (adapter_name is not in __all__: the wire names)
     LoraConfig,
     adapter_name,
     apply_lora,

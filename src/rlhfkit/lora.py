@@ -26,9 +26,7 @@ import torch
 from rlhfkit._optional import require
 
 __all__ = [
-    "AdapterMerger",
     "LoraConfig",
-    "adapter_name",
     "apply_lora",
     "check_target_modules",
     "check_target_modules_of",

@@ -381,6 +381,10 @@ def _check_lora(config: HybridConfig, trainers: Mapping[str, TrainerConfig]) -> 
     lora = trainers["actor"].lora
     if lora is None:
         return
+    if config.engine != "hf":
+        raise ValueError(f"HybridConfig.engine={config.engine!r} with TrainerConfig.lora: adapter pushes go into "
+                         "rlhfkit's HF engine only so far (vLLM's in-memory LoRA loading is not wired yet); use "
+                         "engine='hf', or train without lora")
     if config.engine_sleep_level == 2:
         raise ValueError("HybridConfig.engine_sleep_level=2 discards the engines' base weights, which a LoRA push "
                          "(adapters only) does not rewrite; use engine_sleep_level=1 (or 0) with TrainerConfig.lora")
