@@ -6,8 +6,8 @@ results (docs/benchmarks.md) and writes their JSON into a results folder.
     python -m bench --list                                     # the suites and their steps
 
 Suites: weight_sync (CUDA IPC and NCCL channel, copy-plan replay), vllm (engine, sleep, sync into vLLM), deepspeed
-(sleep/wake, the training step), training (log-probs, packing, GAE), hybrid (the GRPO example, 100 steps), peers (TRL,
-OpenRLHF on the same workload). ``--dry-run`` prints each step's command and writes nothing.
+(sleep/wake, the training step), training (log-probs, packing, GAE), hybrid (the GRPO example, 100 steps), scale
+(1.5B to 8B shapes, full-parameter and LoRA, next to TRL), peers (TRL, OpenRLHF on the same workload). ``--dry-run`` prints each step's command and writes nothing.
 
 What each run leaves in ``DIR``: one JSON per step (named after the step), ``logs/STEP.log`` (stdout and stderr),
 ``SUITE.json`` (every step's command, exit code, seconds, and the environment: date, host, GPUs, package versions).
@@ -125,6 +125,17 @@ SUITES: dict[str, tuple[Step, ...]] = {
         Step(name="grpo100", what="100 steps of the default grpo_hybrid.py: reward curve, KL, engine gap",
              needs_model=True, argv=_py("bench/hybrid.py", "--model", "{model}", "--steps", "100", "--no-peer",
                                         "--timeout", "900", "--out", "{out}"), timeout_s=1000),
+    ),
+    "scale": (
+        Step(name="scale", what="1.5B/3B/7B random-weight Qwen2.5 shapes, hybrid GRPO full-parameter and LoRA, TRL",
+             needs_model=True, argv=_py("bench/scale.py", "--tokenizer", "{model}", "--archs", "qwen2.5-1.5b",
+                                        "qwen2.5-3b", "qwen2.5-7b", "--steps", "10", "--peer", "trl",
+                                        "--work-dir", "{work}/rlhfkit-scale", "--timeout", "900", "--out", "{out}"),
+             timeout_s=3 * 3 * 960),
+        Step(name="scale_llama8b", what="Llama-3.1-8B shape, LoRA and full-parameter",
+             needs_model=True, argv=_py("bench/scale.py", "--tokenizer", "{model}", "--archs", "llama-3.1-8b",
+                                        "--steps", "10", "--work-dir", "{work}/rlhfkit-scale", "--timeout", "900",
+                                        "--out", "{out}"), timeout_s=2 * 960),
     ),
     "peers": (
         Step(name="peer_trl_tf32", what="TRL GRPOTrainer (vLLM colocate, sleep), TF32 training matmuls",

@@ -4,6 +4,7 @@
     python examples/grpo_hybrid.py --model /tmp/smollm2-hf --num-gpus 2     # 2 GPUs: 2 ranks, 2 engines
     python examples/grpo_hybrid.py --model /tmp/smollm2-hf --resident true  # memory is plentiful: nothing sleeps
     python examples/grpo_hybrid.py --device cpu --tiny true                 # CPU: HF engine, logical GPUs
+    python examples/grpo_hybrid.py --model M --bf16 true --zero-stage 3 --lora-rank 16   # LoRA: adapters only
 
 One step, in the order the GPU is handed around (the phase guard refuses any other):
 
@@ -19,6 +20,7 @@ memory of every phase) and ``phases.jsonl`` (every guarded transition) under ``-
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +32,7 @@ from rlhfkit.deepspeed_engine import DeepSpeedEngineConfig
 from rlhfkit.engines import SamplingConfig
 from rlhfkit.experience import ExperienceConfig, engine_token_logprobs, iterate_minibatches, make_experience
 from rlhfkit.hybrid import Hybrid, HybridConfig, MetricsLogger, TrainerConfig
+from rlhfkit.lora import LoraConfig
 from rlhfkit.losses import kl_loss, policy_loss
 from rlhfkit.options import parse_options
 from rlhfkit.packing import pack_rollouts
@@ -50,10 +53,17 @@ class Options:
     lr: float = 5e-6
     kl_coef: float = 0.001
     resident: bool = False  # nothing sleeps: engine and trainers stay on the GPU (the guard still orders phases)
+    zero_stage: int = 1
+    bf16: bool = False  # bf16 trainers and engine (large models); fp32 keeps the engine-trainer gap ~1e-3
+    offload_optimizer: bool = False  # Adam states and master weights in host memory (ZeRO-Offload)
+    gradient_checkpointing: bool = False
+    lora_rank: int = 0  # > 0: train LoRA adapters (alpha = 2 * rank, attention + MLP projections) and push only them
+    engine_memory: float = 0.15  # vLLM's share of the GPU (weights + KV cache)
     tiny: bool = False  # smoke run: 3 steps of a few short samples
 
 
 CLIP, MINIBATCHES, SEED = 0.2, 2, 0
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 def grpo_loss(logprobs, micro, *, num_tokens, num_seqs, kl_coef):
@@ -71,13 +81,19 @@ def start(options: Options) -> Hybrid:
     cpu = options.device == "cpu"
     tiny = TinyModelConfig(hidden_size=64, num_layers=2, seed=SEED)  # CPU smoke runs: a tiny random Llama
     model = options.model or str(build_tiny_model(Path(options.out) / "tiny_model", tiny, exist_ok=True))
-    deepspeed = DeepSpeedEngineConfig(zero_stage=1, bf16=False, optimizer="torch_adamw" if cpu else "fused_adam",
-                                      learning_rate=options.lr, gradient_clipping=1.0)
-    offload = not options.resident
-    trainers = {"actor": TrainerConfig(deepspeed=deepspeed, offload=offload),
-                "reference": TrainerConfig(deepspeed=deepspeed, offload=offload)}
-    config = HybridConfig(model=model, device=options.device, engine="hf" if cpu else "vllm",
-                          num_gpus=options.num_gpus, engine_sleep_level=0 if options.resident else 2, seed=SEED)
+    deepspeed = DeepSpeedEngineConfig(zero_stage=options.zero_stage, bf16=options.bf16, learning_rate=options.lr,
+                                      optimizer="torch_adamw" if cpu else "fused_adam", gradient_clipping=1.0,
+                                      offload_optimizer=options.offload_optimizer,
+                                      gradient_checkpointing=options.gradient_checkpointing)
+    offload, rank = not options.resident, options.lora_rank
+    lora = LoraConfig(rank=rank, alpha=2.0 * rank, target_modules=LORA_TARGETS) if rank else None
+    trainers = {"actor": TrainerConfig(deepspeed=deepspeed, offload=offload, lora=lora),
+                "reference": TrainerConfig(deepspeed=dataclasses.replace(deepspeed, offload_optimizer=False),
+                                           offload=offload)}
+    sleep_level = 0 if options.resident else (1 if lora else 2)  # LoRA pushes adapters only: keep the base weights
+    config = HybridConfig(model=model, device=options.device, engine="hf" if cpu else "vllm", seed=SEED,
+                          num_gpus=options.num_gpus, engine_sleep_level=sleep_level, engine_memory=options.engine_memory,
+                          dtype="bfloat16" if options.bf16 and not cpu else "float32")
     return Hybrid.start(config, trainers)
 
 

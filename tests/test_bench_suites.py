@@ -87,3 +87,24 @@ def test_run_writes_a_summary_per_suite(tmp_path, monkeypatch):
     assert [(s["name"], s["rc"]) for s in summary["steps"]] == [("ok", 0), ("bad", 3)]
     assert (tmp_path / "logs" / "ok.log").read_text().strip() == "fine"
     assert "torch" in summary["environment"]["versions"]
+
+
+@pytest.mark.slow
+@pytest.mark.ray
+def test_scale_bench_tiny_runs_full_and_lora_on_cpu(tmp_path):
+    """bench/scale.py --tiny (issue 20): builds the toy Qwen2 shape, runs the hybrid GRPO full-parameter and LoRA for
+    2 steps each on CPU and writes per-mode step time, phases, sync time and bytes (LoRA: adapters only)."""
+    pytest.importorskip("peft")
+    pytest.importorskip("deepspeed")
+    from bench import scale
+
+    out = tmp_path / "scale.json"
+    result = scale.main(["--tiny", "--out", str(out), "--work-dir", str(tmp_path / "work"), "--timeout", "280"])
+    assert json.loads(out.read_text()) == result
+    runs = result["runs"]["toy"]
+    for mode in ("full", "lora"):
+        assert runs[mode]["returncode"] == 0, runs[mode].get("log_tail")
+        assert runs[mode]["steps"] == 2 and runs[mode]["step_s"] > 0 and runs[mode]["sync_s"] > 0
+        assert "time/train_actor_s" in runs[mode]["median"]
+    assert 0 < runs["lora"]["sync_bytes"] < runs["full"]["sync_bytes"] / 4
+    assert not (tmp_path / "work" / "toy").exists()  # the model is deleted after its runs (no --keep)

@@ -88,6 +88,20 @@ def test_grpo_hybrid_on_cpu(no_ray, tiny_llama_path, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.ray
+def test_grpo_hybrid_with_lora_on_cpu(no_ray, tiny_llama_path, tmp_path):
+    """Issue 20: the example's --lora-rank trains adapters only and pushes only them (a few KiB a step, versions
+    follow), with the engine's log-probs equal to the trainer's after every push."""
+    pytest.importorskip("peft")
+    rows = _load("grpo_hybrid").main(["--model", str(tiny_llama_path), "--out", str(tmp_path), "--device", "cpu",
+                                      "--tiny", "true", "--lora-rank", "4"])
+    check_rows(rows, steps=3)
+    # r * (in + out) per module: q 64+64, k 64+32, v 64+32, o 64+64, gate 64+128, up 64+128, down 128+64
+    adapter = 2 * 4 * 4 * 1024  # 2 layers, rank 4, fp32
+    assert all(row["sync/bytes"] == adapter for row in rows)
+
+
+@pytest.mark.slow
+@pytest.mark.ray
 def test_ppo_hybrid_on_cpu(no_ray, tiny_llama_path, tmp_path):
     rows = _load("ppo_hybrid").main(["--model", str(tiny_llama_path), "--out", str(tmp_path), "--device", "cpu",
                                      "--tiny", "true"])

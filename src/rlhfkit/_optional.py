@@ -19,6 +19,7 @@ _EXTRA_OF_PACKAGE = {
     "ray": "ray",
     "deepspeed": "deepspeed",
     "vllm": "vllm",
+    "peft": "lora",
     "pyarrow": "data",
     "datasets": "data",
     "tqdm": "examples",

@@ -74,16 +74,26 @@ class DeepSpeedEngine:
         name: the name used in logs and errors (default: the role), e.g. ``"critic"`` or ``"actor-policy"``.
         ds_config_overrides: deep-merged into ``config.to_deepspeed_dict()`` — an escape hatch for DeepSpeed keys
             the typed config does not cover (e.g. ``{"zero_optimization": {"reduce_bucket_size": 5e8}}``).
+        lora: an actor's :class:`rlhfkit.lora.LoraConfig`: the model is wrapped with peft adapters, only they train
+            (the optimizer holds only them) and :meth:`named_parameters_for_sync` yields only them.
     """
 
     def __init__(self, model: torch.nn.Module, *, role: Role, config: DeepSpeedEngineConfig, name: str | None = None,
-                 ds_config_overrides: Mapping[str, Any] | None = None) -> None:
+                 ds_config_overrides: Mapping[str, Any] | None = None, lora: Any = None) -> None:
         if role not in ROLES:
             raise ValueError(f"role={role!r}; expected one of {ROLES}")
         if not isinstance(config, DeepSpeedEngineConfig):
             raise TypeError(f"config must be a DeepSpeedEngineConfig, got {type(config).__name__}")
+        if lora is not None:
+            from rlhfkit.lora import LoraConfig, apply_lora
+
+            if not isinstance(lora, LoraConfig):
+                raise TypeError(f"lora={lora!r}; expected an rlhfkit.lora.LoraConfig or None")
+            if role != "actor":
+                raise ValueError(f"lora= is given for role {role!r}; LoRA adapters are supported on the actor only")
+            model = apply_lora(model, lora)
         deepspeed = require("deepspeed", user="rlhfkit.deepspeed_engine")
-        self.role, self.name, self.config = role, name or role, config
+        self.role, self.name, self.config, self.lora = role, name or role, config, lora
         self.has_optimizer = role in ("actor", "critic")
         module = as_value_model(model) if role in ("critic", "reward") else model
         if config.gradient_checkpointing and self.has_optimizer:
@@ -111,15 +121,15 @@ class DeepSpeedEngine:
 
     @classmethod
     def from_pretrained(cls, path: str | Path, *, role: Role, config: DeepSpeedEngineConfig, name: str | None = None,
-                        trust_remote_code: bool = False,
-                        ds_config_overrides: Mapping[str, Any] | None = None) -> DeepSpeedEngine:
+                        trust_remote_code: bool = False, ds_config_overrides: Mapping[str, Any] | None = None,
+                        lora: Any = None) -> DeepSpeedEngine:
         """Load ``path`` (an HF folder) for ``role`` and wrap it; critics/rewards get ``num_labels=1`` value heads
         (fresh when the folder holds a causal LM, initialised with ``config.value_head_init_std`` when set)."""
         if role not in ROLES:
             raise ValueError(f"role={role!r}; expected one of {ROLES}")
         model = load_hf_model(path, role=role, bf16=config.bf16, attn_implementation=config.attn_implementation,
                               value_head_init_std=config.value_head_init_std, trust_remote_code=trust_remote_code)
-        return cls(model, role=role, config=config, name=name, ds_config_overrides=ds_config_overrides)
+        return cls(model, role=role, config=config, name=name, ds_config_overrides=ds_config_overrides, lora=lora)
 
     # ------------------------------------------------------------------ properties
     @property
@@ -305,7 +315,8 @@ class DeepSpeedEngine:
         """Yield ``(hf_name, tensor)`` for every parameter (critic/reward: without the value head), in ``dtype``
         (default: the engine's, bf16 or fp32). Under ZeRO-3 this is a collective — every rank iterates it to the
         end — gathering ``bucket_bytes`` of parameters at a time; each tensor is valid until the next is requested.
-        Allowed while awake or asleep with ``keep_weights=True``."""
+        Allowed while awake or asleep with ``keep_weights=True``. With LoRA: only the adapters, under peft's saved
+        names (:func:`rlhfkit.lora.adapter_name`)."""
         if self._asleep and not self._weights_kept:
             raise RuntimeError(f"named_parameters_for_sync() called while '{self.name}' is asleep without its weights;"
                                " call wake_up() or sleep(keep_weights=True) first")
@@ -313,7 +324,15 @@ class DeepSpeedEngine:
             raise ValueError(f"bucket_bytes={bucket_bytes}; must be >= 1")
         exclude = (lambda name: name.startswith("score.")) if isinstance(self.module, ValueModel) else None
         return ckpt.iter_named_parameters(self.module, zero3=self.config.zero_stage == 3, bucket_bytes=bucket_bytes,
-                                          dtype=dtype or self.dtype, exclude=exclude or (lambda name: False))
+                                          dtype=dtype or self.dtype, exclude=exclude or (lambda name: False),
+                                          rename=self._sync_name)
+
+    def _sync_name(self, name: str) -> str | None:
+        if self.lora is None:
+            return ckpt.hf_name(name)
+        from rlhfkit.lora import adapter_name
+
+        return adapter_name(ckpt.hf_name(name))
 
     def describe_parameters_for_sync(self, *, dtype: torch.dtype | None = None) -> list:
         """``(name, shape, dtype)`` of exactly what :meth:`named_parameters_for_sync` yields, in the same order,
@@ -322,8 +341,8 @@ class DeepSpeedEngine:
         from rlhfkit.weight_sync import describe_parameters
 
         exclude = (lambda name: name.startswith("score.")) if isinstance(self.module, ValueModel) else None
-        named = [(ckpt.hf_name(name), param) for name, param in self.module.named_parameters()
-                 if not (exclude and exclude(ckpt.hf_name(name)))]
+        named = [(self._sync_name(name), param) for name, param in self.module.named_parameters()]
+        named = [(name, param) for name, param in named if name is not None and not (exclude and exclude(name))]
         return describe_parameters(named, dtype=dtype or self.dtype)
 
     def export_hf(self, directory: str | Path, *, tokenizer=None, max_shard_bytes: int = 5 * 1024**3,

@@ -61,14 +61,16 @@ def _buckets(named: list[tuple[str, torch.nn.Parameter]], bucket_bytes: int, zer
 
 
 def iter_named_parameters(module: torch.nn.Module, *, zero3: bool, bucket_bytes: int, dtype: torch.dtype | None,
-                          exclude: Callable[[str], bool] = lambda name: False
-                          ) -> Iterator[tuple[str, torch.Tensor]]:
+                          exclude: Callable[[str], bool] = lambda name: False,
+                          rename: Callable[[str], str | None] = hf_name) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(hf_name, tensor)`` for each parameter of ``module`` (tied parameters once).
 
     Under ZeRO-3 this is a collective (every rank must iterate it to the end) and each tensor is only valid until
-    the next one is requested: copy what you keep. ``dtype`` casts (None keeps the parameter dtype).
+    the next one is requested: copy what you keep. ``dtype`` casts (None keeps the parameter dtype). ``rename``
+    maps a parameter name to the name it is yielded under (None: not yielded; e.g. only LoRA adapters).
     """
-    named = [(hf_name(name), param) for name, param in module.named_parameters() if not exclude(hf_name(name))]
+    named = [(rename(name), param) for name, param in module.named_parameters()]
+    named = [(name, param) for name, param in named if name is not None and not exclude(name)]
     if not zero3:
         for name, param in named:
             data = param.detach()

@@ -67,6 +67,7 @@ class HFEngineActor(GuardedEngineMixin):
         self.engine_index = engine_index
         self.engine = HFEngine(HFEngineConfig(model=model_path, device=device, dtype=dtype, seed=seed + engine_index))
         self.receiver: Any = None
+        self.lora: Any = None
         self._guard_setup(guard_store, gpus)
 
     def ready(self) -> dict[str, Any]:
@@ -84,9 +85,18 @@ class HFEngineActor(GuardedEngineMixin):
     def get_weight_version(self) -> int:
         return self.engine.weight_version
 
-    def init_weight_sync(self, sync_config: Any, endpoint: Any, *, first_rank: int, expected: Any = None) -> list:
+    def init_weight_sync(self, sync_config: Any, endpoint: Any, *, first_rank: int, expected: Any = None,
+                         lora: Any = None) -> list:
+        """Join the weight-sync group; with ``lora`` (a :class:`rlhfkit.lora.LoraConfig`) every sync carries only
+        the adapter, checked against the shapes this engine's model gives it (a rank mismatch fails the manifest
+        check before any byte moves)."""
+        from rlhfkit.lora import describe_adapter
         from rlhfkit.weight_sync import WeightReceiver, describe_parameters
 
+        self.lora = lora
+        if expected is None and lora is not None:
+            dtype = sync_config.dtype or next(self.engine.model.parameters()).dtype
+            expected = describe_adapter(self.engine.model, lora, dtype=dtype)
         expected = expected or describe_parameters(self.engine.model.named_parameters(), dtype=sync_config.dtype)
         device = self.engine.device if sync_config.backend == "nccl" else None
         self.receiver = WeightReceiver(sync_config, endpoint.for_rank(first_rank, f"engine-{self.engine_index}"),
@@ -94,7 +104,14 @@ class HFEngineActor(GuardedEngineMixin):
         return [{"rank": first_rank}]
 
     def receive_weights(self, *, version: int | None = None) -> list[dict[str, Any]]:
-        report = self.receiver.receive(self.engine.load_weights)
+        lora = self.lora
+        if lora is None:
+            report = self.receiver.receive(self.engine.load_weights)
+        else:
+            def load_adapter(tensors: Any, version: int | None = None) -> int:
+                return self.engine.load_adapter(tensors, lora=lora, version=version)
+
+            report = self.receiver.receive(load_adapter)
         return [{"version": report.version, "seconds": report.seconds, "bytes": report.num_bytes}]
 
 

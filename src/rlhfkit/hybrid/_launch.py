@@ -53,6 +53,9 @@ class HybridConfig:
         seed: engine sampling seed (engine ``i`` uses ``seed + i``).
         ray_address: join a running cluster (default ``$RAY_ADDRESS``, else start a local one).
         start_timeout_s, call_timeout_s, sync_timeout_s: bounds of start-up, of each call, of each sync wait.
+        gpu_memory_gib: memory of one GPU for the fit check that :meth:`Hybrid.start` runs before anything starts
+            (:class:`~rlhfkit.placement.MemoryFitError` naming the phase and the shortfall). None: the driver's
+            first CUDA device when ``device="cuda"`` and it sees one, else no check.
     """
 
     model: str
@@ -75,6 +78,7 @@ class HybridConfig:
     start_timeout_s: float = 900.0
     call_timeout_s: float = 900.0
     sync_timeout_s: float = 300.0
+    gpu_memory_gib: float | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -95,6 +99,10 @@ class HybridConfig:
         for name in ("start_timeout_s", "call_timeout_s", "sync_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"HybridConfig.{name}={getattr(self, name)!r}; must be > 0 seconds")
+        if self.gpu_memory_gib is not None and (isinstance(self.gpu_memory_gib, bool)
+                                                or not isinstance(self.gpu_memory_gib, (int, float))
+                                                or not self.gpu_memory_gib > 0):
+            raise ValueError(f"HybridConfig.gpu_memory_gib={self.gpu_memory_gib!r}; GiB of one GPU (> 0) or None")
         if self.device == "cpu" and self.engine == "vllm":
             raise ValueError("HybridConfig(device='cpu') needs engine='hf' (the vLLM engine here is CUDA-only)")
         total, tp = self.num_gpus * self.num_nodes, self.tensor_parallel_size
@@ -164,6 +172,8 @@ class Hybrid:
                 raise ValueError(f"trainer role {role!r}; expected actor, critic, reference or reward")
             if not isinstance(trainer, TrainerConfig):
                 raise TypeError(f"trainers[{role!r}] must be a TrainerConfig, got {type(trainer).__name__}")
+        _check_lora(config, trainers)
+        check_fit(config, trainers)
         run, started = cls(config), time.perf_counter()
         try:
             run._start(dict(trainers), started)
@@ -224,17 +234,7 @@ class Hybrid:
         return True
 
     def _plan(self, roles: tuple[str, ...]) -> Any:
-        from rlhfkit.placement import Inventory, PlacementConfig, RoleSpec, engines, plan_placement
-
-        config = self.config
-        inventory = Inventory.uniform(num_nodes=config.num_nodes, gpus_per_node=config.num_gpus)
-        engine_gpus = config.total_gpus if config.colocate else config.engine_gpus
-        specs = tuple(RoleSpec(name=role, num_gpus=config.trainer_gpus) for role in roles)
-        specs += (engines(engine_gpus // config.tensor_parallel_size, config.tensor_parallel_size),)
-        if config.colocate:
-            return plan_placement(PlacementConfig(roles=specs, inventory=inventory, hybrid=True))
-        groups = (roles,) if len(roles) > 1 else ()
-        return plan_placement(PlacementConfig(roles=specs, inventory=inventory, colocate=groups))
+        return plan_gpus(self.config, roles)
 
     def _start_engines(self) -> None:
         import ray
@@ -296,16 +296,17 @@ class Hybrid:
         backend = "gloo" if cpu else ("cuda_ipc" if config.colocate else "nccl")
         sync = WeightSyncConfig(backend=backend, bucket_bytes=config.sync_bucket_mb * 1024**2,
                                 dtype=None if cpu else getattr(torch, config.dtype), timeout_s=config.sync_timeout_s)
+        lora = {"lora": self.trainers["actor"].config.lora} if self.trainers["actor"].config.lora else {}
         if config.colocate:
             endpoints = actor.call("open_weight_sync", True, config=sync, world_size=2, group_name="weights")
-            refs = [handle.init_weight_sync.remote(sync, endpoint, first_rank=1)
+            refs = [handle.init_weight_sync.remote(sync, endpoint, first_rank=1, **lora)
                     for handle, endpoint in zip(self._handles, endpoints, strict=True)]
         else:
             senders = [rank == 0 for rank in range(actor.world_size)]
             world = 1 + len(self._handles) * tp
             endpoint = actor.call_scattered("open_weight_sync", senders, config=sync, world_size=world,
                                             group_name="weights")[0]
-            refs = [handle.init_weight_sync.remote(sync, endpoint, first_rank=1 + index * tp)
+            refs = [handle.init_weight_sync.remote(sync, endpoint, first_rank=1 + index * tp, **lora)
                     for index, handle in enumerate(self._handles)]
         ray.get(refs, timeout=config.call_timeout_s)
 
@@ -382,3 +383,55 @@ class Hybrid:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _check_lora(config: HybridConfig, trainers: Mapping[str, TrainerConfig]) -> None:
+    """LoRA settings that cannot work, refused before Ray or any actor starts."""
+    for role, trainer in trainers.items():
+        if trainer.lora is not None and role != "actor":
+            raise ValueError(f"trainers[{role!r}].lora is set; LoRA adapters are supported on the actor only")
+    lora = trainers["actor"].lora
+    if lora is None:
+        return
+    if config.engine != "hf":
+        raise ValueError(f"HybridConfig.engine={config.engine!r} with TrainerConfig.lora: adapter pushes go into "
+                         "rlhfkit's HF engine only so far (vLLM's in-memory LoRA loading is not wired yet); use "
+                         "engine='hf', or train without lora")
+    if config.engine_sleep_level == 2:
+        raise ValueError("HybridConfig.engine_sleep_level=2 discards the engines' base weights, which a LoRA push "
+                         "(adapters only) does not rewrite; use engine_sleep_level=1 (or 0) with TrainerConfig.lora")
+    from rlhfkit.lora import check_target_modules_of
+
+    check_target_modules_of(trainers["actor"].model or config.model, lora)
+
+
+def plan_gpus(config: HybridConfig, roles: tuple[str, ...]) -> Any:
+    """The placement plan of a run: every role and the engines on the same GPUs when ``colocate``."""
+    from rlhfkit.placement import Inventory, PlacementConfig, RoleSpec, engines, plan_placement
+
+    inventory = Inventory.uniform(num_nodes=config.num_nodes, gpus_per_node=config.num_gpus)
+    engine_gpus = config.total_gpus if config.colocate else config.engine_gpus
+    specs = tuple(RoleSpec(name=role, num_gpus=config.trainer_gpus) for role in roles)
+    specs += (engines(engine_gpus // config.tensor_parallel_size, config.tensor_parallel_size),)
+    if config.colocate:
+        return plan_placement(PlacementConfig(roles=specs, inventory=inventory, hybrid=True))
+    groups = (roles,) if len(roles) > 1 else ()
+    return plan_placement(PlacementConfig(roles=specs, inventory=inventory, colocate=groups))
+
+
+def check_fit(config: HybridConfig, trainers: Mapping[str, TrainerConfig]) -> None:
+    """Raise :class:`~rlhfkit.placement.MemoryFitError` when the plan's memory estimate says a phase cannot fit one
+    GPU of ``config.gpu_memory_gib`` (see :mod:`rlhfkit.hybrid._fit`); nothing when the size is unknown."""
+    from rlhfkit.hybrid._fit import estimate_hybrid_memory
+
+    gpu_gib = config.gpu_memory_gib
+    if gpu_gib is None and config.device == "cuda":
+        import torch
+
+        if torch.cuda.is_available():
+            gpu_gib = torch.cuda.get_device_properties(0).total_memory / 1024**3
+    if gpu_gib is None:
+        return
+    estimate = estimate_hybrid_memory(config, trainers, plan=plan_gpus(config, tuple(trainers)),
+                                      gpu_memory_gib=gpu_gib)
+    estimate.check_fit(what=f"the hybrid run of {config.model!r} on {config.total_gpus} GPU(s)")

@@ -61,6 +61,9 @@ class TrainerConfig:
             gap stay float32).
         tf32_frozen_forward: TF32 in the no-grad forwards of frozen roles (reference, reward).
         seed: the model's initialisation seed (fresh value heads).
+        lora: train LoRA adapters instead of every weight (:class:`rlhfkit.lora.LoraConfig`; actor only): the base is
+            frozen, the optimizer holds only the adapters, and :meth:`rlhfkit.hybrid.Hybrid.push_weights` moves only
+            the adapters into the engines. Needs ``rlhfkit[lora]``.
     """
 
     deepspeed: Any
@@ -70,9 +73,14 @@ class TrainerConfig:
     tf32_backward: bool = True
     tf32_frozen_forward: bool = True
     seed: int = 0
+    lora: Any = None
 
     def __post_init__(self) -> None:
         from rlhfkit.deepspeed_engine import DeepSpeedEngineConfig
+        from rlhfkit.lora import LoraConfig
+
+        if self.lora is not None and not isinstance(self.lora, LoraConfig):
+            raise TypeError(f"TrainerConfig.lora={self.lora!r}; expected an rlhfkit.lora.LoraConfig or None")
 
         if not isinstance(self.deepspeed, DeepSpeedEngineConfig):
             raise TypeError(f"TrainerConfig.deepspeed={self.deepspeed!r}; expected a DeepSpeedEngineConfig")

@@ -106,7 +106,7 @@ class TrainerWorker(Worker):
         # trained roles own the accumulation boundary: backward accumulates, optim_step() is the boundary
         overrides = {"managed_gradient_accumulation": False} if self.trains else None
         model = DeepSpeedEngine.from_pretrained(self.model_path, role=self.role, config=config.deepspeed,
-                                                ds_config_overrides=overrides)
+                                                ds_config_overrides=overrides, lora=config.lora)
         gc.collect()
         gc.freeze()  # offload_states calls gc.collect(); frozen long-lived objects make that cheap
         (model if config.offload else self._resident).sleep()

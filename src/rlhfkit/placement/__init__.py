@@ -21,7 +21,7 @@ Dependencies: importing this module needs nothing beyond the standard library; R
 
 from __future__ import annotations
 
-from rlhfkit.placement._memory import MemoryConfig, MemoryEstimate, ModelMemory, estimate_memory
+from rlhfkit.placement._memory import MemoryConfig, MemoryEstimate, MemoryFitError, ModelMemory, estimate_memory
 from rlhfkit.placement._plan import (
     MAX_GPUS,
     MAX_GPUS_PER_NODE,
@@ -54,6 +54,7 @@ __all__ = [
     "MaterializedPlan",
     "MemoryConfig",
     "MemoryEstimate",
+    "MemoryFitError",
     "ModelMemory",
     "NodeSpec",
     "PlacementConfig",

@@ -15,7 +15,7 @@ from typing import Literal
 
 from rlhfkit.placement._plan import PlacementPlan, _check_name, _check_real
 
-__all__ = ["ModelMemory", "MemoryConfig", "MemoryEstimate", "estimate_memory"]
+__all__ = ["ModelMemory", "MemoryConfig", "MemoryEstimate", "MemoryFitError", "estimate_memory"]
 
 logger = logging.getLogger(__name__)
 _GIB = 1024**3
@@ -36,6 +36,12 @@ class ModelMemory:
         zero_stage: DeepSpeed ZeRO stage; shards optimizer states (>= 1), gradients (>= 2) and weights (3) over the
             role's ranks.
         activation_gib: peak activation memory per rank while awake, from your own measurement.
+        num_trainable_params: parameters that get gradients and optimizer states (LoRA: the adapters); None: all.
+        offload_optimizer: fp32 master weights and optimizer states live in host memory (ZeRO-Offload).
+        offload_params: ZeRO-3 weight shards live in host memory (ZeRO-Infinity; the gathered working set belongs
+            in ``activation_gib``).
+        engine_gib: an engine's GiB while awake when it is not a fraction of the GPU (rlhfkit's HF engine); None:
+            ``MemoryConfig.engine_memory_fraction`` of the GPU.
     """
 
     num_params: int
@@ -45,6 +51,10 @@ class ModelMemory:
     optimizer_bytes_per_param: float = 12.0
     zero_stage: int = 0
     activation_gib: float = 0.0
+    num_trainable_params: int | None = None
+    offload_optimizer: bool = False
+    offload_params: bool = False
+    engine_gib: float | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.num_params, bool) or not isinstance(self.num_params, int):
@@ -66,6 +76,16 @@ class ModelMemory:
             )
         if self.zero_stage not in (0, 1, 2, 3):
             raise ValueError(f"ModelMemory.zero_stage={self.zero_stage!r}; use 0, 1, 2 or 3")
+        trainable = self.num_trainable_params
+        if trainable is not None and (isinstance(trainable, bool) or not isinstance(trainable, int)
+                                      or not 0 <= trainable <= self.num_params):
+            raise ValueError(f"ModelMemory.num_trainable_params={trainable!r}; an int in [0, num_params="
+                             f"{self.num_params}] or None (all)")
+        for name in ("offload_optimizer", "offload_params"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"ModelMemory.{name}={getattr(self, name)!r}; must be True or False")
+        if self.engine_gib is not None and not _check_real("ModelMemory", "engine_gib", self.engine_gib) >= 0:
+            raise ValueError(f"ModelMemory.engine_gib={self.engine_gib}; must be >= 0 or None")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -144,18 +164,50 @@ class MemoryEstimate:
     def __str__(self) -> str:
         return self.table()
 
+    def check_fit(self, *, what: str = "this plan") -> None:
+        """Raise :class:`MemoryFitError` naming the phase, the GPU, what it needs, the shortfall in GiB and each
+        role's share, for the worst phase that does not fit; nothing when every phase fits."""
+        worst = None
+        for (node, gpu), phases in self.per_gpu.items():
+            for phase, total in phases.items():
+                if total > self.gpu_memory_gib and (worst is None or total > worst[0]):
+                    worst = (total, phase, node, gpu)
+        if worst is None:
+            return
+        total, phase, node, gpu = worst
+        parts = ", ".join(f"{role} {gib:.1f}" for role, gib in self.breakdown[(node, gpu)][phase].items())
+        raise MemoryFitError(
+            f"{what} does not fit: phase {phase!r} needs ~{total:.1f} GiB on node{node} gpu{gpu} ({parts} GiB) but "
+            f"the GPU has {self.gpu_memory_gib:.1f} GiB: short by {total - self.gpu_memory_gib:.1f} GiB. Shrink that "
+            "phase: ZeRO-3 over more GPUs, offload_optimizer / offload_params, gradient_checkpointing, a smaller "
+            "micro_batch_tokens, LoRA, a smaller engine share; or a bigger GPU",
+            phase=phase, shortfall_gib=total - self.gpu_memory_gib)
+
+
+class MemoryFitError(ValueError):
+    """A plan whose memory estimate exceeds a GPU in some phase; ``phase`` and ``shortfall_gib`` say where and how
+    much."""
+
+    def __init__(self, message: str, *, phase: str, shortfall_gib: float) -> None:
+        super().__init__(message)
+        self.phase, self.shortfall_gib = phase, shortfall_gib
+
 
 def _awake_gib(plan: PlacementPlan, role: str, model: ModelMemory, config: MemoryConfig) -> float:
     """GiB one rank of ``role`` holds on each of its GPUs while awake (context excluded)."""
     spec = plan.config.role(role)
     world = spec.num_ranks
     if model.kind == "engine":
+        if model.engine_gib is not None:
+            return model.engine_gib / spec.gpus_per_rank
         return config.engine_memory_fraction * config.gpu_memory_gib
     weights = model.num_params * model.bytes_per_param / spec.gpus_per_rank / (world if model.zero_stage == 3 else 1)
-    total = weights + model.activation_gib * _GIB
+    total = (0.0 if model.offload_params else weights) + model.activation_gib * _GIB
     if model.kind == "trainable":
-        total += model.num_params * model.grad_bytes_per_param / (world if model.zero_stage >= 2 else 1)
-        total += model.num_params * model.optimizer_bytes_per_param / (world if model.zero_stage >= 1 else 1)
+        trainable = model.num_params if model.num_trainable_params is None else model.num_trainable_params
+        total += trainable * model.grad_bytes_per_param / (world if model.zero_stage >= 2 else 1)
+        if not model.offload_optimizer:
+            total += trainable * model.optimizer_bytes_per_param / (world if model.zero_stage >= 1 else 1)
     return total / _GIB
 
 
@@ -170,7 +222,7 @@ def _engine_warnings(plan: PlacementPlan, models: Mapping[str, ModelMemory], con
     warnings = []
     budget = config.engine_memory_fraction * config.gpu_memory_gib
     for role, model in models.items():
-        if model.kind == "engine":
+        if model.kind == "engine" and model.engine_gib is None:
             weights = model.num_params * model.bytes_per_param / plan.config.role(role).gpus_per_rank / _GIB
             if weights >= budget:
                 warnings.append(

@@ -6,7 +6,8 @@ What it does: batched generation with left padding, an attention mask, correct p
 samples per prompt, stop tokens and the model's EOS, per-request seeds) so that log-probs are exactly
 ``log_softmax(logits / temperature)`` of the sampled token (raw ``log_softmax(logits)`` when greedy), the
 convention of :mod:`rlhfkit.engines.protocol`; ``sleep``/``wake_up`` with the protocol's levels and tags; weight
-loading by HF parameter name with validation and a weight version.
+loading by HF parameter name with validation and a weight version; LoRA adapters merged into the weights
+(:meth:`HFEngine.load_adapter`).
 
 What it does not do: continuous batching, paged attention, tensor parallelism, speculative decoding, prefix caching;
 use the vLLM backend for throughput. Needs ``rlhfkit[hf]`` (transformers).
@@ -27,6 +28,7 @@ import logging
 import operator
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -35,6 +37,9 @@ from rlhfkit.engines.hf._sampling import make_generators, sample_next_tokens
 from rlhfkit.engines.hf._state import EngineWeightState
 from rlhfkit.engines.protocol import WAKE_TAGS, SamplingConfig, next_weight_version
 from rlhfkit.types import Rollout
+
+if TYPE_CHECKING:
+    from rlhfkit.lora import LoraConfig
 
 __all__ = ["HFEngineConfig", "HFEngine"]
 
@@ -142,6 +147,7 @@ class HFEngine:
         self._generator.manual_seed(seed)
         self._kv_awake = True
         self._version = 0
+        self._merger = None  # set by the first load_adapter()
         parameters = inspect.signature(model.forward).parameters
         self._takes_logits_to_keep = "logits_to_keep" in parameters
         # transformers >= 5.2x renamed the forward argument and output field ``past_key_values`` to ``cache`` and
@@ -197,6 +203,27 @@ class HFEngine:
         new_version = next_weight_version(f"hf engine on {self.device}", self._version, version)
         items = weights.items() if isinstance(weights, Mapping) else weights
         count = self._state.load(items)
+        self._version = new_version
+        return count
+
+    def load_adapter(self, tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor], *,
+                     lora: LoraConfig, version: int | None = None) -> int:
+        """Apply a LoRA adapter (peft's saved names, e.g. ``base_model.model.<module>.lora_A.weight``) by merging it
+        into the targeted weights: ``W = W0 + (alpha / r) * B @ A`` from the base weights held when the first adapter
+        came (successive adapters replace each other, they never accumulate). Generation uses it from the next call
+        (requests run one at a time in this engine: none is in flight during a load). Every tensor is taken before
+        any weight changes; an incomplete or unknown adapter raises ValueError and leaves the weights as they were.
+        Returns how many tensors were taken; the weight version rules are those of :meth:`load_weights`."""
+        from rlhfkit.lora import AdapterMerger
+
+        new_version = next_weight_version(f"hf engine on {self.device}", self._version, version)
+        if not self._state.awake:
+            raise RuntimeError("load_adapter() called while the engine's weights are asleep; call "
+                               "wake_up(['weights']) first")
+        if self._merger is None or self._merger.config != lora:
+            self._merger = AdapterMerger(self.model, lora)
+        items = tensors.items() if isinstance(tensors, Mapping) else tensors
+        count = self._merger.merge(items)
         self._version = new_version
         return count
 

@@ -1,0 +1,200 @@
+"""LoRA adapters (Hu et al., 2021, arXiv:2106.09685) for the trainer and the rollout engines.
+
+What it does: :class:`LoraConfig` (rank, alpha, target modules, dropout), checked against a model before anything
+expensive starts (:func:`check_target_modules`, :func:`check_target_modules_of`: an unknown target is a ValueError
+listing the candidates); :func:`apply_lora` wraps an HF model with HF ``peft`` so that only the adapters train;
+the adapter-only weight-sync contract: :func:`adapter_name` (peft's saved-adapter names,
+``base_model.model.<module>.lora_A.weight``, what vLLM parses too), :func:`describe_adapter` (the ``(name, shape,
+dtype)`` a receiver expects, computed from the *base* model, so a rank or shape mismatch fails the sync's manifest
+check before any byte moves) and :class:`AdapterMerger` (the HF engine's way to apply a received adapter: the
+targeted weights become ``W0 + (alpha / r) * B @ A``, as ``peft``'s ``merge_and_unload`` computes them).
+
+What it does not do: DoRA, rsLoRA, bias or embedding adapters, LoRA on critics or reward models, full-weight sync of
+a LoRA-wrapped model (the base stays frozen: the engines keep theirs). Needs ``rlhfkit[lora]`` (peft) for
+:func:`apply_lora`; the rest needs only torch (and transformers for :func:`check_target_modules_of`).
+See ``docs/lora.md``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from rlhfkit._optional import require
+
+__all__ = [
+    "LoraConfig",
+    "apply_lora",
+    "check_target_modules",
+    "check_target_modules_of",
+    "describe_adapter",
+    "lora_parameters",
+]
+
+_PREFIX = "base_model.model."
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoraConfig:
+    """A LoRA adapter on the actor.
+
+    Attributes:
+        rank: ``r``, the adapters' inner dimension (``lora_A``: ``[r, in]``, ``lora_B``: ``[out, r]``).
+        alpha: ``lora_alpha``; the update is scaled by ``alpha / rank``.
+        target_modules: names of the ``Linear`` modules to adapt, matched as peft does: a module whose full name is
+            the target or ends with ``"." + target`` (e.g. ``("q_proj", "v_proj")``).
+        dropout: dropout on the adapter's input while training (0 keeps trainer and engine outputs equal).
+    """
+
+    rank: int = 16
+    alpha: float = 32.0
+    target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
+    dropout: float = 0.0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1:
+            raise ValueError(f"LoraConfig.rank={self.rank!r}; must be an int >= 1 (e.g. 16)")
+        if isinstance(self.alpha, bool) or not isinstance(self.alpha, (int, float)) or not self.alpha > 0:
+            raise ValueError(f"LoraConfig.alpha={self.alpha!r}; must be a number > 0 (e.g. 2 * rank)")
+        if isinstance(self.target_modules, str):
+            raise TypeError(f"LoraConfig.target_modules={self.target_modules!r} is a str; give a tuple of module "
+                            f"names, e.g. ({self.target_modules!r},)")
+        if not isinstance(self.target_modules, tuple) or not self.target_modules \
+                or not all(isinstance(name, str) and name for name in self.target_modules):
+            raise TypeError(f"LoraConfig.target_modules={self.target_modules!r}; give a non-empty tuple of module "
+                            "names, e.g. ('q_proj', 'v_proj')")
+        if not isinstance(self.dropout, (int, float)) or not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"LoraConfig.dropout={self.dropout!r}; must be in [0, 1)")
+
+    @property
+    def scaling(self) -> float:
+        return self.alpha / self.rank
+
+    def peft_dict(self) -> dict[str, Any]:
+        """The adapter's ``adapter_config.json`` fields (what peft and vLLM's ``PEFTHelper`` read)."""
+        return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": self.rank, "lora_alpha": self.alpha,
+                "target_modules": list(self.target_modules), "lora_dropout": self.dropout, "bias": "none",
+                "use_rslora": False, "use_dora": False, "modules_to_save": None}
+
+
+def _matches(module_name: str, targets: Iterable[str]) -> bool:
+    return any(module_name == target or module_name.endswith("." + target) for target in targets)
+
+
+def _linear_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Linear]]:
+    return [(name, module) for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)]
+
+
+def _targeted(model: torch.nn.Module, config: LoraConfig) -> list[tuple[str, torch.nn.Linear]]:
+    """The Linear modules ``config`` adapts, in ``named_modules`` order (lm_head / score never: peft skips them
+    only when asked, and an adapter on the output layer is not something we support)."""
+    return [(name, module) for name, module in _linear_modules(model)
+            if _matches(name, config.target_modules) and name.rpartition(".")[2] not in ("lm_head", "score")]
+
+
+def check_target_modules(model: torch.nn.Module, config: LoraConfig, *, where: str = "the model") -> None:
+    """Raise ValueError naming every target of ``config`` that matches no Linear module of ``model``, with the
+    candidates (the distinct last names of its Linear modules)."""
+    names = [name for name, _ in _linear_modules(model)]
+    missing = [target for target in config.target_modules if not any(_matches(name, (target,)) for name in names)]
+    if missing:
+        candidates = sorted({name.rpartition(".")[2] for name in names} - {"lm_head", "score"})
+        raise ValueError(f"LoraConfig.target_modules={config.target_modules!r}: {missing} match no Linear module of "
+                         f"{where}; candidates: {candidates}")
+
+
+def check_target_modules_of(model_path: str, config: LoraConfig) -> None:
+    """:func:`check_target_modules` on the model saved at ``model_path``, built on the meta device (no weights
+    are read or allocated: cheap at any size)."""
+    transformers = require("transformers", user="rlhfkit.lora")
+    model_config = transformers.AutoConfig.from_pretrained(model_path)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(model_config)
+    check_target_modules(model, config, where=f"the model at {model_path!r}")
+
+
+def apply_lora(model: torch.nn.Module, config: LoraConfig) -> torch.nn.Module:
+    """Wrap ``model`` with peft LoRA adapters on ``config.target_modules``: the base weights are frozen
+    (``requires_grad=False``), ``lora_A`` is random and ``lora_B`` zero (the wrapped model starts equal to the base).
+    Raises ValueError for an unknown target before peft touches the model."""
+    check_target_modules(model, config)
+    peft = require("peft", user="rlhfkit.lora")
+    peft_config = peft.LoraConfig(r=config.rank, lora_alpha=config.alpha, target_modules=list(config.target_modules),
+                                  lora_dropout=config.dropout, bias="none", task_type="CAUSAL_LM")
+    return peft.get_peft_model(model, peft_config)
+
+
+def adapter_name(parameter_name: str) -> str | None:
+    """The sync name of a peft parameter (``...q_proj.lora_A.default.weight`` -> ``base_model.model...q_proj.lora_A.
+    weight``, as peft saves adapters), or None for a parameter that is not an adapter weight."""
+    for part in ("lora_A", "lora_B"):
+        marker = f".{part}."
+        if marker in parameter_name:
+            head, _, tail = parameter_name.partition(marker)
+            if tail.endswith("weight"):
+                head = head if head.startswith(_PREFIX) else _PREFIX + head
+                return f"{head}.{part}.weight"
+    return None
+
+
+def lora_parameters(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
+    """``(sync name, parameter)`` of every adapter weight of a peft-wrapped ``model``, in module order."""
+    out = []
+    for name, param in model.named_parameters():
+        synced = adapter_name(name)
+        if synced is not None:
+            out.append((synced, param))
+    return out
+
+
+def describe_adapter(model: torch.nn.Module, config: LoraConfig, *, dtype: torch.dtype) -> list[tuple]:
+    """``(name, shape, dtype)`` of the adapter a LoRA ``config`` gives the *base* ``model`` (``lora_A``: ``[r,
+    in]``, ``lora_B``: ``[out, r]``), in the order peft's parameters come: what a receiver expects."""
+    check_target_modules(model, config)
+    specs = []
+    for name, module in _targeted(model, config):
+        specs.append((f"{_PREFIX}{name}.lora_A.weight", (config.rank, module.in_features), dtype))
+        specs.append((f"{_PREFIX}{name}.lora_B.weight", (module.out_features, config.rank), dtype))
+    return specs
+
+
+class AdapterMerger:
+    """Applies adapters to a plain (unwrapped) model in place: each targeted weight becomes ``W0 + scaling * B @ A``
+    computed in float32 from a kept copy of ``W0``, so successive adapters never accumulate. Used by the HF engine.
+
+    Args:
+        model: the engine's causal LM (its base weights stay the ones it holds when the merger is built).
+        config: the adapter's LoRA configuration.
+    """
+
+    def __init__(self, model: torch.nn.Module, config: LoraConfig) -> None:
+        self.config = config
+        self.modules = {f"{_PREFIX}{name}": module for name, module in _targeted(model, config)}
+        if not self.modules:
+            check_target_modules(model, config)
+        self.base = {name: module.weight.detach().float().cpu().clone() for name, module in self.modules.items()}
+
+    def merge(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Merge the adapter in ``tensors`` (sync names; every targeted module's ``lora_A`` and ``lora_B``, each
+        copied as it arrives). Returns how many tensors were taken."""
+        pending: dict[str, dict[str, torch.Tensor]] = {}
+        count = 0
+        for name, tensor in tensors:
+            module_name, _, part = name.removesuffix(".weight").rpartition(".")
+            if module_name not in self.modules or part not in ("lora_A", "lora_B"):
+                raise ValueError(f"adapter tensor {name!r} names no adapted module; expected "
+                                 f"'<module>.lora_A.weight' / '.lora_B.weight' for one of {sorted(self.modules)[:4]}...")
+            pending.setdefault(module_name, {})[part] = tensor.detach().float().cpu().clone()
+            count += 1
+        missing = [name for name in self.modules if len(pending.get(name, {})) != 2]
+        if missing:
+            raise ValueError(f"adapter incomplete: no lora_A/lora_B for {missing[:4]} ({len(missing)} modules)")
+        with torch.no_grad():
+            for name, module in self.modules.items():
+                delta = pending[name]["lora_B"] @ pending[name]["lora_A"] * self.config.scaling
+                module.weight.copy_((self.base[name] + delta).to(module.weight.dtype))
+        return count
+

@@ -1,0 +1,104 @@
+"""LoRA in a real hybrid run on CPU (issue 20): Ray with one logical GPU, a DeepSpeed ZeRO-1 actor that trains peft
+adapters only, rlhfkit's HF engine receiving adapter-only pushes over gloo; and the LoRA errors raised before Ray
+or any actor starts."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("peft")
+pytest.importorskip("deepspeed")
+ray = pytest.importorskip("ray")
+
+from rlhfkit.deepspeed_engine import DeepSpeedEngineConfig
+from rlhfkit.hybrid import Hybrid, HybridConfig, TrainerConfig
+from rlhfkit.lora import LoraConfig
+
+DEEPSPEED = DeepSpeedEngineConfig(zero_stage=1, bf16=False, optimizer="torch_adamw", learning_rate=5e-2)
+LORA = LoraConfig(rank=4, alpha=8.0, target_modules=("q_proj", "v_proj", "up_proj"))
+
+
+def _config(path, **kwargs) -> HybridConfig:
+    return HybridConfig(model=str(path), device="cpu", engine="hf", call_timeout_s=120, sync_timeout_s=60,
+                        **({"engine_sleep_level": 1} | kwargs))
+
+
+def pg_loss(logprobs, micro, *, num_tokens, num_seqs):
+    from rlhfkit.losses import policy_loss
+
+    return policy_loss(logprobs, micro.old_logprobs, micro.advantages, micro.batch.loss_mask, micro.batch.cu_seqlens,
+                       num_tokens=num_tokens, num_seqs=num_seqs)
+
+
+def _grpo_step(run, step: int):
+    """One GRPO step of examples/grpo_hybrid.py's shape; returns the rollouts' batch and their engine log-probs."""
+    from rlhfkit.engines import SamplingConfig
+    from rlhfkit.experience import ExperienceConfig, engine_token_logprobs, make_experience
+    from rlhfkit.packing import pack_rollouts
+
+    prompts = [[5, 6, 7], [8, 9, 10, 11]]
+    rollouts = run.engines.generate(prompts, SamplingConfig(n=4, max_new_tokens=6, seed=step))
+    batch = pack_rollouts(rollouts)
+    ref = run.trainers["reference"].forward(batch)
+    scores = torch.tensor([float(int(r.response_token_ids.sum()) % 3) for r in rollouts])
+    experience, _ = make_experience(rollouts, scores, config=ExperienceConfig(estimator="grpo"),
+                                    policy_logprobs_fn=lambda b: engine_token_logprobs(rollouts, b),
+                                    ref_logprobs_fn=lambda b: ref)
+    actor = run.trainers["actor"]
+    stats = actor.forward_backward(experience, pg_loss)
+    stats |= actor.optim_step(sleep_after="keep_weights")
+    stats |= run.push_weights()
+    return experience, stats
+
+
+@pytest.mark.slow
+@pytest.mark.ray
+def test_hybrid_grpo_with_lora_trains_adapters_and_pushes_only_them(tiny_llama_path):
+    """Two GRPO steps with a LoRA actor: each push carries only the adapter (12 tensors, a few KiB, not the model),
+    the engine's weight version follows, and after the push the engine samples from the trained policy: its
+    log-probs of fresh rollouts equal the actor's (adapter merged on the engine, unmerged on the trainer)."""
+    from rlhfkit.engines import SamplingConfig
+    from rlhfkit.experience import engine_token_logprobs
+    from rlhfkit.packing import pack_rollouts
+
+    if ray.is_initialized():
+        ray.shutdown()
+    run = Hybrid.start(_config(tiny_llama_path), {"actor": TrainerConfig(deepspeed=DEEPSPEED, lora=LORA),
+                                                  "reference": TrainerConfig(deepspeed=DEEPSPEED)})
+    try:
+        adapter_bytes = 2 * 4 * 4 * (64 + 64) + 2 * 4 * 4 * (64 + 32) + 2 * 4 * 4 * (64 + 128)  # fp32 A and B
+        for step in range(2):
+            _, stats = _grpo_step(run, step)
+            assert stats["actor/grad_norm"] > 0
+            assert stats["sync/bytes"] == adapter_bytes and stats["engine/weight_version"] == step + 1
+        rollouts = run.engines.generate([[5, 6, 7], [12, 13]], SamplingConfig(n=2, max_new_tokens=6, seed=9))
+        batch = pack_rollouts(rollouts)
+        engine = engine_token_logprobs(rollouts, batch)
+        trainer = run.trainers["actor"].forward(batch)
+        reference = run.trainers["reference"].forward(batch)
+        mask = batch.loss_mask
+        assert (trainer[mask] - engine[mask]).abs().max() < 1e-4
+        assert (trainer[mask] - reference[mask]).abs().max() > 1e-3  # the adapters trained: not the base policy
+    finally:
+        run.close()
+
+
+def test_lora_errors_come_before_ray_starts(tiny_llama_path):
+    """Regression (issue 20): an unknown LoRA target, LoRA on a non-actor role and engine_sleep_level=2 (which would
+    drop the base weights an adapter push never rewrites) are ValueErrors raised before Ray or any actor starts."""
+    if ray.is_initialized():
+        ray.shutdown()
+    bad = LoraConfig(rank=4, target_modules=("q_proj", "c_attn"))
+    with pytest.raises(ValueError, match=r"\['c_attn'\] match no Linear module.*candidates"):
+        Hybrid.start(_config(tiny_llama_path), {"actor": TrainerConfig(deepspeed=DEEPSPEED, lora=bad)})
+    with pytest.raises(ValueError, match="trainers\\['reference'\\].lora"):
+        Hybrid.start(_config(tiny_llama_path), {"actor": TrainerConfig(deepspeed=DEEPSPEED),
+                                                "reference": TrainerConfig(deepspeed=DEEPSPEED, lora=LORA)})
+    with pytest.raises(ValueError, match="engine_sleep_level=2"):
+        Hybrid.start(_config(tiny_llama_path, engine_sleep_level=2),
+                     {"actor": TrainerConfig(deepspeed=DEEPSPEED, lora=LORA)})
+    with pytest.raises(ValueError, match="engine='vllm' with TrainerConfig.lora"):
+        Hybrid.start(HybridConfig(model=str(tiny_llama_path), engine_sleep_level=1),
+                     {"actor": TrainerConfig(deepspeed=DEEPSPEED, lora=LORA)})
+    assert not ray.is_initialized()

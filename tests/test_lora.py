@@ -1,0 +1,123 @@
+"""rlhfkit.lora: the config, target checks, peft wrapping, adapter-only sync into the HF engine (issue 20)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("peft")
+transformers = pytest.importorskip("transformers")
+
+from rlhfkit.engines.hf import HFEngine, HFEngineConfig
+from rlhfkit.engines.protocol import SamplingConfig
+from rlhfkit.lora import (  # noqa: E402  (adapter_name is not in __all__: the wire names)
+    LoraConfig,
+    adapter_name,
+    apply_lora,
+    check_target_modules,
+    check_target_modules_of,
+    describe_adapter,
+    lora_parameters,
+)
+from rlhfkit.weight_sync import ManifestMismatchError, WeightReceiver, WeightSender, WeightSyncConfig
+
+PROMPTS = [[5, 17, 33, 40], [8, 9], [100, 101, 102, 7, 3], [60]]
+
+
+def _trained_adapter(path, config: LoraConfig, seed: int = 1):
+    """A peft-wrapped model whose adapters are non-zero (lora_B starts at 0: randomise it, as training would)."""
+    model = apply_lora(transformers.AutoModelForCausalLM.from_pretrained(path), config)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for _, param in lora_parameters(model):
+            param.copy_(torch.randn(param.shape, generator=generator) * 0.5)
+    return model
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    ({"rank": 0}, ValueError, "LoraConfig.rank=0"),
+    ({"alpha": -1.0}, ValueError, "LoraConfig.alpha=-1.0"),
+    ({"target_modules": "q_proj"}, TypeError, r"write|give a tuple.*\('q_proj',\)"),
+    ({"target_modules": ()}, TypeError, "non-empty tuple"),
+    ({"dropout": 1.0}, ValueError, "LoraConfig.dropout=1.0"),
+])
+def test_config_names_the_bad_field(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        LoraConfig(**kwargs)
+
+
+def test_unknown_target_module_is_named_with_candidates_before_peft_runs(tiny_llama_path):
+    """Regression (issue 20): a LoRA target that does not exist is a ValueError naming it and the candidates,
+    from the saved config alone (meta device, no weights read) and before peft wraps anything."""
+    config = LoraConfig(rank=4, target_modules=("q_proj", "query_key_value"))
+    with pytest.raises(ValueError, match=r"\['query_key_value'\].*candidates: \[.*'q_proj'.*'v_proj'"):
+        check_target_modules_of(str(tiny_llama_path), config)
+    model = transformers.AutoModelForCausalLM.from_pretrained(tiny_llama_path)
+    with pytest.raises(ValueError, match="query_key_value"):
+        apply_lora(model, config)
+    assert not any("lora" in name for name, _ in model.named_parameters())
+
+
+def test_apply_lora_freezes_the_base_and_names_match_the_description(tiny_llama_path):
+    config = LoraConfig(rank=4, alpha=8.0, target_modules=("q_proj", "v_proj"))
+    model = apply_lora(transformers.AutoModelForCausalLM.from_pretrained(tiny_llama_path), config)
+    trainable = [name for name, param in model.named_parameters() if param.requires_grad]
+    assert trainable and all(".lora_A." in name or ".lora_B." in name for name in trainable)
+    assert adapter_name(trainable[0]).endswith(".lora_A.weight") and ".default" not in adapter_name(trainable[0])
+    base = transformers.AutoModelForCausalLM.from_pretrained(tiny_llama_path)
+    expected = {name: tuple(shape) for name, shape, _ in describe_adapter(base, config, dtype=torch.float32)}
+    sent = {name: tuple(param.shape) for name, param in lora_parameters(model)}
+    assert sent == expected and len(sent) == 2 * 2 * 2  # 2 layers x 2 modules x (A, B)
+    check_target_modules(base, config)
+
+
+def test_hf_engine_with_pushed_adapter_equals_the_merged_trainer_model(tiny_llama_path):
+    """Issue 20: greedy output of the engine after an adapter-only sync equals peft's merge_and_unload of the
+    trainer's model; a second adapter replaces the first (no accumulation)."""
+    config = LoraConfig(rank=4, alpha=8.0, target_modules=("q_proj", "v_proj", "down_proj"))
+    engine = HFEngine(HFEngineConfig(model=str(tiny_llama_path)))
+    greedy = SamplingConfig(temperature=0.0, max_new_tokens=12)
+    before = [r.response_token_ids.tolist() for r in engine.generate(PROMPTS, greedy)]
+    sync = WeightSyncConfig(backend="inprocess", bucket_bytes=4096)
+    receiver = WeightReceiver(sync, expected=describe_adapter(engine.model, config, dtype=torch.float32))
+    sender = WeightSender(sync, local_receiver=(
+        receiver, lambda tensors, version=None: engine.load_adapter(tensors, lora=config, version=version)))
+    for seed in (1, 2):
+        trainer = _trained_adapter(tiny_llama_path, config, seed=seed)
+        report = sender.send(lora_parameters(trainer))
+        assert report.num_tensors == 12 and engine.weight_version == seed
+        merged = HFEngine.from_model(trainer.merge_and_unload())
+        want = [r.response_token_ids.tolist() for r in merged.generate(PROMPTS, greedy)]
+        got = engine.generate(PROMPTS, greedy)
+        assert [r.response_token_ids.tolist() for r in got] == want
+        assert all(r.weight_version == seed for r in got)
+    assert want != before  # the adapter changed the outputs: the equality above is not vacuous
+
+
+def test_adapter_rank_mismatch_fails_before_any_byte_moves(tiny_llama_path):
+    """Regression (issue 20): an adapter of another rank (or other modules) than the engine expects is refused by
+    the manifest check; the engine's weights and version stay as they were."""
+    engine = HFEngine(HFEngineConfig(model=str(tiny_llama_path)))
+    expected = describe_adapter(engine.model, LoraConfig(rank=4, target_modules=("q_proj",)), dtype=torch.float32)
+    sync = WeightSyncConfig(backend="inprocess")
+    weights = {name: param.detach().clone() for name, param in engine.model.named_parameters()}
+    receiver = WeightReceiver(sync, expected=expected)
+    loads = []
+    sender = WeightSender(sync, local_receiver=(receiver, lambda tensors, version=None: loads.append(1)))
+    trainer = _trained_adapter(tiny_llama_path, LoraConfig(rank=8, target_modules=("q_proj",)))
+    with pytest.raises(ManifestMismatchError, match=r"lora_A.weight' has shape \(8, 64\).*expects \(4, 64\)"):
+        sender.send(lora_parameters(trainer))
+    assert not loads and engine.weight_version == 0
+    assert all(torch.equal(param, weights[name]) for name, param in engine.model.named_parameters())
+
+
+def test_incomplete_adapter_leaves_the_engine_unchanged(tiny_llama_path):
+    config = LoraConfig(rank=4, target_modules=("q_proj",))
+    engine = HFEngine(HFEngineConfig(model=str(tiny_llama_path)))
+    trainer = _trained_adapter(tiny_llama_path, config)
+    half = [(name, tensor) for name, tensor in lora_parameters(trainer) if "lora_A" in name]
+    weights = {name: param.detach().clone() for name, param in engine.model.named_parameters()}
+    with pytest.raises(ValueError, match="adapter incomplete"):
+        engine.load_adapter(half, lora=config)
+    assert engine.weight_version == 0
+    assert all(torch.equal(param, weights[name]) for name, param in engine.model.named_parameters())
