@@ -34,6 +34,7 @@ CORE_MODULES = (
     "rlhfkit.engines.protocol",
     "rlhfkit.checkpoint",
     "rlhfkit.rollouts",
+    "rlhfkit.multiturn",
     # the blocks below need an extra to *run*, but must still import without it (heavy imports live in functions)
     "rlhfkit.weight_sync",
     "rlhfkit.placement",
