@@ -24,8 +24,15 @@ from rlhfkit.data import ArithmeticTask, PromptDatasetConfig, arithmetic_accurac
 from rlhfkit.engines import SamplingConfig
 from rlhfkit.experience import ExperienceConfig, engine_token_logprobs, iterate_minibatches, make_experience
 from rlhfkit.losses import kl_loss, model_logprobs, policy_loss
-from rlhfkit.multiturn import (MultiTurnConfig, ToolEnvironment, ToolEnvironmentConfig, calculator,
-                               generate_trajectories, trainable_rollouts, trajectory_stats)
+from rlhfkit.multiturn import (
+    MultiTurnConfig,
+    ToolEnvironment,
+    ToolEnvironmentConfig,
+    calculator,
+    generate_trajectories,
+    trainable_rollouts,
+    trajectory_stats,
+)
 from rlhfkit.options import parse_options
 from rlhfkit.packing import global_counts
 from rlhfkit.rewards import apply_reward_function, rollout_texts

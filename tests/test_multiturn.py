@@ -18,9 +18,21 @@ from rlhfkit.engines.hf import HFEngine
 from rlhfkit.engines.router import EngineGroup
 from rlhfkit.experience import ExperienceConfig, engine_token_logprobs, make_experience
 from rlhfkit.losses import model_logprobs, policy_loss
-from rlhfkit.multiturn import (Action, MultiTurnConfig, StepResult, StepTimeoutError, ToolArgumentError,
-                               ToolEnvironment, ToolEnvironmentConfig, calculator, generate_trajectories,
-                               parse_tool_calls, trainable_rollouts, trajectory_stats, MalformedToolCallError)
+from rlhfkit.multiturn import (
+    Action,
+    MalformedToolCallError,
+    MultiTurnConfig,
+    StepResult,
+    StepTimeoutError,
+    ToolArgumentError,
+    ToolEnvironment,
+    ToolEnvironmentConfig,
+    calculator,
+    generate_trajectories,
+    parse_tool_calls,
+    trainable_rollouts,
+    trajectory_stats,
+)
 from rlhfkit.packing import pack_rollouts
 from rlhfkit.types import Rollout
 
@@ -228,7 +240,7 @@ class AsyncHang:
         pass
 
     async def step(self, action):
-        time.sleep(30)  # blocks its own event loop: still bounded by the timeout
+        time.sleep(30)  # noqa: ASYNC251 - blocks its own event loop on purpose: still bounded by the timeout
 
 
 def test_async_environment_that_blocks_its_loop_times_out(setup):

@@ -40,10 +40,26 @@ from rlhfkit.multiturn._tools import (
 )
 from rlhfkit.multiturn._trajectory import StepTimeoutError, Trajectory, Turn, trainable_rollouts, trajectory_stats
 
-__all__ = ["MultiTurnConfig", "generate_trajectories", "Trajectory", "Turn", "StepTimeoutError", "trainable_rollouts",
-           "trajectory_stats", "Environment", "Episode", "Action", "StepResult", "ToolEnvironment",
-           "ToolEnvironmentConfig", "ToolCall", "parse_tool_calls", "MalformedToolCallError", "ToolArgumentError",
-           "calculator"]
+__all__ = [
+    "Action",
+    "Environment",
+    "Episode",
+    "MalformedToolCallError",
+    "MultiTurnConfig",
+    "StepResult",
+    "StepTimeoutError",
+    "ToolArgumentError",
+    "ToolCall",
+    "ToolEnvironment",
+    "ToolEnvironmentConfig",
+    "Trajectory",
+    "Turn",
+    "calculator",
+    "generate_trajectories",
+    "parse_tool_calls",
+    "trainable_rollouts",
+    "trajectory_stats",
+]
 
 
 @dataclass(frozen=True, kw_only=True)

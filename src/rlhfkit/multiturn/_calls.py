@@ -41,7 +41,7 @@ def _run(function: Callable[[], Any], future: concurrent.futures.Future) -> None
         if inspect.isawaitable(result):
             result = asyncio.run(_await(result))
         future.set_result(result)
-    except BaseException as error:  # handed to the caller as this call's outcome
+    except BaseException as error:  # noqa: BLE001 - handed to the caller as this call's outcome
         future.set_exception(error)
 
 

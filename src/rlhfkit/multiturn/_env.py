@@ -8,7 +8,7 @@ from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol, runtime_checkable
 
-__all__ = ["Episode", "Action", "StepResult", "Environment"]
+__all__ = ["Action", "Environment", "Episode", "StepResult"]
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -27,10 +27,17 @@ from typing import Any, Literal
 
 from rlhfkit.multiturn._env import Action, Episode, StepResult
 
-__all__ = ["ToolCall", "MalformedToolCallError", "ToolArgumentError", "parse_tool_calls", "ToolEnvironmentConfig",
-           "ToolEnvironment", "calculator"]
+__all__ = [
+    "MalformedToolCallError",
+    "ToolArgumentError",
+    "ToolCall",
+    "ToolEnvironment",
+    "ToolEnvironmentConfig",
+    "calculator",
+    "parse_tool_calls",
+]
 
-_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.S)
+_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 _OPEN = "<tool_call>"
 
 

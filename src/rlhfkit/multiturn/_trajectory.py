@@ -12,7 +12,7 @@ import torch
 
 from rlhfkit.types import Rollout
 
-__all__ = ["Turn", "Trajectory", "StepTimeoutError", "trainable_rollouts", "trajectory_stats", "END_REASONS"]
+__all__ = ["END_REASONS", "StepTimeoutError", "Trajectory", "Turn", "trainable_rollouts", "trajectory_stats"]
 
 Status = Literal["ok", "failed", "dropped"]
 EndReason = Literal["done", "max_turns", "context_overflow", "malformed_call", "error", "timeout"]
