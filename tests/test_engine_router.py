@@ -161,6 +161,23 @@ def test_group_forwards_prompt_indices_to_engines_that_accept_them():
     assert engines[1].calls == []
 
 
+def test_pinned_prompts_go_to_their_engine_and_sessions_spread():
+    """Session affinity for multi-turn rollouts: engine_indices overrides balancing; assign_sessions balances."""
+    engines = [FakeEngine(i) for i in range(2)]
+    prompts = prompts_of([3, 30, 4, 5])
+    sampling = SamplingConfig(n=2, max_new_tokens=2)
+    with EngineGroup(engines) as group:
+        rollouts = group.generate(prompts, sampling, engine_indices=[1, 1, 1, 0])
+        assert group.assign_sessions([5.0, 1.0, 4.0]) == [0, 1, 1]
+        for bad in ([0, 2, 0, 0], [0, 0], [0, True, 0, 0]):
+            with pytest.raises(ValueError, match="engine_indices"):
+                group.generate(prompts, sampling, engine_indices=bad)
+        with pytest.raises(ValueError, match="assign_sessions"):
+            group.assign_sessions([-1.0])
+    check_rollouts(rollouts, prompts, sampling)
+    assert engines[1].served == prompts[:3] and engines[0].served == prompts[3:]
+
+
 def test_group_runs_engines_concurrently_and_counts_outstanding_work():
     gate = threading.Event()
     engines = [FakeEngine(0, gate=gate), FakeEngine(1, gate=gate)]

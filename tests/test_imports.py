@@ -35,6 +35,7 @@ CORE_MODULES = (
     "rlhfkit.checkpoint",
     "rlhfkit.rollouts",
     "rlhfkit.dynamic_sampling",
+    "rlhfkit.multiturn",
     # the blocks below need an extra to *run*, but must still import without it (heavy imports live in functions)
     "rlhfkit.weight_sync",
     "rlhfkit.placement",

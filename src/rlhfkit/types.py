@@ -52,6 +52,10 @@ class Rollout:
         sample_index: index of this sample among the ``n`` samples of its prompt.
         weight_version: the engine's weight version when it generated this sample.
         prompt_text, response_text, label: optional strings carried for rewards and logging.
+        response_loss_mask: ``[R]`` bool or None; True on the response tokens the engine sampled (they enter the
+            loss), False on tokens inserted between turns (tool results, environment observations; see
+            :mod:`rlhfkit.multiturn`), whose ``response_logprobs`` entries are 0. None means every response token was
+            sampled.
     """
 
     prompt_token_ids: torch.Tensor
@@ -64,6 +68,7 @@ class Rollout:
     prompt_text: str | None = None
     response_text: str | None = None
     label: str | None = None
+    response_loss_mask: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         _check_tensor("Rollout", "prompt_token_ids", self.prompt_token_ids, ndim=1, dtypes=_INT)
@@ -89,6 +94,13 @@ class Rollout:
                 "Rollout.response_logprobs", self.response_logprobs,
                 where=f"prompt_index={self.prompt_index}, sample_index={self.sample_index}",
             )
+        if self.response_loss_mask is not None:
+            _check_tensor("Rollout", "response_loss_mask", self.response_loss_mask, ndim=1, dtypes=(torch.bool,))
+            if self.response_loss_mask.shape != self.response_token_ids.shape:
+                raise ValueError(
+                    f"Rollout.response_loss_mask has shape {tuple(self.response_loss_mask.shape)} but "
+                    f"response_token_ids has shape {tuple(self.response_token_ids.shape)}; they must match"
+                )
         if self.finish_reason not in _FINISH_REASONS:
             raise ValueError(f"Rollout.finish_reason={self.finish_reason!r}; expected one of {_FINISH_REASONS}")
         if self.prompt_index < 0 or self.sample_index < 0:
@@ -108,6 +120,13 @@ class Rollout:
     def truncated(self) -> bool:
         """True when the response ended because it hit the length limit."""
         return self.finish_reason == "length"
+
+    @property
+    def loss_mask(self) -> torch.Tensor:
+        """``[R]`` bool: ``response_loss_mask``, or all True when it is None."""
+        if self.response_loss_mask is not None:
+            return self.response_loss_mask
+        return torch.ones(self.response_token_ids.shape, dtype=torch.bool, device=self.response_token_ids.device)
 
 
 @dataclass(frozen=True, kw_only=True)

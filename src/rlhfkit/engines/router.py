@@ -11,7 +11,9 @@ n``, counted across concurrent calls until each engine's part returns — larges
 input order (prompt-major, then sample) with global ``prompt_index``; gives every call a timeout. An engine that dies
 (Ray actor death) or does not answer in time raises :class:`EngineDiedError` / :class:`EngineTimeoutError` naming the
 engine index; an engine that raises is reported as :class:`EngineError` with its index. ``sleep``, ``wake_up``,
-``load_weights``, ``health_check`` and any method (:meth:`EngineGroup.call`) go to every engine.
+``load_weights``, ``health_check`` and any method (:meth:`EngineGroup.call`) go to every engine. Session affinity:
+:meth:`EngineGroup.assign_sessions` picks an engine per conversation and ``generate(engine_indices=...)`` pins
+prompts to engines, so the turns of a multi-turn conversation reuse one engine's prefix cache.
 
 What it does not do: retry, reroute work away from a failed engine, cancel the other engines' parts after a failure
 (they finish and are dropped), or create engines. Pure Python; ``ray`` is imported only when a Ray handle is used.
@@ -357,10 +359,40 @@ class EngineGroup:
         future.add_done_callback(release)
         return future
 
+    def assign_sessions(self, work: Sequence[float]) -> list[int]:
+        """The engine each new session (a conversation, or a GRPO group of them) should stay on: sessions by
+        decreasing ``work`` go to the engine with the least outstanding work plus what it was given so far. Pass
+        the result as ``generate(..., engine_indices=...)`` on every turn so a conversation keeps its engine (and
+        that engine's prefix cache)."""
+        values = [float(value) for value in work]
+        if any(not value >= 0 for value in values):
+            raise ValueError(f"assign_sessions(work={list(work)!r}); every entry must be a number >= 0")
+        engines = [0] * len(values)
+        for engine, shard in enumerate(assign_prompts(values, self.outstanding)):
+            for session in shard:
+                engines[session] = engine
+        return engines
+
+    def _pinned_shards(self, engine_indices: Any, num_prompts: int) -> list[list[int]]:
+        if isinstance(engine_indices, (str, bytes)) or not isinstance(engine_indices, Sequence) \
+                or len(engine_indices) != num_prompts:
+            raise ValueError(f"engine_indices={engine_indices!r}; pass one engine index per prompt ({num_prompts})")
+        shards: list[list[int]] = [[] for _ in range(self.num_engines)]
+        for position, engine in enumerate(engine_indices):
+            if isinstance(engine, bool) or not isinstance(engine, int) or not 0 <= engine < self.num_engines:
+                raise ValueError(f"engine_indices[{position}]={engine!r}; must be an engine index in "
+                                 f"[0, {self.num_engines})")
+            shards[engine].append(position)
+        return shards
+
     def generate(self, prompt_token_ids: Sequence[Sequence[int]], sampling: SamplingConfig, *,
-                 timeout_s: float | None = None, trainer_version: int | None = None) -> list[Rollout]:
+                 timeout_s: float | None = None, trainer_version: int | None = None,
+                 engine_indices: Sequence[int] | None = None) -> list[Rollout]:
         """Sample ``sampling.n`` responses per prompt across the engines; ``len(result) == len(prompts) * n``, in
         input order with global ``prompt_index``.
+
+        ``engine_indices``: one engine per prompt (session affinity, e.g. from :meth:`assign_sessions`): prompt ``i``
+        goes to engine ``engine_indices[i]`` instead of the least loaded one.
 
         ``trainer_version``: the weight version the trainer holds now. When given, the rollouts' ``weight_version``
         is checked against it (``config.max_weight_lag``, ``config.on_weight_lag``): an engine the trainer's weights
@@ -374,7 +406,8 @@ class EngineGroup:
         if not prompts:
             return []
         work = self._work(prompts, sampling)
-        shards = assign_prompts(work, self.outstanding)
+        shards = (assign_prompts(work, self.outstanding) if engine_indices is None
+                  else self._pinned_shards(engine_indices, len(prompts)))
         futures = {index: self._start_shard(index, shard, prompts, sampling, sum(work[i] for i in shard))
                    for index, shard in enumerate(shards) if shard}
         results = self._wait(futures, "generate", timeout_s or self.config.generate_timeout_s)

@@ -188,7 +188,8 @@ def engine_token_logprobs(rollouts: Sequence[Rollout], batch: PackedBatch) -> to
         missing = have.index(False)
         raise ValueError(f"rollouts[{missing}].response_logprobs is None but other rollouts carry engine log-probs; "
                          "request logprobs for all samples or for none")
-    values = torch.cat([r.response_logprobs.float().cpu() for r in rollouts])  # type: ignore[union-attr]
+    # only sampled tokens carry engine log-probs (observation tokens of multi-turn rollouts are outside the loss)
+    values = torch.cat([r.response_logprobs.float().cpu()[r.loss_mask.cpu()] for r in rollouts])  # type: ignore
     out = torch.zeros(batch.num_tokens, dtype=torch.float32, device=batch.input_ids.device)
     out[batch.loss_mask] = values.to(out.device)
     _check_finite_tokens("rollouts' response_logprobs contain", out, batch)

@@ -135,7 +135,8 @@ def pack_sequences(
 
 
 def pack_rollouts(rollouts: Sequence[Rollout], *, pad_to_multiple_of: int = 1, pad_token_id: int = 0) -> PackedBatch:
-    """Pack each rollout as ``prompt + response``; the loss mask is True exactly on the response tokens."""
+    """Pack each rollout as ``prompt + response``; the loss mask is True exactly on the response tokens the engine
+    sampled (``Rollout.loss_mask``: all of them, unless ``response_loss_mask`` marks inserted observation tokens)."""
     if isinstance(rollouts, Rollout) or len(rollouts) == 0:
         raise ValueError("rollouts must be a non-empty list of Rollout (an empty batch is invalid)")
     sequences, masks = [], []
@@ -145,7 +146,7 @@ def pack_rollouts(rollouts: Sequence[Rollout], *, pad_to_multiple_of: int = 1, p
         prompt, response = rollout.prompt_token_ids, rollout.response_token_ids.to(rollout.prompt_token_ids.device)
         sequences.append(torch.cat([prompt.long(), response.long()]))
         masks.append(torch.cat([torch.zeros(prompt.numel(), dtype=torch.bool, device=prompt.device),
-                                torch.ones(response.numel(), dtype=torch.bool, device=prompt.device)]))
+                                rollout.loss_mask.to(prompt.device)]))
     return pack_sequences(sequences, loss_masks=masks, pad_to_multiple_of=pad_to_multiple_of,
                           pad_token_id=pad_token_id)
 
