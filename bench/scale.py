@@ -10,8 +10,9 @@ Models: the architectures' configs written out by hand (the GPU machine has no n
 ids fit every vocabulary here). Each model is built in ``--work-dir``, used by every mode, then deleted unless
 ``--keep``. Each run is examples/grpo_hybrid.py in its own process under ``--timeout`` seconds.
 
-Modes: ``full`` (every weight trains: ZeRO-3, optimizer offload to host memory, gradient checkpointing, bf16, the
-engine asleep at level 2) and ``lora`` (rank ``--lora-rank`` adapters on the attention and MLP projections; the
+Modes: ``full`` (every weight trains, bf16 with fp32 masters, the engine asleep at level 2; up to 3B the example's
+defaults: ZeRO-1, every state moved to host memory while asleep; 7B-8B add ZeRO-3, the optimizer in host memory and
+gradient checkpointing) and ``lora`` (rank ``--lora-rank`` adapters on the attention and MLP projections; the
 adapters alone are pushed; engine sleep level 1). ``--peer trl`` runs bench/peer_trl.py (full-parameter, bf16,
 vLLM colocate with sleep mode) on the same model and workload. A run that fails keeps its exit code, the
 plan's memory estimate error if that is what stopped it, and its log's tail. Writes a JSON with, per architecture
@@ -96,11 +97,22 @@ def ours_command(args, model: Path, mode: str, out: Path) -> list[str]:
                "--steps", str(args.steps), *[f"--{k.replace('_', '-')}={v}" for k, v in workload.items()]]
     if args.tiny:
         return command + ["--device", "cpu", "--lr", "1e-3"] + (["--lora-rank", "4"] if mode == "lora" else [])
-    command += ["--bf16", "true", "--zero-stage", "3", "--gradient-checkpointing", "true", "--lr", "1e-6",
-                "--engine-memory", str(args.engine_memory)]
+    command += ["--bf16", "true", "--lr", "1e-6", "--engine-memory", str(args.engine_memory)]
+    large = ARCHITECTURES[model_arch(model)]["hidden_size"] >= LARGE_HIDDEN
     if mode == "lora":
-        return command + ["--lora-rank", str(args.lora_rank), "--lr", "1e-5"]
-    return command + ["--offload-optimizer", "true"]
+        return command + ["--zero-stage", "3", "--gradient-checkpointing", "true", "--lora-rank", str(args.lora_rank),
+                          "--lr", "1e-5"]
+    if not large:  # the example's defaults (ZeRO-1, every state offloaded while asleep) fit up to 3B
+        return command
+    return command + ["--zero-stage", "3", "--gradient-checkpointing", "true", "--offload-optimizer", "true"]
+
+
+# from this width up (7B-8B) full-parameter training needs the optimizer in host memory and recomputed activations
+LARGE_HIDDEN = 3584
+
+
+def model_arch(model: Path) -> str:
+    return model.name
 
 
 def run(command: list[str], log: Path, timeout: float) -> tuple[int, float]:

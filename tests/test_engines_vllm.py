@@ -596,8 +596,14 @@ def test_plan_launches_without_ray():
     assert launches[1].env == {"RLHFKIT_TEST_MARKER": "x", "VLLM_RAY_PER_WORKER_GPUS": "0.25",
                                "VLLM_RAY_BUNDLE_INDICES": "2,3"}
     plain = plan_launches(dataclasses.replace(config, tensor_parallel_size=1))
-    expected = (0.25, None, {"RLHFKIT_TEST_MARKER": "x"})
+    expected = (0.25, None, {"RLHFKIT_TEST_MARKER": "x", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
     assert [(lc.num_gpus, lc.placement_group, lc.env) for lc in plain] == [expected] * 2
+    # vLLM's own engine-core process when asked for, and an explicit env entry wins over in_process
+    spawned = plan_launches(dataclasses.replace(config, tensor_parallel_size=1, in_process=False))
+    assert spawned[0].env == {"RLHFKIT_TEST_MARKER": "x"}
+    explicit = plan_launches(dataclasses.replace(config, tensor_parallel_size=1,
+                                                 env={"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}))
+    assert explicit[0].env == {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
     with pytest.raises(ValueError, match="need 2 group"):
         plan_launches(config, placement_group=group, bundle_indices=[(0, 1)])
     with pytest.raises(ValueError, match="out of range for a placement group of 4 bundles"):

@@ -35,10 +35,13 @@ def test_phase_timer_moves_worker_switch_time_to_sleep_wake():
 
 
 def test_metrics_logger_writes_numbers_only(tmp_path):
+    before = time.time()
     with MetricsLogger(tmp_path) as metrics:
         row = metrics.log(3, {"loss": torch.tensor(1.0).item(), "flag": True, "name": "x", "n": 2})
     assert row == {"step": 3.0, "loss": 1.0, "n": 2.0}
-    assert json.loads((tmp_path / "metrics.jsonl").read_text()) == row
+    line = json.loads((tmp_path / "metrics.jsonl").read_text())
+    assert before <= line.pop("timestamp") <= time.time()  # the file also says when (launch -> first step timing)
+    assert line == row
 
 
 def test_metrics_logger_names_the_extra_for_wandb(tmp_path, monkeypatch):

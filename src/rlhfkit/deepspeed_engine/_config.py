@@ -72,6 +72,9 @@ class DeepSpeedEngineConfig:
             ``initializer_range`` init.
         param_persistence_threshold: ZeRO-3 parameters with fewer elements stay gathered between forwards
             (DeepSpeed's ``stage3_param_persistence_threshold``); sleep() releases them too.
+        bucket_elements: DeepSpeed's ``reduce_bucket_size`` and ``allgather_bucket_size`` (ZeRO-1/2; ZeRO-3's
+            ``reduce_bucket_size``), in elements. ZeRO-1/2 keep a gradient bucket of this many elements on the GPU
+            while training: DeepSpeed's default (5e8) is 2 GiB of fp32, 5e7 is 200 MiB.
     """
 
     zero_stage: int = 3
@@ -95,6 +98,7 @@ class DeepSpeedEngineConfig:
     attn_implementation: str | None = None
     value_head_init_std: float | None = None
     param_persistence_threshold: int = 100_000
+    bucket_elements: int = 50_000_000
 
     def __post_init__(self) -> None:
         self._check_choices()
@@ -135,6 +139,9 @@ class DeepSpeedEngineConfig:
         if self.value_head_init_std is not None and not self.value_head_init_std > 0:
             raise ValueError(f"DeepSpeedEngineConfig.value_head_init_std={self.value_head_init_std}; must be > 0 "
                              "or None")
+        if isinstance(self.bucket_elements, bool) or not isinstance(self.bucket_elements, int) \
+                or self.bucket_elements < 1:
+            raise ValueError(f"DeepSpeedEngineConfig.bucket_elements={self.bucket_elements!r}; must be an int >= 1")
         if self.param_persistence_threshold < 0:
             raise ValueError(f"DeepSpeedEngineConfig.param_persistence_threshold={self.param_persistence_threshold}; "
                              "must be >= 0")
@@ -151,7 +158,10 @@ class DeepSpeedEngineConfig:
         stage = self.zero_stage if with_optimizer or self.zero_stage == 3 else 0
         zero: dict[str, Any] = {"stage": stage}
         if stage >= 1:
-            zero.update(contiguous_gradients=True, overlap_comm=False, reduce_scatter=True)
+            zero.update(contiguous_gradients=True, overlap_comm=False, reduce_scatter=True,
+                        reduce_bucket_size=self.bucket_elements)
+            if stage < 3:
+                zero["allgather_bucket_size"] = self.bucket_elements
         if self.zero_stage == 3:
             zero["stage3_param_persistence_threshold"] = self.param_persistence_threshold
             zero["stage3_gather_16bit_weights_on_model_save"] = False

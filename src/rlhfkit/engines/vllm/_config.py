@@ -54,6 +54,9 @@ class VLLMEngineConfig:
         extra_kwargs: more ``vllm.LLM`` keyword arguments, as a mapping or (name, value) pairs (stored as pairs);
             names this config sets are refused.
         env: environment variables for engine actors (e.g. ``VLLM_USE_FLASHINFER_SAMPLER=0``), as pairs or a mapping.
+        in_process: engine actors with ``tensor_parallel_size=1`` run vLLM's engine core in their own process
+            (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) instead of spawning a second process that imports vLLM again
+            and relays every call; False keeps vLLM's default. An ``env`` entry for that variable wins.
         worker_extension_cls: the worker extension (a subclass of rlhfkit's may add methods).
         generate_timeout_s, control_timeout_s, health_timeout_s, startup_timeout_s: timeouts of engine groups
             (generate; sleep/wake/weight loads; health checks; engine start-up).
@@ -87,6 +90,7 @@ class VLLMEngineConfig:
     logprobs_mode: Literal["processed_logprobs", "raw_logprobs"] = "processed_logprobs"
     extra_kwargs: Any = field(default=())
     env: Any = field(default=())
+    in_process: bool = True
     worker_extension_cls: str = WORKER_EXTENSION
     generate_timeout_s: float = 600.0
     control_timeout_s: float = 300.0
@@ -122,6 +126,8 @@ class VLLMEngineConfig:
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not value > 0:
                 raise ValueError(f"VLLMEngineConfig.{name}={value!r}; must be a number of seconds > 0")
+        if not isinstance(self.in_process, bool):
+            raise TypeError(f"VLLMEngineConfig.in_process={self.in_process!r}; must be True or False")
         extra = _freeze_pairs("VLLMEngineConfig", "extra_kwargs", self.extra_kwargs)
         clash = [key for key, _ in extra if key in _OWN_KWARGS]
         if clash:
