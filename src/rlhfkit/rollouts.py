@@ -222,9 +222,18 @@ class RolloutBuffer:
         if weight_version is None:
             weight_version = min(int(r.weight_version) for r in group)
         _check_version("weight_version", weight_version)
-        rollouts = [r if r.weight_version == weight_version else dataclasses.replace(r, weight_version=weight_version)
-                    for r in group]
-        return _Group(rollouts, weight_version)
+        return _Group([self._restamp(r, weight_version) for r in group], weight_version)
+
+    @staticmethod
+    def _restamp(rollout: Rollout, weight_version: int) -> Rollout:
+        """The rollout stamped with ``weight_version``; tokens of a newer version (weights pushed between the stamp
+        and the generation) keep theirs in ``response_weight_versions``."""
+        if rollout.weight_version == weight_version:
+            return rollout
+        if rollout.weight_version > weight_version and rollout.response_weight_versions is None:
+            return dataclasses.replace(rollout, weight_version=weight_version,
+                                       response_weight_versions=rollout.token_weight_versions)
+        return dataclasses.replace(rollout, weight_version=weight_version)
 
     def _raise_if_closed(self) -> None:
         if self._error is not None:
