@@ -6,8 +6,8 @@ results (docs/benchmarks.md) and writes their JSON into a results folder.
     python -m bench --list                                     # the suites and their steps
 
 Suites: weight_sync (CUDA IPC and NCCL channel, copy-plan replay), vllm (engine, sleep, sync into vLLM), deepspeed
-(sleep/wake, the training step), training (log-probs, packing, GAE), hybrid (the GRPO example, 100 steps), peers (TRL,
-OpenRLHF on the same workload). ``--dry-run`` prints each step's command and writes nothing.
+(sleep/wake, the training step), training (log-probs, packing, GAE), hybrid (the GRPO example, 100 steps), async
+(asynchronous vs synchronous GRPO, bench/async_grpo.py), peers (TRL, OpenRLHF on the same workload). ``--dry-run`` prints each step's command and writes nothing.
 
 What each run leaves in ``DIR``: one JSON per step (named after the step), ``logs/STEP.log`` (stdout and stderr),
 ``SUITE.json`` (every step's command, exit code, seconds, and the environment: date, host, GPUs, package versions).
@@ -125,6 +125,11 @@ SUITES: dict[str, tuple[Step, ...]] = {
         Step(name="grpo100", what="100 steps of the default grpo_hybrid.py: reward curve, KL, engine gap",
              needs_model=True, argv=_py("bench/hybrid.py", "--model", "{model}", "--steps", "100", "--no-peer",
                                         "--timeout", "900", "--out", "{out}"), timeout_s=1000),
+    ),
+    "async": (
+        Step(name="async_grpo", what="grpo_async.py: asynchronous (staleness 1, TIS) vs synchronous, same script",
+             needs_model=True, argv=_py("bench/async_grpo.py", "--model", "{model}", "--steps", "30", "--out",
+                                        "{out}"), timeout_s=3000),
     ),
     "peers": (
         Step(name="peer_trl_tf32", what="TRL GRPOTrainer (vLLM colocate, sleep), TF32 training matmuls",

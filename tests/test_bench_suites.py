@@ -87,3 +87,22 @@ def test_run_writes_a_summary_per_suite(tmp_path, monkeypatch):
     assert [(s["name"], s["rc"]) for s in summary["steps"]] == [("ok", 0), ("bad", 3)]
     assert (tmp_path / "logs" / "ok.log").read_text().strip() == "fine"
     assert "torch" in summary["environment"]["versions"]
+
+
+@pytest.mark.slow
+@pytest.mark.ray
+def test_async_bench_runs_tiny_on_cpu(tmp_path):
+    """bench/async_grpo.py --tiny: both modes of examples/grpo_async.py run, the JSON has the throughput, curves and
+    staleness the lead reads on the GPU, and the PNG is written."""
+    pytest.importorskip("deepspeed")
+    out = tmp_path / "async.json"
+    completed = subprocess.run([sys.executable, str(ROOT / "bench" / "async_grpo.py"), "--tiny", "--out", str(out)],
+                               capture_output=True, text=True, timeout=600, check=False)
+    assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
+    result = json.loads(out.read_text())
+    for mode in ("sync", "async"):
+        assert result[mode]["steps"] == 3 and result[mode]["samples_per_s_after_first"] > 0
+        assert result[mode]["curve"]["samples"] == [16.0, 32.0, 48.0]
+    assert result["sync"]["staleness_hist"] == {"0": 48.0}
+    assert result["async"]["staleness_hist"].get("1", 0) > 0 and result["speedup"] > 0
+    assert (tmp_path / "async.png").stat().st_size > 0
