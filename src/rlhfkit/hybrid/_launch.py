@@ -331,7 +331,7 @@ class Hybrid:
         ``weight_sync`` phase (its sleeps and wakes as ``sleep_wake``). Returns ``sync/*`` and
         ``engine/weight_version``. With ``HybridConfig(overlap=True)`` the engines stay awake and generating: the
         update happens in flight (:meth:`RolloutEngines.in_flight_update`)."""
-        engines, trainer, timer = self.engines, self.trainers[role], self.timer
+        engines, timer = self.engines, self.timer
         if self.config.overlap:
             with timer.phase("weight_sync"), engines.in_flight_update():
                 return self._push(role, colocated=False)

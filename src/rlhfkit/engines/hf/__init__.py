@@ -41,7 +41,7 @@ from rlhfkit.engines.hf._state import EngineWeightState
 from rlhfkit.engines.protocol import WAKE_TAGS, SamplingConfig, next_weight_version
 from rlhfkit.types import Rollout
 
-__all__ = ["GenerationPausedTimeout", "HFEngineConfig", "HFEngine"]
+__all__ = ["GenerationPausedTimeout", "HFEngine", "HFEngineConfig"]
 
 logger = logging.getLogger(__name__)
 
