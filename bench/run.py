@@ -7,7 +7,8 @@ results (docs/benchmarks.md) and writes their JSON into a results folder.
 
 Suites: weight_sync (CUDA IPC and NCCL channel, copy-plan replay), vllm (engine, sleep, sync into vLLM), deepspeed
 (sleep/wake, the training step), training (log-probs, packing, GAE), hybrid (the GRPO example, 100 steps), scale
-(1.5B to 8B shapes, full-parameter and LoRA, next to TRL), peers (TRL, OpenRLHF on the same workload). ``--dry-run`` prints each step's command and writes nothing.
+(1.5B to 8B shapes, full-parameter and LoRA, next to TRL), async (asynchronous vs synchronous GRPO,
+bench/async_grpo.py), peers (TRL, OpenRLHF on the same workload). ``--dry-run`` prints each step's command and writes nothing.
 
 What each run leaves in ``DIR``: one JSON per step (named after the step), ``logs/STEP.log`` (stdout and stderr),
 ``SUITE.json`` (every step's command, exit code, seconds, and the environment: date, host, GPUs, package versions).
@@ -136,6 +137,11 @@ SUITES: dict[str, tuple[Step, ...]] = {
              needs_model=True, argv=_py("bench/scale.py", "--tokenizer", "{model}", "--archs", "llama-3.1-8b",
                                         "--steps", "10", "--work-dir", "{work}/rlhfkit-scale", "--timeout", "900",
                                         "--out", "{out}"), timeout_s=2 * 960),
+    ),
+    "async": (
+        Step(name="async_grpo", what="grpo_async.py: asynchronous (staleness 1, TIS) vs synchronous, same script",
+             needs_model=True, argv=_py("bench/async_grpo.py", "--model", "{model}", "--steps", "30", "--out",
+                                        "{out}"), timeout_s=3000),
     ),
     "peers": (
         Step(name="peer_trl_tf32", what="TRL GRPOTrainer (vLLM colocate, sleep), TF32 training matmuls",

@@ -108,3 +108,18 @@ def test_scale_bench_tiny_runs_full_and_lora_on_cpu(tmp_path):
         assert "time/train_actor_s" in runs[mode]["median"]
     assert 0 < runs["lora"]["sync_bytes"] < runs["full"]["sync_bytes"] / 4
     assert not (tmp_path / "work" / "toy").exists()  # the model is deleted after its runs (no --keep)
+def test_async_bench_runs_tiny_on_cpu(tmp_path):
+    """bench/async_grpo.py --tiny: both modes of examples/grpo_async.py run, the JSON has the throughput, curves and
+    staleness the lead reads on the GPU, and the PNG is written."""
+    pytest.importorskip("deepspeed")
+    out = tmp_path / "async.json"
+    completed = subprocess.run([sys.executable, str(ROOT / "bench" / "async_grpo.py"), "--tiny", "--out", str(out)],
+                               capture_output=True, text=True, timeout=600, check=False)
+    assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
+    result = json.loads(out.read_text())
+    for mode in ("sync", "async"):
+        assert result[mode]["steps"] == 3 and result[mode]["samples_per_s_after_first"] > 0
+        assert result[mode]["curve"]["samples"] == [16.0, 32.0, 48.0]
+    assert result["sync"]["staleness_hist"] == {"0": 48.0}
+    assert result["async"]["staleness_hist"].get("1", 0) > 0 and result["speedup"] > 0
+    assert (tmp_path / "async.png").stat().st_size > 0

@@ -364,3 +364,99 @@ def test_weight_versions_strictly_increase(tiny_llama_path, prompt_ids):
     assert engine.weight_version == 5 and torch.equal(norm, original)  # refused before anything was copied
     engine.load_weights([("model.norm.weight", original)])
     assert engine.weight_version == 6
+
+
+# --- in-flight weight updates: pause, load, resume (abort and resubmit) ----------------------------------------------
+def _perturbed(model, scale=0.05, seed=1):
+    generator = torch.Generator().manual_seed(seed)
+    return {name: value.detach() + scale * torch.randn(value.shape, generator=generator)
+            for name, value in model.named_parameters()}
+
+
+def _generate_with_a_pause_at_step(path, prompt_ids, sampling, step, new_weights):
+    """Run generate in a thread, pause it when the model's ``step``-th forward starts, load ``new_weights`` while it
+    is parked, resume; returns the rollouts and the new engine."""
+    import threading
+
+    engine = HFEngine(HFEngineConfig(model=path, max_batch_size=8, seed=0, pause_timeout_s=30))
+    reached, go, calls = threading.Event(), threading.Event(), [0]
+
+    def hook(module, args, kwargs):
+        calls[0] += 1
+        if calls[0] == step:
+            reached.set()
+            assert go.wait(30)
+
+    handle = engine.model.register_forward_pre_hook(hook, with_kwargs=True)
+    result: dict = {}
+    worker = threading.Thread(target=lambda: result.update(rollouts=engine.generate(prompt_ids, sampling)))
+    worker.start()
+    assert reached.wait(30)
+    pauser = threading.Thread(target=lambda: result.update(parked=engine.pause_generation(timeout_s=30)))
+    pauser.start()
+    while not engine.generation_paused:
+        pass
+    go.set()  # the forward in flight finishes; the decode loop sees the pause and parks
+    pauser.join(30)
+    assert result["parked"] == 1
+    handle.remove()
+    engine.load_weights(new_weights, version=1)
+    engine.resume_generation()
+    worker.join(60)
+    assert not worker.is_alive()
+    return result["rollouts"], engine
+
+
+def test_an_in_flight_update_continues_unfinished_samples_with_new_weights_and_stamps_each_token(tiny_llama_path,
+                                                                                                 prompt_ids):
+    """Issue 21 item 4 (fallback): abort and resubmit; tokens before the pause are the old weights', tokens after it
+    the new weights' (their log-probs match a full forward of the new model), each stamped with its version."""
+    path = str(tiny_llama_path)
+    sampling = SamplingConfig(n=2, max_new_tokens=10, ignore_eos=True, seed=7)
+    old = HFEngine(HFEngineConfig(model=path, max_batch_size=8, seed=0))
+    uninterrupted = old.generate(prompt_ids, sampling)
+    new_weights = _perturbed(old.model)
+    rollouts, engine = _generate_with_a_pause_at_step(path, prompt_ids, sampling, step=4, new_weights=new_weights)
+    # the 4th forward (the prefill and 2 decode steps ran before it) completes: 4 tokens of version 0
+    for rollout, reference in zip(rollouts, uninterrupted, strict=True):
+        assert rollout.weight_version == 0 and rollout.finish_reason == "length"
+        assert rollout.response_weight_versions.tolist() == [0] * 4 + [1] * 6
+        assert rollout.token_weight_versions.tolist() == [0] * 4 + [1] * 6
+        assert torch.equal(rollout.response_token_ids[:4], reference.response_token_ids[:4])
+        torch.testing.assert_close(rollout.response_logprobs[:4], reference.response_logprobs[:4], atol=1e-5, rtol=0)
+        torch.testing.assert_close(rollout.response_logprobs[4:], full_forward_logprobs(engine.model, rollout)[4:],
+                                   atol=1e-4, rtol=0)
+    assert not torch.equal(torch.stack([r.response_token_ids for r in rollouts]),
+                           torch.stack([r.response_token_ids for r in uninterrupted]))
+
+
+def test_pause_without_generation_returns_and_a_paused_generate_waits_bounded(tiny_llama_path, prompt_ids):
+    import threading
+    import time
+
+    from rlhfkit.engines.hf import GenerationPausedTimeout
+
+    engine = HFEngine(HFEngineConfig(model=str(tiny_llama_path), seed=0, pause_timeout_s=0.3))
+    assert engine.pause_generation(timeout_s=1) == 0 and engine.generation_paused
+    start = time.monotonic()
+    with pytest.raises(GenerationPausedTimeout, match="not resumed within 0.3 s"):
+        engine.generate(prompt_ids[:1], SamplingConfig(max_new_tokens=4))  # arrives during a pause: waits, bounded
+    assert time.monotonic() - start < 5
+    engine.resume_generation()
+    assert len(engine.generate(prompt_ids[:1], SamplingConfig(max_new_tokens=4))) == 1
+    # a generate that never reaches a decode step: the pause is bounded and withdrawn
+    blocked, go = threading.Event(), threading.Event()
+    def hook(*args):
+        blocked.set()
+        go.wait(30)
+
+    handle = engine.model.register_forward_pre_hook(hook)
+    worker = threading.Thread(target=engine.generate, args=(prompt_ids[:1], SamplingConfig(max_new_tokens=4)))
+    worker.start()
+    assert blocked.wait(30)
+    with pytest.raises(GenerationPausedTimeout, match="1 of 1 running generate"):
+        engine.pause_generation(timeout_s=0.2)
+    assert not engine.generation_paused
+    handle.remove()
+    go.set()
+    worker.join(30)

@@ -408,3 +408,21 @@ def test_forward_fns_on_cuda_results_land_on_the_batch_device():
                              config=ExperienceConfig(estimator="gae", kl_in_reward=True, kl_coef=0.1))
     assert experience.advantages.device.type == "cpu"
     torch.testing.assert_close(experience.advantages, cpu.advantages, rtol=1e-5, atol=1e-5)
+
+
+def test_experience_carries_each_tokens_weight_version_through_minibatches():
+    """Issue 21 item 1: make_experience fills Experience.weight_versions ([T], 0 off the loss mask) from the rollouts'
+    per-token versions (a constant for a rollout of one version); select_experience keeps it aligned."""
+    from rlhfkit.experience import token_weight_versions
+
+    rollouts = [Rollout(prompt_token_ids=torch.tensor([1, 2]), response_token_ids=torch.tensor([3, 4, 5]),
+                        weight_version=2, response_weight_versions=torch.tensor([2, 3, 3])),
+                Rollout(prompt_token_ids=torch.tensor([6]), response_token_ids=torch.tensor([7, 8]), weight_version=1,
+                        prompt_index=1)]
+    experience, _ = make_experience(rollouts, torch.tensor([1.0, 0.0]), config=ExperienceConfig(estimator="reinforce"),
+                                    policy_logprobs_fn=lambda b: torch.zeros(b.num_tokens))
+    assert experience.weight_versions.tolist() == [0, 0, 2, 3, 3, 0, 1, 1]
+    assert torch.equal(experience.weight_versions, token_weight_versions(rollouts, experience.batch))
+    assert select_experience(experience, [1]).weight_versions.tolist() == [0, 1, 1]
+    with pytest.raises(ValueError, match="1 rollouts for a batch of 2 sequences"):
+        token_weight_versions(rollouts[:1], experience.batch)

@@ -239,3 +239,75 @@ def test_pushing_weights_while_the_engines_generate_is_refused(hybrid):
         release.set()
         worker.join(60)
         engines.group.generate = original
+
+
+# --- overlap mode (asynchronous rollouts): config and the in-flight update's ordering, without a cluster ------------
+def test_overlap_config_names_what_it_needs():
+    from rlhfkit.hybrid import HybridConfig
+
+    with pytest.raises(ValueError, match="engine_sleep_level=2 would put them to sleep"):
+        HybridConfig(model="m", overlap=True, max_weight_lag=1)
+    with pytest.raises(ValueError, match="max_weight_lag=0"):
+        HybridConfig(model="m", overlap=True, engine_sleep_level=0)
+    assert HybridConfig(model="m", overlap=True, engine_sleep_level=0, max_weight_lag=1).overlap
+
+
+class _Group:
+    """An engine group stand-in that records the order of generate, pause and resume calls."""
+
+    def __init__(self, generate_s):
+        self.events, self.generate_s = [], generate_s
+
+    def generate(self, prompts, sampling, trainer_version=None):
+        self.events.append("generate start")
+        time.sleep(self.generate_s)
+        self.events.append("generate end")
+        return []
+
+    def call(self, method, *args, timeout_s=None):
+        self.events.append(method)
+        return [0]
+
+
+@pytest.mark.parametrize("pausable", [True, False])
+def test_an_in_flight_update_pauses_or_drains_and_holds_new_generates(pausable):
+    """Issue 21 item 2: pausable engines are paused around the push; others finish the call in flight first. A
+    generate that arrives during the push starts after it."""
+    from rlhfkit.hybrid import RolloutEngines
+
+    group = _Group(generate_s=0.3)
+    engines = RolloutEngines(group, [], colocated=True, sleep_level=0, overlap=True, pausable=pausable,
+                             update_timeout_s=10)
+    first = threading.Thread(target=engines.generate, args=([[1]], None))
+    first.start()
+    time.sleep(0.1)
+    with engines.in_flight_update():
+        group.events.append("push")
+        second = threading.Thread(target=engines.generate, args=([[2]], None))
+        second.start()
+        time.sleep(0.4)
+        group.events.append("push end")
+    first.join(10)
+    second.join(10)
+    if pausable:  # the engine parks the running call itself; the driver only brackets the push
+        assert group.events[:3] == ["generate start", "pause_generation", "push"]
+        assert group.events.index("resume_generation") < group.events.index("generate start", 1)
+    else:
+        assert group.events[:3] == ["generate start", "generate end", "push"]
+    assert group.events.index("push end") < group.events.index("generate start", 1)
+
+
+def test_a_drain_that_does_not_end_is_bounded_and_names_it():
+    from rlhfkit.hybrid import RolloutEngines
+
+    engines = RolloutEngines(_Group(generate_s=2.0), [], colocated=True, sleep_level=0, overlap=True,
+                             pausable=False, update_timeout_s=0.2)
+    worker = threading.Thread(target=engines.generate, args=([[1]], None))
+    worker.start()
+    time.sleep(0.1)
+    with pytest.raises(EnginesBusyError, match="1 generate call"):
+        with engines.in_flight_update():
+            pass
+    worker.join(10)
+    with engines.in_flight_update():  # the failed update did not leave the engines blocked
+        pass

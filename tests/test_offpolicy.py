@@ -288,3 +288,27 @@ def test_each_error_names_its_argument():
         nan[4] = math.nan
         with pytest.raises(ValueError, match="target_logprobs contain NaN or inf on loss tokens"):
             call(nan, behaviour, MASK, CU)
+
+
+def test_mismatch_stats_by_token_staleness_hand_derived():
+    """Issue 21 item 1: the off-policy metrics read each token's own weight version (a sample continued after an
+    in-flight update spans versions: sequence 1 here)."""
+    target, behaviour = _example()
+    versions = torch.tensor([9, 0, 0, 9, 1, 1, 2, 9])  # outside the mask: ignored
+    stats = mismatch_stats(target, behaviour, MASK, CU, weight_versions=versions, trainer_version=2)
+
+    def k3(r):
+        return r - 1 - math.log(r)
+
+    expected = {"staleness_mean": 6 / 5, "staleness_max": 2.0,
+                "kl_staleness_0": k3(1.6), "tokens_staleness_0": 1.0,
+                "kl_staleness_1": (k3(1.0) + k3(1.5)) / 2, "tokens_staleness_1": 2.0,
+                "kl_staleness_2": (k3(3.0) + k3(0.25)) / 2, "tokens_staleness_2": 2.0}
+    assert {k: stats[k] for k in expected} == pytest.approx(expected, rel=1e-12)
+    assert stats["kl"] == pytest.approx(mismatch_stats(target, behaviour, MASK, CU)["kl"], rel=1e-12)
+    with pytest.raises(ValueError, match=r"weight_versions\[6\]=2 is newer than trainer_version=1"):
+        mismatch_stats(target, behaviour, MASK, CU, weight_versions=versions, trainer_version=1)
+    with pytest.raises(ValueError, match="trainer_version=None"):
+        mismatch_stats(target, behaviour, MASK, CU, weight_versions=versions)
+    with pytest.raises(TypeError, match="weight_versions must be a"):
+        mismatch_stats(target, behaviour, MASK, CU, weight_versions=versions.float(), trainer_version=2)

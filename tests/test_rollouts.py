@@ -25,6 +25,7 @@ from rlhfkit.rollouts import (
     RolloutProducerError,
     RolloutTimeoutError,
     staleness,
+    token_staleness,
 )
 from rlhfkit.types import Rollout
 
@@ -311,3 +312,42 @@ def test_max_staleness_0_with_a_synchronous_schedule_equals_the_synchronous_loop
         assert [r.response_token_ids.tolist() for r in have] == [r.response_token_ids.tolist() for r in want], step
         assert {r.weight_version for r in have} == {step}
     assert len({tuple(r.response_token_ids.tolist()) for rs in got for r in rs}) > 2   # sampling, not a constant
+
+
+# --- per-token weight versions (a sample continued after an in-flight update spans versions) --------------------------
+def spanning_rollout(versions, *, weight_version=None, prompt_index=0):
+    versions = torch.tensor(versions)
+    return Rollout(prompt_token_ids=torch.tensor([5, 6]), response_token_ids=torch.arange(len(versions)) + 1,
+                   prompt_index=prompt_index, response_weight_versions=versions,
+                   weight_version=int(versions.min()) if weight_version is None else weight_version)
+
+
+def test_rollout_token_versions_are_validated_and_default_to_the_constant():
+    assert Rollout(prompt_token_ids=torch.tensor([1]), response_token_ids=torch.tensor([2, 3]),
+                   weight_version=4).token_weight_versions.tolist() == [4, 4]
+    assert spanning_rollout([1, 1, 2]).token_weight_versions.tolist() == [1, 1, 2]
+    with pytest.raises(ValueError, match=r"response_weight_versions\[0\]=1 is older than weight_version=2"):
+        spanning_rollout([1, 2, 2], weight_version=2)
+    with pytest.raises(ValueError, match=r"response_weight_versions\[2\]=1 is older than the token before it"):
+        spanning_rollout([1, 2, 1])
+    with pytest.raises(ValueError, match="one version per response token"):
+        Rollout(prompt_token_ids=torch.tensor([1]), response_token_ids=torch.tensor([2, 3]),
+                response_weight_versions=torch.tensor([0]))
+
+
+def test_token_staleness_and_the_buffer_count_each_token_at_its_own_version():
+    """Issue 21 item 1: the bound uses the oldest token (the group's stamp); the token metrics use each token's."""
+    rollouts = [spanning_rollout([3, 3, 4, 5]), spanning_rollout([5, 5], prompt_index=0)]
+    assert token_staleness(rollouts, 5).tolist() == [2, 2, 1, 0, 0, 0]
+    assert staleness(rollouts, 5).tolist() == [2, 0]
+    with pytest.raises(ValueError, match="rollout 0 has a token of weight version 5, newer than trainer_version=4"):
+        token_staleness(rollouts, 4)
+    buffer = RolloutBuffer(RolloutBufferConfig(max_staleness=2, capacity=4))
+    buffer.put(rollouts, weight_version=3)  # the stamp: the version at the request's start
+    buffer.get(1, trainer_version=5, timeout_s=1)
+    metrics = buffer.metrics()
+    assert metrics["staleness_hist_2"] == 2 and metrics["staleness_mean"] == 2  # the bound: conservative
+    assert [metrics[f"token_staleness_hist_{k}"] for k in range(3)] == [3, 1, 2]
+    assert metrics["token_staleness_mean"] == pytest.approx(5 / 6)
+    with pytest.raises(ValueError, match="older than weight_version=4"):
+        buffer.put(rollouts, weight_version=4)  # a stamp newer than a token it covers is a bookkeeping error

@@ -10,9 +10,14 @@ hands out only groups with ``v - weight_version <= max_staleness``. Older groups
 (``on_stale="wait"``, see :class:`RolloutBufferConfig`). Every wait is bounded and its timeout names what was waited
 for; a producer's exception reaches the trainer's next ``get``; :meth:`RolloutBuffer.close` wakes every waiter.
 
-What it does not do: correct for off-policy data (importance weights live in :mod:`rlhfkit.losses`), track versions
-per token (a partial rollout whose generation spans a weight update is stamped with the version at its start, the
-older one: per-token versions are out of scope), push weights, or pause engines. Needs only torch.
+Versions per token: a rollout continued after an in-flight weight update (:meth:`rlhfkit.hybrid.Hybrid.push_weights`
+with ``HybridConfig(overlap=True)``, :meth:`rlhfkit.engines.hf.HFEngine.pause_generation`) carries the version of each
+token (``Rollout.response_weight_versions``); its group is stamped with the version at its request's start, the
+oldest, so the bound is conservative, and :func:`token_staleness` and the ``token_staleness_*`` metrics count every
+token at its own version.
+
+What it does not do: correct for off-policy data (importance weights live in :mod:`rlhfkit.losses`), push weights,
+or pause engines. Needs only torch.
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ import torch
 from rlhfkit.types import Rollout
 
 __all__ = ["RolloutBuffer", "RolloutBufferClosedError", "RolloutBufferConfig", "RolloutProducer",
-           "RolloutProducerError", "RolloutTimeoutError", "staleness"]
+           "RolloutProducerError", "RolloutTimeoutError", "staleness", "token_staleness"]
 
 logger = logging.getLogger(__name__)
 
@@ -81,6 +86,23 @@ def staleness(rollouts: Sequence[Rollout], trainer_version: int) -> torch.Tensor
         raise ValueError(f"rollout {index} has weight_version={int(versions[index])}, newer than "
                          f"trainer_version={trainer_version}; pass the version of the weights the trainer holds now")
     return ages
+
+
+def token_staleness(rollouts: Sequence[Rollout], trainer_version: int) -> torch.Tensor:
+    """``[sum R]`` int64: how many weight versions each response token lags the trainer, rollout after rollout
+    (``trainer_version - Rollout.token_weight_versions``). Equal to :func:`staleness` repeated over each response
+    unless a rollout spans an in-flight weight update, whose later tokens are fresher. A token newer than the trainer
+    raises ``ValueError`` naming its rollout."""
+    _check_version("trainer_version", trainer_version)
+    if not rollouts:
+        return torch.zeros(0, dtype=torch.int64)
+    ages = [trainer_version - r.token_weight_versions for r in rollouts]
+    for index, age in enumerate(ages):
+        if age.numel() and int(age.min()) < 0:
+            raise ValueError(f"rollout {index} has a token of weight version {trainer_version - int(age.min())}, "
+                             f"newer than trainer_version={trainer_version}; pass the version of the weights the "
+                             "trainer holds now")
+    return torch.cat(ages)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -155,6 +177,7 @@ class RolloutBuffer:
         self._last_get_version = -1
         self._handed_at_last_version = 0
         self._histogram = torch.zeros(config.max_staleness + 1, dtype=torch.int64)
+        self._token_histogram = torch.zeros(config.max_staleness + 1, dtype=torch.int64)
         self._counts = dict.fromkeys(("groups_in", "groups_out", "rollouts_out", "dropped_groups",
                                       "dropped_rollouts", "producer_waits", "trainer_waits"), 0)
         self._seconds = {"producer_wait_s": 0.0, "trainer_wait_s": 0.0}
@@ -199,9 +222,18 @@ class RolloutBuffer:
         if weight_version is None:
             weight_version = min(int(r.weight_version) for r in group)
         _check_version("weight_version", weight_version)
-        rollouts = [r if r.weight_version == weight_version else dataclasses.replace(r, weight_version=weight_version)
-                    for r in group]
-        return _Group(rollouts, weight_version)
+        return _Group([self._restamp(r, weight_version) for r in group], weight_version)
+
+    @staticmethod
+    def _restamp(rollout: Rollout, weight_version: int) -> Rollout:
+        """The rollout stamped with ``weight_version``; tokens of a newer version (weights pushed between the stamp
+        and the generation) keep theirs in ``response_weight_versions``."""
+        if rollout.weight_version == weight_version:
+            return rollout
+        if rollout.weight_version > weight_version and rollout.response_weight_versions is None:
+            return dataclasses.replace(rollout, weight_version=weight_version,
+                                       response_weight_versions=rollout.token_weight_versions)
+        return dataclasses.replace(rollout, weight_version=weight_version)
 
     def _raise_if_closed(self) -> None:
         if self._error is not None:
@@ -361,6 +393,8 @@ class RolloutBuffer:
         ages = staleness([r for group in groups for r in group], trainer_version)
         assert int(ages.max()) <= self.config.max_staleness
         self._histogram += torch.bincount(ages, minlength=self.config.max_staleness + 1)
+        token_ages = token_staleness([r for group in groups for r in group], trainer_version)
+        self._token_histogram += torch.bincount(token_ages, minlength=self.config.max_staleness + 1)
         self._handed_at_last_version += num_groups
         self._counts["groups_out"] += num_groups
         self._counts["rollouts_out"] += int(ages.numel())
@@ -388,9 +422,11 @@ class RolloutBuffer:
         handed out ``k`` versions old, from :func:`staleness`), ``groups_in``, ``groups_out``, ``rollouts_out``,
         ``dropped_groups``, ``dropped_rollouts``, ``producer_waits``/``producer_wait_s`` (puts and admissions that
         waited), ``trainer_waits``/``trainer_wait_s`` (gets that waited), ``queued_groups``, ``reserved_groups`` and
-        ``fill`` (queued / capacity)."""
+        ``fill`` (queued / capacity); ``token_staleness_mean`` and ``token_staleness_hist_<k>``: the same over response
+        tokens at each token's own version (:func:`token_staleness`; fresher than the rollout's stamp after an
+        in-flight update)."""
         with self._cond:
-            histogram = self._histogram.clone()
+            histogram, token_histogram = self._histogram.clone(), self._token_histogram.clone()
             result: dict[str, float] = {key: float(value) for key, value in self._counts.items()}
             result.update(self._seconds)
             result["queued_groups"] = float(len(self._queue))
@@ -401,6 +437,10 @@ class RolloutBuffer:
         result["staleness_mean"] = float((ages * histogram).sum() / total) if total else 0.0
         result["staleness_max"] = float(torch.nonzero(histogram).max()) if total else 0.0
         result.update({f"staleness_hist_{age}": float(count) for age, count in enumerate(histogram.tolist())})
+        tokens = int(token_histogram.sum())
+        result["token_staleness_mean"] = float((ages * token_histogram).sum() / tokens) if tokens else 0.0
+        result.update({f"token_staleness_hist_{age}": float(count)
+                       for age, count in enumerate(token_histogram.tolist())})
         return result
 
 

@@ -50,7 +50,12 @@ class Rollout:
         finish_reason: ``"stop"`` (stop/EOS token), ``"length"`` (hit max_new_tokens) or ``"abort"``.
         prompt_index: index of the prompt in the request; the ``n`` samples of one prompt share it (a GRPO group).
         sample_index: index of this sample among the ``n`` samples of its prompt.
-        weight_version: the engine's weight version when it generated this sample.
+        weight_version: the engine's weight version when it started this sample (the oldest version among its tokens;
+            what staleness bounds use).
+        response_weight_versions: ``[R]`` int64 or None; the weight version that produced each response token, for a
+            sample whose generation spanned a weight update (an in-flight update continues it with new weights).
+            Non-decreasing, each ``>= weight_version``. None: every token is of ``weight_version``
+            (:attr:`token_weight_versions` gives the tensor either way).
         prompt_text, response_text, label: optional strings carried for rewards and logging.
         response_loss_mask: ``[R]`` bool or None; True on the response tokens the engine sampled (they enter the
             loss), False on tokens inserted between turns (tool results, environment observations; see
@@ -65,6 +70,7 @@ class Rollout:
     prompt_index: int = 0
     sample_index: int = 0
     weight_version: int = 0
+    response_weight_versions: torch.Tensor | None = None
     prompt_text: str | None = None
     response_text: str | None = None
     label: str | None = None
@@ -101,12 +107,41 @@ class Rollout:
                     f"Rollout.response_loss_mask has shape {tuple(self.response_loss_mask.shape)} but "
                     f"response_token_ids has shape {tuple(self.response_token_ids.shape)}; they must match"
                 )
+        if self.response_weight_versions is not None:
+            self._check_token_versions()
         if self.finish_reason not in _FINISH_REASONS:
             raise ValueError(f"Rollout.finish_reason={self.finish_reason!r}; expected one of {_FINISH_REASONS}")
         if self.prompt_index < 0 or self.sample_index < 0:
             raise ValueError(
                 f"Rollout.prompt_index={self.prompt_index} and sample_index={self.sample_index} must be >= 0"
             )
+
+    def _check_token_versions(self) -> None:
+        versions = self.response_weight_versions
+        where = f"Rollout(prompt_index={self.prompt_index}, sample_index={self.sample_index}).response_weight_versions"
+        _check_tensor("Rollout", "response_weight_versions", versions, ndim=1, dtypes=_INT)
+        if versions.shape != self.response_token_ids.shape:
+            raise ValueError(f"{where} has shape {tuple(versions.shape)} but response_token_ids has shape "
+                             f"{tuple(self.response_token_ids.shape)}; give one version per response token")
+        if versions.numel() == 0:
+            return
+        if int(versions.min()) < self.weight_version:
+            position = int(torch.argmin(versions))
+            raise ValueError(f"{where}[{position}]={int(versions[position])} is older than weight_version="
+                             f"{self.weight_version}; weight_version is the sample's oldest version (stamp it with "
+                             "the version its request started at, or lower)")
+        if versions.numel() > 1 and bool((versions[1:] < versions[:-1]).any()):
+            position = int(torch.nonzero(versions[1:] < versions[:-1])[0]) + 1
+            raise ValueError(f"{where}[{position}]={int(versions[position])} is older than the token before it "
+                             f"({int(versions[position - 1])}); weight versions only go forward within a sample")
+
+    @property
+    def token_weight_versions(self) -> torch.Tensor:
+        """``[R]`` int64: the weight version of each response token (constant ``weight_version`` unless
+        ``response_weight_versions`` says otherwise)."""
+        if self.response_weight_versions is not None:
+            return self.response_weight_versions.long()
+        return torch.full((self.response_length,), self.weight_version, dtype=torch.int64)
 
     @property
     def prompt_length(self) -> int:
@@ -265,6 +300,8 @@ class Experience:
         ref_logprobs: ``[T]`` float or None, reference-model log-probs (KL penalty or loss).
         engine_logprobs: ``[T]`` float or None, the rollout engine's log-probs (mismatch correction).
         kl: ``[T]`` float or None, per-token KL estimate between policy and reference at rollout time.
+        weight_versions: ``[T]`` int64 or None, the weight version that generated each response token
+            (:attr:`Rollout.token_weight_versions`; 0 outside the loss mask), for staleness-aware metrics.
         rewards: ``[N]`` float32, the scalar reward of each sequence (after shaping/normalisation).
         prompt_index: ``[N]`` int64, the prompt (group) each sequence answers.
         response_lengths: ``[N]`` int64, response tokens per sequence.
@@ -283,8 +320,10 @@ class Experience:
     ref_logprobs: torch.Tensor | None = None
     engine_logprobs: torch.Tensor | None = None
     kl: torch.Tensor | None = None
+    weight_versions: torch.Tensor | None = None
 
-    _TOKEN_FIELDS = ("old_logprobs", "advantages", "returns", "values", "ref_logprobs", "engine_logprobs", "kl")
+    _TOKEN_FIELDS = ("old_logprobs", "advantages", "returns", "values", "ref_logprobs", "engine_logprobs", "kl",
+                     "weight_versions")
     _SEQ_FIELDS = ("rewards", "prompt_index", "response_lengths", "truncated")
 
     def __post_init__(self) -> None:
@@ -296,7 +335,7 @@ class Experience:
             if value is None and name in ("old_logprobs", "advantages"):
                 raise ValueError(f"Experience.{name} is required")
             if value is not None:
-                _check_tensor("Experience", name, value, ndim=1, dtypes=_FLOAT)
+                _check_tensor("Experience", name, value, ndim=1, dtypes=_INT if name == "weight_versions" else _FLOAT)
                 if value.numel() != num_tokens:
                     raise ValueError(f"Experience.{name} has {value.numel()} entries; the batch has {num_tokens} tokens")
         seq_dtypes = {"rewards": _FLOAT, "prompt_index": _INT, "response_lengths": _INT, "truncated": (torch.bool,)}

@@ -35,7 +35,7 @@ from rlhfkit.packing import pack_rollouts, partition_by_token_budget, select_seq
 from rlhfkit.types import Experience, PackedBatch, Rollout
 
 __all__ = ["ExperienceConfig", "ForwardFn", "make_experience", "iterate_minibatches",
-           "select_experience", "engine_token_logprobs"]
+           "select_experience", "engine_token_logprobs", "token_weight_versions"]
 
 logger = logging.getLogger(__name__)
 
@@ -196,6 +196,18 @@ def engine_token_logprobs(rollouts: Sequence[Rollout], batch: PackedBatch) -> to
     return out
 
 
+def token_weight_versions(rollouts: Sequence[Rollout], batch: PackedBatch) -> torch.Tensor:
+    """``[T]`` int64: the weight version that generated each response token of ``batch`` (``pack_rollouts(rollouts)``;
+    0 elsewhere), from :attr:`~rlhfkit.types.Rollout.token_weight_versions` (a sample continued after an in-flight
+    weight update spans versions). What :func:`make_experience` stores as ``Experience.weight_versions``."""
+    if len(rollouts) != batch.num_seqs:
+        raise ValueError(f"{len(rollouts)} rollouts for a batch of {batch.num_seqs} sequences; pass the rollouts the "
+                         "batch was packed from")
+    out = torch.zeros(batch.num_tokens, dtype=torch.int64, device=batch.input_ids.device)
+    out[batch.loss_mask] = torch.cat([r.token_weight_versions.cpu() for r in rollouts]).to(out.device)
+    return out
+
+
 def _prepare_rewards(rewards: torch.Tensor, config: ExperienceConfig) -> torch.Tensor:
     if config.reward_clip is not None:
         rewards = rewards.clamp(-config.reward_clip, config.reward_clip)
@@ -295,6 +307,7 @@ def make_experience(
     experience = Experience(
         batch=batch, old_logprobs=old_logprobs, advantages=advantages, returns=returns, values=values,
         ref_logprobs=ref_logprobs, engine_logprobs=engine_token_logprobs(rollouts, batch), kl=kl, rewards=seq_rewards,
+        weight_versions=token_weight_versions(rollouts, batch),
         prompt_index=prompt_index.to(device),
         response_lengths=torch.tensor([r.response_length for r in rollouts], dtype=torch.long, device=device),
         truncated=torch.tensor([r.truncated for r in rollouts], dtype=torch.bool, device=device),

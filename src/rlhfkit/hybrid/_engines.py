@@ -9,9 +9,11 @@ guard still orders the phases.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
-from collections.abc import Callable, Sequence
+import time
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from rlhfkit.hybrid._errors import EnginesBusyError
@@ -79,6 +81,13 @@ class HFEngineActor(GuardedEngineMixin):
     def sleep(self, level: int = 1) -> None:
         self.engine.sleep(level)
 
+    def pause_generation(self, timeout_s: float = 60.0) -> int:
+        """In-flight update, step 1: park running generate calls (the actor runs calls concurrently in overlap)."""
+        return self.engine.pause_generation(timeout_s=timeout_s)
+
+    def resume_generation(self) -> None:
+        self.engine.resume_generation()
+
     def wake_up(self, tags: Any = None) -> None:
         self.engine.wake_up(tags)
 
@@ -130,16 +139,22 @@ def guarded_vllm_engine_class(guard_store: Any, gpus_by_engine: Sequence[Sequenc
 
 class RolloutEngines:
     """The driver's handle on a hybrid run's engines: :meth:`generate` (waking them if asleep, and putting them to
-    sleep after when they share GPUs with trainers), :meth:`sleep`/:meth:`wake` under the guard, versions."""
+    sleep after when they share GPUs with trainers), :meth:`sleep`/:meth:`wake` under the guard, versions.
+
+    With ``overlap`` (``HybridConfig(overlap=True)``) the engines stay awake outside the guard: :meth:`generate` may
+    run in a producer thread while the trainers train, and :meth:`in_flight_update` brackets a weight push."""
 
     def __init__(self, group: Any, handles: Sequence[Any], *, colocated: bool, sleep_level: int,
-                 timer: Any = None, trainer_version: Callable[[], int] | None = None) -> None:
+                 timer: Any = None, trainer_version: Callable[[], int] | None = None, overlap: bool = False,
+                 pausable: bool = False, update_timeout_s: float = 300.0) -> None:
         self.group, self.handles = group, list(handles)
         self.trainer_version = trainer_version  # checked against the rollouts' weight versions (max_weight_lag)
         self.colocated, self.sleep_level, self.timer = colocated, sleep_level, timer
+        self.overlap, self.pausable, self.update_timeout_s = overlap, pausable, update_timeout_s
         self.asleep = False
         self._generating = 0
-        self._lock = threading.Lock()
+        self._updating = False
+        self._lock = threading.Condition()
 
     @property
     def num_engines(self) -> int:
@@ -167,6 +182,8 @@ class RolloutEngines:
         ``sleep_after`` (default: when the engines share their GPUs with trainers) puts them to sleep after. Rollouts
         of weights older than the actor's by more than ``HybridConfig.max_weight_lag`` versions raise
         :class:`~rlhfkit.engines.protocol.WeightLagError` (the engines stay awake: push, then generate again)."""
+        if self.overlap:
+            return self._generate_beside_training(prompt_token_ids, sampling)
         if self.asleep:
             self.wake(phase="generate")
         with self._lock:
@@ -182,6 +199,58 @@ class RolloutEngines:
         return rollouts
 
     sample = generate
+
+    def _generate_beside_training(self, prompt_token_ids: Sequence[Sequence[int]], sampling: Any) -> list:
+        with self._lock:  # a call that arrives during a weight push starts after it, with the new weights
+            if not self._lock.wait_for(lambda: not self._updating, timeout=self.update_timeout_s):
+                raise EnginesBusyError(f"generate waited {self.update_timeout_s:g} s for a weight push to end",
+                                       role="rollout", rank=None, phase="weight_sync")
+            self._generating += 1
+        try:
+            version = self.trainer_version() if self.trainer_version is not None else None
+            return self.group.generate(prompt_token_ids, sampling, trainer_version=version)
+        finally:
+            with self._lock:
+                self._generating -= 1
+                self._lock.notify_all()
+
+    @contextlib.contextmanager
+    def in_flight_update(self) -> Iterator[None]:
+        """Bracket a weight push while the engines generate (overlap mode). New ``generate`` calls wait for the
+        block to end. Pausable engines (HF) park their running requests for the block and then resubmit the
+        unfinished part under the new weights (each token stamped with its version); other engines first finish
+        the calls in flight, waited for at most ``update_timeout_s`` (:class:`EnginesBusyError` names them)."""
+        if not self.overlap:
+            raise RuntimeError("in_flight_update() is for engines in overlap mode (HybridConfig(overlap=True)); "
+                               "otherwise push weights between generate calls")
+        with self._lock:
+            if self._updating:
+                raise RuntimeError("in_flight_update() is already in progress; push weights from one thread")
+            self._updating = True
+        paused = False
+        try:
+            if self.pausable:
+                self.group.call("pause_generation", self.update_timeout_s, timeout_s=self.update_timeout_s + 30)
+                paused = True
+            else:
+                self._drain()
+            yield
+        finally:
+            try:
+                if paused:
+                    self.group.call("resume_generation")
+            finally:
+                with self._lock:
+                    self._updating = False
+                    self._lock.notify_all()
+
+    def _drain(self) -> None:
+        start = time.monotonic()
+        with self._lock:
+            if not self._lock.wait_for(lambda: self._generating == 0, timeout=self.update_timeout_s):
+                raise EnginesBusyError(f"push_weights waited {time.monotonic() - start:.0f} s for {self._generating} "
+                                       "generate call(s) in flight to finish (engines without pause/resume finish "
+                                       "their requests before a push)", role="rollout", rank=None, phase="generate")
 
     def check_idle(self, what: str) -> None:
         if self.generating:

@@ -47,6 +47,13 @@ class HybridConfig:
         max_model_len, enforce_eager: vLLM settings.
         dtype: engine and weight-sync dtype (float32 keeps engine and trainer log-probs within ~1e-3 on small models).
         sync_bucket_mb: weight-sync bucket size.
+        overlap: the engines stay resident beside the awake trainers, outside the phase guard, so that a
+            :class:`~rlhfkit.rollouts.RolloutProducer` can generate while the actor trains (asynchronous RL; on one
+            GPU the engines keep their ``engine_memory`` share the whole run). :meth:`Hybrid.push_weights` then
+            updates weights in flight: HF engines pause their running requests, take the weights and resubmit the
+            unfinished part under them (tokens stamped per version); other engines finish the requests in flight
+            first (new ones wait for the push). Needs ``engine_sleep_level=0`` when colocated and
+            ``max_weight_lag >= 1`` (the actor steps while the engines generate).
         max_weight_lag: how many weight versions rollouts may lag the actor (0: on-policy). The actor is one version
             ahead of the engines from its first ``optim_step`` after a push until the next push; generating past the
             bound raises :class:`~rlhfkit.engines.protocol.WeightLagError` (a forgotten ``push_weights``).
@@ -72,6 +79,7 @@ class HybridConfig:
     enforce_eager: bool = False
     dtype: str = "float32"
     sync_bucket_mb: int = 128
+    overlap: bool = False
     max_weight_lag: int = 0
     seed: int = 0
     ray_address: str | None = None
@@ -114,6 +122,17 @@ class HybridConfig:
         if not self.colocate and not (0 < self.engine_gpus < total and self.engine_gpus % tp == 0):
             raise ValueError(f"HybridConfig(colocate=False) needs 0 < engine_gpus < {total} GPUs and a multiple of "
                              f"tensor_parallel_size={tp}; got engine_gpus={self.engine_gpus}")
+
+        if not isinstance(self.overlap, bool):
+            raise TypeError(f"HybridConfig.overlap={self.overlap!r}; must be True or False")
+        if self.overlap and self.colocate and self.engine_sleep_level != 0:
+            raise ValueError(f"HybridConfig(overlap=True, colocate=True) keeps the engines resident beside the "
+                             f"trainers; engine_sleep_level={self.engine_sleep_level} would put them to sleep: set "
+                             "engine_sleep_level=0")
+        if self.overlap and self.max_weight_lag < 1:
+            raise ValueError(f"HybridConfig(overlap=True) with max_weight_lag={self.max_weight_lag}: the actor steps "
+                             "while the engines generate, so their rollouts lag it by a version; set "
+                             "max_weight_lag >= 1 (bound the staleness with rlhfkit.rollouts.RolloutBuffer)")
 
     @property
     def total_gpus(self) -> int:
@@ -211,7 +230,7 @@ class Hybrid:
         self.startup["models_s"] = time.perf_counter() - started - self.startup["processes_s"]
         self._connect_weight_sync()
         self.startup["weight_sync_s"], mark = time.perf_counter() - mark, time.perf_counter()
-        if self.config.colocate:
+        if self.config.colocate and not self.config.overlap:
             self.engines.wake(phase="generate")
         self.startup["wake_s"] = time.perf_counter() - mark
 
@@ -261,6 +280,8 @@ class Hybrid:
             for index, engine_gpus in enumerate(gpus):
                 options = placed.actor_options("rollout", index) | {"runtime_env": {"env_vars": env},
                                                                       "max_restarts": 0}
+                if config.overlap:  # pause, receive and resume run beside a generate call
+                    options["max_concurrency"] = 4
                 self._handles.append(actor_cls.options(**options).remote(
                     config.model, engine_index=index, seed=config.seed, device=config.device,
                     guard_store=self._store, gpus=engine_gpus, dtype=dtype))
@@ -270,8 +291,9 @@ class Hybrid:
             max_weight_lag=config.max_weight_lag))
         self.engines = RolloutEngines(self._group, self._handles, colocated=config.colocate,
                                       sleep_level=config.engine_sleep_level, timer=self.timer,
-                                      trainer_version=self.actor_version)
-        if config.colocate:  # the trainers load next; level 1 keeps the weights for the first generation
+                                      trainer_version=self.actor_version, overlap=config.overlap,
+                                      pausable=config.engine == "hf", update_timeout_s=config.sync_timeout_s)
+        if config.colocate and not config.overlap:  # the trainers load next; level 1 keeps the weights
             self._group.call("guarded_sleep", 1, "startup")
             self.engines.asleep = True
 
@@ -320,30 +342,37 @@ class Hybrid:
         """Move ``role``'s weights into every engine: the role keeps only its weights (if awake), the engines wake
         their weights, the weights stream, the role sleeps fully and the engines wake their KV cache. Timed as the
         ``weight_sync`` phase (its sleeps and wakes as ``sleep_wake``). Returns ``sync/*`` and
-        ``engine/weight_version``."""
+        ``engine/weight_version``. With ``HybridConfig(overlap=True)`` the engines stay awake and generating: the
+        update happens in flight (:meth:`RolloutEngines.in_flight_update`)."""
+        engines, timer = self.engines, self.timer
+        if self.config.overlap:
+            with timer.phase("weight_sync"), engines.in_flight_update():
+                return self._push(role, colocated=False)
+        engines.check_idle("push_weights")
+        with timer.phase("weight_sync"):
+            return self._push(role, colocated=self.config.colocate)
+
+    def _push(self, role: str, *, colocated: bool) -> dict[str, float]:
         import ray
 
         engines, trainer, timer = self.engines, self.trainers[role], self.timer
-        engines.check_idle("push_weights")
-        colocated = self.config.colocate
-        with timer.phase("weight_sync"):
-            trainer.sleep(keep_weights=True, phase="sync")
-            if colocated:
-                engines.wake(["weights"], phase="sync")
-            receiving = [handle.receive_weights.remote() for handle in self._handles]
-            sending = trainer.workers.submit("send_weights", phase="sync")
-            sleeping = trainer.workers.submit("sleep", "sync", False)
-            try:
-                sent = trainer.workers.gather(sending)
-            except Exception:
-                ready, _ = ray.wait(receiving, num_returns=len(receiving), timeout=5.0)
-                for ref in ready:
-                    ray.get(ref)  # an engine's own error says more than the sender's timeout
-                raise
-            received = ray.get(receiving, timeout=self.config.sync_timeout_s)
-            timer.count_switch(max(trainer.workers.gather(sleeping)))
-            if colocated:
-                engines.wake(["kv_cache"], phase="generate")
+        trainer.sleep(keep_weights=True, phase="sync")
+        if colocated:
+            engines.wake(["weights"], phase="sync")
+        receiving = [handle.receive_weights.remote() for handle in self._handles]
+        sending = trainer.workers.submit("send_weights", phase="sync")
+        sleeping = trainer.workers.submit("sleep", "sync", False)
+        try:
+            sent = trainer.workers.gather(sending)
+        except Exception:
+            ready, _ = ray.wait(receiving, num_returns=len(receiving), timeout=5.0)
+            for ref in ready:
+                ray.get(ref)  # an engine's own error says more than the sender's timeout
+            raise
+        received = ray.get(receiving, timeout=self.config.sync_timeout_s)
+        timer.count_switch(max(trainer.workers.gather(sleeping)))
+        if colocated:
+            engines.wake(["kv_cache"], phase="generate")
         report = next(item for item in sent if item)
         self._pushed_version, trainer.steps_since_push = int(report["version"]), 0
         versions = [int(worker["version"]) for reports in received for worker in reports]

@@ -11,7 +11,8 @@ mismatch:
     ratio (MIS; Liu, Li et al. 2025, "When speed kills stability: demystifying RL collapse from the
     training-inference mismatch");
   - :func:`mismatch_stats`: the behaviour-vs-target statistics worth logging every step (k3 KL, ratio range, the
-    fraction of outlying tokens, the per-sequence worst token).
+    fraction of outlying tokens, the per-sequence worst token), and, given each token's weight version
+    (``Experience.weight_versions``, asynchronous rollouts), the token staleness and the KL per staleness.
 
 The weights are constants (no gradient); multiply a per-token loss by them. :func:`rlhfkit.losses.policy_loss`'s
 ``mismatch=`` options call the same functions. It does not compute log-probs, losses or advantages. Torch only.
@@ -195,8 +196,35 @@ def _sequence_mismatch_specs(log_ratio: torch.Tensor, mask: torch.Tensor, cu: to
     }
 
 
+def _staleness_specs(log_ratio: torch.Tensor, mask: torch.Tensor, weight_versions: object,
+                     trainer_version: object) -> dict[str, tuple[str, torch.Tensor]]:
+    """Token staleness ``trainer_version - weight_versions`` and the k3 KL of the tokens of each staleness."""
+    if not isinstance(weight_versions, torch.Tensor) or weight_versions.dtype not in (torch.int64, torch.int32) \
+            or weight_versions.shape != mask.shape:
+        raise TypeError(f"weight_versions must be a [T] int64 tensor like the mask {tuple(mask.shape)} (e.g. "
+                        f"Experience.weight_versions), got {getattr(weight_versions, 'shape', weight_versions)!r}")
+    if isinstance(trainer_version, bool) or not isinstance(trainer_version, int) or trainer_version < 0:
+        raise ValueError(f"trainer_version={trainer_version!r}; must be an int >= 0 (the version the trainer's "
+                         "weights are at) when weight_versions is given")
+    ages = torch.where(mask, trainer_version - weight_versions.to(mask.device).long(), 0)
+    if bool((ages < 0).any()):
+        token = int(torch.nonzero(ages < 0)[0])
+        raise ValueError(f"weight_versions[{token}]={int(weight_versions[token])} is newer than trainer_version="
+                         f"{trainer_version}; pass the version of the weights the trainer holds now")
+    kl = torch.exp(log_ratio) - 1 - log_ratio
+    specs: dict[str, tuple[str, torch.Tensor]] = {"staleness_mean": ("mean", ages), "staleness_max": ("max", ages)}
+    for age in range(int(ages.max()) + 1 if ages.numel() else 0):
+        selected = mask & (ages == age)
+        count = selected.sum()
+        mean = torch.where(selected, kl, 0).sum() / count.clamp(min=1)
+        specs[f"kl_staleness_{age}"] = ("value", torch.where(count > 0, mean, torch.full_like(mean, math.nan)))
+        specs[f"tokens_staleness_{age}"] = ("value", count)
+    return specs
+
+
 def mismatch_stats(target_logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor, mask: torch.Tensor,
-                   cu_seqlens: torch.Tensor, *, threshold: float = 2.0) -> dict[str, float]:
+                   cu_seqlens: torch.Tensor, *, threshold: float = 2.0, weight_versions: torch.Tensor | None = None,
+                   trainer_version: int | None = None) -> dict[str, float]:
     """Behaviour-vs-target mismatch statistics of one batch, as plain floats (one device sync; not all-reduced).
 
     With ``log r_t = target_logprobs - behaviour_logprobs`` on loss tokens (clamped to ±MAX_LOG_RATIO):
@@ -211,6 +239,10 @@ def mismatch_stats(target_logprobs: torch.Tensor, behaviour_logprobs: torch.Tens
       - ``outside_fraction``: fraction of loss tokens with ``r`` outside ``[1 / threshold, threshold]``, i.e.
         ``|log r| > log(threshold)`` (what a token mask with ``high=threshold`` drops).
       - ``num_loss_tokens``; ``num_seqs`` (sequences with a loss token).
+      - with ``weight_versions`` (``[T]`` int64, the version that generated each token; ``Experience.weight_versions``)
+        and ``trainer_version``: ``staleness_mean`` / ``staleness_max`` over loss tokens (``trainer_version -
+        weight_versions``), and for each staleness ``k`` up to the maximum ``tokens_staleness_<k>`` (count) and
+        ``kl_staleness_<k>`` (the k3 KL of those tokens, NaN when none): how the mismatch grows with the lag.
 
     Means, minima and maxima are NaN when the batch has no loss token.
 
@@ -225,4 +257,6 @@ def mismatch_stats(target_logprobs: torch.Tensor, behaviour_logprobs: torch.Tens
     cu = _check_inputs(target_logprobs, behaviour_logprobs, mask, cu_seqlens)
     log_ratio = _log_ratio(target_logprobs, behaviour_logprobs, mask)
     specs = token_mismatch_specs(log_ratio) | _sequence_mismatch_specs(log_ratio, mask, cu, threshold)
+    if weight_versions is not None or trainer_version is not None:
+        specs |= _staleness_specs(log_ratio, mask, weight_versions, trainer_version)
     return masked_stats(mask, **specs)

@@ -6,7 +6,11 @@ What it does: batched generation with left padding, an attention mask, correct p
 samples per prompt, stop tokens and the model's EOS, per-request seeds) so that log-probs are exactly
 ``log_softmax(logits / temperature)`` of the sampled token (raw ``log_softmax(logits)`` when greedy), the
 convention of :mod:`rlhfkit.engines.protocol`; ``sleep``/``wake_up`` with the protocol's levels and tags; weight
-loading by HF parameter name with validation and a weight version; LoRA adapters merged into the weights
+loading by HF parameter name with validation and a weight version; in-flight weight updates by abort and resubmit:
+:meth:`HFEngine.pause_generation` (from another thread) stops running ``generate`` calls at their next decode step,
+the weights are loaded, :meth:`HFEngine.resume_generation` lets each call resubmit its unfinished samples (prompt +
+tokens so far, the remaining budget, the same per-request generators) under the new weights; every token is stamped
+with the version that produced it (``Rollout.response_weight_versions``); LoRA adapters merged into the weights
 (:meth:`HFEngine.load_adapter`).
 
 What it does not do: continuous batching, paged attention, tensor parallelism, speculative decoding, prefix caching;
@@ -33,6 +37,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from rlhfkit._optional import require
+from rlhfkit.engines.hf._pause import GenerationPause, GenerationPausedTimeout
 from rlhfkit.engines.hf._sampling import make_generators, sample_next_tokens
 from rlhfkit.engines.hf._state import EngineWeightState
 from rlhfkit.engines.protocol import WAKE_TAGS, SamplingConfig, next_weight_version
@@ -41,7 +46,7 @@ from rlhfkit.types import Rollout
 if TYPE_CHECKING:
     from rlhfkit.lora import LoraConfig
 
-__all__ = ["HFEngineConfig", "HFEngine"]
+__all__ = ["GenerationPausedTimeout", "HFEngine", "HFEngineConfig"]
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +65,7 @@ class HFEngineConfig:
         max_batch_size: most sequences (prompts × n) decoded together; larger requests run in chunks.
         attn_implementation: passed to ``from_pretrained`` (``"sdpa"``, ``"eager"``, ...); None keeps the default.
         seed: seeds the engine's generator, used by requests whose ``SamplingConfig.seed`` is None.
+        pause_timeout_s: longest time a paused ``generate`` waits for :meth:`HFEngine.resume_generation`.
     """
 
     model: str
@@ -69,6 +75,7 @@ class HFEngineConfig:
     max_batch_size: int = 64
     attn_implementation: str | None = None
     seed: int = 0
+    pause_timeout_s: float = 600.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -88,7 +95,17 @@ class HFEngineConfig:
 class _ChunkOutput:
     tokens: list[int]
     logprobs: torch.Tensor
-    finish_reason: str
+    finish_reason: str  # "stop", "length", or "abort" (paused: the rest is resubmitted)
+
+
+@dataclass
+class _Sample:
+    """One request's response so far, across pause rounds."""
+
+    tokens: list[int]
+    logprobs: list[torch.Tensor]
+    versions: list[int]
+    finish_reason: str | None = None
 
 
 class HFEngine:
@@ -107,12 +124,12 @@ class HFEngine:
         model.to(torch.device(config.device))
         tokenizer = transformers.AutoTokenizer.from_pretrained(config.tokenizer or config.model)
         self._setup(model, tokenizer=tokenizer, pad_token_id=None, eos_token_ids=None,
-                    max_batch_size=config.max_batch_size, seed=config.seed)
+                    max_batch_size=config.max_batch_size, seed=config.seed, pause_timeout_s=config.pause_timeout_s)
 
     @classmethod
     def from_model(cls, model: torch.nn.Module, *, tokenizer=None, pad_token_id: int | None = None,
                    eos_token_ids: int | Sequence[int] | None = None, max_batch_size: int = 64,
-                   seed: int = 0) -> HFEngine:
+                   seed: int = 0, pause_timeout_s: float = 600.0) -> HFEngine:
         """Wrap an already loaded causal LM (it stays on its device; the engine does not copy it).
 
         Args:
@@ -125,6 +142,7 @@ class HFEngine:
                 list), else ``model.config.eos_token_id``, else the tokenizer's.
             max_batch_size: most sequences decoded together.
             seed: seeds the engine's generator for unseeded requests.
+            pause_timeout_s: longest time a paused ``generate`` waits for :meth:`resume_generation`.
         """
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"from_model(model=...) needs a torch.nn.Module, got {type(model).__name__}")
@@ -132,10 +150,12 @@ class HFEngine:
             raise ValueError(f"from_model(max_batch_size={max_batch_size}); must be >= 1")
         engine = cls.__new__(cls)
         engine._setup(model, tokenizer=tokenizer, pad_token_id=pad_token_id, eos_token_ids=eos_token_ids,
-                      max_batch_size=max_batch_size, seed=seed)
+                      max_batch_size=max_batch_size, seed=seed, pause_timeout_s=pause_timeout_s)
         return engine
 
-    def _setup(self, model, *, tokenizer, pad_token_id, eos_token_ids, max_batch_size: int, seed: int) -> None:
+    def _setup(self, model, *, tokenizer, pad_token_id, eos_token_ids, max_batch_size: int, seed: int,
+               pause_timeout_s: float) -> None:
+        self._pause = GenerationPause(pause_timeout_s)
         self.model = model
         self.tokenizer = tokenizer
         self.max_batch_size = max_batch_size
@@ -234,21 +254,71 @@ class HFEngine:
         Requests are sorted by prompt length and decoded in chunks of ``max_batch_size`` (less padding); the order
         of the result does not depend on it. With ``sampling.seed`` set, request ``i = prompt_index * n +
         sample_index`` draws from its own generator seeded from ``(seed, i)``: same seed, same outputs.
+
+        A :meth:`pause_generation` from another thread stops the call at its next decode step; after
+        :meth:`resume_generation` it resubmits each unfinished sample (prompt + tokens so far, the remaining
+        ``max_new_tokens``) under the weights loaded meanwhile. Such a sample's ``weight_version`` is its first
+        version and ``response_weight_versions`` gives each token's.
         """
         if not isinstance(sampling, SamplingConfig):
             raise TypeError(f"generate(sampling=...) needs a SamplingConfig, got {type(sampling).__name__}")
-        self._check_can_generate()
-        prompts = self._validate_prompts(prompt_token_ids)
-        requests = [(p, s) for p in range(len(prompts)) for s in range(sampling.n)]
-        order = sorted(range(len(requests)), key=lambda i: len(prompts[requests[i][0]]))
-        outputs: list[_ChunkOutput | None] = [None] * len(requests)
+        with self._pause.running():
+            self._pause.park()  # a call that arrives during a pause starts with the new weights
+            self._check_can_generate()
+            prompts = self._validate_prompts(prompt_token_ids)
+            requests = [(p, s) for p in range(len(prompts)) for s in range(sampling.n)]
+            generators = (make_generators(sampling.seed, range(len(requests)), self.device)
+                          if sampling.seed is not None else None)
+            samples = [_Sample(tokens=[], logprobs=[], versions=[]) for _ in requests]
+            pending = list(range(len(requests)))
+            while pending:
+                version = self._version  # weights change only while every call is parked
+                contexts = [prompts[requests[i][0]] + samples[i].tokens for i in pending]
+                budgets = [sampling.max_new_tokens - len(samples[i].tokens) for i in pending]
+                for index, out in zip(pending, self._decode(contexts, budgets, pending, generators, sampling)):
+                    sample = samples[index]
+                    sample.tokens += out.tokens
+                    sample.logprobs.append(out.logprobs)
+                    sample.versions += [version] * len(out.tokens)
+                    if out.finish_reason != "abort":
+                        sample.finish_reason = out.finish_reason
+                pending = [i for i in pending if samples[i].finish_reason is None]
+                if pending:
+                    self._pause.park()
+                    self._check_can_generate()
+        return [self._to_rollout(prompts[p], s, p, samples[i], sampling) for i, (p, s) in enumerate(requests)]
+
+    def _decode(self, contexts: list[list[int]], budgets: list[int], request_indices: list[int],
+                generators: list[torch.Generator] | None, sampling: SamplingConfig) -> list[_ChunkOutput]:
+        """One decode round of ``contexts`` (in order), by length-sorted chunks; stops early at a pause."""
+        order = sorted(range(len(contexts)), key=lambda i: len(contexts[i]))
+        outputs: list[_ChunkOutput | None] = [None] * len(contexts)
         with torch.no_grad(), self._eval_mode():
             for start in range(0, len(order), self.max_batch_size):
                 chunk = order[start:start + self.max_batch_size]
-                chunk_out = self._generate_chunk([prompts[requests[i][0]] for i in chunk], chunk, sampling)
+                chunk_generators = (self._generator if generators is None
+                                    else [generators[request_indices[i]] for i in chunk])
+                chunk_out = self._generate_chunk([contexts[i] for i in chunk], [budgets[i] for i in chunk],
+                                                 chunk_generators, sampling)
                 for index, out in zip(chunk, chunk_out):
                     outputs[index] = out
-        return [self._to_rollout(prompts[p], s, p, outputs[i], sampling) for i, (p, s) in enumerate(requests)]
+        return outputs  # type: ignore[return-value]
+
+    # ------------------------------------------------------------------ in-flight weight updates
+    def pause_generation(self, *, timeout_s: float = 60.0) -> int:
+        """Stop running :meth:`generate` calls at their next decode step and hold new ones, so that weights can be
+        loaded mid-generation (from another thread); returns how many calls are parked. Bounded: raises
+        :class:`GenerationPausedTimeout` (and withdraws the pause) if a call does not reach a decode step within
+        ``timeout_s``. Call :meth:`resume_generation` after the load."""
+        return self._pause.pause(timeout_s)
+
+    def resume_generation(self) -> None:
+        """Let paused :meth:`generate` calls resubmit their unfinished samples under the current weights."""
+        self._pause.resume()
+
+    @property
+    def generation_paused(self) -> bool:
+        return self._pause.requested
 
     def _check_can_generate(self) -> None:
         if not self._state.awake:
@@ -296,58 +366,67 @@ class HFEngine:
                          use_cache=True, **kwargs)
         return out.logits[:, -1, :], getattr(out, self._cache_name)
 
-    def _generate_chunk(self, prompts: list[list[int]], request_indices: list[int],
+    def _generate_chunk(self, prompts: list[list[int]], budgets: list[int],
+                        generators: torch.Generator | list[torch.Generator],
                         sampling: SamplingConfig) -> list[_ChunkOutput]:
-        """Decode one left-padded chunk. ``prompts[b]`` belongs to request ``request_indices[b]``."""
+        """Decode one left-padded chunk, row ``b`` for at most ``budgets[b]`` tokens; a pause ends it early, its
+        unfinished rows with ``"abort"``."""
         batch, width, device = len(prompts), max(len(p) for p in prompts), self.device
+        if self._pause.requested:
+            return [_ChunkOutput(tokens=[], logprobs=torch.zeros(0), finish_reason="abort") for _ in prompts]
         input_ids = torch.full((batch, width), self.pad_token_id, dtype=torch.long, device=device)
         attention_mask = torch.zeros((batch, width), dtype=torch.long, device=device)
         for row, prompt in enumerate(prompts):
             input_ids[row, width - len(prompt):] = torch.tensor(prompt, dtype=torch.long, device=device)
             attention_mask[row, width - len(prompt):] = 1
         position_ids = (attention_mask.cumsum(-1) - 1).clamp_min(0)
-        generators = (make_generators(sampling.seed, request_indices, device) if sampling.seed is not None
-                      else self._generator)
         stop_ids = set(sampling.stop_token_ids) | (set() if sampling.ignore_eos else set(self.eos_token_ids))
         stop = torch.tensor(sorted(stop_ids), dtype=torch.long, device=device)
+        limit = torch.tensor(budgets, dtype=torch.long, device=device)
         logits, cache = self._forward(input_ids, attention_mask, position_ids)
         next_position = position_ids[:, -1:] + 1
         finished = torch.zeros(batch, dtype=torch.bool, device=device)
-        lengths = torch.full((batch,), sampling.max_new_tokens, dtype=torch.long, device=device)
+        stopped = torch.zeros(batch, dtype=torch.bool, device=device)
+        lengths = torch.zeros(batch, dtype=torch.long, device=device)
         tokens, logprobs = [], []
-        for step in range(sampling.max_new_tokens):
+        for step in range(max(budgets)):
             token, logprob = sample_next_tokens(logits, temperature=sampling.temperature, top_k=sampling.top_k,
                                                 top_p=sampling.top_p, generators=generators)
             token = token.masked_fill(finished, self.pad_token_id)
             tokens.append(token)
             logprobs.append(logprob)
+            lengths = torch.where(finished, lengths, step + 1)
             newly_stopped = torch.isin(token, stop) & ~finished
-            lengths = torch.where(newly_stopped, step + 1, lengths)
-            finished |= newly_stopped
-            if step + 1 == sampling.max_new_tokens or bool(finished.all()):
+            stopped |= newly_stopped
+            finished |= newly_stopped | (lengths >= limit)
+            if bool(finished.all()) or self._pause.requested:
                 break
             attention_mask = torch.cat([attention_mask, attention_mask.new_ones((batch, 1))], dim=1)
             logits, cache = self._forward(token[:, None], attention_mask, next_position, cache)
             next_position = next_position + 1
         token_matrix = torch.stack(tokens, dim=1).cpu()
         logprob_matrix = torch.stack(logprobs, dim=1).float().cpu()
-        lengths_list, finished_list = lengths.tolist(), finished.tolist()
+        lengths_list, finished_list, stopped_list = lengths.tolist(), finished.tolist(), stopped.tolist()
         return [_ChunkOutput(tokens=token_matrix[row, :lengths_list[row]].tolist(),
                              logprobs=logprob_matrix[row, :lengths_list[row]].clone(),
-                             finish_reason="stop" if finished_list[row] else "length")
+                             finish_reason="stop" if stopped_list[row] else "length" if finished_list[row] else "abort")
                 for row in range(batch)]
 
-    def _to_rollout(self, prompt: list[int], sample_index: int, prompt_index: int, out: _ChunkOutput,
+    def _to_rollout(self, prompt: list[int], sample_index: int, prompt_index: int, sample: _Sample,
                     sampling: SamplingConfig) -> Rollout:
-        text = self.tokenizer.decode(out.tokens, skip_special_tokens=True) if self.tokenizer is not None else None
+        tokens = sample.tokens
+        text = self.tokenizer.decode(tokens, skip_special_tokens=True) if self.tokenizer is not None else None
+        first = sample.versions[0] if sample.versions else self._version
+        spans = bool(sample.versions) and sample.versions[-1] != first
         return Rollout(
             prompt_token_ids=torch.tensor(prompt, dtype=torch.long),
-            response_token_ids=torch.tensor(out.tokens, dtype=torch.long),
-            response_logprobs=out.logprobs if sampling.logprobs else None,
-            finish_reason=out.finish_reason,
+            response_token_ids=torch.tensor(tokens, dtype=torch.long),
+            response_logprobs=torch.cat(sample.logprobs) if sampling.logprobs else None,
+            finish_reason=sample.finish_reason,  # type: ignore[arg-type]
             prompt_index=prompt_index,
             sample_index=sample_index,
-            weight_version=self._version,
+            weight_version=first,
+            response_weight_versions=torch.tensor(sample.versions, dtype=torch.long) if spans else None,
             response_text=text,
         )
 

@@ -1,0 +1,133 @@
+"""Asynchronous vs synchronous GRPO on one GPU: ``examples/grpo_async.py --mode async`` and ``--mode sync`` (the
+same script, the same engine resident beside the actor), one after the other, and their ratio (issue 21).
+
+    python bench/async_grpo.py --model /tmp/smollm2-hf --steps 30 --out async.json            # staleness 1, TIS
+    python bench/async_grpo.py --model /tmp/smollm2-hf --steps 30 --max-staleness 2 --out async2.json
+    python bench/async_grpo.py --tiny --out /tmp/async.json                                  # CPU smoke run
+
+Workload: the example's defaults (16 prompts x 8 samples of the arithmetic task, 64 new tokens). For each mode:
+samples/s over the run and over the steps after the first, the reward after each step against the samples
+trained on so far (the curve the issue compares at equal samples), the staleness histogram (rollouts and tokens)
+and the mismatch KL per step. Writes the JSON to ``--out`` and the reward curves and staleness to ``--out`` with
+``.png`` (when matplotlib is installed). ``--tiny`` runs the example's CPU smoke run (HF engine, logical GPUs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def summarize(rows: list[dict]) -> dict:
+    """Throughput, curves and staleness of one run's ``metrics.jsonl`` rows."""
+    later = rows[1:] or rows
+    step_s = [row["time/step_s"] for row in later]
+    per_step = [row["samples"] - (rows[i - 1]["samples"] if i else 0) for i, row in enumerate(rows)][1:] or \
+        [rows[0]["samples"]]
+    hist: dict[str, float] = {}
+    for row in rows:
+        for key, value in row.items():
+            if key.startswith("staleness/hist_"):
+                hist[key.removeprefix("staleness/hist_")] = hist.get(key.removeprefix("staleness/hist_"), 0) + value
+    k = min(5, max(1, len(rows) // 2))
+    return {
+        "steps": len(rows),
+        "samples_per_s": rows[-1]["samples_per_s"],
+        "samples_per_s_after_first": sum(per_step) / sum(step_s) if sum(step_s) else None,
+        "step_s_median": statistics.median(step_s),
+        "wait_rollouts_s_median": statistics.median(row.get("time/wait_rollouts_s", 0.0) for row in later),
+        "curve": {"samples": [row["samples"] for row in rows], "reward": [row["reward/mean"] for row in rows],
+                  "accuracy": [row["accuracy"] for row in rows]},
+        "first_mean_reward": sum(row["reward/mean"] for row in rows[:k]) / k,
+        "last_mean_reward": sum(row["reward/mean"] for row in rows[-k:]) / k,
+        "staleness_hist": hist,
+        "staleness_per_step": [row["staleness/mean"] for row in rows],
+        "token_staleness_per_step": [row["staleness/token_mean"] for row in rows],
+        "mismatch_kl_per_step": [row["mismatch/kl"] for row in rows],
+        "dropped_groups": rows[-1].get("buffer/dropped_groups", 0.0),
+    }
+
+
+def run_mode(args, mode: str, out: Path) -> dict:
+    command = [sys.executable, str(REPO / "examples/grpo_async.py"), "--out", str(out), "--mode", mode,
+               "--max-staleness", str(args.max_staleness), "--correction", args.correction]
+    command += ["--device", "cpu", "--tiny", "true"] if args.tiny else ["--model", args.model, "--steps",
+                                                                        str(args.steps)]
+    out.mkdir(parents=True, exist_ok=True)
+    log, started = out / "run.log", time.time()
+    with log.open("w") as handle:
+        code = subprocess.run(command, stdout=handle, stderr=subprocess.STDOUT, timeout=args.timeout,
+                              check=False).returncode
+    metrics = out / "metrics.jsonl"
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
+    result = {"command": " ".join(command), "returncode": code, "wall_s": time.time() - started}
+    if code != 0:
+        result["log_tail"] = log.read_text()[-2000:]
+    return result | (summarize(rows) if rows else {})
+
+
+def plot(result: dict, path: Path) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    figure, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    for mode in ("sync", "async"):
+        curve = result[mode].get("curve")
+        if curve:
+            label = f"{mode} ({result[mode]['samples_per_s_after_first']:.1f} samples/s)"
+            left.plot(curve["samples"], curve["reward"], marker=".", label=label)
+    left.set_xlabel("samples trained on")
+    left.set_ylabel("mean reward")
+    left.legend()
+    left.set_title("reward at equal samples")
+    staleness = result["async"].get("token_staleness_per_step", [])
+    right.plot(range(len(staleness)), staleness, label="token staleness (versions)")
+    right.plot(range(len(staleness)), result["async"].get("mismatch_kl_per_step", []), label="mismatch KL")
+    right.set_xlabel("step")
+    right.legend()
+    right.set_title(f"async, max_staleness={result['max_staleness']}")
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+    return True
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", help="HF model folder (GPU runs)")
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--max-staleness", type=int, default=1)
+    parser.add_argument("--correction", default="tis", choices=("none", "tis", "token_mask", "seq_mask"))
+    parser.add_argument("--tiny", action="store_true", help="CPU smoke run of the example (3 tiny steps)")
+    parser.add_argument("--timeout", type=float, default=1500.0, help="limit of each mode's run (s)")
+    args = parser.parse_args(argv)
+    if not args.tiny and not args.model:
+        parser.error("--model is required (or --tiny)")
+    work = args.out.with_suffix("")
+    result = {"date": time.strftime("%Y-%m-%d"), "max_staleness": args.max_staleness, "correction": args.correction,
+              "tiny": args.tiny, "sync": run_mode(args, "sync", work / "sync"),
+              "async": run_mode(args, "async", work / "async")}
+    sync, fast = result["sync"].get("samples_per_s_after_first"), result["async"].get("samples_per_s_after_first")
+    result["speedup"] = fast / sync if sync and fast else None
+    result["plot"] = str(args.out.with_suffix(".png")) if plot(result, args.out.with_suffix(".png")) else None
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps({k: v for k, v in result.items() if k not in ("sync", "async")}, indent=2))
+    if result["sync"]["returncode"] or result["async"]["returncode"]:
+        raise SystemExit(1)
+    return result
+
+
+if __name__ == "__main__":
+    main()

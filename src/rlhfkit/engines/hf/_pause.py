@@ -1,0 +1,88 @@
+"""The ``hf`` engine's pause gate: another thread stops running ``generate`` calls at their next decode step, loads
+weights while they are parked, and resumes them (they then resubmit their unfinished part).
+
+What it does: counts the ``generate`` calls running and parked; :meth:`GenerationPause.pause` returns once every
+running call is parked (no forward pass in flight, so the weights may change), bounded by a timeout that names how
+many calls did not park; a parked call waits for :meth:`GenerationPause.resume` at most ``park_timeout_s``. What it
+does not do: decode, or keep any KV cache across the pause. Needs only the standard library.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+
+__all__ = ["GenerationPause", "GenerationPausedTimeout"]
+
+
+class GenerationPausedTimeout(TimeoutError):
+    """A pause did not take effect, or a paused ``generate`` was not resumed, within its bound."""
+
+
+class GenerationPause:
+    """Thread-safe pause gate shared by an engine's ``generate`` calls (see the module docstring)."""
+
+    def __init__(self, park_timeout_s: float) -> None:
+        if isinstance(park_timeout_s, bool) or not isinstance(park_timeout_s, (int, float)) or not park_timeout_s > 0:
+            raise ValueError(f"pause_timeout_s={park_timeout_s!r}; must be a number of seconds > 0")
+        self.park_timeout_s = float(park_timeout_s)
+        self._cond = threading.Condition()
+        self._requested = False
+        self._active = 0
+        self._parked = 0
+
+    @property
+    def requested(self) -> bool:
+        """True from :meth:`pause` until :meth:`resume` (read by the decode loop at every step, lock-free)."""
+        return self._requested
+
+    @contextlib.contextmanager
+    def running(self) -> Iterator[None]:
+        """Count one ``generate`` call as running for the duration of the block."""
+        with self._cond:
+            self._active += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._active -= 1
+                self._cond.notify_all()
+
+    def park(self) -> bool:
+        """Called by a running ``generate`` between decode rounds: if a pause is requested, wait (counted as parked)
+        until it is resumed. Returns True when it parked. Raises :class:`GenerationPausedTimeout` after
+        ``park_timeout_s`` without a resume."""
+        with self._cond:
+            if not self._requested:
+                return False
+            self._parked += 1
+            self._cond.notify_all()
+            try:
+                if not self._cond.wait_for(lambda: not self._requested, timeout=self.park_timeout_s):
+                    raise GenerationPausedTimeout(
+                        f"generate() was paused (pause_generation) and not resumed within {self.park_timeout_s:g} s; "
+                        "call resume_generation() after the weight update, or raise pause_timeout_s")
+                return True
+            finally:
+                self._parked -= 1
+
+    def pause(self, timeout_s: float) -> int:
+        """Request a pause and wait until every running ``generate`` is parked; returns how many are. On timeout the
+        pause is withdrawn and :class:`GenerationPausedTimeout` names the calls that did not park."""
+        with self._cond:
+            self._requested = True
+            if not self._cond.wait_for(lambda: self._parked >= self._active, timeout=timeout_s):
+                self._requested = False
+                self._cond.notify_all()
+                raise GenerationPausedTimeout(
+                    f"pause_generation: {self._active - self._parked} of {self._active} running generate() calls did "
+                    f"not reach a decode step within {timeout_s:g} s (a forward pass that does not return?); the "
+                    "pause was withdrawn")
+            return self._active
+
+    def resume(self) -> None:
+        """Let parked calls go on (and new ones start); a no-op when not paused."""
+        with self._cond:
+            self._requested = False
+            self._cond.notify_all()
