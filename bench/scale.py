@@ -98,6 +98,8 @@ def ours_command(args, model: Path, mode: str, out: Path) -> list[str]:
     if args.tiny:
         return command + ["--device", "cpu", "--lr", "1e-3"] + (["--lora-rank", "4"] if mode == "lora" else [])
     command += ["--bf16", "true", "--lr", "1e-6", "--engine-memory", str(args.engine_memory)]
+    if args.engine_only_sleep:
+        command += ["--offload-trainers", "false"]
     large = ARCHITECTURES[model_arch(model)]["hidden_size"] >= LARGE_HIDDEN
     if mode == "lora":
         return command + ["--zero-stage", "3", "--gradient-checkpointing", "true", "--lora-rank", str(args.lora_rank),
@@ -162,7 +164,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--archs", nargs="+", choices=sorted(ARCHITECTURES), default=["qwen2.5-1.5b", "qwen2.5-3b",
                                                                                       "qwen2.5-7b"])
-    parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    parser.add_argument("--modes", nargs="*", choices=MODES, default=list(MODES),
+                        help="rlhfkit runs per size (none: only the peer, e.g. in a later command)")
     parser.add_argument("--tokenizer", help="HF folder whose tokenizer and chat template the models get "
                                             "(SmolLM2 from examples/convert_smollm2.py)")
     parser.add_argument("--steps", type=int, default=10)
@@ -172,6 +175,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--timeout", type=float, default=900.0, help="limit of each run (s)")
     parser.add_argument("--work-dir", type=Path, default=Path("/tmp/rlhfkit-scale"))
     parser.add_argument("--keep", action="store_true", help="keep the built models")
+    parser.add_argument("--engine-only-sleep", action="store_true",
+                        help="our trainers keep their states on the GPU, only the engine sleeps (TRL's sleep mode)")
     parser.add_argument("--tiny", action="store_true", help="CPU: the toy architecture, 2 steps, HF engine")
     args = parser.parse_args(argv)
     if args.tiny:
@@ -183,7 +188,8 @@ def main(argv=None) -> dict:
     for arch in args.archs:
         folder = args.work_dir / arch
         started = time.time()
-        build_model(arch, folder, args.tokenizer, device="cpu" if args.tiny else "cuda")
+        if not (folder / "config.json").exists():  # kept from an earlier command (--keep)
+            build_model(arch, folder, args.tokenizer, device="cpu" if args.tiny else "cuda")
         runs: dict = {"build_s": time.time() - started}
         for mode in args.modes:
             runs[mode] = run_ours(args, folder, mode, args.work_dir / "runs" / f"{arch}-{mode}")
@@ -191,6 +197,7 @@ def main(argv=None) -> dict:
                   f"{runs[mode].get('peak_memory_gib')} GiB", flush=True)
         if args.peer == "trl":
             runs["trl"] = run_trl(args, folder, args.work_dir / "runs" / f"{arch}-trl.json")
+            print(f"{arch} trl: exit {runs['trl']['returncode']}, step {runs['trl'].get('step_s')} s", flush=True)
         result["runs"][arch] = runs
         args.out.write_text(json.dumps(result, indent=2) + "\n")  # after each size: a later crash keeps these
         if not args.keep:

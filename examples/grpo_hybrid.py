@@ -53,6 +53,7 @@ class Options:
     lr: float = 5e-6
     kl_coef: float = 0.001
     resident: bool = False  # nothing sleeps: engine and trainers stay on the GPU (the guard still orders phases)
+    offload_trainers: bool = True  # False: only the engine sleeps, the trainers keep their states (TRL's sleep mode)
     zero_stage: int = 1
     bf16: bool = False  # bf16 trainers and engine (large models); fp32 keeps the engine-trainer gap ~1e-3
     offload_optimizer: bool = False  # Adam states and master weights in host memory (ZeRO-Offload)
@@ -85,7 +86,7 @@ def start(options: Options) -> Hybrid:
                                       optimizer="torch_adamw" if cpu else "fused_adam", gradient_clipping=1.0,
                                       offload_optimizer=options.offload_optimizer,
                                       gradient_checkpointing=options.gradient_checkpointing)
-    offload, rank = not options.resident, options.lora_rank
+    offload, rank = options.offload_trainers and not options.resident, options.lora_rank
     lora = LoraConfig(rank=rank, alpha=2.0 * rank, target_modules=LORA_TARGETS) if rank else None
     trainers = {"actor": TrainerConfig(deepspeed=deepspeed, offload=offload, lora=lora),
                 "reference": TrainerConfig(deepspeed=dataclasses.replace(deepspeed, offload_optimizer=False),

@@ -204,7 +204,8 @@ def token_weight_versions(rollouts: Sequence[Rollout], batch: PackedBatch) -> to
         raise ValueError(f"{len(rollouts)} rollouts for a batch of {batch.num_seqs} sequences; pass the rollouts the "
                          "batch was packed from")
     out = torch.zeros(batch.num_tokens, dtype=torch.int64, device=batch.input_ids.device)
-    out[batch.loss_mask] = torch.cat([r.token_weight_versions.cpu() for r in rollouts]).to(out.device)
+    # observation tokens of multi-turn rollouts are outside the loss mask (no engine sampled them)
+    out[batch.loss_mask] = torch.cat([r.token_weight_versions.cpu()[r.loss_mask.cpu()] for r in rollouts]).to(out.device)
     return out
 
 
