@@ -3,6 +3,7 @@
     python examples/grpo_hybrid.py --model /tmp/smollm2-hf                  # 1 GPU, everything sleeping in turn
     python examples/grpo_hybrid.py --model /tmp/smollm2-hf --num-gpus 2     # 2 GPUs: 2 ranks, 2 engines
     python examples/grpo_hybrid.py --model /tmp/smollm2-hf --resident true  # memory is plentiful: nothing sleeps
+    python examples/grpo_hybrid.py --model /tmp/smollm2-hf --engine sglang --sglang-site /tmp/site/sglang  # SGLang
     python examples/grpo_hybrid.py --device cpu --tiny true                 # CPU: HF engine, logical GPUs
 
 One step, in the order the GPU is handed around (the phase guard refuses any other):
@@ -42,6 +43,9 @@ class Options:
     model: str | None = None  # HF folder (SmolLM2 from examples/convert_smollm2.py); CPU: a tiny model is built
     out: str = "runs/grpo_hybrid"
     device: str = "cuda"
+    engine: str = "vllm"  # GPU: "vllm" or "sglang" (its server runs from --sglang-site / --sglang-python); CPU: hf
+    sglang_python: str = "python3"
+    sglang_site: str | None = None  # e.g. /tmp/site/sglang (bench/peers/install-sglang.sh)
     num_gpus: int = 1
     steps: int = 100
     prompts_per_step: int = 16
@@ -76,7 +80,8 @@ def start(options: Options) -> Hybrid:
     offload = not options.resident
     trainers = {"actor": TrainerConfig(deepspeed=deepspeed, offload=offload),
                 "reference": TrainerConfig(deepspeed=deepspeed, offload=offload)}
-    config = HybridConfig(model=model, device=options.device, engine="hf" if cpu else "vllm",
+    config = HybridConfig(model=model, device=options.device, engine="hf" if cpu else options.engine,
+                          sglang_python=options.sglang_python, sglang_site=options.sglang_site,
                           num_gpus=options.num_gpus, engine_sleep_level=0 if options.resident else 2, seed=SEED)
     return Hybrid.start(config, trainers)
 
