@@ -236,3 +236,16 @@ def test_pushing_weights_while_the_engines_generate_is_refused(hybrid):
         release.set()
         worker.join(60)
         engines.group.generate = original
+
+
+def test_hybrid_config_accepts_sglang_on_cuda_only():
+    """engine='sglang' (issue 23): accepted on CUDA with its interpreter and site directory; refused on CPU."""
+    from rlhfkit.hybrid import HybridConfig
+
+    config = HybridConfig(model="m", engine="sglang", sglang_python="/opt/sglang/bin/python",
+                          sglang_site="/tmp/site/sglang")
+    assert config.engine == "sglang" and config.sglang_site == "/tmp/site/sglang"
+    with pytest.raises(ValueError, match="engine='sglang' is CUDA-only"):
+        HybridConfig(model="m", device="cpu", engine="sglang")
+    with pytest.raises(ValueError, match="HybridConfig.engine='tgi'"):
+        HybridConfig(model="m", engine="tgi")

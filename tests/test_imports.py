@@ -43,6 +43,7 @@ CORE_MODULES = (
     "rlhfkit.tiny_models",
     "rlhfkit.engines.hf",
     "rlhfkit.engines.vllm",
+    "rlhfkit.engines.sglang",
     "rlhfkit.engines.router",
     "rlhfkit.deepspeed_engine",
     "rlhfkit.phase",

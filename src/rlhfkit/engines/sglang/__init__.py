@@ -55,9 +55,9 @@ from rlhfkit.engines.sglang._server import SGLangNotInstalledError, SGLangServer
 from rlhfkit.engines.sglang._tensors import serialize_named_tensors
 from rlhfkit.types import Rollout
 
-__all__ = ["SGLangEngineConfig", "SGLangEngine", "SGLangEngineActor", "SGLangServer", "SGLangServerError",
-           "SGLangServerDied", "SGLangTimeout", "SGLangProtocolError", "SGLangRequestError", "SGLangStartError",
-           "SGLangNotInstalledError", "server_command", "sample_seed", "SGLANG_VERSION"]
+__all__ = ["SGLangEngineConfig", "SGLangEngine", "SGLangEngineActor", "SGLangServerError", "SGLangServerDied",
+           "SGLangTimeout", "SGLangProtocolError", "SGLangRequestError", "SGLangStartError", "SGLangNotInstalledError",
+           "server_command", "sample_seed"]
 
 logger = logging.getLogger(__name__)
 
