@@ -247,5 +247,7 @@ def test_hybrid_config_accepts_sglang_on_cuda_only():
     assert config.engine == "sglang" and config.sglang_site == "/tmp/site/sglang"
     with pytest.raises(ValueError, match="engine='sglang' is CUDA-only"):
         HybridConfig(model="m", device="cpu", engine="sglang")
+    with pytest.raises(ValueError, match="tensor_parallel_size=2"):
+        HybridConfig(model="m", engine="sglang", colocate=False, num_gpus=4, engine_gpus=2, tensor_parallel_size=2)
     with pytest.raises(ValueError, match="HybridConfig.engine='tgi'"):
         HybridConfig(model="m", engine="tgi")

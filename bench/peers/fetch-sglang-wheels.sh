@@ -12,9 +12,10 @@
 #
 # How the list is made: pip resolves sglang==0.5.17 for the device's platform against a stub torch 2.11.0 (so torch's
 # own CUDA wheels stay out of the resolution), then the distributions the image already has are dropped (EXCLUDE).
-# Slimming (../shared/gpu/pack.py slim): CUDA fatbins keep sm_90 cubins only (PTX where a container has no sm_90
-# cubin), debug sections are stripped, wheels are re-stored uncompressed for xz. Nothing a dense model on an H100/H200
-# runs is removed; GPU_KEEP_SM=NN keeps another arch.
+# Slimming (bench/peers/slim_sglang.py, with ../shared/gpu/pack.py's helpers, on every wheel): CUDA fatbins keep
+# sm_90 cubins only (PTX where a container has no sm_90 cubin), sgl_kernel/sm100 (loaded on non-Hopper GPUs only),
+# xgrammar's static library and tvm-ffi's bundled sources are dropped, debug sections stripped; wheels are re-stored
+# uncompressed for xz. Nothing an H100/H200 loads is removed; GPU_KEEP_SM=NN keeps another arch.
 # Env: SGLANG_WHEEL_CACHE (.whl/sglang-cache), SGLANG_CARRY_DIR (.carry), SGLANG_CHUNK_MIB (60), SGLANG_XZ_LEVEL (3),
 #      PYTHON (python3), SHARED_GPU (../shared/gpu).
 set -euo pipefail
@@ -74,7 +75,7 @@ RAW=$(du -cm "$CACHE"/dl/*.whl | tail -1 | cut -f1)
 echo "== slim (sm_$((${GPU_KEEP_SM:-90})) cubins, no debug sections)" >&2
 STAGE=$(mktemp -d)
 mkdir -p "$STAGE/wheels"
-"$PY" "$SHARED/pack.py" slim "$STAGE/wheels" "$CACHE"/dl/*.whl
+SHARED_GPU=$SHARED "$PY" "$ROOT/bench/peers/slim_sglang.py" "$STAGE/wheels" "$CACHE"/dl/*.whl
 SLIM=$(du -cm "$STAGE"/wheels/*.whl | tail -1 | cut -f1)
 
 echo "== bundle (xz -$LEVEL) and split into <= $CHUNK_MIB MiB chunks" >&2

@@ -10,6 +10,7 @@ engines with every wake and sleep it needs; :meth:`Hybrid.close` stops everythin
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 from collections.abc import Mapping
@@ -29,6 +30,8 @@ from rlhfkit.hybrid._trainer import TrainerConfig, TrainerGroup
 from rlhfkit.hybrid._trainer_worker import TrainerWorker, plan_gpu_key
 
 __all__ = ["Hybrid", "HybridConfig"]
+
+logger = logging.getLogger(__name__)
 
 _FORWARD_ENV = ("PYTHONPATH", "LD_LIBRARY_PATH", "PATH", "CUDA_HOME", "HF_HOME", "TORCH_EXTENSIONS_DIR")
 _DTYPES = ("float32", "bfloat16")
@@ -111,6 +114,10 @@ class HybridConfig:
         if self.colocate and tp != 1:
             raise ValueError(f"HybridConfig.tensor_parallel_size={tp} needs colocate=False: colocated CUDA-IPC sync "
                              "pairs one trainer rank with one single-GPU engine per GPU")
+        if self.engine == "sglang" and tp != 1:
+            raise ValueError(f"HybridConfig(engine='sglang', tensor_parallel_size={tp}): the hybrid run places one GPU "
+                             "per SGLang engine actor; use tensor_parallel_size=1 (SGLangEngine itself takes "
+                             "tensor_parallel_size > 1 when its process sees that many GPUs)")
         if self.engine == "hf" and tp != 1:
             raise ValueError("HybridConfig(engine='hf') has no tensor parallelism; use tensor_parallel_size=1")
         if not self.colocate and not (0 < self.engine_gpus < total and self.engine_gpus % tp == 0):
@@ -391,6 +398,12 @@ class Hybrid:
 
         for group in self._workers.values():
             group.shutdown()
+        if self.config.engine == "sglang" and self._handles:
+            # each SGLang server runs in a process group of its own, which ray.kill would leave behind on the GPU
+            pending = [handle.close.remote() for handle in self._handles]
+            _, late = ray.wait(pending, num_returns=len(pending), timeout=60.0)
+            if late:
+                logger.warning("%d SGLang engine(s) did not stop their server within 60 s", len(late))
         for handle in self._handles:
             ray.kill(handle, no_restart=True)
         if self._group is not None:

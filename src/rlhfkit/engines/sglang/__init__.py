@@ -272,6 +272,8 @@ class SGLangEngine:
 
     def _send(self, pairs: list[tuple[str, torch.Tensor]], *, version: int | None = None) -> None:
         """One ``/update_weights_from_tensor`` request (every TP rank reads the same handles)."""
+        if any(tensor.is_cuda for _, tensor in pairs):
+            torch.cuda.current_stream().synchronize()  # the server reads these bytes from its own process and stream
         payload = {"serialized_named_tensors": [serialize_named_tensors(pairs)] * self.config.tensor_parallel_size,
                    "flush_cache": False}
         if version is not None:
