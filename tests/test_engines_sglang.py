@@ -37,10 +37,11 @@ FAKE = Path(__file__).parent / "_fake_sglang"
 
 
 def fake_config(tmp_path: Path, mode: str = "", **overrides) -> SGLangEngineConfig:
-    fields = dict(model=str(tmp_path), python=sys.executable, env={"PYTHONPATH": str(FAKE), "FAKE_SGLANG_MODE": mode},
-                  log_path=str(tmp_path / f"server-{mode or 'ok'}.log"), startup_timeout_s=30.0,
-                  generate_timeout_s=20.0, control_timeout_s=20.0, health_timeout_s=5.0,
-                  enable_memory_saver=True, weights_cpu_backup=True)
+    fields = {"model": str(tmp_path), "python": sys.executable,
+              "env": {"PYTHONPATH": str(FAKE), "FAKE_SGLANG_MODE": mode},
+              "log_path": str(tmp_path / f"server-{mode or 'ok'}.log"), "startup_timeout_s": 30.0,
+              "generate_timeout_s": 20.0, "control_timeout_s": 20.0, "health_timeout_s": 5.0,
+              "enable_memory_saver": True, "weights_cpu_backup": True}
     return SGLangEngineConfig(**(fields | overrides))
 
 

@@ -26,7 +26,7 @@ from pathlib import Path
 
 SHARED = Path(os.environ.get("SHARED_GPU", Path(__file__).resolve().parents[2] / ".." / "shared" / "gpu"))
 sys.path.insert(0, str(SHARED))
-import pack  # noqa: E402  (../shared/gpu/pack.py)
+import pack
 
 KEEP_SM = int(os.environ.get("GPU_KEEP_SM", "90"))
 DROP = {"sglang_kernel": ["sgl_kernel/sm100/*"] if KEEP_SM == 90 else [],
@@ -36,7 +36,7 @@ DROP = {"sglang_kernel": ["sgl_kernel/sm100/*"] if KEEP_SM == 90 else [],
 def slim(src: str, outdir: str) -> dict[str, int]:
     drops = DROP.get(pack.dist_name(src), [])
     dst = os.path.join(outdir, os.path.basename(src))
-    stats = dict(dropped=0, zeroed=0, stripped=0)
+    stats = {"dropped": 0, "zeroed": 0, "stripped": 0}
     with zipfile.ZipFile(src) as zin, zipfile.ZipFile(dst + ".tmp", "w", zipfile.ZIP_STORED) as zout:
         record, rows = None, []
         for info in zin.infolist():
@@ -74,7 +74,7 @@ def slim(src: str, outdir: str) -> dict[str, int]:
 
 def main() -> None:
     outdir, wheels = sys.argv[1], sys.argv[2:]
-    total = dict(dropped=0, zeroed=0, stripped=0)
+    total = {"dropped": 0, "zeroed": 0, "stripped": 0}
     for wheel in wheels:
         for key, value in slim(wheel, outdir).items():
             total[key] += value

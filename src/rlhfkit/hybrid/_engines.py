@@ -18,8 +18,13 @@ from rlhfkit.hybrid._errors import EnginesBusyError
 from rlhfkit.hybrid._trainer_worker import transition_record
 from rlhfkit.phase import PhaseGuard
 
-__all__ = ["GuardedEngineMixin", "HFEngineActor", "RolloutEngines", "guarded_vllm_engine_class",
-           "guarded_sglang_engine_class"]
+__all__ = [
+    "GuardedEngineMixin",
+    "HFEngineActor",
+    "RolloutEngines",
+    "guarded_sglang_engine_class",
+    "guarded_vllm_engine_class",
+]
 
 
 class GuardedEngineMixin:

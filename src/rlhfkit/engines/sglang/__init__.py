@@ -55,9 +55,20 @@ from rlhfkit.engines.sglang._server import SGLangNotInstalledError, SGLangServer
 from rlhfkit.engines.sglang._tensors import serialize_named_tensors
 from rlhfkit.types import Rollout
 
-__all__ = ["SGLangEngineConfig", "SGLangEngine", "SGLangEngineActor", "SGLangServerError", "SGLangServerDied",
-           "SGLangTimeout", "SGLangProtocolError", "SGLangRequestError", "SGLangStartError", "SGLangNotInstalledError",
-           "server_command", "sample_seed"]
+__all__ = [
+    "SGLangEngine",
+    "SGLangEngineActor",
+    "SGLangEngineConfig",
+    "SGLangNotInstalledError",
+    "SGLangProtocolError",
+    "SGLangRequestError",
+    "SGLangServerDied",
+    "SGLangServerError",
+    "SGLangStartError",
+    "SGLangTimeout",
+    "sample_seed",
+    "server_command",
+]
 
 logger = logging.getLogger(__name__)
 

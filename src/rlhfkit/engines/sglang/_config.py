@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["SGLangEngineConfig", "server_command", "SGLANG_VERSION"]
+__all__ = ["SGLANG_VERSION", "SGLangEngineConfig", "server_command"]
 
 SGLANG_VERSION = "0.5.17"  # the release whose HTTP API this backend speaks (the last one that pins torch 2.11)
 _DTYPES = ("auto", "bfloat16", "float16", "float32")

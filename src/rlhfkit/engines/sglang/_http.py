@@ -17,8 +17,15 @@ import urllib.request
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["SGLangServerError", "SGLangServerDied", "SGLangTimeout", "SGLangProtocolError", "SGLangRequestError",
-           "SGLangStartError", "SGLangClient"]
+__all__ = [
+    "SGLangClient",
+    "SGLangProtocolError",
+    "SGLangRequestError",
+    "SGLangServerDied",
+    "SGLangServerError",
+    "SGLangStartError",
+    "SGLangTimeout",
+]
 
 
 class SGLangServerError(RuntimeError):
@@ -79,7 +86,7 @@ class SGLangClient:
             text = error.read().decode(errors="replace")[:2000]
             raise SGLangRequestError(f"{self._where(path)} refused the request with HTTP {error.code}: {text}",
                                      engine_index=self.engine_index, status=error.code) from error
-        except (TimeoutError, socket.timeout) as error:
+        except TimeoutError as error:
             raise SGLangTimeout(f"{self._where(path)} did not answer within {timeout_s:g} s; it is hung or overloaded "
                                 "(raise the timeout in SGLangEngineConfig if it is only slow)",
                                 engine_index=self.engine_index) from error

@@ -20,7 +20,7 @@ from pathlib import Path
 from rlhfkit.engines.sglang._config import SGLANG_VERSION, SGLangEngineConfig, server_command
 from rlhfkit.engines.sglang._http import SGLangClient, SGLangServerError, SGLangStartError
 
-__all__ = ["SGLangServer", "SGLangNotInstalledError", "free_port", "log_tail"]
+__all__ = ["SGLangNotInstalledError", "SGLangServer", "free_port", "log_tail"]
 
 logger = logging.getLogger(__name__)
 _TAIL_LINES = 30
@@ -95,7 +95,7 @@ class SGLangServer:
     def _check_installed(config: SGLangEngineConfig, env: dict[str, str], engine_index: int) -> None:
         probe = "import importlib.util, sys; sys.exit(0 if importlib.util.find_spec('sglang') else 3)"
         try:
-            result = subprocess.run([config.python, "-c", probe], env=env, capture_output=True, timeout=60)
+            result = subprocess.run([config.python, "-c", probe], env=env, capture_output=True, timeout=60, check=False)
         except FileNotFoundError as error:
             raise SGLangNotInstalledError(f"engine {engine_index}: SGLangEngineConfig.python={config.python!r} does "
                                           f"not exist; {_install_hint(config)}") from error
