@@ -327,3 +327,18 @@ def test_mixed_backends_in_one_group(engine, tmp_path):
     from_fake = [r for r in rollouts if r.response_token_ids.tolist() == fake_tokens(
         r.prompt_token_ids.tolist(), max_new_tokens=3)]
     assert {r.prompt_index for r in from_fake} == {0, 2}  # the least-loaded rule alternates engines
+
+
+def test_serialized_cpu_views_carry_only_their_own_bytes():
+    """A weight-sync bucket hands out views of one buffer: each must not pickle the whole buffer."""
+    import base64
+    import pickle
+
+    from rlhfkit.engines.sglang._tensors import serialize_named_tensors
+
+    buffer = torch.arange(1 << 16, dtype=torch.float32)  # 256 KiB
+    payload = serialize_named_tensors([("a", buffer[10:14]), ("b", buffer[100:104].view(2, 2))])
+    assert len(payload) < 4096
+    (name_a, a), (name_b, b) = pickle.loads(base64.b64decode(payload))
+    assert (name_a, a.tolist(), name_b, b.tolist()) == ("a", [10.0, 11.0, 12.0, 13.0], "b", [[100.0, 101.0],
+                                                                                            [102.0, 103.0]])

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import io
 import json
 import os
 import pickle
@@ -29,6 +30,18 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 MODES = set(filter(None, os.environ.get("FAKE_SGLANG_MODE", "").split(",")))
 STATE = {"version": 0, "released": [], "calls": [], "weights": {}, "flushes": 0, "args": sys.argv[1:]}
 LOCK = threading.Lock()
+
+
+class AllowListUnpickler(pickle.Unpickler):
+    """sglang 0.5.17's SafeUnpickler rule (sglang/srt/utils/common.py), for the modules a tensor payload may use: a
+    payload that needs another module fails here as it would there."""
+
+    ALLOWED = ("builtins.", "collections.", "copyreg.", "functools.", "operator.", "torch.")
+
+    def find_class(self, module, name):
+        if any((module + ".").startswith(prefix) for prefix in self.ALLOWED):
+            return super().find_class(module, name)
+        raise RuntimeError(f"Blocked unsafe class loading ({module}.{name})")
 
 
 def sample(prompt, params, version):
@@ -115,7 +128,7 @@ class Handler(BaseHTTPRequestHandler):
 
         payloads = body["serialized_named_tensors"]
         for payload in payloads[:1]:
-            for name, tensor in pickle.loads(base64.b64decode(payload)):
+            for name, tensor in AllowListUnpickler(io.BytesIO(base64.b64decode(payload))).load():
                 with LOCK:
                     STATE["weights"][name] = [list(tensor.shape), float(tensor.double().sum())]
         with LOCK:
