@@ -16,13 +16,18 @@
 # sm_90 cubins only (PTX where a container has no sm_90 cubin), sgl_kernel/sm100 (loaded on non-Hopper GPUs only),
 # xgrammar's static library and tvm-ffi's bundled sources are dropped, debug sections stripped; wheels are re-stored
 # uncompressed for xz. Nothing an H100/H200 loads is removed; GPU_KEEP_SM=NN keeps another arch.
-# Env: SGLANG_WHEEL_CACHE (.whl/sglang-cache), SGLANG_CARRY_DIR (.carry), SGLANG_CHUNK_MIB (60), SGLANG_XZ_LEVEL (3),
-#      PYTHON (python3), SHARED_GPU (../shared/gpu).
+# The bundle is kept in the cache: a second run only re-chunks it (SGLANG_REBUNDLE=1 slims and compresses again).
+# Env: SGLANG_WHEEL_CACHE (.whl/sglang-cache), SGLANG_CARRY_DIR (.carry), SGLANG_CHUNK_MIB (60, or less when the
+#      repo's own files leave less room under 64 MiB), SGLANG_XZ_LEVEL (3), PYTHON (python3), SHARED_GPU (../shared/gpu).
 set -euo pipefail
 ROOT=$(pwd)
 CACHE=${SGLANG_WHEEL_CACHE:-$ROOT/.whl/sglang-cache}
 CARRY=${SGLANG_CARRY_DIR:-$ROOT/.carry}
-CHUNK_MIB=${SGLANG_CHUNK_MIB:-60}
+# the repo's tracked + untracked-not-ignored files travel with every transfer (64 MiB in all), as in the GPU kit
+TREE_KIB=$( (git ls-files -z -c -o --exclude-standard 2>/dev/null | du -c -k --files0-from=- 2>/dev/null | tail -1 | cut -f1) || true)
+CHUNK_MIB=${SGLANG_CHUNK_MIB:-$(( (63 * 1024 - ${TREE_KIB:-0} - 64) / 1024 ))}
+if [ "$CHUNK_MIB" -gt 60 ]; then CHUNK_MIB=60; fi
+if [ "$CHUNK_MIB" -lt 8 ]; then echo "the repo's own files (${TREE_KIB} KiB) leave no room for a chunk" >&2; exit 1; fi
 LEVEL=${SGLANG_XZ_LEVEL:-3}
 PY=${PYTHON:-python3}
 SHARED=${SHARED_GPU:-$ROOT/../shared/gpu}
@@ -72,16 +77,22 @@ echo "== download $(wc -l < "$CACHE/wanted.txt") wheels (excluded, the image has
 "$PY" -m pip download -q --no-deps --disable-pip-version-check $PLAT -d "$CACHE/dl" $(cut -d' ' -f1 "$CACHE/wanted.txt")
 RAW=$(du -cm "$CACHE"/dl/*.whl | tail -1 | cut -f1)
 
-echo "== slim (sm_$((${GPU_KEEP_SM:-90})) cubins, no debug sections)" >&2
-STAGE=$(mktemp -d)
-mkdir -p "$STAGE/wheels"
-SHARED_GPU=$SHARED "$PY" "$ROOT/bench/peers/slim_sglang.py" "$STAGE/wheels" "$CACHE"/dl/*.whl
-SLIM=$(du -cm "$STAGE"/wheels/*.whl | tail -1 | cut -f1)
-
-echo "== bundle (xz -$LEVEL) and split into <= $CHUNK_MIB MiB chunks" >&2
+BUNDLE="$CACHE/sglang.tar.xz"
+if [ ! -f "$BUNDLE" ] || [ "${SGLANG_REBUNDLE:-0}" = 1 ]; then
+  echo "== slim (sm_${GPU_KEEP_SM:-90} cubins, no debug sections)" >&2
+  STAGE=$(mktemp -d)
+  mkdir -p "$STAGE/wheels"
+  SHARED_GPU=$SHARED "$PY" "$ROOT/bench/peers/slim_sglang.py" "$STAGE/wheels" "$CACHE"/dl/*.whl
+  du -cm "$STAGE"/wheels/*.whl | tail -1 | cut -f1 > "$CACHE/slim_mib"
+  echo "== bundle (xz -$LEVEL)" >&2
+  tar -C "$STAGE" --sort=name --mtime=@0 --owner=0 --group=0 --numeric-owner -cf - wheels | xz -T0 "-$LEVEL" > "$BUNDLE.tmp"
+  mv -f "$BUNDLE.tmp" "$BUNDLE"
+  rm -rf "$STAGE"
+fi
+SLIM=$(cat "$CACHE/slim_mib")
+echo "== split into <= $CHUNK_MIB MiB chunks" >&2
 rm -rf "$CARRY"/sglang[0-9]*
-tar -C "$STAGE" --sort=name --mtime=@0 --owner=0 --group=0 --numeric-owner -cf - wheels | xz -T0 "-$LEVEL" > "$STAGE/sglang.tar.xz"
-"$PY" - "$STAGE/sglang.tar.xz" "$CARRY" "$CHUNK_MIB" "$RAW" "$SLIM" <<'PYEOF'
+"$PY" - "$BUNDLE" "$CARRY" "$CHUNK_MIB" "$RAW" "$SLIM" <<'PYEOF'
 import hashlib, os, sys
 bundle, carry, chunk_mib, raw, slim = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4], sys.argv[5]
 data_sha = hashlib.sha256(open(bundle, "rb").read()).hexdigest()
@@ -100,7 +111,6 @@ for i in range(1, index + 1):
     open(os.path.join(carry, f"sglang{i}", "MANIFEST"), "w").write("\n".join(lines) + "\n")
 print(f"{index} chunk(s), bundle {size / 2**20:.1f} MiB (wheels: {raw} MiB downloaded, {slim} MiB slimmed, stored)")
 PYEOF
-rm -rf "$STAGE"
 mkdir -p "$CARRY/sglang-tools" && cp -f "$ROOT/bench/peers/install-sglang.sh" "$CARRY/sglang-tools/"
 echo "Send .carry/sglang-tools with each of .carry/sglang1..N, one transfer each, back to back; each command starts" >&2
 echo "    eval \"\$(bash .carry/sglang-tools/install-sglang.sh)\"" >&2
