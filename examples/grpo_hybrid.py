@@ -3,6 +3,7 @@
     python examples/grpo_hybrid.py --model /tmp/smollm2-hf                  # 1 GPU, everything sleeping in turn
     python examples/grpo_hybrid.py --model /tmp/smollm2-hf --num-gpus 2     # 2 GPUs: 2 ranks, 2 engines
     python examples/grpo_hybrid.py --model /tmp/smollm2-hf --resident true  # memory is plentiful: nothing sleeps
+    python examples/grpo_hybrid.py --model /tmp/smollm2-hf --engine sglang --sglang-site /tmp/site/sglang  # SGLang
     python examples/grpo_hybrid.py --device cpu --tiny true                 # CPU: HF engine, logical GPUs
     python examples/grpo_hybrid.py --model M --bf16 true --zero-stage 3 --lora-rank 16   # LoRA: adapters only
 
@@ -45,6 +46,9 @@ class Options:
     model: str | None = None  # HF folder (SmolLM2 from examples/convert_smollm2.py); CPU: a tiny model is built
     out: str = "runs/grpo_hybrid"
     device: str = "cuda"
+    engine: str = "vllm"  # GPU: "vllm" or "sglang" (its server runs from --sglang-site / --sglang-python); CPU: hf
+    sglang_python: str = "python3"
+    sglang_site: str | None = None  # e.g. /tmp/site/sglang (bench/peers/install-sglang.sh)
     num_gpus: int = 1
     steps: int = 100
     prompts_per_step: int = 16
@@ -92,7 +96,8 @@ def start(options: Options) -> Hybrid:
                 "reference": TrainerConfig(deepspeed=dataclasses.replace(deepspeed, offload_optimizer=False),
                                            offload=offload)}
     sleep_level = 0 if options.resident else (1 if lora else 2)  # LoRA pushes adapters only: keep the base weights
-    config = HybridConfig(model=model, device=options.device, engine="hf" if cpu else "vllm", seed=SEED,
+    config = HybridConfig(model=model, device=options.device, engine="hf" if cpu else options.engine, seed=SEED,
+                          sglang_python=options.sglang_python, sglang_site=options.sglang_site,
                           num_gpus=options.num_gpus, engine_sleep_level=sleep_level, engine_memory=options.engine_memory,
                           dtype="bfloat16" if options.bf16 and not cpu else "float32")
     return Hybrid.start(config, trainers)

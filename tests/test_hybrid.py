@@ -311,3 +311,18 @@ def test_a_drain_that_does_not_end_is_bounded_and_names_it():
     worker.join(10)
     with engines.in_flight_update():  # the failed update did not leave the engines blocked
         pass
+
+
+def test_hybrid_config_accepts_sglang_on_cuda_only():
+    """engine='sglang' (issue 23): accepted on CUDA with its interpreter and site directory; refused on CPU."""
+    from rlhfkit.hybrid import HybridConfig
+
+    config = HybridConfig(model="m", engine="sglang", sglang_python="/opt/sglang/bin/python",
+                          sglang_site="/tmp/site/sglang")
+    assert config.engine == "sglang" and config.sglang_site == "/tmp/site/sglang"
+    with pytest.raises(ValueError, match="engine='sglang' is CUDA-only"):
+        HybridConfig(model="m", device="cpu", engine="sglang")
+    with pytest.raises(ValueError, match="tensor_parallel_size=2"):
+        HybridConfig(model="m", engine="sglang", colocate=False, num_gpus=4, engine_gpus=2, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="HybridConfig.engine='tgi'"):
+        HybridConfig(model="m", engine="tgi")

@@ -45,6 +45,7 @@ CORE_MODULES = (
     "rlhfkit.tiny_models",
     "rlhfkit.engines.hf",
     "rlhfkit.engines.vllm",
+    "rlhfkit.engines.sglang",
     "rlhfkit.engines.router",
     "rlhfkit.openai_endpoint",
     "rlhfkit.deepspeed_engine",

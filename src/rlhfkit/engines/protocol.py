@@ -1,7 +1,7 @@
 """The rollout-engine protocol every backend implements, and its sampling configuration.
 
-Token ids in, :class:`~rlhfkit.types.Rollout` objects out. Backends: ``hf`` (transformers), ``vllm`` (Ray actors);
-SGLang would implement the same four methods. This module needs only torch.
+Token ids in, :class:`~rlhfkit.types.Rollout` objects out. Backends: ``hf`` (transformers), ``vllm``, ``sglang`` (an
+SGLang server over HTTP). This module needs only torch.
 
 Log-prob convention: ``Rollout.response_logprobs`` are log-probabilities of the sampled tokens under the
 distribution the engine *sampled from after temperature scaling*, before top-p/top-k truncation

@@ -1,8 +1,8 @@
 """Rollout engines of a hybrid run: engine actors whose sleep and wake go through the phase guard, and
 :class:`RolloutEngines`, the driver's handle on them (generate, sleep/wake, weight versions).
 
-The engine actors are rlhfkit's own (:class:`rlhfkit.engines.vllm.VLLMEngineActor`, or the HF engine in a Ray actor
-for CPU runs) with :class:`GuardedEngineMixin` added: ``guarded_sleep(level)`` releases the engine's GPUs in the
+The engine actors are rlhfkit's own (:class:`rlhfkit.engines.vllm.VLLMEngineActor`,
+:class:`rlhfkit.engines.sglang.SGLangEngineActor`, or the HF engine in a Ray actor for CPU runs) with :class:`GuardedEngineMixin` added: ``guarded_sleep(level)`` releases the engine's GPUs in the
 guard, ``guarded_wake(tags)`` claims them first. Level 0 keeps the engine resident (weights and KV cache stay); the
 guard still orders the phases.
 """
@@ -20,7 +20,13 @@ from rlhfkit.hybrid._errors import EnginesBusyError
 from rlhfkit.hybrid._trainer_worker import transition_record
 from rlhfkit.phase import PhaseGuard
 
-__all__ = ["GuardedEngineMixin", "HFEngineActor", "RolloutEngines", "guarded_vllm_engine_class"]
+__all__ = [
+    "GuardedEngineMixin",
+    "HFEngineActor",
+    "RolloutEngines",
+    "guarded_sglang_engine_class",
+    "guarded_vllm_engine_class",
+]
 
 
 class GuardedEngineMixin:
@@ -135,6 +141,18 @@ def guarded_vllm_engine_class(guard_store: Any, gpus_by_engine: Sequence[Sequenc
             self._guard_setup(guard_store, gpus_by_engine[engine_index])
 
     return GuardedVLLMEngine
+
+
+def guarded_sglang_engine_class(guard_store: Any, gpus_by_engine: Sequence[Sequence[str]]) -> type:
+    """rlhfkit's SGLang engine actor with guarded sleep/wake (the Ray actor class body; wrap it with ``ray.remote``)."""
+    from rlhfkit.engines.sglang import SGLangEngineActor
+
+    class GuardedSGLangEngine(GuardedEngineMixin, SGLangEngineActor):
+        def __init__(self, config: Any, *, engine_index: int = 0) -> None:
+            super().__init__(config, engine_index=engine_index)
+            self._guard_setup(guard_store, gpus_by_engine[engine_index])
+
+    return GuardedSGLangEngine
 
 
 class RolloutEngines:

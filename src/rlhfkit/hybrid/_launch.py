@@ -10,6 +10,7 @@ engines with every wake and sleep it needs; :meth:`Hybrid.close` stops everythin
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 from collections.abc import Mapping
@@ -18,12 +19,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rlhfkit.hybrid._engines import HFEngineActor, RolloutEngines, guarded_vllm_engine_class
+from rlhfkit.hybrid._engines import (
+    HFEngineActor,
+    RolloutEngines,
+    guarded_sglang_engine_class,
+    guarded_vllm_engine_class,
+)
 from rlhfkit.hybrid._timer import GpuMemorySampler, PhaseTimer
 from rlhfkit.hybrid._trainer import TrainerConfig, TrainerGroup
 from rlhfkit.hybrid._trainer_worker import TrainerWorker, plan_gpu_key
 
 __all__ = ["Hybrid", "HybridConfig"]
+
+logger = logging.getLogger(__name__)
 
 _FORWARD_ENV = ("PYTHONPATH", "LD_LIBRARY_PATH", "PATH", "CUDA_HOME", "HF_HOME", "TORCH_EXTENSIONS_DIR")
 _DTYPES = ("float32", "bfloat16")
@@ -36,7 +44,10 @@ class HybridConfig:
     Attributes:
         model: HF folder of the policy (engines and, by default, every trainer role).
         device: ``"cuda"``, or ``"cpu"`` (DeepSpeed on CPU, logical GPUs, gloo sync; needs ``engine="hf"``).
-        engine: ``"vllm"`` or ``"hf"`` (rlhfkit's transformers engine, for CPU runs and tests).
+        engine: ``"vllm"``, ``"sglang"`` (an SGLang server per engine, driven by its engine actor; see
+            docs/engines-sglang.md) or ``"hf"`` (rlhfkit's transformers engine, for CPU runs and tests).
+        sglang_python, sglang_site: the interpreter that runs SGLang's server, and a site directory put on its
+            ``PYTHONPATH`` (e.g. ``/tmp/site/sglang`` from ``bench/peers/install-sglang.sh``); ``engine="sglang"`` only.
         num_gpus, num_nodes: GPUs per node the plan uses, and nodes.
         colocate: engines share the trainers' GPUs (the hybrid engine) or get ``engine_gpus`` GPUs of their own.
         engine_gpus, tensor_parallel_size: engine GPUs when not colocated; GPUs per vLLM engine.
@@ -68,6 +79,8 @@ class HybridConfig:
     model: str
     device: str = "cuda"
     engine: str = "vllm"
+    sglang_python: str = "python3"
+    sglang_site: str | None = None
     num_gpus: int = 1
     num_nodes: int = 1
     colocate: bool = True
@@ -91,7 +104,7 @@ class HybridConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
             raise TypeError(f"HybridConfig.model={self.model!r}; give an HF model folder")
-        for name, choices in (("device", ("cuda", "cpu")), ("engine", ("vllm", "hf")), ("dtype", _DTYPES)):
+        for name, choices in (("device", ("cuda", "cpu")), ("engine", ("vllm", "sglang", "hf")), ("dtype", _DTYPES)):
             if getattr(self, name) not in choices:
                 raise ValueError(f"HybridConfig.{name}={getattr(self, name)!r}; expected one of {choices}")
         for name in ("num_gpus", "num_nodes", "engine_gpus", "tensor_parallel_size", "sync_bucket_mb", "seed",
@@ -111,12 +124,16 @@ class HybridConfig:
                                                 or not isinstance(self.gpu_memory_gib, (int, float))
                                                 or not self.gpu_memory_gib > 0):
             raise ValueError(f"HybridConfig.gpu_memory_gib={self.gpu_memory_gib!r}; GiB of one GPU (> 0) or None")
-        if self.device == "cpu" and self.engine == "vllm":
-            raise ValueError("HybridConfig(device='cpu') needs engine='hf' (the vLLM engine here is CUDA-only)")
+        if self.device == "cpu" and self.engine in ("vllm", "sglang"):
+            raise ValueError(f"HybridConfig(device='cpu') needs engine='hf' (engine={self.engine!r} is CUDA-only)")
         total, tp = self.num_gpus * self.num_nodes, self.tensor_parallel_size
         if self.colocate and tp != 1:
             raise ValueError(f"HybridConfig.tensor_parallel_size={tp} needs colocate=False: colocated CUDA-IPC sync "
                              "pairs one trainer rank with one single-GPU engine per GPU")
+        if self.engine == "sglang" and tp != 1:
+            raise ValueError(f"HybridConfig(engine='sglang', tensor_parallel_size={tp}): the hybrid run places one GPU "
+                             "per SGLang engine actor; use tensor_parallel_size=1 (SGLangEngine itself takes "
+                             "tensor_parallel_size > 1 when its process sees that many GPUs)")
         if self.engine == "hf" and tp != 1:
             raise ValueError("HybridConfig(engine='hf') has no tensor parallelism; use tensor_parallel_size=1")
         if not self.colocate and not (0 < self.engine_gpus < total and self.engine_gpus % tp == 0):
@@ -274,6 +291,8 @@ class Hybrid:
                 env=env, startup_timeout_s=config.start_timeout_s, control_timeout_s=config.call_timeout_s)
             self._handles = create_engines(engine_config, placement=placed, role="rollout",
                                            engine_cls=guarded_vllm_engine_class(self._store, gpus))
+        elif config.engine == "sglang":
+            self._handles = self._start_sglang_engines(gpus, env)
         else:
             actor_cls = ray.remote(HFEngineActor)
             dtype = config.dtype if config.device == "cuda" else "float32"
@@ -296,6 +315,30 @@ class Hybrid:
         if config.colocate and not config.overlap:  # the trainers load next; level 1 keeps the weights
             self._group.call("guarded_sleep", 1, "startup")
             self.engines.asleep = True
+
+    def _start_sglang_engines(self, gpus: list[list[str]], env: dict[str, str]) -> list[Any]:
+        """One Ray actor per engine, each starting its SGLang server on the actor's GPU(s)."""
+        import ray
+
+        from rlhfkit.engines.sglang import SGLangEngineConfig
+
+        config, placed = self.config, self._placed
+        server_env = env | ({"PYTHONPATH": config.sglang_site} if config.sglang_site else {})
+        engine_config = SGLangEngineConfig(
+            model=config.model, python=config.sglang_python, tensor_parallel_size=config.tensor_parallel_size,
+            mem_fraction_static=config.engine_memory or (0.15 if config.colocate else 0.85), seed=config.seed,
+            dtype=config.dtype, enable_memory_saver=config.colocate,
+            weights_cpu_backup=config.colocate,  # the start-up sleep is level 1
+            context_length=config.max_model_len, enforce_eager=config.enforce_eager, env=server_env,
+            startup_timeout_s=config.start_timeout_s, control_timeout_s=config.call_timeout_s,
+            generate_timeout_s=config.call_timeout_s)
+        actor_cls = ray.remote(guarded_sglang_engine_class(self._store, gpus))
+        handles = []
+        for index in range(len(gpus)):
+            options = placed.actor_options("rollout", index) | {"runtime_env": {"env_vars": env}, "max_restarts": 0}
+            handles.append(actor_cls.options(**options).remote(engine_config, engine_index=index))
+        ray.get([handle.ready.remote() for handle in handles], timeout=config.start_timeout_s)
+        return handles
 
     def _start_group(self, role: str, path: str) -> Any:
         from rlhfkit.workers import WorkerGroup, WorkerGroupConfig
@@ -325,10 +368,11 @@ class Hybrid:
                     for handle, endpoint in zip(self._handles, endpoints, strict=True)]
         else:
             senders = [rank == 0 for rank in range(actor.world_size)]
-            world = 1 + len(self._handles) * tp
+            per_engine = 1 if config.engine == "sglang" else tp  # an SGLang engine receives once for all its TP ranks
+            world = 1 + len(self._handles) * per_engine
             endpoint = actor.call_scattered("open_weight_sync", senders, config=sync, world_size=world,
                                             group_name="weights")[0]
-            refs = [handle.init_weight_sync.remote(sync, endpoint, first_rank=1 + index * tp, **lora)
+            refs = [handle.init_weight_sync.remote(sync, endpoint, first_rank=1 + index * per_engine, **lora)
                     for index, handle in enumerate(self._handles)]
         ray.get(refs, timeout=config.call_timeout_s)
 
@@ -396,6 +440,12 @@ class Hybrid:
 
         for group in self._workers.values():
             group.shutdown()
+        if self.config.engine == "sglang" and self._handles:
+            # each SGLang server runs in a process group of its own, which ray.kill would leave behind on the GPU
+            pending = [handle.close.remote() for handle in self._handles]
+            _, late = ray.wait(pending, num_returns=len(pending), timeout=60.0)
+            if late:
+                logger.warning("%d SGLang engine(s) did not stop their server within 60 s", len(late))
         for handle in self._handles:
             ray.kill(handle, no_restart=True)
         if self._group is not None:

@@ -1,0 +1,147 @@
+"""Configuration of the ``sglang`` rollout engine (:class:`SGLangEngineConfig`) and the server command line it
+implies (:func:`server_command`); private to :mod:`rlhfkit.engines.sglang`, which re-exports both. Standard library
+only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["SGLANG_VERSION", "SGLangEngineConfig", "server_command"]
+
+SGLANG_VERSION = "0.5.17"  # the release whose HTTP API this backend speaks (the last one that pins torch 2.11)
+_DTYPES = ("auto", "bfloat16", "float16", "float32")
+# flags server_command sets from config fields: extra_args may not repeat them
+_OWN_FLAGS = ("--model-path", "--host", "--port", "--tp-size", "--mem-fraction-static", "--dtype", "--random-seed",
+              "--enable-memory-saver", "--enable-weights-cpu-backup", "--context-length", "--disable-radix-cache",
+              "--disable-cuda-graph", "--skip-server-warmup")
+
+
+def _freeze_env(value: Any) -> tuple[tuple[str, str], ...]:
+    items = value.items() if isinstance(value, Mapping) else value
+    try:
+        pairs = tuple((key, item) for key, item in items)
+    except (TypeError, ValueError) as error:
+        raise TypeError(f"SGLangEngineConfig.env={value!r}; pass a mapping or (name, value) pairs") from error
+    for key, item in pairs:
+        if not isinstance(key, str) or not key or not isinstance(item, str):
+            raise TypeError(f"SGLangEngineConfig.env has ({key!r}, {item!r}); names and values must be strings")
+    return pairs
+
+
+@dataclass(frozen=True, kw_only=True)
+class SGLangEngineConfig:
+    """How to start (or reach) one SGLang server and drive it.
+
+    SGLang runs in a process of its own with its own interpreter or site directory (it pins other versions of
+    torch-adjacent packages than vLLM), started by the engine with ``python -m sglang.launch_server`` and driven over
+    its HTTP API.
+
+    Attributes:
+        model: path of an HF model folder.
+        python: the interpreter that has ``sglang`` (e.g. ``/opt/sglang/bin/python``); ``env`` may add a site
+            directory through ``PYTHONPATH``.
+        url: attach to a server already running at this address (``http://host:port``) instead of starting one;
+            the engine then neither starts nor stops it.
+        host, port: where the started server listens; port 0 picks a free port.
+        tensor_parallel_size: GPUs of the server (``--tp-size``).
+        mem_fraction_static: SGLang's share of GPU memory for weights + KV cache, in (0, 1).
+        dtype: ``--dtype``.
+        seed: ``--random-seed`` (engine ``i`` of a group uses ``seed + i``).
+        enable_memory_saver: allow :meth:`SGLangEngine.sleep` (``--enable-memory-saver``; CUDA only).
+        weights_cpu_backup: keep a host copy of the weights while they are released (``--enable-weights-cpu-backup``),
+            which sleep level 1 needs; without it only level 2 (weights discarded) is possible.
+        context_length: ``--context-length`` (None: the model's).
+        disable_radix_cache, enforce_eager: ``--disable-radix-cache``; ``--disable-cuda-graph``.
+        extra_args: more ``launch_server`` arguments, e.g. ``("--attention-backend", "fa3")``; flags the fields
+            above set are refused.
+        env: environment variables of the server process (added to this process's), as a mapping or pairs.
+        log_path: the server's stdout and stderr (None: a temporary file); its tail is quoted in start-up errors.
+        startup_timeout_s, generate_timeout_s, control_timeout_s, health_timeout_s: bounds of the server's start
+            (until ``/health`` answers 200), of one ``/generate`` call, of sleep/wake/weight updates, of a health
+            check.
+        update_bucket_bytes: tensors go to ``/update_weights_from_tensor`` in requests of about this many bytes.
+    """
+
+    model: str
+    python: str = "python3"
+    url: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 0
+    tensor_parallel_size: int = 1
+    mem_fraction_static: float = 0.85
+    dtype: str = "bfloat16"
+    seed: int = 0
+    enable_memory_saver: bool = False
+    weights_cpu_backup: bool = False
+    context_length: int | None = None
+    disable_radix_cache: bool = False
+    enforce_eager: bool = False
+    extra_args: tuple[str, ...] = ()
+    env: Any = field(default=())
+    log_path: str | None = None
+    startup_timeout_s: float = 900.0
+    generate_timeout_s: float = 600.0
+    control_timeout_s: float = 300.0
+    health_timeout_s: float = 30.0
+    update_bucket_bytes: int = 512 * 1024**2
+
+    def __post_init__(self) -> None:
+        for name in ("model", "python", "host"):
+            value = getattr(self, name)
+            if not isinstance(value, str) or not value:
+                raise ValueError(f"SGLangEngineConfig.{name}={value!r}; must be a non-empty string")
+        if self.url is not None and (not isinstance(self.url, str) or not self.url.startswith(("http://", "https://"))):
+            raise ValueError(f"SGLangEngineConfig.url={self.url!r}; pass None (start a server) or 'http://host:port'")
+        if isinstance(self.port, bool) or not isinstance(self.port, int) or not 0 <= self.port < 65536:
+            raise ValueError(f"SGLangEngineConfig.port={self.port!r}; must be 0 (pick a free port) or a TCP port")
+        for name in ("tensor_parallel_size", "update_bucket_bytes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"SGLangEngineConfig.{name}={value!r}; must be an integer >= 1")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
+            raise ValueError(f"SGLangEngineConfig.seed={self.seed!r}; must be an integer >= 0")
+        if not isinstance(self.mem_fraction_static, (int, float)) or not 0 < self.mem_fraction_static < 1:
+            raise ValueError(f"SGLangEngineConfig.mem_fraction_static={self.mem_fraction_static!r}; must be in (0, 1)")
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"SGLangEngineConfig.dtype={self.dtype!r}; expected one of {_DTYPES}")
+        if self.context_length is not None and (isinstance(self.context_length, bool)
+                                                or not isinstance(self.context_length, int) or self.context_length < 1):
+            raise ValueError(f"SGLangEngineConfig.context_length={self.context_length!r}; must be None or an int >= 1")
+        if self.weights_cpu_backup and not self.enable_memory_saver:
+            raise ValueError("SGLangEngineConfig.weights_cpu_backup=True needs enable_memory_saver=True (the backup "
+                             "is what the memory saver restores at wake-up)")
+        for name in ("startup_timeout_s", "generate_timeout_s", "control_timeout_s", "health_timeout_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ValueError(f"SGLangEngineConfig.{name}={value!r}; must be a number of seconds > 0")
+        if isinstance(self.extra_args, (str, bytes)) or not all(isinstance(a, str) for a in self.extra_args):
+            raise TypeError(f"SGLangEngineConfig.extra_args={self.extra_args!r}; pass a tuple of strings, e.g. "
+                            "('--attention-backend', 'fa3')")
+        object.__setattr__(self, "extra_args", tuple(self.extra_args))
+        clash = [arg.split("=", 1)[0] for arg in self.extra_args if arg.split("=", 1)[0] in _OWN_FLAGS]
+        if clash:
+            raise ValueError(f"SGLangEngineConfig.extra_args sets {clash}; set the config field instead "
+                             "(model, host, port, tensor_parallel_size, mem_fraction_static, dtype, seed, ...)")
+        object.__setattr__(self, "env", _freeze_env(self.env))
+
+
+def server_command(config: SGLangEngineConfig, *, port: int, engine_index: int = 0) -> list[str]:
+    """The ``python -m sglang.launch_server ...`` command line of engine ``engine_index`` listening on ``port``."""
+    command = [config.python, "-m", "sglang.launch_server", "--model-path", config.model, "--host", config.host,
+               "--port", str(port), "--tp-size", str(config.tensor_parallel_size),
+               "--mem-fraction-static", str(config.mem_fraction_static), "--dtype", config.dtype,
+               "--random-seed", str(config.seed + engine_index), "--skip-server-warmup"]
+    if config.enable_memory_saver:
+        command.append("--enable-memory-saver")
+    if config.weights_cpu_backup:
+        command.append("--enable-weights-cpu-backup")
+    if config.context_length is not None:
+        command += ["--context-length", str(config.context_length)]
+    if config.disable_radix_cache:
+        command.append("--disable-radix-cache")
+    if config.enforce_eager:
+        command.append("--disable-cuda-graph")
+    return command + list(config.extra_args)
