@@ -23,8 +23,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["AdapterSlots", "adapter_modules", "adapter_path", "register_adapter", "remove_adapters",
-           "check_adapter_support"]
+__all__ = ["AdapterSlots", "adapter_modules", "adapter_path", "check_adapter_support", "register_adapter",
+           "remove_adapters"]
 
 _PREFIX = "base_model.model."
 
