@@ -2,6 +2,7 @@
 trainer's merged model, and a few hybrid GRPO steps with LoRA. One command, bounded, writes one JSON.
 
     python bench/lora_vllm.py --model /tmp/rlhfkit-scale/qwen2.5-7b --rank 16 --out lora_vllm.json   # GPU
+    python bench/lora_vllm.py --arch qwen2.5-7b --tokenizer /tmp/smollm2-hf --out lora_vllm.json  # builds it first
     python bench/lora_vllm.py --tiny --out lora_tiny.json    # CPU (CI): a tiny Llama, rlhfkit's HF engine, no vLLM
 
 GPU: the trainer is this process (the HF model on cuda:0 wrapped with peft, adapters set to random values as a
@@ -25,6 +26,7 @@ import argparse
 import copy
 import json
 import os
+import shutil
 import statistics
 import sys
 import threading
@@ -35,7 +37,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench.hybrid import _device, summarize  # noqa: E402
-from bench.scale import run  # noqa: E402
+from bench.scale import ARCHITECTURES, build_model, run  # noqa: E402
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 TEXTS = ("What is 12 + 7?", "The capital of France is", "Write a haiku about GPUs.", "1, 2, 3, 4,")
@@ -44,6 +46,10 @@ TEXTS = ("What is 12 + 7?", "The capital of France is", "Write a haiku about GPU
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", help="HF model folder (e.g. one bench/scale.py --keep built)")
+    parser.add_argument("--arch", choices=sorted(ARCHITECTURES), help="instead of --model: build this random-weight "
+                        "shape of bench/scale.py (with --tokenizer) in --work-dir, and delete it after")
+    parser.add_argument("--tokenizer", help="with --arch: HF folder with the SmolLM2 tokenizer")
+    parser.add_argument("--work-dir", type=Path, default=Path("/tmp/rlhfkit-scale"))
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--rank", type=int, default=16, help="LoRA rank (alpha = 2 x rank), attention + MLP")
     parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
@@ -59,8 +65,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.grpo_steps = 0 if args.tiny else 3
     if args.tiny:
         args.dtype = "float32"  # the tiny model and the HF engine on CPU
-    if not args.tiny and not args.model:
-        parser.error("--model is required (an HF folder), except with --tiny")
+    if not args.tiny and bool(args.model) == bool(args.arch):
+        parser.error("give --model (an HF folder) or --arch (with --tokenizer), except with --tiny")
+    if args.arch and not args.tokenizer:
+        parser.error("--arch needs --tokenizer (an HF folder with the SmolLM2 tokenizer)")
     if args.rank < 1 or args.syncs < 1:
         parser.error(f"--rank={args.rank} and --syncs={args.syncs} must be >= 1")
     return args
@@ -269,7 +277,22 @@ def adapter_push_cpu(args, result: dict) -> None:
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    built = None
+    if args.arch:
+        started = time.time()
+        built = args.model = str(build_model(args.arch, args.work_dir / f"{args.arch}-lora", args.tokenizer,
+                                             device="cuda"))
+        print(f"built {args.arch} in {time.time() - started:.0f} s", flush=True)
+    try:
+        return _main(args)
+    finally:
+        if built:
+            shutil.rmtree(built, ignore_errors=True)
+
+
+def _main(args) -> dict:
     result: dict = {"date": time.strftime("%Y-%m-%d"), "device": _device(), "model": args.model or "tiny",
+                    "arch": args.arch, "rank": args.rank,
                     "dtype": args.dtype, "engine": "hf" if args.tiny else "vllm"}
     try:
         (adapter_push_cpu if args.tiny else adapter_push_gpu)(args, result)

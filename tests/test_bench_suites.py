@@ -124,6 +124,10 @@ def test_lora_vllm_bench_tiny_on_cpu(tmp_path):
     greedy = result["greedy"]
     assert all(greedy["vs_peft"]["equal"]) and all(greedy["vs_merged"]["equal"]) and all(greedy["base_floor"]["equal"])
     assert greedy["adapter_changes_output"]  # the check can fail: the adapter moved the greedy tokens
+    with pytest.raises(SystemExit):
+        lora_vllm.parse_args(["--arch", "qwen2.5-7b", "--out", "x.json"])  # --arch needs --tokenizer
+    built = lora_vllm.parse_args(["--arch", "qwen2.5-7b", "--tokenizer", "/tok", "--out", "x.json"])
+    assert built.arch == "qwen2.5-7b" and built.model is None
     gpu = lora_vllm.parse_args(["--model", "/models/qwen7b", "--out", "x.json"])
     assert (gpu.rank, gpu.grpo_steps, gpu.dtype, gpu.tiny) == (16, 3, "bfloat16", False)
     command = lora_vllm.grpo_command(gpu, tmp_path)
