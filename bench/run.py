@@ -133,6 +133,11 @@ SUITES: dict[str, tuple[Step, ...]] = {
                                         "qwen2.5-3b", "qwen2.5-7b", "--steps", "10", "--peer", "trl",
                                         "--work-dir", "{work}/rlhfkit-scale", "--timeout", "900", "--out", "{out}"),
              timeout_s=3 * 3 * 960),
+        Step(name="lora_vllm", what="Qwen2.5-7B shape: LoRA rank-16 adapter push into colocated vLLM (sync time, "
+             "greedy vs merged), 3 hybrid GRPO steps with LoRA",
+             needs_model=True, argv=_py("bench/lora_vllm.py", "--arch", "qwen2.5-7b", "--tokenizer", "{model}",
+                                        "--rank", "16", "--work-dir", "{work}/rlhfkit-scale", "--timeout", "900",
+                                        "--out", "{out}"), timeout_s=1500),
         Step(name="scale_llama8b", what="Llama-3.1-8B shape, LoRA and full-parameter",
              needs_model=True, argv=_py("bench/scale.py", "--tokenizer", "{model}", "--archs", "llama-3.1-8b",
                                         "--steps", "10", "--work-dir", "{work}/rlhfkit-scale", "--timeout", "900",

@@ -123,3 +123,29 @@ def test_async_bench_runs_tiny_on_cpu(tmp_path):
     assert result["sync"]["staleness_hist"] == {"0": 48.0}
     assert result["async"]["staleness_hist"].get("1", 0) > 0 and result["speedup"] > 0
     assert (tmp_path / "async.png").stat().st_size > 0
+
+
+def test_lora_vllm_bench_tiny_on_cpu(tmp_path):
+    """bench/lora_vllm.py --tiny (issue 20 item 5): the adapter push of the GPU check, into the HF engine on CPU: timed
+    adapter-only syncs, greedy output equal to the peft and the merged trainer model; and the GPU command's shape."""
+    pytest.importorskip("peft")
+    from bench import lora_vllm
+
+    out = tmp_path / "lora.json"
+    result = lora_vllm.main(["--tiny", "--out", str(out), "--syncs", "2", "--rank", "4", "--adapter-std", "0.3"])
+    assert json.loads(out.read_text())["greedy"] == result["greedy"] and "adapter_push_error" not in result
+    assert len(result["syncs"]) == 2 and result["sync_s_median"] > 0 and result["engine_version"] == 4
+    assert result["syncs"][0]["tensors"] == result["adapter_tensors"] == 2 * 7 * 2  # 2 layers x 7 projections
+    greedy = result["greedy"]
+    assert all(greedy["vs_peft"]["equal"]) and all(greedy["vs_merged"]["equal"]) and all(greedy["base_floor"]["equal"])
+    assert greedy["adapter_changes_output"]  # the check can fail: the adapter moved the greedy tokens
+    with pytest.raises(SystemExit):
+        lora_vllm.parse_args(["--arch", "qwen2.5-7b", "--out", "x.json"])  # --arch needs --tokenizer
+    built = lora_vllm.parse_args(["--arch", "qwen2.5-7b", "--tokenizer", "/tok", "--out", "x.json"])
+    assert built.arch == "qwen2.5-7b" and built.model is None
+    gpu = lora_vllm.parse_args(["--model", "/models/qwen7b", "--out", "x.json"])
+    assert (gpu.rank, gpu.grpo_steps, gpu.dtype, gpu.tiny) == (16, 3, "bfloat16", False)
+    command = lora_vllm.grpo_command(gpu, tmp_path)
+    assert command[command.index("--lora-rank") + 1] == "16" and "/models/qwen7b" in command
+    with pytest.raises(SystemExit):
+        lora_vllm.parse_args(["--out", "x.json"])  # the GPU mode needs --model

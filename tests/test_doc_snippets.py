@@ -26,6 +26,7 @@ PAGES_OWNED_ELSEWHERE: set[str] = set()
 EXPECTED_NO_RUN = {
     "docs/deepspeed_engine.md": 1,   # bf16 ZeRO-3 with FusedAdam on a GPU
     "docs/engines-vllm.md": 3,       # vLLM on a GPU
+    "docs/lora.md": 1,               # vLLM's in-memory LoRA (the main venv has no vLLM)
     "docs/weight_sync.md": 1,        # CUDA IPC between two processes
     "docs/workers.md": 2,            # a Ray cluster with 8 GPUs, /scratch paths
     "docs/placement.md": 1,          # Ray placement groups of the 8-GPU plan

@@ -98,7 +98,19 @@ def test_lora_errors_come_before_ray_starts(tiny_llama_path):
     with pytest.raises(ValueError, match="engine_sleep_level=2"):
         Hybrid.start(_config(tiny_llama_path, engine_sleep_level=2),
                      {"actor": TrainerConfig(deepspeed=DEEPSPEED, lora=LORA)})
-    with pytest.raises(ValueError, match="engine='vllm' with TrainerConfig.lora"):
-        Hybrid.start(HybridConfig(model=str(tiny_llama_path), engine_sleep_level=1),
+    with pytest.raises(ValueError, match="engine_sleep_level=2"):  # the vLLM engine too (it serves LoRA now)
+        Hybrid.start(HybridConfig(model=str(tiny_llama_path), engine="vllm", engine_sleep_level=2),
                      {"actor": TrainerConfig(deepspeed=DEEPSPEED, lora=LORA)})
     assert not ray.is_initialized()
+
+
+def test_lora_with_vllm_engine_is_accepted(tiny_llama_path):
+    """Regression (issue 20 item 5): Hybrid.start no longer refuses LoRA with engine='vllm' (adapters are pushed into
+    vLLM in memory); the checks before Ray still run (an unknown target is still refused)."""
+    from rlhfkit.hybrid._launch import _check_lora
+
+    config = HybridConfig(model=str(tiny_llama_path), engine="vllm", engine_sleep_level=1)
+    _check_lora(config, {"actor": TrainerConfig(deepspeed=DEEPSPEED, lora=LORA)})
+    with pytest.raises(ValueError, match="c_attn"):
+        _check_lora(config, {"actor": TrainerConfig(deepspeed=DEEPSPEED,
+                                                     lora=LoraConfig(rank=4, target_modules=("c_attn",)))})

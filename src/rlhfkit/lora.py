@@ -31,6 +31,7 @@ __all__ = [
     "check_target_modules",
     "check_target_modules_of",
     "describe_adapter",
+    "describe_adapter_of",
     "lora_parameters",
 ]
 
@@ -106,14 +107,25 @@ def check_target_modules(model: torch.nn.Module, config: LoraConfig, *, where: s
                          f"{where}; candidates: {candidates}")
 
 
-def check_target_modules_of(model_path: str, config: LoraConfig) -> None:
-    """:func:`check_target_modules` on the model saved at ``model_path``, built on the meta device (no weights
-    are read or allocated: cheap at any size)."""
+def _meta_model(model_path: str) -> torch.nn.Module:
     transformers = require("transformers", user="rlhfkit.lora")
     model_config = transformers.AutoConfig.from_pretrained(model_path)
     with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(model_config)
+        return transformers.AutoModelForCausalLM.from_config(model_config)
+
+
+def check_target_modules_of(model_path: str, config: LoraConfig) -> None:
+    """:func:`check_target_modules` on the model saved at ``model_path``, built on the meta device (no weights
+    are read or allocated: cheap at any size)."""
+    check_target_modules(_meta_model(model_path), config, where=f"the model at {model_path!r}")
+
+
+def describe_adapter_of(model_path: str, config: LoraConfig, *, dtype: torch.dtype) -> list[tuple]:
+    """:func:`describe_adapter` of the model saved at ``model_path``, built on the meta device (for receivers that
+    hold no HF model, e.g. a vLLM engine)."""
+    model = _meta_model(model_path)
     check_target_modules(model, config, where=f"the model at {model_path!r}")
+    return describe_adapter(model, config, dtype=dtype)
 
 
 def apply_lora(model: torch.nn.Module, config: LoraConfig) -> torch.nn.Module:

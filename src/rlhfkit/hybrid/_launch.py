@@ -54,7 +54,8 @@ class HybridConfig:
         engine_memory: vLLM's share of GPU memory (default 0.15 colocated, 0.85 on its own GPUs): weights + KV cache,
             woken at every step, so an oversized share costs wake time and peak memory.
         engine_sleep_level: 2 (default) drops the engine's weights while asleep, as the push rewrites them; 1 keeps
-            them in host memory; 0 keeps the engine resident (the guard still orders the phases).
+            them in host memory; 0 keeps the engine resident (the guard still orders the phases). With
+            ``TrainerConfig.lora`` only 1 or 0: a push carries the adapters alone and never rewrites the base weights.
         max_model_len, enforce_eager: vLLM settings.
         dtype: engine and weight-sync dtype (float32 keeps engine and trainer log-probs within ~1e-3 on small models).
         sync_bucket_mb: weight-sync bucket size.
@@ -232,7 +233,7 @@ class Hybrid:
         configs = {role: trainer.for_role(role) for role, trainer in trainers.items()}
         self.startup["ray_s"] = time.perf_counter() - started
         with ThreadPoolExecutor(1 + len(configs)) as pool:
-            engines = pool.submit(_timed, self._start_engines)
+            engines = pool.submit(_timed, self._start_engines, configs["actor"].lora)
             groups = {role: pool.submit(_timed, self._start_group, role, c.model or self.config.model)
                       for role, c in configs.items()}
             for role, future in groups.items():
@@ -272,7 +273,9 @@ class Hybrid:
     def _plan(self, roles: tuple[str, ...]) -> Any:
         return plan_gpus(self.config, roles)
 
-    def _start_engines(self) -> None:
+    def _start_engines(self, lora: Any = None) -> None:
+        """Start the engines (asleep at level 1 when colocated); ``lora``: the actor's LoraConfig (vLLM engines
+        then serve adapters, with ``max_lora_rank`` = its rank)."""
         import ray
 
         from rlhfkit.engines.router import EngineGroup, EngineGroupConfig
@@ -288,7 +291,8 @@ class Hybrid:
                 model=config.model, num_engines=len(gpus), tensor_parallel_size=config.tensor_parallel_size,
                 gpu_memory_utilization=memory, enable_sleep_mode=config.colocate, seed=config.seed,
                 enforce_eager=config.enforce_eager, max_model_len=config.max_model_len, dtype=config.dtype,
-                env=env, startup_timeout_s=config.start_timeout_s, control_timeout_s=config.call_timeout_s)
+                env=env, startup_timeout_s=config.start_timeout_s, control_timeout_s=config.call_timeout_s,
+                enable_lora=lora is not None, max_lora_rank=lora.rank if lora is not None else 16)
             self._handles = create_engines(engine_config, placement=placed, role="rollout",
                                            engine_cls=guarded_vllm_engine_class(self._store, gpus))
         elif config.engine == "sglang":
@@ -472,10 +476,6 @@ def _check_lora(config: HybridConfig, trainers: Mapping[str, TrainerConfig]) -> 
     lora = trainers["actor"].lora
     if lora is None:
         return
-    if config.engine != "hf":
-        raise ValueError(f"HybridConfig.engine={config.engine!r} with TrainerConfig.lora: adapter pushes go into "
-                         "rlhfkit's HF engine only so far (vLLM's in-memory LoRA loading is not wired yet); use "
-                         "engine='hf', or train without lora")
     if config.engine_sleep_level == 2:
         raise ValueError("HybridConfig.engine_sleep_level=2 discards the engines' base weights, which a LoRA push "
                          "(adapters only) does not rewrite; use engine_sleep_level=1 (or 0) with TrainerConfig.lora")

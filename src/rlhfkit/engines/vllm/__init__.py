@@ -21,7 +21,12 @@ copy. Level 2 discards the weights too (no host copy, no host memory): choose it
 weight anyway (a weight sync right after waking), because it saves the device→host copy at sleep and the host memory;
 after it, generation is refused until a load or sync has rewritten every parameter (checked per vLLM parameter).
 
-What it does not do: text prompts, LoRA, speculative decoding; quantized checkpoints are untested (weights are loaded
+LoRA (``VLLMEngineConfig(enable_lora=True)``, :meth:`VLLMEngine.init_weight_sync` with ``lora=``): each sync carries
+the adapter alone, registered in vLLM in memory under the id = its weight version (:mod:`rlhfkit.engines.vllm._lora`);
+generation asks for the newest id, and a replaced adapter is removed once no generate call uses it. Sleep level 2 is
+refused then (the base weights are never re-sent). See ``docs/lora.md``.
+
+What it does not do: text prompts, speculative decoding; quantized checkpoints are untested (weights are loaded
 through vLLM's layer-wise reload, which is meant to handle them). Needs ``rlhfkit[vllm]`` (and ``rlhfkit[ray]`` for
 the actor helpers); nothing is imported at module import.
 """
@@ -40,12 +45,14 @@ from rlhfkit.weight_sync import ArmedSyncStillReceiving, ManifestMismatchError, 
 from rlhfkit.engines.vllm._compat import (
     VLLMFeatureError,
     detect_features,
+    lora_request_class,
     make_sampling_params,
     make_token_prompt,
     request_seed,
     require_feature,
 )
 from rlhfkit.engines.vllm._config import WORKER_EXTENSION, VLLMEngineConfig, build_llm_kwargs
+from rlhfkit.engines.vllm._lora import AdapterSlots, adapter_path
 from rlhfkit.engines.vllm._ray import create_engine_group, create_engines, kill_engines, plan_launches, wait_ready
 from rlhfkit.engines.protocol import WAKE_TAGS, SamplingConfig, WeightVersionError, next_weight_version
 from rlhfkit.engines.router import pack_generate_result
@@ -111,6 +118,7 @@ class VLLMEngine:
         self._invalid_reason = ""
         self._prefix_cache_stale = False
         self._armed = False  # a sync armed in the workers (arm_weight_sync), not settled yet
+        self._adapters: AdapterSlots | None = None  # set by init_weight_sync(lora=...): syncs carry LoRA adapters
 
     # --- protocol: state ----------------------------------------------------------------------------------------------
     @property
@@ -143,7 +151,13 @@ class VLLMEngine:
         """Round-trip to every vLLM worker; returns the engine's state and each worker's reported version."""
         workers = self._rpc("rlhfkit_worker_info", timeout=self.config.health_timeout_s)
         return {"engine_index": self.engine_index, "pid": os.getpid(), "weight_version": self._version,
-                "asleep": list(self.asleep_tags), "weights_valid": self._weights_valid, "workers": workers}
+                "asleep": list(self.asleep_tags), "weights_valid": self._weights_valid, "workers": workers,
+                "adapters": None if self._adapters is None else self._adapters.registered}
+
+    @property
+    def adapter_id(self) -> int | None:
+        """The LoRA adapter generation uses (its id = the weight version that brought it), or None (base model)."""
+        return None if self._adapters is None else self._adapters.current
 
     def _rpc(self, method: str, *args: Any, timeout: float | None = None) -> list[Any]:
         if self.features.collective_rpc_timeout and timeout is not None:
@@ -200,7 +214,14 @@ class VLLMEngine:
         params = make(None) if sampling.seed is None else [make(request_seed(sampling.seed, i)) for i in indices]
         tokens_prompt = getattr(self._vllm, "TokensPrompt", None)
         requests = [make_token_prompt(prompt, tokens_prompt_cls=tokens_prompt) for prompt in prompts]
-        outputs = self._llm.generate(requests, params, use_tqdm=False)
+        adapter_id = self._adapters.acquire() if self._adapters is not None else None
+        try:
+            extra = {} if adapter_id is None else {"lora_request": lora_request_class(self._vllm)(
+                lora_name=f"rlhfkit-v{adapter_id}", lora_int_id=adapter_id, lora_path=adapter_path(adapter_id))}
+            outputs = self._llm.generate(requests, params, use_tqdm=False, **extra)
+        finally:  # LLM.generate is synchronous: this call's requests have finished (or failed)
+            if self._adapters is not None:
+                self._remove_adapters(self._adapters.release(adapter_id))
         if len(outputs) != len(prompts):
             raise RuntimeError(f"engine {self.engine_index}: vLLM returned {len(outputs)} outputs for "
                                f"{len(prompts)} prompts")
@@ -233,6 +254,9 @@ class VLLMEngine:
             raise ValueError(f"level={level!r}; expected 1 (keep weights in host memory) or 2 (discard them)")
         if not self.config.enable_sleep_mode:
             raise RuntimeError(f"engine {self.engine_index}: sleep() needs VLLMEngineConfig.enable_sleep_mode=True")
+        if level == 2 and self._adapters is not None:
+            raise ValueError(f"engine {self.engine_index}: sleep(level=2) would discard the base weights (and vLLM's "
+                             "adapter buffers), which LoRA adapter syncs never rewrite; use level=1")
         if self._asleep:
             raise RuntimeError(f"engine {self.engine_index}: sleep(level={level}) called while {sorted(self._asleep)}"
                                " already asleep; call wake_up() first")
@@ -330,7 +354,8 @@ class VLLMEngine:
         return count
 
     def init_weight_sync(self, sync_config: Any, endpoint: Any, *, first_rank: int,
-                         expected: Sequence[tuple[str, Sequence[int], Any]] | None = None) -> list[dict[str, Any]]:
+                         expected: Sequence[tuple[str, Sequence[int], Any]] | None = None,
+                         lora: Any = None) -> list[dict[str, Any]]:
         """Join a :mod:`rlhfkit.weight_sync` group: every vLLM worker builds a ``WeightReceiver`` whose rank is
         ``first_rank + its tensor-parallel rank`` (so an engine of TP size t takes ranks ``first_rank ..
         first_rank + t - 1``; the sender's ``SyncEndpoint.world_size`` counts them all).
@@ -340,10 +365,16 @@ class VLLMEngine:
             endpoint: the sender's ``SyncEndpoint`` (its bound port), e.g. ``sender.endpoint``.
             first_rank: this engine's first receiver rank (>= 1).
             expected: ``(HF name, shape, dtype)`` of every tensor the sync must carry, checked against the
-                sender's manifest before any byte moves; None accepts any manifest.
+                sender's manifest before any byte moves; None accepts any manifest (with ``lora``: the adapter's
+                shapes on this engine's model, :func:`rlhfkit.lora.describe_adapter_of`).
+            lora: a :class:`rlhfkit.lora.LoraConfig`: every sync then carries only that adapter (peft's names),
+                registered in vLLM under the id = its weight version; generation uses the newest one. Needs
+                ``VLLMEngineConfig(enable_lora=True)`` and ``max_lora_rank >= lora.rank``.
         """
         if isinstance(first_rank, bool) or not isinstance(first_rank, int) or first_rank < 1:
             raise ValueError(f"first_rank={first_rank!r}; receivers take ranks >= 1 (the sender is rank 0)")
+        if lora is not None:
+            expected = self._adapter_manifest(lora, sync_config, expected)
         config_fields = {name: getattr(sync_config, name) for name in sync_config.__dataclass_fields__}
         if config_fields.get("dtype") is not None:
             config_fields["dtype"] = str(config_fields["dtype"]).removeprefix("torch.")
@@ -352,7 +383,37 @@ class VLLMEngine:
             [str(name), [int(d) for d in shape], str(dtype).removeprefix("torch.")] for name, shape, dtype in expected]
         kwargs = {"config": config_fields, "endpoint": endpoint_fields, "first_rank": first_rank,
                   "label": f"engine-{self.engine_index}", "expected": plain_expected}
-        return self.init_weight_receiver("rlhfkit.engines.vllm._worker:make_weight_receiver", kwargs)
+        contexts = self.init_weight_receiver("rlhfkit.engines.vllm._worker:make_weight_receiver", kwargs)
+        if lora is not None:
+            names = [name for name, _, _ in plain_expected]
+            self._rpc("rlhfkit_use_adapters", lora.peft_dict(), names, timeout=self.config.control_timeout_s)
+            if self._adapters is None:
+                self._adapters = AdapterSlots(self.config.max_loras + 1)
+        return contexts
+
+    def _adapter_manifest(self, lora: Any, sync_config: Any, expected: Any) -> Any:
+        """Checks of a LoRA sync before anything is built; the adapter's ``expected`` manifest when not given."""
+        from rlhfkit.lora import LoraConfig, describe_adapter_of
+
+        if not isinstance(lora, LoraConfig):
+            raise TypeError(f"lora={lora!r}; expected an rlhfkit.lora.LoraConfig or None")
+        if not self.config.enable_lora:
+            raise ValueError(f"engine {self.engine_index}: init_weight_sync(lora=...) needs an engine built with "
+                             "VLLMEngineConfig(enable_lora=True)")
+        if lora.rank > self.config.max_lora_rank:
+            raise ValueError(f"LoraConfig.rank={lora.rank} is above engine {self.engine_index}'s "
+                             f"VLLMEngineConfig.max_lora_rank={self.config.max_lora_rank}; raise max_lora_rank")
+        if expected is not None:
+            return expected
+        dtype = getattr(sync_config, "dtype", None)
+        if dtype is None:
+            dtype = torch.float32 if self.config.dtype in ("auto", "float32") else getattr(torch, self.config.dtype)
+        return describe_adapter_of(self.config.model, lora, dtype=dtype)
+
+    def _remove_adapters(self, ids: list[int]) -> None:
+        if ids and self._adapters is not None:
+            self._rpc("rlhfkit_remove_adapters", ids, timeout=self.config.control_timeout_s)
+            self._adapters.removed(ids)
 
     def init_weight_receiver(self, factory: str, kwargs: Mapping[str, Any] | None = None) -> list[dict[str, Any]]:
         """Build any weight receiver in every vLLM worker: ``factory`` is a dotted path (``"pkg.mod:function"``)
@@ -366,6 +427,8 @@ class VLLMEngine:
         """Receive one sync in every worker (blocks until the sender has sent it); returns the workers' reports."""
         self.settle_weight_sync()
         self._check_weights_awake("receive_weights")
+        if self._adapters is not None:
+            self._adapters.check_room()
         if version is not None:
             next_weight_version(f"engine {self.engine_index}", self._version, version)
         return self._received(lambda: self._rpc("rlhfkit_receive_weights", version, self.config.weight_loading,
@@ -383,6 +446,8 @@ class VLLMEngine:
         then fails at once, naming the engine."""
         self.settle_weight_sync()
         self._check_weights_awake("arm_weight_sync")
+        if self._adapters is not None:
+            self._adapters.check_room()
         if version is not None:
             next_weight_version(f"engine {self.engine_index}", self._version, version)
         reports = self._rpc("rlhfkit_arm_weight_sync", version, self.config.weight_loading,
@@ -409,8 +474,10 @@ class VLLMEngine:
             raise  # refused before any byte moved: the weights are untouched
         except BaseException:
             # after any other failure some buckets may have landed and the weights could be a mix of two versions
-            # (an executor that does not carry the exception's type lands here too: the safe side)
-            self._invalidate("a weight sync failed part-way")
+            # (an executor that does not carry the exception's type lands here too: the safe side). An adapter sync
+            # never writes the base weights and registers its adapter whole or not at all: nothing to invalidate.
+            if self._adapters is None:
+                self._invalidate("a weight sync failed part-way")
             raise
         still = [report for report in reports if isinstance(report, dict) and report.get("still_receiving")]
         if still:  # ArmedReceive.settle's timeout: the workers stay armed, a later settle waits again
@@ -426,6 +493,12 @@ class VLLMEngine:
         versions = {int(report["version"]) for report in reports}
         if len(versions) != 1:
             raise RuntimeError(f"engine {self.engine_index}: workers report different weight versions {versions}")
+        adapter_ids = {report.get("adapter_id") for report in reports}
+        if adapter_ids != {None} and self._adapters is not None:
+            if len(adapter_ids) != 1 or None in adapter_ids:
+                raise RuntimeError(f"engine {self.engine_index}: workers registered different adapters "
+                                   f"{adapter_ids}")
+            self._remove_adapters(self._adapters.install(int(adapter_ids.pop())))
         self._after_weight_change(versions.pop())
         return reports
 

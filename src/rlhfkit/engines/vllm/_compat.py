@@ -35,6 +35,7 @@ __all__ = [
     "make_sampling_params",
     "make_token_prompt",
     "request_seed",
+    "lora_request_class",
 ]
 
 SUPPORTED_VLLM = ">=0.10 (V1 engine, worker_extension_cls, collective_rpc)"
@@ -52,6 +53,7 @@ FEATURES = {
     "native_weight_transfer": "vLLM's weight-transfer API (LLM.init_weight_transfer_engine / start_weight_update / "
                               "update_weights / finish_weight_update)",
     "reset_prefix_cache": "LLM.reset_prefix_cache",
+    "lora": "LoRA adapters (EngineArgs.enable_lora / max_lora_rank / max_loras, LLM.generate(lora_request=...))",
 }
 _KNOWN_LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
 _WEIGHT_TRANSFER_METHODS = ("init_weight_transfer_engine", "start_weight_update", "update_weights",
@@ -70,6 +72,8 @@ class VLLMFeatures:
         version: ``vllm.__version__`` (``"unknown"`` when absent).
         logprobs_modes: values ``EngineArgs.logprobs_mode`` accepts; empty when the field does not exist.
         top_k_disabled: the ``SamplingParams.top_k`` value that disables top-k (0 in current vLLM, -1 in old ones).
+        lora_ranks: the values ``EngineArgs.max_lora_rank`` accepts (a ``Literal`` in vLLM 0.10-0.32: 1, 8, 16, 32,
+            64, ...); empty when unknown (any rank is passed through).
     """
 
     version: str
@@ -83,6 +87,8 @@ class VLLMFeatures:
     native_weight_transfer: bool
     reset_prefix_cache: bool
     top_k_disabled: int
+    lora: bool = False
+    lora_ranks: tuple[int, ...] = ()
 
     @property
     def logprobs_mode(self) -> bool:
@@ -115,6 +121,11 @@ def _logprobs_modes(field_type: Any, present: bool) -> tuple[str, ...]:
     values = tuple(value for value in typing.get_args(field_type) if isinstance(value, str))
     # A string annotation (postponed evaluation) hides the Literal: assume the modes vLLM has had since 0.10.
     return values or _KNOWN_LOGPROBS_MODES
+
+
+def _lora_ranks(field_type: Any) -> tuple[int, ...]:
+    return tuple(sorted(value for value in typing.get_args(field_type) if isinstance(value, int)
+                        and not isinstance(value, bool)))
 
 
 def _top_k_disabled(sampling_params: Any) -> int:
@@ -152,6 +163,9 @@ def detect_features(vllm: ModuleType | None = None) -> VLLMFeatures:
         native_weight_transfer=all(callable(getattr(llm, name, None)) for name in _WEIGHT_TRANSFER_METHODS),
         reset_prefix_cache=callable(getattr(llm, "reset_prefix_cache", None)),
         top_k_disabled=_top_k_disabled(getattr(vllm, "SamplingParams", None)),
+        lora="enable_lora" in fields and "max_lora_rank" in fields
+             and "lora_request" in _parameters(getattr(llm, "generate", None)),
+        lora_ranks=_lora_ranks(fields.get("max_lora_rank")),
     )
 
 
@@ -208,6 +222,17 @@ def make_sampling_params(sampling: SamplingConfig, *, sampling_params_cls: Any, 
         # a few flat lists per completion instead of a dict and a Logprob object per token (vLLM ≥ 0.11.1)
         kwargs["flat_logprobs"] = True
     return sampling_params_cls(**kwargs)
+
+
+def lora_request_class(vllm: Any) -> Any:
+    """vLLM's ``LoRARequest`` class: ``vllm.LoRARequest`` where the module (or a stand-in) has it, else
+    ``vllm.lora.request.LoRARequest`` (where vLLM 0.10-0.32 define it)."""
+    found = getattr(vllm, "LoRARequest", None)
+    if found is not None:
+        return found
+    import importlib
+
+    return importlib.import_module("vllm.lora.request").LoRARequest
 
 
 def make_token_prompt(token_ids: Sequence[int], *, tokens_prompt_cls: Any | None) -> Any:

@@ -11,14 +11,15 @@ from typing import Any, Literal
 
 from rlhfkit.engines.vllm._compat import VLLMFeatureError, VLLMFeatures, require_feature
 
-__all__ = ["VLLMEngineConfig", "build_llm_kwargs", "WORKER_EXTENSION", "WEIGHT_LOADINGS"]
+__all__ = ["VLLMEngineConfig", "build_llm_kwargs", "lora_rank_slot", "WORKER_EXTENSION", "WEIGHT_LOADINGS"]
 
 WORKER_EXTENSION = "rlhfkit.engines.vllm._worker.WeightSyncExtension"
 _DTYPES = ("auto", "bfloat16", "float16", "float32")
 WEIGHT_LOADINGS = ("auto", "layerwise", "direct", "planned")  # VLLMEngineConfig.weight_loading
 _OWN_KWARGS = ("model", "tensor_parallel_size", "gpu_memory_utilization", "enable_sleep_mode", "seed",
                "enable_prefix_caching", "enforce_eager", "max_model_len", "dtype", "logprobs_mode",
-               "worker_extension_cls", "distributed_executor_backend")
+               "worker_extension_cls", "distributed_executor_backend", "enable_lora", "max_lora_rank", "max_loras",
+               "max_cpu_loras")
 
 
 def _freeze_pairs(owner: str, name: str, value: Any) -> tuple[tuple[str, Any], ...]:
@@ -74,6 +75,12 @@ class VLLMEngineConfig:
             fills) land and later loads replay them with one batched copy per bucket (tensors whose loader does more
             stay on ``load_weights``; see ``rlhfkit.engines.vllm._copy_plan``); falls back to layerwise where
             ``"auto"`` would.
+        enable_lora: serve LoRA adapters pushed in memory through the weight sync
+            (:meth:`VLLMEngine.init_weight_sync` with ``lora=``; see ``docs/lora.md``).
+        max_lora_rank: the largest adapter rank; rounded up to the next rank the installed vLLM accepts (1, 8, 16,
+            32, 64, ...), which sizes vLLM's adapter buffers.
+        max_loras: adapters one batch may use (vLLM's GPU slots). vLLM keeps ``max_loras + 1`` registered, so the
+            previous adapter can stay while the generate calls that use it finish.
     """
 
     model: str
@@ -98,11 +105,16 @@ class VLLMEngineConfig:
     startup_timeout_s: float = 900.0
     load_bucket_bytes: int = 512 * 1024**2
     weight_loading: Literal["auto", "layerwise", "direct", "planned"] = "auto"
+    enable_lora: bool = False
+    max_lora_rank: int = 16
+    max_loras: int = 1
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
             raise ValueError(f"VLLMEngineConfig.model={self.model!r}; pass the path of an HF model folder")
-        for name in ("num_engines", "tensor_parallel_size", "load_bucket_bytes"):
+        if not isinstance(self.enable_lora, bool):
+            raise TypeError(f"VLLMEngineConfig.enable_lora={self.enable_lora!r}; must be True or False")
+        for name in ("num_engines", "tensor_parallel_size", "load_bucket_bytes", "max_lora_rank", "max_loras"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"VLLMEngineConfig.{name}={value!r}; must be an integer >= 1")
@@ -141,6 +153,18 @@ class VLLMEngineConfig:
         object.__setattr__(self, "env", env)
 
 
+def lora_rank_slot(rank: int, accepted: tuple[int, ...]) -> int:
+    """The smallest rank in ``accepted`` (vLLM's allowed ``max_lora_rank`` values) that is >= ``rank``; ``rank``
+    itself when ``accepted`` is empty (unknown). Raises ValueError when every accepted rank is smaller."""
+    if not accepted:
+        return rank
+    fitting = [value for value in sorted(accepted) if value >= rank]
+    if not fitting:
+        raise ValueError(f"VLLMEngineConfig.max_lora_rank={rank} is above the largest rank the installed vLLM "
+                         f"accepts ({max(accepted)}; allowed: {sorted(accepted)}); train adapters of a smaller rank")
+    return fitting[0]
+
+
 def build_llm_kwargs(config: VLLMEngineConfig, features: VLLMFeatures, *, engine_index: int = 0,
                      distributed_executor_backend: str | None = None) -> dict[str, Any]:
     """The ``vllm.LLM(**kwargs)`` of engine ``engine_index``; raises :class:`VLLMFeatureError` for a feature the
@@ -165,6 +189,10 @@ def build_llm_kwargs(config: VLLMEngineConfig, features: VLLMFeatures, *, engine
         require_feature("logprobs_mode", features, purpose="logprobs_mode='processed_logprobs'")
     if config.max_model_len is not None:
         kwargs["max_model_len"] = config.max_model_len
+    if config.enable_lora:
+        require_feature("lora", features, purpose="VLLMEngineConfig.enable_lora=True")
+        kwargs.update(enable_lora=True, max_lora_rank=lora_rank_slot(config.max_lora_rank, features.lora_ranks),
+                      max_loras=config.max_loras, max_cpu_loras=config.max_loras + 1)
     if distributed_executor_backend is not None:
         kwargs["distributed_executor_backend"] = distributed_executor_backend
     kwargs.update(dict(config.extra_kwargs))

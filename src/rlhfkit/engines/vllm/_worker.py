@@ -14,7 +14,10 @@ weight-sync receiver (:func:`make_weight_receiver` builds an :class:`rlhfkit.wei
 with ``receive(load_fn) -> report`` works, built in the worker by a factory named by a dotted path); report the
 weight version and per-parameter fingerprints.
 
-What it does not do: transport (the receiver's job, see :mod:`rlhfkit.weight_sync`), LoRA. Imported by vLLM inside
+LoRA: after ``rlhfkit_use_adapters`` a sync carries a LoRA adapter, registered as a vLLM LoRA model under the id =
+its weight version (:mod:`rlhfkit.engines.vllm._lora`); ``rlhfkit_remove_adapters`` removes replaced ones.
+
+What it does not do: transport (the receiver's job, see :mod:`rlhfkit.weight_sync`). Imported by vLLM inside
 its worker processes; needs torch only (vLLM is already loaded there).
 """
 
@@ -298,8 +301,59 @@ class WeightSyncExtension:
             raise TypeError(f"weight-sync factory {factory!r} returned {type(receiver).__name__}, which has no "
                             "receive(load_fn) method")
         self.rlhfkit_close_weight_sync()  # a previous receiver leaves its group first
-        self._rlhfkit_state()["receiver"] = receiver
+        state = self._rlhfkit_state()
+        state["receiver"], state["adapter"] = receiver, None  # full weights until rlhfkit_use_adapters
         return context
+
+    # --- LoRA adapters (see rlhfkit.engines.vllm._lora) ---------------------------------------------------------------
+    def rlhfkit_use_adapters(self, peft: Mapping[str, Any], names: list[str]) -> dict[str, Any]:
+        """Make every later sync of this receiver a LoRA adapter (``peft``: its ``adapter_config.json`` fields;
+        ``names``: the tensors it carries), checked now against vLLM's LoRA support, before any transfer."""
+        from rlhfkit.engines.vllm._lora import check_adapter_support
+
+        info = check_adapter_support(self, peft, names)
+        self._rlhfkit_state()["adapter"] = {"peft": dict(peft)}
+        return info
+
+    def rlhfkit_remove_adapters(self, ids: list[int]) -> list[int]:
+        from rlhfkit.engines.vllm._lora import remove_adapters
+
+        return remove_adapters(self, ids)
+
+    def rlhfkit_list_adapters(self) -> list[int]:
+        from rlhfkit.engines.vllm._lora import _lora_manager
+
+        return sorted(_lora_manager(self).list_adapters())
+
+    def _rlhfkit_receive_adapter(self, version: int | None, check_version: Callable[[int | None], None]
+                                 ) -> dict[str, Any]:
+        """One sync of adapter tensors: collected (cloned: they are views of the channel's reused buckets), then
+        registered as a vLLM LoRA model under the id = the new weight version."""
+        from rlhfkit.engines.vllm._lora import register_adapter
+
+        state = self._rlhfkit_state()
+        collected: dict[str, torch.Tensor] = {}
+
+        def collect(weights: Iterable[Any], version: int | None = None) -> int:
+            check_version(version)
+            count = 0
+            for name, tensor in weights:
+                collected[str(name)] = tensor.clone()
+                count += 1
+            return count
+
+        started = time.perf_counter()
+        report = plain_report(state["receiver"].receive(collect))
+        received = time.perf_counter()
+        reported = report.get("version")
+        new_version = int(version if version is not None else reported if isinstance(reported, int)
+                          else state["version"] + 1)
+        registered = register_adapter(self, new_version, collected, state["adapter"]["peft"])
+        state["version"] = new_version
+        report.update(version=new_version, rank=int(getattr(self, "rank", 0)), adapter_id=new_version,
+                      adapters=registered, num_loaded=len(collected), receive_s=received - started,
+                      register_s=time.perf_counter() - received, layerwise=False, planned=False)
+        return report
 
     def rlhfkit_receive_weights(self, version: int | None = None, loading: str = "auto") -> dict[str, Any]:
         """Receive one full sync through the receiver in one session, loading each bucket as it arrives; returns
@@ -319,6 +373,8 @@ class WeightSyncExtension:
             if version is None and offered is not None:
                 next_weight_version(who, held, int(offered))
 
+        if state.get("adapter") is not None:
+            return self._rlhfkit_receive_adapter(version, check_version)
         started = time.perf_counter()
         self.rlhfkit_begin_weight_update(loading)
         begun = time.perf_counter()
