@@ -2,10 +2,24 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import sys
+from pathlib import Path
 
 import pytest
 import torch
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+
+
+def load_example(name: str):
+    """``examples/<name>.py`` as a module (registered in ``sys.modules``: its options dataclass looks it up)."""
+    spec = importlib.util.spec_from_file_location(f"{name}_example", EXAMPLES / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -67,3 +81,13 @@ def ray_cluster(request):
     yield ray
     if started:
         ray.shutdown()
+
+
+@pytest.fixture
+def ray_not_started():
+    """For examples that start (and stop) their own Ray: none may be running in this process."""
+    ray = pytest.importorskip("ray")
+    pytest.importorskip("deepspeed")
+    if ray.is_initialized():
+        ray.shutdown()
+    yield

@@ -2,22 +2,20 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import shutil
 from pathlib import Path
 
 import pytest
 
+from conftest import load_example
+
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "grpo_cpu.py"
 
 
 @pytest.fixture(scope="module")
 def grpo_cpu():
-    spec = importlib.util.spec_from_file_location("grpo_cpu_example", EXAMPLE)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_example("grpo_cpu")
 
 
 def _rows(path: Path) -> list[dict]:

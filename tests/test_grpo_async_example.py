@@ -10,33 +10,12 @@ weight sync, a RolloutProducer thread and a staleness-bounded RolloutBuffer.
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 import threading
 import time
-from pathlib import Path
 
 import pytest
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "grpo_async.py"
-
-
-def _load():
-    spec = importlib.util.spec_from_file_location("grpo_async_example", EXAMPLE)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while building the options class
-    spec.loader.exec_module(module)
-    return module
-
-
-@pytest.fixture
-def no_ray():
-    """The example starts (and stops) its own Ray."""
-    ray = pytest.importorskip("ray")
-    pytest.importorskip("deepspeed")
-    if ray.is_initialized():
-        ray.shutdown()
-    yield
+from conftest import load_example
 
 
 def _run(module, tiny_llama_path, out, *extra):
@@ -50,9 +29,9 @@ def _producer_threads():
 
 @pytest.mark.slow
 @pytest.mark.ray
-def test_async_at_staleness_0_is_the_sync_loop_bit_for_bit_and_staleness_1_holds_its_bound(no_ray, tiny_llama_path,
-                                                                                          tmp_path):
-    module = _load()
+def test_async_at_staleness_0_is_the_sync_loop_bit_for_bit_and_staleness_1_holds_its_bound(
+        ray_not_started, tiny_llama_path, tmp_path):
+    module = load_example("grpo_async")
     sync = _run(module, tiny_llama_path, tmp_path / "sync", "--mode", "sync")
     same = _run(module, tiny_llama_path, tmp_path / "async0", "--mode", "async", "--max-staleness", "0")
     lagged = _run(module, tiny_llama_path, tmp_path / "async1", "--mode", "async", "--max-staleness", "1")
@@ -73,13 +52,13 @@ def test_async_at_staleness_0_is_the_sync_loop_bit_for_bit_and_staleness_1_holds
 @pytest.mark.slow
 @pytest.mark.ray
 @pytest.mark.parametrize("failure", ["trainer_exception", "engine_killed"])
-def test_a_failure_mid_run_ends_it_with_a_clear_error_in_bounded_time(failure, no_ray, tiny_llama_path, tmp_path,
-                                                                      monkeypatch):
+def test_a_failure_mid_run_ends_it_with_a_clear_error_in_bounded_time(failure, ray_not_started, tiny_llama_path,
+                                                                      tmp_path, monkeypatch):
     import ray
 
     from rlhfkit.engines.router import EngineDiedError, EngineError
 
-    module = _load()
+    module = load_example("grpo_async")
     train_step = module.train_step
 
     def failing_step(hybrid, rollouts, version, *args):

@@ -10,32 +10,12 @@ awake on one GPU and follow the documented order. The ``gpu`` test runs both wit
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
-
-
-def _load(name: str):
-    spec = importlib.util.spec_from_file_location(f"{name}_example", EXAMPLES / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while building the options class
-    spec.loader.exec_module(module)
-    return module
-
-
-@pytest.fixture
-def no_ray():
-    """The example starts (and stops) its own Ray."""
-    ray = pytest.importorskip("ray")
-    pytest.importorskip("deepspeed")
-    if ray.is_initialized():
-        ray.shutdown()
-    yield
+from conftest import EXAMPLES, load_example
 
 
 def replay_guard(path: Path) -> dict[str, list[tuple[str, str]]]:
@@ -74,8 +54,8 @@ def check_rows(rows: list[dict], steps: int) -> None:
 
 @pytest.mark.slow
 @pytest.mark.ray
-def test_grpo_hybrid_on_cpu(no_ray, tiny_llama_path, tmp_path):
-    rows = _load("grpo_hybrid").main(["--model", str(tiny_llama_path), "--out", str(tmp_path), "--device", "cpu",
+def test_grpo_hybrid_on_cpu(ray_not_started, tiny_llama_path, tmp_path):
+    rows = load_example("grpo_hybrid").main(["--model", str(tiny_llama_path), "--out", str(tmp_path), "--device", "cpu",
                                       "--tiny", "true"])
     check_rows(rows, steps=3)
     assert all(0.0 <= row["reward/min"] <= row["reward/max"] <= 1.0 for row in rows)
@@ -88,11 +68,11 @@ def test_grpo_hybrid_on_cpu(no_ray, tiny_llama_path, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.ray
-def test_grpo_hybrid_with_lora_on_cpu(no_ray, tiny_llama_path, tmp_path):
+def test_grpo_hybrid_with_lora_on_cpu(ray_not_started, tiny_llama_path, tmp_path):
     """Issue 20: the example's --lora-rank trains adapters only and pushes only them (a few KiB a step, versions
     follow), with the engine's log-probs equal to the trainer's after every push."""
     pytest.importorskip("peft")
-    rows = _load("grpo_hybrid").main(["--model", str(tiny_llama_path), "--out", str(tmp_path), "--device", "cpu",
+    rows = load_example("grpo_hybrid").main(["--model", str(tiny_llama_path), "--out", str(tmp_path), "--device", "cpu",
                                       "--tiny", "true", "--lora-rank", "4"])
     check_rows(rows, steps=3)
     # r * (in + out) per module: q 64+64, k 64+32, v 64+32, o 64+64, gate 64+128, up 64+128, down 128+64
@@ -102,8 +82,8 @@ def test_grpo_hybrid_with_lora_on_cpu(no_ray, tiny_llama_path, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.ray
-def test_ppo_hybrid_on_cpu(no_ray, tiny_llama_path, tmp_path):
-    rows = _load("ppo_hybrid").main(["--model", str(tiny_llama_path), "--out", str(tmp_path), "--device", "cpu",
+def test_ppo_hybrid_on_cpu(ray_not_started, tiny_llama_path, tmp_path):
+    rows = load_example("ppo_hybrid").main(["--model", str(tiny_llama_path), "--out", str(tmp_path), "--device", "cpu",
                                      "--tiny", "true"])
     check_rows(rows, steps=3)
     for row in rows:
@@ -118,11 +98,11 @@ def test_ppo_hybrid_on_cpu(no_ray, tiny_llama_path, tmp_path):
 @pytest.mark.gpu
 @pytest.mark.slow
 @pytest.mark.parametrize("example", ["grpo_hybrid", "ppo_hybrid"])
-def test_hybrid_example_on_one_gpu_with_vllm(example, no_ray, tiny_model_factory, tmp_path):
+def test_hybrid_example_on_one_gpu_with_vllm(example, ray_not_started, tiny_model_factory, tmp_path):
     """The real thing, small: vLLM with sleep mode, DeepSpeed with FusedAdam, CUDA-IPC push, all on one GPU."""
     pytest.importorskip("vllm")
     model = tiny_model_factory("llama", hidden_size=256, intermediate_size=512, num_heads=4, num_kv_heads=2)
-    rows = _load(example).main(["--model", str(model), "--out", str(tmp_path), "--tiny", "true"])
+    rows = load_example(example).main(["--model", str(model), "--out", str(tmp_path), "--tiny", "true"])
     assert [row["step"] for row in rows] == [0, 1, 2]
     for row in rows:
         assert row["sync/version"] == row["engine/weight_version"] == row["step"] + 1
@@ -132,7 +112,7 @@ def test_hybrid_example_on_one_gpu_with_vllm(example, no_ray, tiny_model_factory
 
 
 def test_options_refuse_bad_values_before_anything_starts(capsys):
-    grpo = _load("grpo_hybrid")
+    grpo = load_example("grpo_hybrid")
     with pytest.raises(SystemExit):
         grpo.main(["--resident", "maybe"])
     assert "expected true or false, got 'maybe'" in capsys.readouterr().err

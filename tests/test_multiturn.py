@@ -5,14 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import importlib.util
-import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
 
+from conftest import load_example
 from rlhfkit.engines import SamplingConfig
 from rlhfkit.engines.hf import HFEngine
 from rlhfkit.engines.router import EngineGroup
@@ -316,11 +314,7 @@ def test_tool_call_parser_calculator_and_config_errors():
 
 
 def test_grpo_tools_example_runs_two_steps_on_cpu(tiny_llama_path, tmp_path):
-    path = Path(__file__).resolve().parents[1] / "examples" / "grpo_tools.py"
-    spec = importlib.util.spec_from_file_location("grpo_tools_example", path)
-    example = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = example  # its dataclass needs its module registered
-    spec.loader.exec_module(example)
+    example = load_example("grpo_tools")
     rows = example.main(["--device", "cpu", "--tiny", "true", "--model", str(tiny_llama_path), "--out",
                          str(tmp_path)])
     assert [row["step"] for row in rows] == [0, 1]
