@@ -150,6 +150,8 @@ SHARED_PRIVATE: dict[str, frozenset[str] | None] = {
     "rlhfkit._cu_seqlens": frozenset({"rlhfkit.packing", "rlhfkit.losses", "rlhfkit.types", "rlhfkit.experience",
                                       "rlhfkit._checks"}),
     "rlhfkit._arithmetic": frozenset({"rlhfkit.data"}),
+    # the weight-version / sleep-tag / weight-validity bookkeeping of the server-backed engines
+    "rlhfkit.engines._state": frozenset({"rlhfkit.engines.vllm", "rlhfkit.engines.sglang"}),
 }
 # Blocks that must import (at module level) nothing beyond the standard library, torch, einops and each other.
 CORE_BLOCKS = ("rlhfkit", "rlhfkit.types", "rlhfkit.packing", "rlhfkit.advantages", "rlhfkit.losses",

@@ -40,6 +40,7 @@ from typing import Any
 
 import torch
 
+from rlhfkit.engines._state import EngineState
 from rlhfkit.engines.protocol import WAKE_TAGS, SamplingConfig, WeightVersionError, next_weight_version
 from rlhfkit.engines.router import pack_generate_result
 from rlhfkit.engines.sglang._config import SGLANG_VERSION, SGLangEngineConfig, server_command
@@ -92,7 +93,7 @@ def sampling_params(sampling: SamplingConfig) -> dict[str, Any]:
     return params
 
 
-class SGLangEngine:
+class SGLangEngine(EngineState):
     """One SGLang server behind the rollout-engine protocol; see the module docstring.
 
     Args:
@@ -110,36 +111,14 @@ class SGLangEngine:
             server = (SGLangServer.attach(config, engine_index=engine_index) if config.url is not None
                       else SGLangServer.launch(config, engine_index=engine_index))
         self.server = server
-        self._version = 0
-        self._asleep: set[str] = set()
-        self._weights_valid, self._invalid_reason = True, ""
+        self._init_state()
         self._known_names: set[str] = set()   # every name a load or sync has carried
         self._rewritten: set[str] = set()     # names rewritten since sleep(level=2)
         self._receiver: Any = None
 
     # --- state ------------------------------------------------------------------------------------------------------
-    @property
-    def weight_version(self) -> int:
-        return self._version
-
-    def get_weight_version(self) -> int:
-        """:attr:`weight_version` as a method (Ray actors cannot read properties)."""
-        return self._version
-
-    @property
-    def asleep_tags(self) -> tuple[str, ...]:
-        return tuple(tag for tag in WAKE_TAGS if tag in self._asleep)
-
     def _name(self) -> str:
         return f"engine {self.engine_index} (SGLang at {self.server.url})"
-
-    def _check_ready(self, what: str) -> None:
-        if self._asleep:
-            raise RuntimeError(f"{self._name()}: {what} called while {sorted(self._asleep)} asleep; call wake_up() "
-                               "(all tags) first")
-        if not self._weights_valid:
-            raise RuntimeError(f"{self._name()}: {what} called but the weights are incomplete "
-                               f"({self._invalid_reason}); load or sync every weight first")
 
     def _post(self, path: str, payload: Any, timeout_s: float) -> Any:
         return self.server.client.request(path, payload, timeout_s=timeout_s)
@@ -243,17 +222,13 @@ class SGLangEngine:
     def sleep(self, level: int = 1) -> None:
         """Release GPU memory: level 1 keeps the weights in host memory (``weights_cpu_backup``), level 2 discards
         them."""
-        if level not in (1, 2):
-            raise ValueError(f"level={level!r}; expected 1 (keep weights in host memory) or 2 (discard them)")
         if not self.config.enable_memory_saver:
             raise RuntimeError(f"{self._name()}: sleep() needs SGLangEngineConfig.enable_memory_saver=True")
         if level == 1 and not self.config.weights_cpu_backup:
             raise RuntimeError(f"{self._name()}: sleep(level=1) keeps the weights in host memory, which needs "
                                "SGLangEngineConfig.weights_cpu_backup=True; or use level 2 (weights discarded) when "
                                "a weight load follows")
-        if self._asleep:
-            raise RuntimeError(f"{self._name()}: sleep(level={level}) called while {sorted(self._asleep)} already "
-                               "asleep; call wake_up() first")
+        self._check_sleep(level)
         self._post("/release_memory_occupation", {"tags": ["weights", "kv_cache", "cuda_graph"]},
                    self.config.control_timeout_s)
         self._asleep = set(WAKE_TAGS)
@@ -262,9 +237,7 @@ class SGLangEngine:
 
     def wake_up(self, tags: Sequence[str] | None = None) -> None:
         """Restore ``"weights"``, ``"kv_cache"`` or both (``None``); waking what is awake does nothing."""
-        if tags is not None and (isinstance(tags, str) or any(tag not in WAKE_TAGS for tag in tags)):
-            raise ValueError(f"tags={tags!r}; expected None or a list drawn from {list(WAKE_TAGS)}")
-        wanted = [tag for tag in (WAKE_TAGS if tags is None else tags) if tag in self._asleep]
+        wanted = self._tags_to_wake(tags)
         if not wanted:
             return
         memory_tags = [memory for tag in wanted for memory in _RESUME_TAGS[tag]]
@@ -275,11 +248,6 @@ class SGLangEngine:
     def _invalidate(self, reason: str) -> None:
         self._weights_valid, self._invalid_reason = False, reason
         self._rewritten = set()
-
-    def _check_weights_awake(self, what: str) -> None:
-        if "weights" in self._asleep:
-            raise RuntimeError(f"{self._name()}: {what} called while the weights are asleep; call "
-                               "wake_up(tags=['weights']) first")
 
     def _send(self, pairs: list[tuple[str, torch.Tensor]], *, version: int | None = None) -> None:
         """One ``/update_weights_from_tensor`` request (every TP rank reads the same handles)."""

@@ -41,6 +41,7 @@ from typing import Any
 import torch
 
 from rlhfkit._optional import require
+from rlhfkit.engines._state import EngineState
 from rlhfkit.weight_sync import ArmedSyncStillReceiving, ManifestMismatchError, WeightSyncVersionError
 from rlhfkit.engines.vllm._compat import (
     VLLMFeatureError,
@@ -86,7 +87,7 @@ def _rollout_logprobs(completion: Any, token_ids: list[int]) -> torch.Tensor:
     return torch.tensor(_logprob_values(completion, token_ids), dtype=torch.float32)
 
 
-class VLLMEngine:
+class VLLMEngine(EngineState):
     """One vLLM engine (``vllm.LLM``) behind the rollout-engine protocol; see the module docstring.
 
     Args:
@@ -111,11 +112,8 @@ class VLLMEngine:
             logger.info("engine %d: starting vLLM %s for %s", engine_index, self.features.version, config.model)
             llm = self._vllm.LLM(**kwargs)
         self._llm = llm
-        self._version = 0
-        self._asleep: set[str] = set()      # tags currently released
+        self._init_state()
         self._sleep_level = 0
-        self._weights_valid = True
-        self._invalid_reason = ""
         self._prefix_cache_stale = False
         self._armed = False  # a sync armed in the workers (arm_weight_sync), not settled yet
         self._adapters: AdapterSlots | None = None  # set by init_weight_sync(lora=...): syncs carry LoRA adapters
@@ -125,27 +123,6 @@ class VLLMEngine:
     def llm(self) -> Any:
         """The wrapped ``vllm.LLM`` (for what this class does not cover)."""
         return self._llm
-
-    @property
-    def weight_version(self) -> int:
-        return self._version
-
-    def get_weight_version(self) -> int:
-        """:attr:`weight_version` as a method (Ray actors cannot read properties)."""
-        return self._version
-
-    @property
-    def asleep_tags(self) -> tuple[str, ...]:
-        return tuple(tag for tag in WAKE_TAGS if tag in self._asleep)
-
-    def _check_ready(self, what: str) -> None:
-        if self._asleep:
-            raise RuntimeError(f"engine {self.engine_index}: {what} called while {sorted(self._asleep)} asleep; call "
-                               "wake_up() (all tags) first")
-        if not self._weights_valid:
-            raise RuntimeError(f"engine {self.engine_index}: {what} called but the weights are incomplete "
-                               f"({self._invalid_reason}); load or sync every weight (load_weights / receive_weights) "
-                               "first")
 
     def health_check(self) -> dict[str, Any]:
         """Round-trip to every vLLM worker; returns the engine's state and each worker's reported version."""
@@ -209,7 +186,7 @@ class VLLMEngine:
         if not prompts:
             return [], [], []
         self._reset_prefix_cache_if_stale()  # prefixes cached before a weight change would reuse stale KV
-        make = lambda seed: make_sampling_params(  # noqa: E731
+        make = lambda seed: make_sampling_params(
             sampling, sampling_params_cls=self._vllm.SamplingParams, features=self.features, seed=seed)
         params = make(None) if sampling.seed is None else [make(request_seed(sampling.seed, i)) for i in indices]
         tokens_prompt = getattr(self._vllm, "TokensPrompt", None)
@@ -250,16 +227,12 @@ class VLLMEngine:
     # --- protocol: sleep / wake ---------------------------------------------------------------------------------------
     def sleep(self, level: int = 1) -> None:
         """Release accelerator memory: level 1 keeps the weights in host memory, level 2 discards them."""
-        if level not in (1, 2):
-            raise ValueError(f"level={level!r}; expected 1 (keep weights in host memory) or 2 (discard them)")
         if not self.config.enable_sleep_mode:
             raise RuntimeError(f"engine {self.engine_index}: sleep() needs VLLMEngineConfig.enable_sleep_mode=True")
         if level == 2 and self._adapters is not None:
             raise ValueError(f"engine {self.engine_index}: sleep(level=2) would discard the base weights (and vLLM's "
                              "adapter buffers), which LoRA adapter syncs never rewrite; use level=1")
-        if self._asleep:
-            raise RuntimeError(f"engine {self.engine_index}: sleep(level={level}) called while {sorted(self._asleep)}"
-                               " already asleep; call wake_up() first")
+        self._check_sleep(level)
         self.settle_weight_sync()
         self._llm.sleep(level=level)
         self._asleep = set(WAKE_TAGS)
@@ -269,9 +242,7 @@ class VLLMEngine:
 
     def wake_up(self, tags: Sequence[str] | None = None) -> None:
         """Restore ``"weights"``, ``"kv_cache"`` or both (``None``); waking what is awake does nothing."""
-        if tags is not None and (isinstance(tags, str) or any(tag not in WAKE_TAGS for tag in tags)):
-            raise ValueError(f"tags={tags!r}; expected None or a list drawn from {list(WAKE_TAGS)}")
-        wanted = [tag for tag in (WAKE_TAGS if tags is None else tags) if tag in self._asleep]
+        wanted = self._tags_to_wake(tags)
         if not wanted:
             return
         self.settle_weight_sync()
@@ -299,11 +270,6 @@ class VLLMEngine:
         self._reset_prefix_cache_if_stale()
 
     # --- protocol: weights --------------------------------------------------------------------------------------------
-    def _check_weights_awake(self, what: str) -> None:
-        if "weights" in self._asleep:
-            raise RuntimeError(f"engine {self.engine_index}: {what} called while the weights are asleep; call "
-                               "wake_up(tags=['weights']) first")
-
     def _invalidate(self, reason: str) -> None:
         if self._weights_valid:
             self._rpc("rlhfkit_mark_weights_discarded")
