@@ -91,3 +91,10 @@ def ray_not_started():
     if ray.is_initialized():
         ray.shutdown()
     yield
+
+
+@pytest.fixture(autouse=True)
+def _restore_vllm_multiprocessing_switch(monkeypatch):
+    """VLLMEngine sets VLLM_ENABLE_V1_MULTIPROCESSING for its process when it builds an LLM (in_process=True); undo
+    it after each test so that no test sees another's setting."""
+    monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)

@@ -586,6 +586,30 @@ class FakeEngineActor:
                 "env": {k: os.environ.get(k) for k in keys}}
 
 
+@pytest.mark.parametrize(("in_process", "tp", "preset", "expected"), [
+    (True, 1, None, "0"),      # the default: the engine core in the engine's process
+    (False, 1, None, None),    # vLLM's default (its own process)
+    (True, 2, None, None),     # tensor parallelism: vLLM's Ray workers, not this switch
+    (True, 1, "1", "1"),       # an explicit value wins
+])
+def test_in_process_engine_core_is_set_before_the_llm_is_built(monkeypatch, in_process, tp, preset, expected):
+    """The vLLM 0.22 GPU run of examples/grpo_tools.py: load_weights into an engine core in its own process failed
+    (tensors arrived as lists); the engine now asks for the in-process core before building the LLM."""
+    if preset is None:
+        monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
+    else:
+        monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", preset)
+    seen = {}
+
+    class SpyLLM(FakeLLM):
+        def __init__(self, **kwargs):
+            seen["env"] = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
+            super().__init__(**kwargs)
+
+    VLLMEngine(VLLMEngineConfig(model="/m", in_process=in_process, tensor_parallel_size=tp), vllm=fake_vllm(LLM=SpyLLM))
+    assert seen["env"] == expected
+
+
 def test_plan_launches_without_ray():
     config = VLLMEngineConfig(model="/m", num_engines=2, tensor_parallel_size=2, gpu_share=0.25,
                               env={"RLHFKIT_TEST_MARKER": "x"})
@@ -596,14 +620,8 @@ def test_plan_launches_without_ray():
     assert launches[1].env == {"RLHFKIT_TEST_MARKER": "x", "VLLM_RAY_PER_WORKER_GPUS": "0.25",
                                "VLLM_RAY_BUNDLE_INDICES": "2,3"}
     plain = plan_launches(dataclasses.replace(config, tensor_parallel_size=1))
-    expected = (0.25, None, {"RLHFKIT_TEST_MARKER": "x", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
+    expected = (0.25, None, {"RLHFKIT_TEST_MARKER": "x"})
     assert [(lc.num_gpus, lc.placement_group, lc.env) for lc in plain] == [expected] * 2
-    # vLLM's own engine-core process when asked for, and an explicit env entry wins over in_process
-    spawned = plan_launches(dataclasses.replace(config, tensor_parallel_size=1, in_process=False))
-    assert spawned[0].env == {"RLHFKIT_TEST_MARKER": "x"}
-    explicit = plan_launches(dataclasses.replace(config, tensor_parallel_size=1,
-                                                 env={"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}))
-    assert explicit[0].env == {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
     with pytest.raises(ValueError, match="need 2 group"):
         plan_launches(config, placement_group=group, bundle_indices=[(0, 1)])
     with pytest.raises(ValueError, match="out of range for a placement group of 4 bundles"):

@@ -107,6 +107,10 @@ class VLLMEngine(EngineState):
         self._vllm = vllm if vllm is not None else require("vllm", user="rlhfkit.engines.vllm")
         self.features = detect_features(self._vllm)
         if llm is None:
+            if config.in_process and config.tensor_parallel_size == 1:
+                # vLLM decides this when the LLM is built; its own engine-core process would also receive
+                # load_weights' tensors through a serializer that turns them into lists. An explicit value wins.
+                os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
             kwargs = build_llm_kwargs(config, self.features, engine_index=engine_index,
                                       distributed_executor_backend=distributed_executor_backend)
             logger.info("engine %d: starting vLLM %s for %s", engine_index, self.features.version, config.model)

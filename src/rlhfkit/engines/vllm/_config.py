@@ -55,9 +55,11 @@ class VLLMEngineConfig:
         extra_kwargs: more ``vllm.LLM`` keyword arguments, as a mapping or (name, value) pairs (stored as pairs);
             names this config sets are refused.
         env: environment variables for engine actors (e.g. ``VLLM_USE_FLASHINFER_SAMPLER=0``), as pairs or a mapping.
-        in_process: engine actors with ``tensor_parallel_size=1`` run vLLM's engine core in their own process
-            (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) instead of spawning a second process that imports vLLM again
-            and relays every call; False keeps vLLM's default. An ``env`` entry for that variable wins.
+        in_process: with ``tensor_parallel_size=1`` vLLM's engine core runs in the process that builds the engine
+            (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, set for that process unless it is set already) instead of a second
+            process that imports vLLM again and relays every call (≈ 10-20 s less start-up); ``load_weights``
+            needs it on vLLM 0.22 (tensors sent to a separate engine core arrive as lists). False keeps vLLM's
+            default.
         worker_extension_cls: the worker extension (a subclass of rlhfkit's may add methods).
         generate_timeout_s, control_timeout_s, health_timeout_s, startup_timeout_s: timeouts of engine groups
             (generate; sleep/wake/weight loads; health checks; engine start-up).

@@ -95,8 +95,6 @@ def plan_launches(config: Any, *, placement: Any = None, role: str = "rollout", 
     launches = []
     for index, (group, bundles, share) in enumerate(slots):
         env = dict(config.env)
-        if tp == 1 and config.in_process:
-            env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         if tp > 1:
             env["VLLM_RAY_PER_WORKER_GPUS"] = repr(float(share))
             if bundles:
