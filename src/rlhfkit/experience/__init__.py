@@ -177,6 +177,19 @@ def _check_groups(rollouts: Sequence[Rollout]) -> None:
             )
 
 
+def _response_values_to_tokens(rollouts: Sequence[Rollout], batch: PackedBatch, values_of: Callable[[Rollout], torch.Tensor],
+                               dtype: torch.dtype) -> torch.Tensor:
+    """``[T]``: each rollout's per-response-token values (``values_of(rollout)``) on the batch's loss tokens, 0
+    elsewhere. Only sampled tokens are loss tokens: observation tokens of multi-turn rollouts are left out."""
+    if len(rollouts) != batch.num_seqs:
+        raise ValueError(f"{len(rollouts)} rollouts for a batch of {batch.num_seqs} sequences; pass the rollouts the "
+                         "batch was packed from")
+    values = torch.cat([values_of(r).cpu()[r.loss_mask.cpu()] for r in rollouts])
+    out = torch.zeros(batch.num_tokens, dtype=dtype, device=batch.input_ids.device)
+    out[batch.loss_mask] = values.to(out.device, dtype)
+    return out
+
+
 def engine_token_logprobs(rollouts: Sequence[Rollout], batch: PackedBatch) -> torch.Tensor | None:
     """``[T]`` engine log-probs on the response tokens of ``batch`` (``pack_rollouts(rollouts)``; 0 elsewhere), or
     None if no rollout carries them. What :func:`make_experience` stores as ``Experience.engine_logprobs``; also a
@@ -188,10 +201,7 @@ def engine_token_logprobs(rollouts: Sequence[Rollout], batch: PackedBatch) -> to
         missing = have.index(False)
         raise ValueError(f"rollouts[{missing}].response_logprobs is None but other rollouts carry engine log-probs; "
                          "request logprobs for all samples or for none")
-    # only sampled tokens carry engine log-probs (observation tokens of multi-turn rollouts are outside the loss)
-    values = torch.cat([r.response_logprobs.float().cpu()[r.loss_mask.cpu()] for r in rollouts])  # type: ignore
-    out = torch.zeros(batch.num_tokens, dtype=torch.float32, device=batch.input_ids.device)
-    out[batch.loss_mask] = values.to(out.device)
+    out = _response_values_to_tokens(rollouts, batch, lambda r: r.response_logprobs, torch.float32)
     _check_finite_tokens("rollouts' response_logprobs contain", out, batch)
     return out
 
@@ -200,13 +210,7 @@ def token_weight_versions(rollouts: Sequence[Rollout], batch: PackedBatch) -> to
     """``[T]`` int64: the weight version that generated each response token of ``batch`` (``pack_rollouts(rollouts)``;
     0 elsewhere), from :attr:`~rlhfkit.types.Rollout.token_weight_versions` (a sample continued after an in-flight
     weight update spans versions). What :func:`make_experience` stores as ``Experience.weight_versions``."""
-    if len(rollouts) != batch.num_seqs:
-        raise ValueError(f"{len(rollouts)} rollouts for a batch of {batch.num_seqs} sequences; pass the rollouts the "
-                         "batch was packed from")
-    out = torch.zeros(batch.num_tokens, dtype=torch.int64, device=batch.input_ids.device)
-    # observation tokens of multi-turn rollouts are outside the loss mask (no engine sampled them)
-    out[batch.loss_mask] = torch.cat([r.token_weight_versions.cpu()[r.loss_mask.cpu()] for r in rollouts]).to(out.device)
-    return out
+    return _response_values_to_tokens(rollouts, batch, lambda r: r.token_weight_versions, torch.int64)
 
 
 def _prepare_rewards(rewards: torch.Tensor, config: ExperienceConfig) -> torch.Tensor:
