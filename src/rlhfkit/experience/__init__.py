@@ -177,8 +177,8 @@ def _check_groups(rollouts: Sequence[Rollout]) -> None:
             )
 
 
-def _response_values_to_tokens(rollouts: Sequence[Rollout], batch: PackedBatch, values_of: Callable[[Rollout], torch.Tensor],
-                               dtype: torch.dtype) -> torch.Tensor:
+def _response_values_to_tokens(rollouts: Sequence[Rollout], batch: PackedBatch,
+                               values_of: Callable[[Rollout], torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
     """``[T]``: each rollout's per-response-token values (``values_of(rollout)``) on the batch's loss tokens, 0
     elsewhere. Only sampled tokens are loss tokens: observation tokens of multi-turn rollouts are left out."""
     if len(rollouts) != batch.num_seqs:
