@@ -17,12 +17,14 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from bench.hybrid import read_metrics, run_logged  # noqa: E402
 
 
 def summarize(rows: list[dict]) -> dict:
@@ -61,13 +63,10 @@ def run_mode(args, mode: str, out: Path) -> dict:
     command += ["--device", "cpu", "--tiny", "true"] if args.tiny else ["--model", args.model, "--steps",
                                                                         str(args.steps)]
     out.mkdir(parents=True, exist_ok=True)
-    log, started = out / "run.log", time.time()
-    with log.open("w") as handle:
-        code = subprocess.run(command, stdout=handle, stderr=subprocess.STDOUT, timeout=args.timeout,
-                              check=False).returncode
-    metrics = out / "metrics.jsonl"
-    rows = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
-    result = {"command": " ".join(command), "returncode": code, "wall_s": time.time() - started}
+    log = out / "run.log"
+    code, wall = run_logged(command, log, args.timeout)
+    rows = read_metrics(out)
+    result = {"command": " ".join(command), "returncode": code, "wall_s": wall}
     if code != 0:
         result["log_tail"] = log.read_text()[-2000:]
     return result | (summarize(rows) if rows else {})

@@ -53,6 +53,25 @@ def summarize(rows: list[dict], launch_to_first_step_s: float | None = None) -> 
             "max_engine_gap": max(gaps) if gaps else None}
 
 
+def run_logged(command: list[str], log: Path, timeout: float, env: dict[str, str] | None = None) -> tuple[int, float]:
+    """Run ``command`` with its output in ``log``; (exit code, seconds). Past ``timeout`` the process is killed and
+    the code is 124, so the caller still writes its JSON."""
+    started = time.time()
+    with log.open("w") as handle:
+        try:
+            code = subprocess.run(command, stdout=handle, stderr=subprocess.STDOUT, timeout=timeout, check=False,
+                                  env=env).returncode
+        except subprocess.TimeoutExpired:
+            code = 124
+    return code, time.time() - started
+
+
+def read_metrics(out: Path) -> list[dict]:
+    """The rows of a run's ``metrics.jsonl`` (none when the run wrote none)."""
+    metrics = out / "metrics.jsonl"
+    return [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
+
+
 def cache_env(args, side: str) -> dict[str, str]:
     """Per-side compile caches (``--cold`` empties them first)."""
     root = Path(args.cache or args.out.with_suffix(".cache")) / side
@@ -120,12 +139,9 @@ def run_ours(args, out: Path) -> dict:
     log = out.with_suffix(".log")
     out.mkdir(parents=True, exist_ok=True)
     env, memory, launched = cache_env(args, "rlhfkit"), ProcessMemory(), time.time()
-    with log.open("w") as handle:
-        code = subprocess.run(command, stdout=handle, stderr=subprocess.STDOUT, timeout=args.timeout,
-                              check=False, env=env).returncode
+    code, _ = run_logged(command, log, args.timeout, env)
     processes = memory.stop(_pid_roles(out / "phases.jsonl"))
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()] \
-        if (out / "metrics.jsonl").exists() else []
+    rows = read_metrics(out)
     first = rows[0]["timestamp"] - rows[0]["time/step_s"] - launched if rows and "timestamp" in rows[0] else None
     return {"command": " ".join(command), "returncode": code, **(summarize(rows, first) if rows else {}),
             "startup": _startup(log), "process_memory": processes}
@@ -152,9 +168,7 @@ def run_trl(args, out: Path) -> dict:
         command.append("--no-sleep")
     out.parent.mkdir(parents=True, exist_ok=True)
     env, memory, launched = cache_env(args, "trl"), ProcessMemory(), time.time()
-    with out.with_suffix(".log").open("w") as handle:
-        code = subprocess.run(command, stdout=handle, stderr=subprocess.STDOUT, timeout=args.timeout,
-                              check=False, env=env).returncode
+    code, _ = run_logged(command, out.with_suffix(".log"), args.timeout, env)
     result = json.loads(out.read_text()) if out.exists() else {}
     result.setdefault("wall_s", time.time() - launched)
     first = result.get("first_step_unix")

@@ -36,8 +36,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.hybrid import _device, summarize  # noqa: E402
-from bench.scale import ARCHITECTURES, build_model, run  # noqa: E402
+from bench.hybrid import _device, read_metrics, run_logged, summarize  # noqa: E402
+from bench.scale import ARCHITECTURES, build_model, sync_summary  # noqa: E402
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 TEXTS = ("What is 12 + 7?", "The capital of France is", "Write a haiku about GPUs.", "1, 2, 3, 4,")
@@ -90,13 +90,10 @@ def run_grpo(args) -> dict:
     out = args.out.with_suffix(".grpo")
     out.mkdir(parents=True, exist_ok=True)
     command = grpo_command(args, out)
-    code, wall = run(command, out / "run.log", args.timeout)
-    metrics = out / "metrics.jsonl"
-    rows = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
-    result = {"command": " ".join(command), "returncode": code, "wall_s": wall, **(summarize(rows) if rows else {})}
-    syncs = [row["time/weight_sync_s"] for row in rows[1:] or rows if "time/weight_sync_s" in row]
-    result |= {"sync_s": statistics.median(syncs) if syncs else None,
-               "sync_bytes": rows[-1].get("sync/bytes") if rows else None}
+    code, wall = run_logged(command, out / "run.log", args.timeout)
+    rows = read_metrics(out)
+    result = {"command": " ".join(command), "returncode": code, "wall_s": wall, **(summarize(rows) if rows else {}),
+              **sync_summary(rows)}
     if code:
         result["log_tail"] = (out / "run.log").read_text(errors="replace").splitlines()[-15:]
     return result

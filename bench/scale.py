@@ -24,7 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import subprocess
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -32,7 +32,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.hybrid import _device, summarize  # noqa: E402
+from bench.hybrid import _device, read_metrics, run_logged, summarize  # noqa: E402
 
 # transformers config fields of each architecture (from the models' published config.json files).
 ARCHITECTURES: dict[str, dict] = {
@@ -117,29 +117,21 @@ def model_arch(model: Path) -> str:
     return model.name
 
 
-def run(command: list[str], log: Path, timeout: float) -> tuple[int, float]:
-    started = time.time()
-    with log.open("w") as handle:
-        try:
-            code = subprocess.run(command, stdout=handle, stderr=subprocess.STDOUT, timeout=timeout,
-                                  check=False).returncode
-        except subprocess.TimeoutExpired:
-            code = 124
-    return code, time.time() - started
+def sync_summary(rows: list[dict]) -> dict:
+    """Median weight-sync time (steps after the first) and the bytes of the last push."""
+    syncs = [row["time/weight_sync_s"] for row in rows[1:] or rows if "time/weight_sync_s" in row]
+    return {"sync_s": statistics.median(syncs) if syncs else None,
+            "sync_bytes": rows[-1].get("sync/bytes") if rows else None}
 
 
 def run_ours(args, model: Path, mode: str, out: Path) -> dict:
     command = ours_command(args, model, mode, out)
     out.mkdir(parents=True, exist_ok=True)
     log = out / "run.log"
-    code, wall = run(command, log, args.timeout)
-    metrics = out / "metrics.jsonl"
-    rows = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
-    result = {"command": " ".join(command), "returncode": code, "wall_s": wall, **(summarize(rows) if rows else {})}
-    if rows:
-        syncs = [row for row in rows[1:] or rows if "time/weight_sync_s" in row]
-        result["sync_s"] = sorted(row["time/weight_sync_s"] for row in syncs)[len(syncs) // 2] if syncs else None
-        result["sync_bytes"] = rows[-1].get("sync/bytes")
+    code, wall = run_logged(command, log, args.timeout)
+    rows = read_metrics(out)
+    result = {"command": " ".join(command), "returncode": code, "wall_s": wall, **(summarize(rows) if rows else {}),
+              **sync_summary(rows)}
     if code:
         lines = log.read_text(errors="replace").splitlines()
         result["error"] = next((line for line in lines if "MemoryFitError" in line), None)
@@ -154,7 +146,7 @@ def run_trl(args, model: Path, out: Path) -> dict:
                "--samples-per-prompt", str(workload["samples_per_prompt"]), "--max-new-tokens",
                str(workload["max_new_tokens"]), "--minibatches", "2", "--grad-accum", "1", "--dtype", "bfloat16",
                "--gpu-memory-utilization", str(args.engine_memory)]
-    code, wall = run(command, out.with_suffix(".log"), args.timeout)
+    code, wall = run_logged(command, out.with_suffix(".log"), args.timeout)
     result = json.loads(out.read_text()) if out.exists() else {}
     return {"command": " ".join(command), "returncode": code, "wall_s": wall, **result}
 

@@ -149,3 +149,15 @@ def test_lora_vllm_bench_tiny_on_cpu(tmp_path):
     assert command[command.index("--lora-rank") + 1] == "16" and "/models/qwen7b" in command
     with pytest.raises(SystemExit):
         lora_vllm.parse_args(["--out", "x.json"])  # the GPU mode needs --model
+
+
+def test_a_run_past_its_timeout_is_exit_124_not_a_crash(tmp_path):
+    """bench/hybrid.py and bench/async_grpo.py used to let subprocess.TimeoutExpired escape, losing the whole JSON; every
+    bench script now runs its children through run_logged."""
+    from bench.hybrid import read_metrics, run_logged
+
+    code, seconds = run_logged([sys.executable, "-c", "import time; print('started', flush=True); time.sleep(30)"],
+                               tmp_path / "run.log", timeout=1.0)
+    assert code == 124 and seconds < 20
+    assert "started" in (tmp_path / "run.log").read_text()
+    assert read_metrics(tmp_path) == []
