@@ -85,17 +85,20 @@ def cache_env(args, side: str) -> dict[str, str]:
 
 
 class ProcessMemory:
-    """NVML used memory of GPU 0: the device peak and, at that moment, each process's share (a bench-only probe)."""
+    """NVML used memory of the first visible GPU (the one both sides run on): the device peak and, at that moment,
+    each process's share (a bench-only probe; the phase peaks come from rlhfkit.hybrid's GpuMemorySampler)."""
 
     def __init__(self, interval_s: float = 0.02) -> None:
+        from rlhfkit.hybrid._timer import _load_nvml, _visible_handles
+
         self.peak, self.at_peak, self.max_by_pid, self._stop = 0, {}, {}, threading.Event()
-        self._nvml = None
-        for name in ("pynvml", "vllm.third_party.pynvml"):
-            with contextlib.suppress(Exception):
-                nvml = __import__(name, fromlist=["nvmlInit"])
-                nvml.nvmlInit()
-                self._nvml, self._handle = nvml, nvml.nvmlDeviceGetHandleByIndex(0)
-                break
+        self._nvml = _load_nvml()
+        if self._nvml is not None:
+            try:
+                self._nvml.nvmlInit()
+                self._handle = _visible_handles(self._nvml)[0]
+            except Exception:  # noqa: BLE001 — NVML's own error types: no driver, no GPU, no samples
+                self._nvml = None
         if self._nvml is not None:
             self._thread = threading.Thread(target=self._loop, args=(interval_s,), daemon=True)
             self._thread.start()
