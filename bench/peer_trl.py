@@ -180,14 +180,13 @@ class NvmlPeak:
     """Device-wide used memory of GPU 0 (all allocators, vLLM's pool included), polled every 5 ms by a thread."""
 
     def __init__(self) -> None:
-        self.peak, self._lock, self._handle = None, threading.Lock(), None
-        for name in ("pynvml", "vllm.third_party.pynvml"):
-            with contextlib.suppress(Exception):
-                nvml = __import__(name, fromlist=["nvmlInit"])
-                nvml.nvmlInit()
-                index = int((os.environ.get("CUDA_VISIBLE_DEVICES") or "0").split(",")[0])
-                self._nvml, self._handle = nvml, nvml.nvmlDeviceGetHandleByIndex(index)
-                break
+        from rlhfkit.hybrid._timer import _load_nvml, _visible_handles  # CUDA_VISIBLE_DEVICES as indices or UUIDs
+
+        self.peak, self._lock, self._handle, self._nvml = None, threading.Lock(), None, _load_nvml()
+        if self._nvml is not None:
+            with contextlib.suppress(Exception):  # NVML's own error types: no driver, no GPU, no samples
+                self._nvml.nvmlInit()
+                self._handle = _visible_handles(self._nvml)[0]
         if self._handle is not None:
             threading.Thread(target=self._loop, daemon=True, name="nvml-peak").start()
 
