@@ -150,6 +150,8 @@ SHARED_PRIVATE: dict[str, frozenset[str] | None] = {
     "rlhfkit._cu_seqlens": frozenset({"rlhfkit.packing", "rlhfkit.losses", "rlhfkit.types", "rlhfkit.experience",
                                       "rlhfkit._checks"}),
     "rlhfkit._arithmetic": frozenset({"rlhfkit.data"}),
+    # user calls in daemon threads bounded by a timeout (environment steps, tool calls, reward functions)
+    "rlhfkit._calls": frozenset({"rlhfkit.multiturn", "rlhfkit.rewards"}),
     # the weight-version / sleep-tag / weight-validity bookkeeping of the server-backed engines
     "rlhfkit.engines._state": frozenset({"rlhfkit.engines.vllm", "rlhfkit.engines.sglang"}),
 }

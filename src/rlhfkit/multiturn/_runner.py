@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from rlhfkit.engines.protocol import SamplingConfig
-from rlhfkit.multiturn._calls import CallOutcome, call_all
+from rlhfkit._calls import CallOutcome, call_all
 from rlhfkit.multiturn._env import Action, Episode, StepResult
 from rlhfkit.multiturn._trajectory import StepTimeoutError, Trajectory, Turn
 
