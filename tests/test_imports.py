@@ -145,11 +145,14 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 # must be registered here, with its users; everything else private stays inside its own block.
 SHARED_PRIVATE: dict[str, frozenset[str] | None] = {
     "rlhfkit._optional": None,  # the "pip install 'rlhfkit[extra]'" helper
-    "rlhfkit._checks": frozenset({"rlhfkit.advantages", "rlhfkit.experience", "rlhfkit.dynamic_sampling"}),
+    "rlhfkit._checks": frozenset({"rlhfkit.advantages", "rlhfkit.experience", "rlhfkit.dynamic_sampling",
+                                  "rlhfkit.rollouts", "rlhfkit.losses"}),
     # the packed-layout checks and their messages (cu_seqlens, log-prob alignment) every core block shares
     "rlhfkit._cu_seqlens": frozenset({"rlhfkit.packing", "rlhfkit.losses", "rlhfkit.types", "rlhfkit.experience",
                                       "rlhfkit._checks"}),
     "rlhfkit._arithmetic": frozenset({"rlhfkit.data"}),
+    # user calls in daemon threads bounded by a timeout (environment steps, tool calls, reward functions)
+    "rlhfkit._calls": frozenset({"rlhfkit.multiturn", "rlhfkit.rewards"}),
     # the weight-version / sleep-tag / weight-validity bookkeeping of the server-backed engines
     "rlhfkit.engines._state": frozenset({"rlhfkit.engines.vllm", "rlhfkit.engines.sglang"}),
 }

@@ -322,6 +322,31 @@ def spanning_rollout(versions, *, weight_version=None, prompt_index=0):
                    weight_version=int(versions.min()) if weight_version is None else weight_version)
 
 
+def test_staleness_token_staleness_and_mismatch_stats_share_one_check():
+    """Review-g item 2 (duplicated staleness): rollouts' staleness/token_staleness and losses' mismatch_stats compute
+    the lag with one function: the same refusal of a bad trainer_version, and a newer token is pinned on its own
+    rollout (not the first one)."""
+    from rlhfkit.losses import mismatch_stats
+
+    rollouts = [spanning_rollout([3, 3, 4]), spanning_rollout([4, 5], prompt_index=1), spanning_rollout([5, 6])]
+    logprobs, mask, cu = torch.zeros(2), torch.tensor([False, True]), torch.tensor([0, 2])
+    for bad in (-1, True, 1.0, None):
+        messages = set()
+        for call in (lambda: staleness(rollouts, bad), lambda: token_staleness(rollouts, bad),
+                     lambda: mismatch_stats(logprobs, logprobs, mask, cu, weight_versions=torch.tensor([1, 1]),
+                                            trainer_version=bad)):
+            with pytest.raises(ValueError, match=f"trainer_version={bad!r}; must be an int >= 0") as raised:
+                call()
+            messages.add(str(raised.value))
+        assert len(messages) == 1, messages
+    with pytest.raises(ValueError, match="rollout 2 has a token of weight version 6, newer than trainer_version=5"):
+        token_staleness(rollouts, 5)
+    with pytest.raises(ValueError, match="rollout 1 has a token of weight version 5, newer than trainer_version=4"):
+        token_staleness(rollouts[:2], 4)
+    assert token_staleness(rollouts, 6).tolist() == [3, 3, 2, 2, 1, 1, 0]
+    assert token_staleness([], 0).shape == (0,)
+
+
 def test_rollout_token_versions_are_validated_and_default_to_the_constant():
     assert Rollout(prompt_token_ids=torch.tensor([1]), response_token_ids=torch.tensor([2, 3]),
                    weight_version=4).token_weight_versions.tolist() == [4, 4]

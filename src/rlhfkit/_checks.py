@@ -1,10 +1,14 @@
-"""Input validation shared by :mod:`rlhfkit.advantages` and :mod:`rlhfkit.experience` (private).
+"""Input validation shared by the core blocks (private): :mod:`rlhfkit.advantages`, :mod:`rlhfkit.experience`,
+:mod:`rlhfkit.dynamic_sampling`, and the staleness of weight versions for :mod:`rlhfkit.rollouts` and
+:mod:`rlhfkit.losses`.
 
 Every check raises ``ValueError``/``TypeError`` naming the argument, what it got and what was expected. Nothing here
 is broadcast or fixed up silently.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
@@ -18,6 +22,7 @@ __all__ = [
     "check_cu_seqlens",
     "check_finite",
     "check_group_ids",
+    "version_lag",
 ]
 
 
@@ -128,3 +133,23 @@ def check_group_ids(group_ids: object, num_seqs: int) -> torch.Tensor:
     if group_ids.shape != (num_seqs,):
         raise ValueError(f"group_ids has shape {tuple(group_ids.shape)}; expected ({num_seqs},), one per reward")
     return group_ids.long()
+
+
+def version_lag(versions: torch.Tensor, trainer_version: object, *, describe: Callable[[int, int], str],
+                mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Staleness: ``trainer_version - versions`` as int64 (0 where ``mask`` is False), how many weight versions
+    each entry lags the trainer. ``ValueError`` when ``trainer_version`` is not an int >= 0, or when an entry (under
+    the mask) is newer than the trainer: a bookkeeping error, named by ``describe(index, version)``, the message up
+    to "newer than" (e.g. ``"rollout 2 has weight_version=5,"``)."""
+    if isinstance(trainer_version, bool) or not isinstance(trainer_version, int) or trainer_version < 0:
+        raise ValueError(f"trainer_version={trainer_version!r}; must be an int >= 0 (the version of the weights the "
+                         "trainer holds, a count of weight pushes)")
+    ages = trainer_version - versions.long()
+    if mask is not None:
+        ages = torch.where(mask, ages.to(mask.device), 0)
+    newer = ages < 0
+    if bool(newer.any()):
+        index = int(torch.nonzero(newer)[0])
+        raise ValueError(f"{describe(index, int(versions[index]))} newer than trainer_version={trainer_version}; "
+                         "pass the version of the weights the trainer holds now")
+    return ages

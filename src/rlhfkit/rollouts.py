@@ -33,6 +33,7 @@ from typing import Any, Literal
 
 import torch
 
+from rlhfkit._checks import version_lag
 from rlhfkit.types import Rollout
 
 __all__ = ["RolloutBuffer", "RolloutBufferClosedError", "RolloutBufferConfig", "RolloutProducer",
@@ -78,14 +79,9 @@ def staleness(rollouts: Sequence[Rollout], trainer_version: int) -> torch.Tensor
 
     A rollout newer than the trainer is a bookkeeping error (``ValueError`` naming it): pass the version of the
     weights the trainer holds now."""
-    _check_version("trainer_version", trainer_version)
     versions = torch.tensor([int(r.weight_version) for r in rollouts], dtype=torch.int64)
-    ages = trainer_version - versions
-    if ages.numel() and int(ages.min()) < 0:
-        index = int(torch.argmin(ages))
-        raise ValueError(f"rollout {index} has weight_version={int(versions[index])}, newer than "
-                         f"trainer_version={trainer_version}; pass the version of the weights the trainer holds now")
-    return ages
+    return version_lag(versions, trainer_version,
+                       describe=lambda index, version: f"rollout {index} has weight_version={version},")
 
 
 def token_staleness(rollouts: Sequence[Rollout], trainer_version: int) -> torch.Tensor:
@@ -93,16 +89,15 @@ def token_staleness(rollouts: Sequence[Rollout], trainer_version: int) -> torch.
     (``trainer_version - Rollout.token_weight_versions``). Equal to :func:`staleness` repeated over each response
     unless a rollout spans an in-flight weight update, whose later tokens are fresher. A token newer than the trainer
     raises ``ValueError`` naming its rollout."""
-    _check_version("trainer_version", trainer_version)
-    if not rollouts:
-        return torch.zeros(0, dtype=torch.int64)
-    ages = [trainer_version - r.token_weight_versions for r in rollouts]
-    for index, age in enumerate(ages):
-        if age.numel() and int(age.min()) < 0:
-            raise ValueError(f"rollout {index} has a token of weight version {trainer_version - int(age.min())}, "
-                             f"newer than trainer_version={trainer_version}; pass the version of the weights the "
-                             "trainer holds now")
-    return torch.cat(ages)
+    per_rollout = [r.token_weight_versions for r in rollouts]
+    versions = torch.cat(per_rollout) if per_rollout else torch.zeros(0, dtype=torch.int64)
+    ends = torch.tensor([v.numel() for v in per_rollout], dtype=torch.int64).cumsum(0)
+
+    def describe(index: int, version: int) -> str:
+        owner = int(torch.searchsorted(ends, torch.tensor(index), right=True))
+        return f"rollout {owner} has a token of weight version {version},"
+
+    return version_lag(versions, trainer_version, describe=describe)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -389,9 +384,13 @@ class RolloutBuffer:
             self._cond.notify_all()
 
     def _hand_out(self, num_groups: int, trainer_version: int) -> list[list[Rollout]]:
-        groups = [self._queue.popleft().rollouts for _ in range(num_groups)]
-        ages = staleness([r for group in groups for r in group], trainer_version)
-        assert int(ages.max()) <= self.config.max_staleness
+        handed = [self._queue.popleft() for _ in range(num_groups)]
+        groups = [group.rollouts for group in handed]
+        # A group's rollouts all carry its stamp, which _drop_stale checked against trainer_version: each rollout's
+        # staleness is its group's, and only the tokens (a version each) go through token_staleness.
+        ages = torch.repeat_interleave(torch.tensor([trainer_version - group.weight_version for group in handed]),
+                                       torch.tensor([len(group.rollouts) for group in handed]))
+        assert 0 <= int(ages.min()) and int(ages.max()) <= self.config.max_staleness
         self._histogram += torch.bincount(ages, minlength=self.config.max_staleness + 1)
         token_ages = token_staleness([r for group in groups for r in group], trainer_version)
         self._token_histogram += torch.bincount(token_ages, minlength=self.config.max_staleness + 1)

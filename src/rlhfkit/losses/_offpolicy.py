@@ -25,6 +25,7 @@ from typing import Literal
 
 import torch
 
+from rlhfkit._checks import version_lag
 from rlhfkit.losses._aggregate import (
     broadcast_seq,
     check_token_inputs,
@@ -203,14 +204,8 @@ def _staleness_specs(log_ratio: torch.Tensor, mask: torch.Tensor, weight_version
             or weight_versions.shape != mask.shape:
         raise TypeError(f"weight_versions must be a [T] int64 tensor like the mask {tuple(mask.shape)} (e.g. "
                         f"Experience.weight_versions), got {getattr(weight_versions, 'shape', weight_versions)!r}")
-    if isinstance(trainer_version, bool) or not isinstance(trainer_version, int) or trainer_version < 0:
-        raise ValueError(f"trainer_version={trainer_version!r}; must be an int >= 0 (the version the trainer's "
-                         "weights are at) when weight_versions is given")
-    ages = torch.where(mask, trainer_version - weight_versions.to(mask.device).long(), 0)
-    if bool((ages < 0).any()):
-        token = int(torch.nonzero(ages < 0)[0])
-        raise ValueError(f"weight_versions[{token}]={int(weight_versions[token])} is newer than trainer_version="
-                         f"{trainer_version}; pass the version of the weights the trainer holds now")
+    ages = version_lag(weight_versions, trainer_version, mask=mask,
+                       describe=lambda token, version: f"weight_versions[{token}]={version} is")
     kl = torch.exp(log_ratio) - 1 - log_ratio
     specs: dict[str, tuple[str, torch.Tensor]] = {"staleness_mean": ("mean", ages), "staleness_max": ("max", ages)}
     for age in range(int(ages.max()) + 1 if ages.numel() else 0):

@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
+from rlhfkit._calls import CallOutcome, call_all
 from rlhfkit.engines.protocol import SamplingConfig
-from rlhfkit.multiturn._calls import CallOutcome, call_all
 from rlhfkit.multiturn._env import Action, Episode, StepResult
 from rlhfkit.multiturn._trajectory import StepTimeoutError, Trajectory, Turn
 
@@ -41,6 +41,7 @@ class _State:
         self.tokens: list[int] = []
         self.logprobs: list[float] = []
         self.mask: list[bool] = []
+        self.versions: list[int] = []  # the weight version of each response token
         self.turns: list[Turn] = []
         self.end_reason: str | None = None
         self.error: BaseException | None = None
@@ -66,7 +67,8 @@ class _State:
             prompt_token_ids=torch.tensor(self.job.prompt, dtype=torch.long),
             response_token_ids=torch.tensor(self.tokens, dtype=torch.long),
             response_logprobs=torch.tensor(self.logprobs, dtype=torch.float32),
-            loss_mask=torch.tensor(self.mask, dtype=torch.bool), turns=tuple(self.turns),
+            loss_mask=torch.tensor(self.mask, dtype=torch.bool),
+            response_weight_versions=torch.tensor(self.versions, dtype=torch.int64), turns=tuple(self.turns),
             status="failed" if self.error is not None else "ok", end_reason=self.end_reason,  # type: ignore
             errors=() if self.error is None else (self.error,), prompt_index=self.job.prompt_index,
             sample_index=self.job.sample_index, num_attempts=1, final_text=self.final_text,
@@ -102,6 +104,7 @@ def _generate(engine: Any, states: list[_State], sampling: SamplingConfig, turn:
             state.tokens += ids
             state.logprobs += rollout.response_logprobs.float().tolist()
             state.mask += [True] * len(ids)
+            state.versions += rollout.token_weight_versions.tolist()  # several when an update came mid-turn
             state.context += ids
             state.final_text = tokenizer.decode(ids, skip_special_tokens=True)
 
@@ -126,6 +129,8 @@ def _observe(state: _State, result: StepResult, turn: int, max_turns: int, max_t
     state.tokens += ids
     state.logprobs += [0.0] * len(ids)
     state.mask += [False] * len(ids)
+    # an observation has no version of its own: it takes its turn's last one, so versions stay non-decreasing
+    state.versions += [state.versions[-1] if state.versions else state.turns[-1].weight_version] * len(ids)
     state.context += ids
 
 

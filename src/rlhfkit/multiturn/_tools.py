@@ -17,7 +17,6 @@ any other exception from a tool is an environment failure: it propagates and fai
 from __future__ import annotations
 
 import ast
-import asyncio
 import inspect
 import json
 import re
@@ -25,6 +24,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from rlhfkit._calls import resolve
 from rlhfkit.multiturn._env import Action, Episode, StepResult
 
 __all__ = [
@@ -162,9 +162,7 @@ class ToolEnvironment:
         results, errors = [], 0
         for call in calls[:self.config.max_calls_per_turn]:
             try:
-                value = self.tools[call.name](**call.arguments)
-                if inspect.isawaitable(value):
-                    value = asyncio.run(_await(value))
+                value = resolve(self.tools[call.name](**call.arguments))
                 results.append(self.config.observation_template.format(result=value))
             except ToolArgumentError as error:  # the model's arguments: tell it, it may fix them
                 errors += 1
@@ -173,10 +171,6 @@ class ToolEnvironment:
             results.append(self._error(f"only {self.config.max_calls_per_turn} tool calls run per turn; "
                                        f"{len(calls) - self.config.max_calls_per_turn} skipped"))
         return StepResult(observation="".join(results), num_tool_calls=len(calls), num_tool_errors=errors)
-
-
-async def _await(awaitable: Any) -> Any:
-    return await awaitable
 
 
 _BINARY = {ast.Add: lambda a, b: a + b, ast.Sub: lambda a, b: a - b, ast.Mult: lambda a, b: a * b}

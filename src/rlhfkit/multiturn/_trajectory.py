@@ -60,6 +60,9 @@ class Trajectory:
             the engine sampled and the observation ids that followed (nothing re-tokenised).
         response_logprobs: ``[R]`` float32, the engine's log-prob of each sampled token; 0 on observation tokens.
         loss_mask: ``[R]`` bool, True on sampled tokens, False on observation tokens.
+        response_weight_versions: ``[R]`` int64 or None: the weight version that sampled each token (a turn
+            continued after an in-flight weight update spans versions); an observation token has its turn's last
+            version, so the versions never decrease. None: each turn's tokens are of its ``Turn.weight_version``.
         turns: per-turn boundaries and tool statistics.
         status: ``"ok"`` (trainable), ``"failed"`` (the environment raised or timed out on every attempt) or
             ``"dropped"`` (fine itself, but a member of its group failed: the group is left out as a whole).
@@ -78,6 +81,7 @@ class Trajectory:
     response_token_ids: torch.Tensor
     response_logprobs: torch.Tensor
     loss_mask: torch.Tensor
+    response_weight_versions: torch.Tensor | None = None
     turns: tuple[Turn, ...]
     status: Status
     end_reason: EndReason
@@ -96,6 +100,11 @@ class Trajectory:
                              f"response_token_ids {tuple(length)}, response_logprobs "
                              f"{tuple(self.response_logprobs.shape)} and loss_mask {tuple(self.loss_mask.shape)} "
                              "must have one entry per response token")
+        versions = self.response_weight_versions
+        if versions is not None and versions.shape != length:
+            raise ValueError(f"Trajectory(prompt_index={self.prompt_index}, sample_index={self.sample_index}): "
+                             f"response_weight_versions {tuple(versions.shape)} must have one entry per response "
+                             f"token ({tuple(length)})")
         if self.end_reason not in END_REASONS:
             raise ValueError(f"Trajectory.end_reason={self.end_reason!r}; expected one of {END_REASONS}")
 
@@ -112,12 +121,14 @@ class Trajectory:
         """A :class:`~rlhfkit.types.Rollout` for :func:`rlhfkit.experience.make_experience`: the whole conversation
         as the response, ``response_loss_mask`` False on observation tokens (so they get no loss weight and no
         engine log-prob), ``response_text`` the final turn's text (what a reward function scores),
-        ``finish_reason`` ``"stop"`` when the environment ended it, ``"length"`` at a turn or context limit."""
+        ``finish_reason`` ``"stop"`` when the environment ended it, ``"length"`` at a turn or context limit;
+        ``weight_version`` the oldest turn's, ``response_weight_versions`` each token's."""
         versions = [turn.weight_version for turn in self.turns]
         return Rollout(prompt_token_ids=self.prompt_token_ids, response_token_ids=self.response_token_ids,
                        response_logprobs=self.response_logprobs, response_loss_mask=self.loss_mask,
                        finish_reason=_FINISH[self.end_reason], prompt_index=self.prompt_index,  # type: ignore
                        sample_index=self.sample_index, weight_version=min(versions) if versions else 0,
+                       response_weight_versions=self.response_weight_versions,
                        prompt_text=self.prompt_text, response_text=self.final_text, label=self.label)
 
 

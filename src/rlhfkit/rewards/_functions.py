@@ -17,12 +17,13 @@ import inspect
 import logging
 import math
 import numbers
-import queue
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence, Set
 from dataclasses import dataclass
 from typing import Any, Literal
+
+from rlhfkit._calls import call_all
 
 __all__ = ["RewardFailure", "RewardReport", "RewardError", "apply_reward_function", "check_field_type",
            "function_name"]
@@ -113,51 +114,12 @@ class _Outcome:
     timed_out: bool = False
 
 
-def _call_sync(fn, prompts, responses, labels):
-    result = fn(prompts, responses, labels)
-    if inspect.isawaitable(result):  # a plain function that returned a coroutine
-        result = asyncio.run(_await(result))
-    return result
-
-
-async def _await(awaitable):
-    return await awaitable
-
-
 def _run_sync(fn, slices, inputs, max_workers: int, timeout_s: float | None) -> list[_Outcome]:
-    # Daemon threads of our own, not a ThreadPoolExecutor: concurrent.futures joins its workers at interpreter exit,
-    # so one hung reward call would keep the process from ever exiting. A call past timeout_s is abandoned.
-    outcomes = [_Outcome(start, stop) for start, stop in slices]
-    futures = {concurrent.futures.Future(): outcome for outcome in outcomes}
-    jobs: queue.SimpleQueue = queue.SimpleQueue()
-    for future, outcome in futures.items():
-        jobs.put((future, outcome))
-
-    def work() -> None:
-        while True:
-            try:
-                future, outcome = jobs.get_nowait()
-            except queue.Empty:
-                return
-            if not future.set_running_or_notify_cancel():   # cancelled at the deadline before it started
-                continue
-            try:
-                future.set_result(_call_sync(fn, *(x[outcome.start:outcome.stop] for x in inputs)))
-            except BaseException as error:                 # handed to the caller as this batch's outcome
-                future.set_exception(error)
-
-    for number in range(min(max_workers, len(outcomes))):
-        threading.Thread(target=work, name=f"reward-{number}", daemon=True).start()
-    done, _ = concurrent.futures.wait(futures, timeout=timeout_s)
-    for future, outcome in futures.items():
-        if future not in done:
-            future.cancel()
-            outcome.timed_out = True
-        elif future.exception() is not None:
-            outcome.error = future.exception()
-        else:
-            outcome.values = future.result()
-    return outcomes
+    # Daemon threads (see rlhfkit._calls): a hung call is abandoned at timeout_s and never blocks interpreter exit.
+    calls = [functools.partial(fn, *(x[start:stop] for x in inputs)) for start, stop in slices]
+    results = call_all(calls, timeout_s=timeout_s, name="reward", max_workers=max_workers)
+    return [_Outcome(start, stop, result.value, result.error, result.timed_out)
+            for (start, stop), result in zip(slices, results)]
 
 
 async def _gather_async(fn, outcomes: list[_Outcome], inputs, max_workers: int, timeout_s: float | None) -> None:
