@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from rlhfkit.engines.protocol import SamplingConfig
-from rlhfkit.openai_endpoint import ChatRecord, OpenAIEndpoint, OpenAIEndpointConfig, records_to_rollouts
+from rlhfkit.openai_endpoint import (ChatRecord, OpenAIEndpoint, OpenAIEndpointConfig, records_to_rollouts,
+                                     session_to_rollout)
 from rlhfkit.types import Rollout
 
 transformers = pytest.importorskip("transformers")
@@ -139,6 +140,46 @@ def test_logprobs_match_a_trainer_forward_over_a_multi_turn_session(served, hf_e
         trainer = model_logprobs(hf_engine.model, batch, temperature=temperature)
     engine = torch.cat([r.response_logprobs for r in records])
     torch.testing.assert_close(trainer[batch.loss_mask].float(), engine, atol=1e-4, rtol=0)
+
+
+def test_a_session_is_one_multi_turn_rollout_that_group_estimators_accept(served, hf_engine):
+    """Review finding: per-turn rollouts of one session share a prompt_index but not a prompt, so GRPO refused them.
+    session_to_rollout makes the conversation one sample: sampled tokens carry the engine's log-probs and loss weight,
+    the tokens each next request added carry neither; two sessions then form one GRPO group."""
+    import dataclasses
+
+    from rlhfkit.experience import ExperienceConfig, make_experience
+    from rlhfkit.losses import model_logprobs
+
+    endpoint, _ = served
+    sessions = []
+    for name in ("s0", "s1"):
+        messages = list(MESSAGES)
+        for turn in range(3):
+            status, answer = chat(endpoint, messages=messages, max_tokens=5, temperature=1.0, seed=turn, session=name)
+            assert status == 200, answer
+            messages += [{"role": "assistant", "content": answer["choices"][0]["message"]["content"]},
+                         {"role": "user", "content": f"and plus {turn}?"}]
+        sessions.append(endpoint.pop_records(name))
+    rollouts = [session_to_rollout(records, prompt_index=0, sample_index=index)
+                for index, records in enumerate(sessions)]
+    first, records = rollouts[0], sessions[0]
+    sampled = torch.cat([r.response_logprobs for r in records])
+    assert int(first.loss_mask.sum()) == sum(r.response_token_ids.numel() for r in records)
+    assert first.response_length > int(first.loss_mask.sum())  # the user turns in between are in, with weight 0
+    torch.testing.assert_close(first.response_logprobs[first.loss_mask], sampled)
+    assert torch.equal(first.response_token_ids[first.loss_mask], torch.cat([r.response_token_ids for r in records]))
+    experience, _ = make_experience(rollouts, torch.tensor([1.0, 0.0]), config=ExperienceConfig(estimator="grpo"),
+                                    policy_logprobs_fn=lambda b: model_logprobs(hf_engine.model, b))
+    assert experience.num_seqs == 2
+    with torch.no_grad():
+        trainer = model_logprobs(hf_engine.model, experience.batch)
+    torch.testing.assert_close(trainer[experience.batch.loss_mask].float(),
+                               torch.cat([r.response_logprobs[r.loss_mask] for r in rollouts]), atol=1e-4, rtol=0)
+    edited = list(records)
+    edited[2] = dataclasses.replace(records[2], prompt_token_ids=records[2].prompt_token_ids.flip(0))
+    with pytest.raises(ValueError, match="turn 2 .* does not continue the conversation token for token"):
+        session_to_rollout(edited)
 
 
 def test_concurrent_sessions_are_recorded_apart(served):

@@ -55,7 +55,7 @@ from rlhfkit.openai_endpoint._requests import (
 )
 from rlhfkit.types import Rollout
 
-__all__ = ["ChatRecord", "OpenAIEndpoint", "OpenAIEndpointConfig", "records_to_rollouts"]
+__all__ = ["ChatRecord", "OpenAIEndpoint", "OpenAIEndpointConfig", "records_to_rollouts", "session_to_rollout"]
 
 logger = logging.getLogger(__name__)
 
@@ -162,13 +162,69 @@ class ChatRecord:
 
 def records_to_rollouts(records: Sequence[ChatRecord], *, prompt_index: int = 0,
                         label: str | None = None) -> list[Rollout]:
-    """One Rollout per record, in order, all with ``prompt_index`` (e.g. the GRPO group of the task the session
-    solved) and ``sample_index`` = position in ``records``: the per-turn form of a whole agent conversation."""
+    """One Rollout per record, in order, all with ``prompt_index`` and ``sample_index`` = position in ``records``:
+    the per-turn form of a conversation (per-turn losses). Each turn has its own prompt, so GRPO-style group
+    estimators refuse them as one group; for that, one conversation is one sample: :func:`session_to_rollout`."""
     for index, record in enumerate(records):
         if not isinstance(record, ChatRecord):
             raise TypeError(f"records_to_rollouts: records[{index}] is {type(record).__name__}, not a ChatRecord")
     return [record.to_rollout(prompt_index=prompt_index, sample_index=index, label=label)
             for index, record in enumerate(records)]
+
+
+def session_to_rollout(records: Sequence[ChatRecord], *, prompt_index: int = 0, sample_index: int = 0,
+                       label: str | None = None) -> Rollout:
+    """A whole conversation as one multi-turn :class:`~rlhfkit.types.Rollout` (one sample of a GRPO group).
+
+    ``records``: one session's records in turn order, one choice per request. The rollout's prompt is the first
+    request's; its response is every sampled response, each followed by the tokens the next request added (tool
+    results, the next user message; loss weight 0, log-prob 0, the previous turn's weight version). Each request's
+    prompt must begin with the previous prompt and response token for token: an agent that edits earlier messages, or
+    a chat template that renders an answer differently from how it was sampled, is a ``ValueError`` naming the turn
+    (training on re-tokenised text would not be training on what was sampled).
+    """
+    if not records:
+        raise ValueError("session_to_rollout: no records")
+    for index, record in enumerate(records):
+        if not isinstance(record, ChatRecord):
+            raise TypeError(f"session_to_rollout: records[{index}] is {type(record).__name__}, not a ChatRecord")
+        if record.choice_index != 0 or record.session_id != records[0].session_id:
+            raise ValueError(f"session_to_rollout: records[{index}] is choice {record.choice_index} of session "
+                             f"{record.session_id!r}; pass one session's records with one choice per request (n=1)")
+    ids, logprobs, mask, versions = [], [], [], []
+    context = records[0].prompt_token_ids.tolist()
+    for index, record in enumerate(records):
+        prompt = record.prompt_token_ids.tolist()
+        if prompt[:len(context)] != context:
+            at = next((i for i, (a, b) in enumerate(zip(prompt, context, strict=False)) if a != b),
+                      min(len(prompt), len(context)))
+            raise ValueError(f"session_to_rollout: turn {record.turn_index} (records[{index}]) of session "
+                             f"{record.session_id!r} does not continue the conversation token for token: its prompt "
+                             f"differs from the previous prompt + response at token {at}")
+        observation = prompt[len(context):]
+        response = record.response_token_ids.tolist()
+        previous = versions[-1] if versions else record.weight_version
+        ids += observation + response
+        logprobs += [0.0] * len(observation) + record.response_logprobs.float().tolist()
+        mask += [False] * len(observation) + [True] * len(response)
+        versions += [previous] * len(observation) + [record.weight_version] * len(response)
+        context = prompt + response
+    return Rollout(prompt_token_ids=records[0].prompt_token_ids, response_token_ids=torch.tensor(ids, dtype=torch.long),
+                   response_logprobs=torch.tensor(logprobs, dtype=torch.float32),
+                   response_loss_mask=torch.tensor(mask, dtype=torch.bool),
+                   response_weight_versions=torch.tensor(versions, dtype=torch.long),
+                   weight_version=min(r.weight_version for r in records), finish_reason=records[-1].finish_reason,
+                   prompt_index=prompt_index, sample_index=sample_index, label=label,
+                   response_text=records[-1].content)
+
+
+@dataclass(frozen=True)
+class _LastTurn:
+    """A session's last request: its messages, prompt ids and each choice's (content, sampled ids)."""
+
+    messages: list[dict[str, Any]]
+    prompt: list[int]
+    answers: list[tuple[str, list[int]]]
 
 
 class OpenAIEndpoint:
@@ -206,6 +262,7 @@ class OpenAIEndpoint:
         self._lock = threading.Condition()
         self._records: dict[str, list[ChatRecord]] = {}
         self._turns: dict[str, int] = {}
+        self._last: dict[str, _LastTurn] = {}  # per session: what the next request may continue token for token
         self._in_flight = 0
         self._state: Literal["new", "serving", "closed"] = "new"
         self._server = self._thread = None
@@ -283,6 +340,7 @@ class OpenAIEndpoint:
             if session_id not in self._records:
                 raise KeyError(f"no records for session {session_id!r}; known sessions: {sorted(self._records)}")
             self._turns.pop(session_id, None)
+            self._last.pop(session_id, None)
             return self._records.pop(session_id)
 
     # ------------------------------------------------------------------ serving
@@ -320,7 +378,7 @@ class OpenAIEndpoint:
                                      default_max_tokens=config.default_max_tokens,
                                      max_tokens_limit=config.max_tokens_limit)
         session_id = headers.get(config.session_header.lower()) or request.user or config.default_session_id
-        prompt = self._prompt_ids(request)
+        prompt = self._prompt_ids(request, session_id)
         sampling = SamplingConfig(n=request.n, max_new_tokens=request.max_tokens, temperature=request.temperature,
                                   top_p=request.top_p, seed=request.seed, logprobs=True,
                                   stop_token_ids=single_token_stops(self.tokenizer, request.stop))
@@ -337,16 +395,21 @@ class OpenAIEndpoint:
         records = self._record(session_id, request_id, request, prompt, rollouts, choices)
         return self._answer(request, request_id, session_id, prompt, records)
 
-    def _prompt_ids(self, request: ChatRequest) -> list[int]:
+    def _render(self, messages: list[dict[str, Any]], request: ChatRequest, generation_prompt: bool = True) -> str:
         extra = {"tools": request.tools} if request.tools else {}
         try:
-            text = self.tokenizer.apply_chat_template(request.messages, add_generation_prompt=True, tokenize=False,
-                                                      **extra)
+            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt,
+                                                      tokenize=False, **extra)
         except _template_errors() as error:
             raise EndpointError(400, f"messages: the chat template rejected them: {type(error).__name__}: {error}",
                                 param="messages") from error
-        # the template already wrote any BOS/role tokens into the text: add no special tokens twice
-        ids = [int(token) for token in self.tokenizer.encode(text, add_special_tokens=False)]
+
+    def _prompt_ids(self, request: ChatRequest, session_id: str) -> list[int]:
+        text = self._render(request.messages, request)
+        ids = self._continued(request, session_id, text)
+        if ids is None:
+            # the template already wrote any BOS/role tokens into the text: add no special tokens twice
+            ids = [int(token) for token in self.tokenizer.encode(text, add_special_tokens=False)]
         if not ids:
             raise EndpointError(400, "messages: the chat template rendered an empty prompt", param="messages")
         limit = self.config.max_model_len
@@ -355,6 +418,28 @@ class OpenAIEndpoint:
                                 f"together they exceed max_model_len={limit}: shorten the conversation or lower "
                                 "max_tokens", param="messages", code="context_length_exceeded")
         return ids
+
+    def _continued(self, request: ChatRequest, session_id: str, text: str) -> list[int] | None:
+        """Token in, token out across turns: when this request repeats the session's previous request and appends
+        one of its answers unchanged (then more messages), the prompt is the previous prompt's ids + the answer's
+        sampled ids + the ids of the text the template adds after them, so no sampled token is re-tokenised (a
+        sampled segmentation is often not the tokenizer's own). None: tokenise ``text`` whole."""
+        with self._lock:
+            last = self._last.get(session_id)
+        messages = request.messages
+        if last is None or len(messages) <= len(last.messages) + 1 or messages[:len(last.messages)] != last.messages:
+            return None
+        said = messages[len(last.messages)]
+        answer = next((ids for content, ids in last.answers
+                       if said.get("role") == "assistant" and said.get("content") == content), None)
+        before = self._render(last.messages, request)
+        if answer is None or not text.startswith(before + said["content"]):
+            return None
+        rest = text[len(before) + len(said["content"]):]  # the answer's closing markup, the new messages, the prompt
+        sampled = self.tokenizer.decode(answer, skip_special_tokens=False)
+        if sampled.startswith(said["content"]) and rest.startswith(sampled[len(said["content"]):]):
+            rest = rest[len(sampled) - len(said["content"]):]  # a sampled EOS is the template's closing token
+        return last.prompt + answer + [int(token) for token in self.tokenizer.encode(rest, add_special_tokens=False)]
 
     def _choice(self, request: ChatRequest, rollout: Rollout) -> tuple[torch.Tensor, torch.Tensor, str, str]:
         """``(response ids [R], log-probs [R], content, finish_reason)`` with stop strings applied."""
@@ -380,6 +465,8 @@ class OpenAIEndpoint:
                                   weight_version=rollout.weight_version, content=content)
                        for index, (rollout, (ids, logprobs, content, finish)) in enumerate(zip(rollouts, choices))]
             self._records.setdefault(session_id, []).extend(records)
+            self._last[session_id] = _LastTurn(messages=request.messages, prompt=list(prompt),
+                                               answers=[(r.content, r.response_token_ids.tolist()) for r in records])
         return records
 
     def _answer(self, request: ChatRequest, request_id: str, session_id: str, prompt: list[int],
