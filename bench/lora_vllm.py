@@ -37,7 +37,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench.hybrid import _device, read_metrics, run_logged, summarize  # noqa: E402
-from bench.scale import ARCHITECTURES, build_model, sync_summary  # noqa: E402
+from bench.scale import ARCHITECTURES, build_model, ours_command, sync_summary  # noqa: E402
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 TEXTS = ("What is 12 + 7?", "The capital of France is", "Write a haiku about GPUs.", "1, 2, 3, 4,")
@@ -75,15 +75,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def grpo_command(args, out: Path) -> list[str]:
-    """examples/grpo_hybrid.py with LoRA, as bench/scale.py's ``lora`` mode runs it."""
-    command = [sys.executable, str(REPO / "examples/grpo_hybrid.py"), "--out", str(out), "--steps",
-               str(args.grpo_steps), "--lora-rank", str(args.rank)]
-    if args.tiny:
-        return command + ["--device", "cpu", "--lr", "1e-3", "--prompts-per-step=4", "--samples-per-prompt=4",
-                          "--max-new-tokens=8"]
-    return command + ["--model", str(args.model), "--bf16", "true", "--zero-stage", "3", "--gradient-checkpointing",
-                      "true", "--lr", "1e-5", "--engine-memory", str(args.engine_memory), "--prompts-per-step=16",
-                      "--samples-per-prompt=8", "--max-new-tokens=128"]
+    """examples/grpo_hybrid.py with LoRA, exactly as bench/scale.py's ``lora`` mode runs it."""
+    return ours_command(None if args.tiny else args.model, "lora", out, steps=args.grpo_steps, tiny=args.tiny,
+                        engine_memory=args.engine_memory, lora_rank=args.rank)
 
 
 def run_grpo(args) -> dict:

@@ -91,21 +91,24 @@ def build_model(arch: str, out: Path, tokenizer: str | None, *, device: str) -> 
     return out
 
 
-def ours_command(args, model: Path, mode: str, out: Path) -> list[str]:
-    workload = TINY_WORKLOAD if args.tiny else WORKLOAD
-    command = [sys.executable, str(REPO / "examples/grpo_hybrid.py"), "--model", str(model), "--out", str(out),
-               "--steps", str(args.steps), *[f"--{k.replace('_', '-')}={v}" for k, v in workload.items()]]
-    if args.tiny:
-        return command + ["--device", "cpu", "--lr", "1e-3"] + (["--lora-rank", "4"] if mode == "lora" else [])
-    command += ["--bf16", "true", "--lr", "1e-6", "--engine-memory", str(args.engine_memory)]
-    if args.engine_only_sleep:
+def ours_command(model: Path | None, mode: str, out: Path, *, steps: int, tiny: bool, engine_memory: float,
+                 lora_rank: int, engine_only_sleep: bool = False) -> list[str]:
+    """examples/grpo_hybrid.py as a scale run (also bench/lora_vllm.py's GRPO check): ``mode`` "full" or "lora";
+    ``model`` None: the example's own tiny model (CPU)."""
+    workload = TINY_WORKLOAD if tiny else WORKLOAD
+    command = [sys.executable, str(REPO / "examples/grpo_hybrid.py"), "--out", str(out), "--steps", str(steps),
+               *[f"--{k.replace('_', '-')}={v}" for k, v in workload.items()]]
+    command += ["--model", str(model)] if model is not None else []
+    lora = ["--lora-rank", str(lora_rank)] if mode == "lora" else []
+    if tiny:
+        return command + ["--device", "cpu", "--lr", "1e-3"] + lora
+    command += ["--bf16", "true", "--lr", "1e-6", "--engine-memory", str(engine_memory)]
+    if engine_only_sleep:
         command += ["--offload-trainers", "false"]
-    large = ARCHITECTURES[model_arch(model)]["hidden_size"] >= LARGE_HIDDEN
     if mode == "lora":
-        return command + ["--zero-stage", "3", "--gradient-checkpointing", "true", "--lora-rank", str(args.lora_rank),
-                          "--lr", "1e-5"]
-    if not large:  # the example's defaults (ZeRO-1, every state offloaded while asleep) fit up to 3B
-        return command
+        return command + ["--zero-stage", "3", "--gradient-checkpointing", "true", "--lr", "1e-5"] + lora
+    if ARCHITECTURES[model_arch(model)]["hidden_size"] < LARGE_HIDDEN:
+        return command  # the example's defaults (ZeRO-1, every state offloaded while asleep) fit up to 3B
     return command + ["--zero-stage", "3", "--gradient-checkpointing", "true", "--offload-optimizer", "true"]
 
 
@@ -125,7 +128,8 @@ def sync_summary(rows: list[dict]) -> dict:
 
 
 def run_ours(args, model: Path, mode: str, out: Path) -> dict:
-    command = ours_command(args, model, mode, out)
+    command = ours_command(model, mode, out, steps=args.steps, tiny=args.tiny, engine_memory=args.engine_memory,
+                           lora_rank=4 if args.tiny else args.lora_rank, engine_only_sleep=args.engine_only_sleep)
     out.mkdir(parents=True, exist_ok=True)
     log = out / "run.log"
     code, wall = run_logged(command, log, args.timeout)
