@@ -143,3 +143,19 @@ def test_adapter_merger_pairs_names_through_adapter_modules(tiny_llama_path):
     assert engine.weight_version == 0
     assert all(torch.equal(param, weights[name]) for name, param in engine.model.named_parameters())
     assert engine.load_adapter(dict(adapter), lora=config) == len(adapter) and engine.weight_version == 1
+
+
+def test_describe_adapter_of_checks_the_targets_once_and_names_the_folder(tiny_llama_path, monkeypatch):
+    """Review-h: describe_adapter_of ran check_target_modules, then describe_adapter ran it again; now once, and the
+    error still names the model's folder."""
+    import rlhfkit.lora as lora_module
+
+    calls = []
+    real = lora_module.check_target_modules
+    monkeypatch.setattr(lora_module, "check_target_modules", lambda *a, **k: (calls.append(k), real(*a, **k))[1])
+    specs = lora_module.describe_adapter_of(str(tiny_llama_path), LoraConfig(rank=4, target_modules=("q_proj",)),
+                                            dtype=torch.float32)
+    assert len(calls) == 1 and len(specs) == 4  # two layers x (lora_A, lora_B)
+    with pytest.raises(ValueError, match=rf"\['nope'\] match no Linear module of the model at '{tiny_llama_path}'"):
+        lora_module.describe_adapter_of(str(tiny_llama_path), LoraConfig(rank=4, target_modules=("nope",)),
+                                        dtype=torch.float32)
