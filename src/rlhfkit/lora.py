@@ -107,7 +107,9 @@ def check_target_modules(model: torch.nn.Module, config: LoraConfig, *, where: s
                          f"{where}; candidates: {candidates}")
 
 
-def _meta_model(model_path: str) -> torch.nn.Module:
+def meta_model(model_path: str) -> torch.nn.Module:
+    """The causal LM saved at ``model_path`` built on the meta device from its config: no weights are read or
+    allocated, cheap at any size (target checks, adapter descriptions, the hybrid run's memory estimate)."""
     transformers = require("transformers", user="rlhfkit.lora")
     model_config = transformers.AutoConfig.from_pretrained(model_path)
     with torch.device("meta"):
@@ -117,13 +119,13 @@ def _meta_model(model_path: str) -> torch.nn.Module:
 def check_target_modules_of(model_path: str, config: LoraConfig) -> None:
     """:func:`check_target_modules` on the model saved at ``model_path``, built on the meta device (no weights
     are read or allocated: cheap at any size)."""
-    check_target_modules(_meta_model(model_path), config, where=f"the model at {model_path!r}")
+    check_target_modules(meta_model(model_path), config, where=f"the model at {model_path!r}")
 
 
 def describe_adapter_of(model_path: str, config: LoraConfig, *, dtype: torch.dtype) -> list[tuple]:
     """:func:`describe_adapter` of the model saved at ``model_path``, built on the meta device (for receivers that
     hold no HF model, e.g. a vLLM engine)."""
-    return describe_adapter(_meta_model(model_path), config, dtype=dtype, where=f"the model at {model_path!r}")
+    return describe_adapter(meta_model(model_path), config, dtype=dtype, where=f"the model at {model_path!r}")
 
 
 def apply_lora(model: torch.nn.Module, config: LoraConfig) -> torch.nn.Module:
