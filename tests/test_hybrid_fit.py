@@ -87,3 +87,41 @@ def test_hybrid_start_refuses_before_ray_starts(tiny_llama_path):
     assert not ray.is_initialized()
     with pytest.raises(ValueError, match="HybridConfig.gpu_memory_gib=0"):
         HybridConfig(model=str(tiny_llama_path), gpu_memory_gib=0)
+
+
+def test_sglang_engine_share_is_checked_too(qwen7b):
+    """Review-h: the hybrid copy of the engine-share check ran for vLLM only; the placement check covers SGLang."""
+    config = HybridConfig(model=qwen7b, gpu_memory_gib=80.0, engine="sglang")
+    with pytest.raises(MemoryFitError, match=r"phase 'generating'.*28\.\d GiB.*12\.0 GiB.*short by 16\.\d GiB"):
+        check_fit(config, {"actor": TrainerConfig(deepspeed=_trainers(offload_optimizer=True))})
+    check_fit(HybridConfig(model=qwen7b, gpu_memory_gib=80.0, engine="sglang", dtype="bfloat16", engine_memory=0.3),
+              {"actor": TrainerConfig(deepspeed=_trainers(offload_optimizer=True))})
+
+
+def test_engine_memory_fraction_and_dtype_defaults(qwen7b):
+    """Review-h: one rule each for the engines' memory share and dtype (written three and two times before)."""
+    assert HybridConfig(model=qwen7b).engine_memory_fraction == 0.15
+    assert HybridConfig(model=qwen7b, colocate=False, num_gpus=2).engine_memory_fraction == 0.85
+    assert HybridConfig(model=qwen7b, engine_memory=0.4).engine_memory_fraction == 0.4
+    assert HybridConfig(model=qwen7b, dtype="bfloat16").engine_dtype == "bfloat16"
+    assert HybridConfig(model=qwen7b, dtype="bfloat16", device="cpu", engine="hf").engine_dtype == "float32"
+
+
+def test_hybrid_start_builds_each_meta_model_once(tiny_llama_path, monkeypatch):
+    """Review-h: Hybrid.start built the meta-device model for the LoRA target check and again for the fit check."""
+    ray = pytest.importorskip("ray")
+    import rlhfkit.lora
+
+    if ray.is_initialized():
+        ray.shutdown()
+    built = []
+    real = rlhfkit.lora.meta_model
+    monkeypatch.setattr(rlhfkit.lora, "meta_model", lambda path: (built.append(path), real(path))[1])
+    config = HybridConfig(model=str(tiny_llama_path), device="cpu", engine="hf", gpu_memory_gib=1.0,
+                          engine_sleep_level=1)
+    deepspeed = DeepSpeedEngineConfig(zero_stage=1, bf16=False, optimizer="torch_adamw")
+    lora = LoraConfig(rank=4, target_modules=("q_proj",))
+    with pytest.raises(MemoryFitError, match="short by"):
+        Hybrid.start(config, {"actor": TrainerConfig(deepspeed=deepspeed, lora=lora),
+                              "reference": TrainerConfig(deepspeed=deepspeed)})
+    assert built == [str(tiny_llama_path)] and not ray.is_initialized()

@@ -12,6 +12,7 @@ from rlhfkit.engines.hf import HFEngine, HFEngineConfig
 from rlhfkit.engines.protocol import SamplingConfig
 from rlhfkit.lora import (  # noqa: E402  (adapter_name is not in __all__: the wire names)
     LoraConfig,
+    adapter_modules,
     adapter_name,
     apply_lora,
     check_target_modules,
@@ -121,3 +122,40 @@ def test_incomplete_adapter_leaves_the_engine_unchanged(tiny_llama_path):
         engine.load_adapter(half, lora=config)
     assert engine.weight_version == 0
     assert all(torch.equal(param, weights[name]) for name, param in engine.model.named_parameters())
+
+
+def test_adapter_merger_pairs_names_through_adapter_modules(tiny_llama_path):
+    """Review-h (adapter names were parsed three times): AdapterMerger.merge pairs and checks names with
+    adapter_modules, then refuses an unknown module and a missing module; the weights stay as they were."""
+    config = LoraConfig(rank=4, target_modules=("q_proj",))
+    engine = HFEngine(HFEngineConfig(model=str(tiny_llama_path)))
+    adapter = lora_parameters(_trained_adapter(tiny_llama_path, config))
+    pairs = adapter_modules(name for name, _ in adapter)
+    assert sorted(pairs) == sorted(name for name, module in engine.model.named_modules() if name.endswith("q_proj"))
+    weights = {name: param.detach().clone() for name, param in engine.model.named_parameters()}
+    bogus = [(name.replace("q_proj", "k_proj"), tensor) for name, tensor in adapter[:2]]
+    with pytest.raises(ValueError, match=r"k_proj.lora_A.weight' names no adapted module"):
+        engine.load_adapter(adapter + bogus, lora=config)
+    with pytest.raises(ValueError, match=r"adapter incomplete: no lora_A/lora_B for \['model.layers.1"):
+        engine.load_adapter(adapter[:2], lora=config)
+    with pytest.raises(ValueError, match="'model.embed_tokens.weight' is not a LoRA weight"):
+        engine.load_adapter([("model.embed_tokens.weight", adapter[0][1])], lora=config)
+    assert engine.weight_version == 0
+    assert all(torch.equal(param, weights[name]) for name, param in engine.model.named_parameters())
+    assert engine.load_adapter(dict(adapter), lora=config) == len(adapter) and engine.weight_version == 1
+
+
+def test_describe_adapter_of_checks_the_targets_once_and_names_the_folder(tiny_llama_path, monkeypatch):
+    """Review-h: describe_adapter_of ran check_target_modules, then describe_adapter ran it again; now once, and the
+    error still names the model's folder."""
+    import rlhfkit.lora as lora_module
+
+    calls = []
+    real = lora_module.check_target_modules
+    monkeypatch.setattr(lora_module, "check_target_modules", lambda *a, **k: (calls.append(k), real(*a, **k))[1])
+    specs = lora_module.describe_adapter_of(str(tiny_llama_path), LoraConfig(rank=4, target_modules=("q_proj",)),
+                                            dtype=torch.float32)
+    assert len(calls) == 1 and len(specs) == 4  # two layers x (lora_A, lora_B)
+    with pytest.raises(ValueError, match=rf"\['nope'\] match no Linear module of the model at '{tiny_llama_path}'"):
+        lora_module.describe_adapter_of(str(tiny_llama_path), LoraConfig(rank=4, target_modules=("nope",)),
+                                        dtype=torch.float32)

@@ -6,6 +6,7 @@ local cluster with the worker-group tests.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import subprocess
 import sys
@@ -17,6 +18,7 @@ from rlhfkit.placement import (
     ColocationGroup,
     Inventory,
     MemoryConfig,
+    MemoryFitError,
     ModelMemory,
     NodeSpec,
     PlacementConfig,
@@ -407,3 +409,26 @@ def test_the_largest_allowed_plan_is_built_quickly(no_ray):
     with pytest.raises(ValueError, match=r"roles need 131072 GPUs .* but the inventory has 1 node\(s\), 8 GPUs"):
         PlacementConfig(roles=(RoleSpec(name="actor", num_gpus=MAX_GPUS),),
                         inventory=Inventory.uniform(num_nodes=1, gpus_per_node=8))
+
+
+def test_check_fit_refuses_an_engine_share_that_leaves_no_kv_cache():
+    """Review-h (the hybrid launcher had its own copy of this check, which skipped SGLang): estimate_memory finds an
+    engine whose weights fill its share, and check_fit raises MemoryFitError naming the engine's phase and the
+    shortfall, although every phase fits the GPU; an engine with its own size (engine_gib) is not a share."""
+    plan = hybrid_plan()
+    models = {"rollout": ModelMemory(num_params=7_000_000_000, kind="engine")}  # bf16, TP 2: 6.5 GiB per GPU
+    config = MemoryConfig(gpu_memory_gib=24, engine_memory_fraction=0.2,
+                          phases={"train": ("actor",), "generate": ("rollout",)})
+    estimate = estimate_memory(plan, models, config)
+    weights, budget = 7e9 * 2 / 2 / GIB, 0.2 * 24
+    assert max(estimate.per_gpu[(0, 0)].values()) < 24  # no phase is over the GPU
+    assert [error.phase for error in estimate.engine_shortfalls] == ["generate"]
+    assert estimate.engine_shortfalls[0].shortfall_gib == pytest.approx(weights - budget)
+    with pytest.raises(MemoryFitError, match=r"this plan does not fit: phase 'generate': engine role 'rollout': "
+                                             r"weights need 6\.5 GiB .* gives 4\.8 GiB, leaving no KV cache: short by "
+                                             r"1\.7 GiB") as info:
+        estimate.check_fit()
+    assert info.value.phase == "generate" and info.value.shortfall_gib == pytest.approx(weights - budget)
+    estimate_memory(plan, models, dataclasses.replace(config, engine_memory_fraction=0.3)).check_fit()
+    sized = {"rollout": ModelMemory(num_params=7_000_000_000, kind="engine", engine_gib=2.0)}
+    estimate_memory(plan, sized, config).check_fit()

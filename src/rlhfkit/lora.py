@@ -107,7 +107,9 @@ def check_target_modules(model: torch.nn.Module, config: LoraConfig, *, where: s
                          f"{where}; candidates: {candidates}")
 
 
-def _meta_model(model_path: str) -> torch.nn.Module:
+def meta_model(model_path: str) -> torch.nn.Module:
+    """The causal LM saved at ``model_path`` built on the meta device from its config: no weights are read or
+    allocated, cheap at any size (target checks, adapter descriptions, the hybrid run's memory estimate)."""
     transformers = require("transformers", user="rlhfkit.lora")
     model_config = transformers.AutoConfig.from_pretrained(model_path)
     with torch.device("meta"):
@@ -117,15 +119,13 @@ def _meta_model(model_path: str) -> torch.nn.Module:
 def check_target_modules_of(model_path: str, config: LoraConfig) -> None:
     """:func:`check_target_modules` on the model saved at ``model_path``, built on the meta device (no weights
     are read or allocated: cheap at any size)."""
-    check_target_modules(_meta_model(model_path), config, where=f"the model at {model_path!r}")
+    check_target_modules(meta_model(model_path), config, where=f"the model at {model_path!r}")
 
 
 def describe_adapter_of(model_path: str, config: LoraConfig, *, dtype: torch.dtype) -> list[tuple]:
     """:func:`describe_adapter` of the model saved at ``model_path``, built on the meta device (for receivers that
     hold no HF model, e.g. a vLLM engine)."""
-    model = _meta_model(model_path)
-    check_target_modules(model, config, where=f"the model at {model_path!r}")
-    return describe_adapter(model, config, dtype=dtype)
+    return describe_adapter(meta_model(model_path), config, dtype=dtype, where=f"the model at {model_path!r}")
 
 
 def apply_lora(model: torch.nn.Module, config: LoraConfig) -> torch.nn.Module:
@@ -152,6 +152,26 @@ def adapter_name(parameter_name: str) -> str | None:
     return None
 
 
+def adapter_modules(names: Iterable[str]) -> dict[str, tuple[str, str]]:
+    """``{module name: (lora_A name, lora_B name)}`` of adapter tensors named as :func:`adapter_name` gives; the
+    module name is what vLLM's ``parse_fine_tuned_lora_name`` gives (``base_model.model.`` and ``.lora_X.weight``
+    stripped, e.g. ``model.layers.0.self_attn.q_proj``; vLLM packs q/k/v and gate/up into its fused modules itself).
+    Raises ValueError for a name that is not an adapter weight or a module missing one of its two tensors.
+    Torch-free: the vLLM worker and :class:`AdapterMerger` both pair and check adapters with it."""
+    parts: dict[str, dict[str, str]] = {}
+    for name in names:
+        module, dot, tail = str(name).removeprefix(_PREFIX).rpartition(".lora_")
+        if not dot or tail not in ("A.weight", "B.weight"):
+            raise ValueError(f"adapter tensor {name!r} is not a LoRA weight; expected peft's saved names "
+                             "'base_model.model.<module>.lora_A.weight' / '.lora_B.weight' (rlhfkit.lora.adapter_name)")
+        parts.setdefault(module, {})[tail[0]] = str(name)
+    incomplete = [module for module, found in parts.items() if len(found) != 2]
+    if incomplete:
+        raise ValueError(f"adapter incomplete: {len(incomplete)} module(s) lack lora_A or lora_B, e.g. "
+                         f"{incomplete[:3]}")
+    return {module: (found["A"], found["B"]) for module, found in parts.items()}
+
+
 def lora_parameters(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
     """``(sync name, parameter)`` of every adapter weight of a peft-wrapped ``model``, in module order."""
     out = []
@@ -162,10 +182,12 @@ def lora_parameters(model: torch.nn.Module) -> list[tuple[str, torch.nn.Paramete
     return out
 
 
-def describe_adapter(model: torch.nn.Module, config: LoraConfig, *, dtype: torch.dtype) -> list[tuple]:
+def describe_adapter(model: torch.nn.Module, config: LoraConfig, *, dtype: torch.dtype,
+                     where: str = "the model") -> list[tuple]:
     """``(name, shape, dtype)`` of the adapter a LoRA ``config`` gives the *base* ``model`` (``lora_A``: ``[r,
-    in]``, ``lora_B``: ``[out, r]``), in the order peft's parameters come: what a receiver expects."""
-    check_target_modules(model, config)
+    in]``, ``lora_B``: ``[out, r]``), in the order peft's parameters come: what a receiver expects. An unknown
+    target is a ValueError (:func:`check_target_modules`; ``where`` names the model in it)."""
+    check_target_modules(model, config, where=where)
     specs = []
     for name, module in _targeted(model, config):
         specs.append((f"{_PREFIX}{name}.lora_A.weight", (config.rank, module.in_features), dtype))
@@ -184,29 +206,32 @@ class AdapterMerger:
 
     def __init__(self, model: torch.nn.Module, config: LoraConfig) -> None:
         self.config = config
-        self.modules = {f"{_PREFIX}{name}": module for name, module in _targeted(model, config)}
+        self.modules = dict(_targeted(model, config))  # keyed as adapter_modules names them (no prefix)
         if not self.modules:
             check_target_modules(model, config)
         self.base = {name: module.weight.detach().float().cpu().clone() for name, module in self.modules.items()}
 
     def merge(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
         """Merge the adapter in ``tensors`` (sync names; every targeted module's ``lora_A`` and ``lora_B``, each
-        copied as it arrives). Returns how many tensors were taken."""
-        pending: dict[str, dict[str, torch.Tensor]] = {}
+        copied as it arrives). Every tensor is taken and checked (:func:`adapter_modules`, then against the
+        targeted modules) before any weight changes. Returns how many tensors were taken."""
+        received: dict[str, torch.Tensor] = {}
         count = 0
         for name, tensor in tensors:
-            module_name, _, part = name.removesuffix(".weight").rpartition(".")
-            if module_name not in self.modules or part not in ("lora_A", "lora_B"):
-                raise ValueError(f"adapter tensor {name!r} names no adapted module; expected "
-                                 f"'<module>.lora_A.weight' / '.lora_B.weight' for one of {sorted(self.modules)[:4]}...")
-            pending.setdefault(module_name, {})[part] = tensor.detach().float().cpu().clone()
+            received[str(name)] = tensor.detach().float().cpu().clone()
             count += 1
-        missing = [name for name in self.modules if len(pending.get(name, {})) != 2]
+        pairs = adapter_modules(received)
+        unknown = [module for module in pairs if module not in self.modules]
+        if unknown:
+            raise ValueError(f"adapter tensor {pairs[unknown[0]][0]!r} names no adapted module; expected "
+                             f"'<module>.lora_A.weight' / '.lora_B.weight' for one of "
+                             f"{[_PREFIX + name for name in sorted(self.modules)[:4]]}...")
+        missing = [name for name in self.modules if name not in pairs]
         if missing:
             raise ValueError(f"adapter incomplete: no lora_A/lora_B for {missing[:4]} ({len(missing)} modules)")
         with torch.no_grad():
             for name, module in self.modules.items():
-                delta = pending[name]["lora_B"] @ pending[name]["lora_A"] * self.config.scaling
+                name_a, name_b = pairs[name]
+                delta = received[name_b] @ received[name_a] * self.config.scaling
                 module.weight.copy_((self.base[name] + delta).to(module.weight.dtype))
         return count
-

@@ -6,12 +6,13 @@ Phases follow the hybrid engine: ``generating`` (the engines awake), ``training`
 Counts come from the model's config built on the meta device (no weights read). Activations are a first-order
 guess from the micro-batch token budget (layer inputs kept by gradient checkpointing, or every layer's working set
 without it, plus float32 logits): the estimate is a floor, so a run it refuses cannot fit, and one it passes may
-still run out of memory. Needs transformers.
+still run out of memory. An engine share (vLLM, SGLang) that the engine's weights fill, leaving no KV cache, is
+refused by the same estimate (:meth:`rlhfkit.placement.MemoryEstimate.check_fit`). Needs transformers.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,14 +34,14 @@ class ModelShape:
     vocab_size: int
 
 
-def model_shape(path: str) -> ModelShape:
-    """The :class:`ModelShape` of the HF model saved at ``path`` (its config on the meta device: no weights)."""
-    from rlhfkit._optional import require
+def model_shape(path: str, *, model: torch.nn.Module | None = None) -> ModelShape:
+    """The :class:`ModelShape` of the HF model saved at ``path``: ``model``, its meta-device build
+    (:func:`rlhfkit.lora.meta_model`: config only, no weights), is built here when not given."""
+    if model is None:
+        from rlhfkit.lora import meta_model
 
-    transformers = require("transformers", user="rlhfkit.hybrid")
-    config = transformers.AutoConfig.from_pretrained(path)
-    with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(config)
+        model = meta_model(path)
+    config = model.config
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     hidden = int(text.hidden_size)
     return ModelShape(num_params=sum(p.numel() for p in model.parameters()), hidden_size=hidden,
@@ -82,18 +83,21 @@ def _trainer_memory(shape: ModelShape, trainer: Any, role: str) -> Any:
                        offload_optimizer=ds.offload_optimizer and trains, offload_params=ds.offload_params)
 
 
-def estimate_hybrid_memory(config: Any, trainers: Mapping[str, Any], *, plan: Any, gpu_memory_gib: float) -> Any:
-    """The per-GPU, per-phase :class:`~rlhfkit.placement.MemoryEstimate` of a hybrid run (see the module docs)."""
+def estimate_hybrid_memory(config: Any, trainers: Mapping[str, Any], *, plan: Any, gpu_memory_gib: float,
+                           meta_model: Callable[[str], torch.nn.Module] | None = None) -> Any:
+    """The per-GPU, per-phase :class:`~rlhfkit.placement.MemoryEstimate` of a hybrid run (see the module docs);
+    ``meta_model``: path -> the model built on the meta device (default :func:`rlhfkit.lora.meta_model`), called
+    once per distinct path."""
+    from rlhfkit.lora import meta_model as build_meta_model
     from rlhfkit.placement import MemoryConfig, ModelMemory, estimate_memory
 
-    shapes: dict[str, ModelShape] = {}
-    models: dict[str, Any] = {}
-    for role, trainer in trainers.items():
-        path = trainer.model or config.model
-        shapes[path] = shapes.get(path) or model_shape(path)
-        models[role] = _trainer_memory(shapes[path], trainer, role)
-    engine_shape = shapes.get(config.model) or model_shape(config.model)
-    dtype_bytes = 2 if (config.dtype == "bfloat16" and config.device == "cuda") else 4
+    build = meta_model or build_meta_model
+    paths = dict.fromkeys([trainer.model or config.model for trainer in trainers.values()] + [config.model])
+    shapes = {path: model_shape(path, model=build(path)) for path in paths}
+    models = {role: _trainer_memory(shapes[trainer.model or config.model], trainer, role)
+              for role, trainer in trainers.items()}
+    engine_shape = shapes[config.model]
+    dtype_bytes = 2 if config.engine_dtype == "bfloat16" else 4
     engine_gib = engine_shape.num_params * dtype_bytes / _GIB if config.engine == "hf" else None
     models["rollout"] = ModelMemory(num_params=engine_shape.num_params, kind="engine", bytes_per_param=dtype_bytes,
                                     engine_gib=engine_gib)
@@ -102,22 +106,6 @@ def estimate_hybrid_memory(config: Any, trainers: Mapping[str, Any], *, plan: An
     phases = {"generating": ("rollout", *resident)}
     for role in trainers:
         phases[names.get(role, f"forward_{role}")] = tuple(dict.fromkeys((role, *resident)))
-    fraction = config.engine_memory or (0.15 if config.colocate else 0.85)
-    if config.engine == "vllm":
-        _check_engine_share(engine_shape.num_params * dtype_bytes / config.tensor_parallel_size / _GIB,
-                            fraction, gpu_memory_gib)
-    return estimate_memory(plan, models, MemoryConfig(gpu_memory_gib=gpu_memory_gib, engine_memory_fraction=fraction,
+    return estimate_memory(plan, models, MemoryConfig(gpu_memory_gib=gpu_memory_gib,
+                                                      engine_memory_fraction=config.engine_memory_fraction,
                                                       phases=phases))
-
-
-def _check_engine_share(weights_gib: float, fraction: float, gpu_memory_gib: float) -> None:
-    """vLLM takes ``fraction`` of the GPU for weights and KV cache: weights that fill it leave no KV cache."""
-    from rlhfkit.placement import MemoryFitError
-
-    budget = fraction * gpu_memory_gib
-    if weights_gib >= budget:
-        raise MemoryFitError(
-            f"phase 'generating': the engine's weights need {weights_gib:.1f} GiB per GPU but engine_memory="
-            f"{fraction} of {gpu_memory_gib:.1f} GiB gives {budget:.1f} GiB and no room for a KV cache: short by "
-            f"{weights_gib - budget:.1f} GiB at least. Raise HybridConfig.engine_memory, use dtype='bfloat16', or "
-            "tensor parallelism", phase="generating", shortfall_gib=weights_gib - budget)

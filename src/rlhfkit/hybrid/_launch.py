@@ -9,11 +9,12 @@ engines with every wake and sleep it needs; :meth:`Hybrid.close` stops everythin
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -160,6 +161,18 @@ class HybridConfig:
     def trainer_gpus(self) -> int:
         return self.total_gpus if self.colocate else self.total_gpus - self.engine_gpus
 
+    @property
+    def engine_memory_fraction(self) -> float:
+        """The engines' share of GPU memory: ``engine_memory``, else 0.15 colocated and 0.85 on their own GPUs."""
+        if self.engine_memory is not None:
+            return self.engine_memory
+        return 0.15 if self.colocate else 0.85
+
+    @property
+    def engine_dtype(self) -> str:
+        """The dtype the engines run in (and the memory estimate counts): ``dtype`` on CUDA, float32 on CPU."""
+        return self.dtype if self.device == "cuda" else "float32"
+
     def worker_env(self) -> dict[str, str]:
         """Environment of every Ray actor (Ray workers do not inherit the driver's shell)."""
         env = {"TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "RAY_USAGE_STATS_ENABLED": "0",
@@ -209,8 +222,11 @@ class Hybrid:
                 raise ValueError(f"trainer role {role!r}; expected actor, critic, reference or reward")
             if not isinstance(trainer, TrainerConfig):
                 raise TypeError(f"trainers[{role!r}] must be a TrainerConfig, got {type(trainer).__name__}")
-        _check_lora(config, trainers)
-        check_fit(config, trainers)
+        from rlhfkit.lora import meta_model
+
+        built = functools.cache(meta_model)  # each model built on the meta device once, for both checks
+        _check_lora(config, trainers, meta_model=built)
+        check_fit(config, trainers, meta_model=built)
         run, started = cls(config), time.perf_counter()
         try:
             run._start(dict(trainers), started)
@@ -286,11 +302,11 @@ class Hybrid:
         if config.engine == "vllm":
             from rlhfkit.engines.vllm import VLLMEngineConfig, create_engines
 
-            memory = config.engine_memory or (0.15 if config.colocate else 0.85)
             engine_config = VLLMEngineConfig(
                 model=config.model, num_engines=len(gpus), tensor_parallel_size=config.tensor_parallel_size,
-                gpu_memory_utilization=memory, enable_sleep_mode=config.colocate, seed=config.seed,
-                enforce_eager=config.enforce_eager, max_model_len=config.max_model_len, dtype=config.dtype,
+                gpu_memory_utilization=config.engine_memory_fraction, enable_sleep_mode=config.colocate,
+                seed=config.seed, enforce_eager=config.enforce_eager, max_model_len=config.max_model_len,
+                dtype=config.engine_dtype,
                 env=env, startup_timeout_s=config.start_timeout_s, control_timeout_s=config.call_timeout_s,
                 enable_lora=lora is not None, max_lora_rank=lora.rank if lora is not None else 16)
             self._handles = create_engines(engine_config, placement=placed, role="rollout",
@@ -299,7 +315,6 @@ class Hybrid:
             self._handles = self._start_sglang_engines(gpus, env)
         else:
             actor_cls = ray.remote(HFEngineActor)
-            dtype = config.dtype if config.device == "cuda" else "float32"
             for index, engine_gpus in enumerate(gpus):
                 options = placed.actor_options("rollout", index) | {"runtime_env": {"env_vars": env},
                                                                       "max_restarts": 0}
@@ -307,7 +322,7 @@ class Hybrid:
                     options["max_concurrency"] = 4
                 self._handles.append(actor_cls.options(**options).remote(
                     config.model, engine_index=index, seed=config.seed, device=config.device,
-                    guard_store=self._store, gpus=engine_gpus, dtype=dtype))
+                    guard_store=self._store, gpus=engine_gpus, dtype=config.engine_dtype))
             ray.get([handle.ready.remote() for handle in self._handles], timeout=config.start_timeout_s)
         self._group = EngineGroup(self._handles, forward_prompt_indices=True, config=EngineGroupConfig(
             generate_timeout_s=config.call_timeout_s, control_timeout_s=config.call_timeout_s,
@@ -330,8 +345,8 @@ class Hybrid:
         server_env = env | ({"PYTHONPATH": config.sglang_site} if config.sglang_site else {})
         engine_config = SGLangEngineConfig(
             model=config.model, python=config.sglang_python, tensor_parallel_size=config.tensor_parallel_size,
-            mem_fraction_static=config.engine_memory or (0.15 if config.colocate else 0.85), seed=config.seed,
-            dtype=config.dtype, enable_memory_saver=config.colocate,
+            mem_fraction_static=config.engine_memory_fraction, seed=config.seed, dtype=config.engine_dtype,
+            enable_memory_saver=config.colocate,
             weights_cpu_backup=config.colocate,  # the start-up sleep is level 1
             context_length=config.max_model_len, enforce_eager=config.enforce_eager, env=server_env,
             startup_timeout_s=config.start_timeout_s, control_timeout_s=config.call_timeout_s,
@@ -468,8 +483,10 @@ class Hybrid:
         self.close()
 
 
-def _check_lora(config: HybridConfig, trainers: Mapping[str, TrainerConfig]) -> None:
-    """LoRA settings that cannot work, refused before Ray or any actor starts."""
+def _check_lora(config: HybridConfig, trainers: Mapping[str, TrainerConfig], *,
+                meta_model: Callable[[str], Any] | None = None) -> None:
+    """LoRA settings that cannot work, refused before Ray or any actor starts; ``meta_model``: path -> the model
+    built on the meta device (default :func:`rlhfkit.lora.meta_model`)."""
     for role, trainer in trainers.items():
         if trainer.lora is not None and role != "actor":
             raise ValueError(f"trainers[{role!r}].lora is set; LoRA adapters are supported on the actor only")
@@ -479,9 +496,11 @@ def _check_lora(config: HybridConfig, trainers: Mapping[str, TrainerConfig]) -> 
     if config.engine_sleep_level == 2:
         raise ValueError("HybridConfig.engine_sleep_level=2 discards the engines' base weights, which a LoRA push "
                          "(adapters only) does not rewrite; use engine_sleep_level=1 (or 0) with TrainerConfig.lora")
-    from rlhfkit.lora import check_target_modules_of
+    from rlhfkit.lora import check_target_modules
+    from rlhfkit.lora import meta_model as build_meta_model
 
-    check_target_modules_of(trainers["actor"].model or config.model, lora)
+    path = trainers["actor"].model or config.model
+    check_target_modules((meta_model or build_meta_model)(path), lora, where=f"the model at {path!r}")
 
 
 def plan_gpus(config: HybridConfig, roles: tuple[str, ...]) -> Any:
@@ -498,9 +517,12 @@ def plan_gpus(config: HybridConfig, roles: tuple[str, ...]) -> Any:
     return plan_placement(PlacementConfig(roles=specs, inventory=inventory, colocate=groups))
 
 
-def check_fit(config: HybridConfig, trainers: Mapping[str, TrainerConfig]) -> None:
+def check_fit(config: HybridConfig, trainers: Mapping[str, TrainerConfig], *,
+              meta_model: Callable[[str], Any] | None = None) -> None:
     """Raise :class:`~rlhfkit.placement.MemoryFitError` when the plan's memory estimate says a phase cannot fit one
-    GPU of ``config.gpu_memory_gib`` (see :mod:`rlhfkit.hybrid._fit`); nothing when the size is unknown."""
+    GPU of ``config.gpu_memory_gib``, or the engines' share leaves no room for a KV cache (see
+    :mod:`rlhfkit.hybrid._fit`); nothing when the size is unknown. ``meta_model``: as for
+    :func:`~rlhfkit.hybrid._fit.estimate_hybrid_memory`."""
     from rlhfkit.hybrid._fit import estimate_hybrid_memory
 
     gpu_gib = config.gpu_memory_gib
@@ -512,5 +534,5 @@ def check_fit(config: HybridConfig, trainers: Mapping[str, TrainerConfig]) -> No
     if gpu_gib is None:
         return
     estimate = estimate_hybrid_memory(config, trainers, plan=plan_gpus(config, tuple(trainers)),
-                                      gpu_memory_gib=gpu_gib)
+                                      gpu_memory_gib=gpu_gib, meta_model=meta_model)
     estimate.check_fit(what=f"the hybrid run of {config.model!r} on {config.total_gpus} GPU(s)")

@@ -2,7 +2,8 @@
 
 The estimate is a first-order budget, not a measurement: weights, gradients and optimizer states from parameter
 counts, ZeRO sharding over a role's ranks, a fixed engine budget (vLLM's ``gpu_memory_utilization``), a CUDA context per
-process, and the activation peak you supply. It warns when a phase cannot fit; it never decides anything for you.
+process, and the activation peak you supply. It warns when a phase cannot fit or an engine's weights leave it no KV
+cache; :meth:`MemoryEstimate.check_fit` turns either into a :class:`MemoryFitError` for launchers that refuse.
 """
 
 from __future__ import annotations
@@ -140,13 +141,19 @@ def _checked_phases(phases: object) -> dict[str, tuple[str, ...]]:
 
 @dataclass(frozen=True, kw_only=True)
 class MemoryEstimate:
-    """GiB per GPU per phase, with the per-role breakdown, and a warning for every phase that does not fit."""
+    """GiB per GPU per phase, with the per-role breakdown, and a warning for every phase that does not fit.
+
+    ``engine_shortfalls``: one :class:`MemoryFitError` per engine role whose weights fill its
+    ``engine_memory_fraction`` of the GPU (no room for a KV cache), named by the first phase it is awake in;
+    :meth:`check_fit` raises for the first of them, and ``warnings`` carries their messages.
+    """
 
     phases: tuple[str, ...]
     gpu_memory_gib: float
     per_gpu: Mapping[tuple[int, int], Mapping[str, float]]
     breakdown: Mapping[tuple[int, int], Mapping[str, Mapping[str, float]]]
     warnings: tuple[str, ...] = field(default_factory=tuple)
+    engine_shortfalls: tuple[MemoryFitError, ...] = field(default_factory=tuple)
 
     def peak(self) -> float:
         return max(value for phases in self.per_gpu.values() for value in phases.values())
@@ -165,8 +172,13 @@ class MemoryEstimate:
         return self.table()
 
     def check_fit(self, *, what: str = "this plan") -> None:
-        """Raise :class:`MemoryFitError` naming the phase, the GPU, what it needs, the shortfall in GiB and each
-        role's share, for the worst phase that does not fit; nothing when every phase fits."""
+        """Raise :class:`MemoryFitError` for an engine share that leaves no room for a KV cache (the first of
+        ``engine_shortfalls``), else naming the phase, the GPU, what it needs, the shortfall in GiB and each role's
+        share, for the worst phase that does not fit; nothing when every phase fits."""
+        if self.engine_shortfalls:
+            first = self.engine_shortfalls[0]
+            raise MemoryFitError(f"{what} does not fit: {first}", phase=first.phase,
+                                 shortfall_gib=first.shortfall_gib)
         worst = None
         for (node, gpu), phases in self.per_gpu.items():
             for phase, total in phases.items():
@@ -218,19 +230,25 @@ def _default_phases(plan: PlacementPlan) -> dict[str, tuple[str, ...]]:
     return {name: (name,) for name in colocated}
 
 
-def _engine_warnings(plan: PlacementPlan, models: Mapping[str, ModelMemory], config: MemoryConfig) -> list[str]:
-    warnings = []
+def _engine_shortfalls(plan: PlacementPlan, models: Mapping[str, ModelMemory], config: MemoryConfig,
+                       phases: Mapping[str, tuple[str, ...]], colocated: set[str]) -> list[MemoryFitError]:
+    """An engine that takes ``engine_memory_fraction`` of the GPU (vLLM, SGLang) holds its weights and KV cache in
+    it: weights that fill it leave no KV cache, whatever the other roles hold."""
+    shortfalls = []
     budget = config.engine_memory_fraction * config.gpu_memory_gib
     for role, model in models.items():
-        if model.kind == "engine" and model.engine_gib is None:
-            weights = model.num_params * model.bytes_per_param / plan.config.role(role).gpus_per_rank / _GIB
-            if weights >= budget:
-                warnings.append(
-                    f"engine role {role!r}: weights need {weights:.1f} GiB per GPU but engine_memory_fraction="
-                    f"{config.engine_memory_fraction} gives {budget:.1f} GiB, leaving no KV cache; raise it or the TP "
-                    "size"
-                )
-    return warnings
+        if model.kind != "engine" or model.engine_gib is not None:
+            continue
+        weights = model.num_params * model.bytes_per_param / plan.config.role(role).gpus_per_rank / _GIB
+        awake = [phase for phase, roles in phases.items() if role in roles or role not in colocated]
+        if weights >= budget and awake:
+            shortfalls.append(MemoryFitError(
+                f"phase {awake[0]!r}: engine role {role!r}: weights need {weights:.1f} GiB per GPU but "
+                f"engine_memory_fraction={config.engine_memory_fraction} of {config.gpu_memory_gib:.1f} GiB gives "
+                f"{budget:.1f} GiB, leaving no KV cache: short by {weights - budget:.1f} GiB at least. Raise "
+                "engine_memory_fraction (HybridConfig.engine_memory), use bfloat16 weights, or tensor parallelism",
+                phase=awake[0], shortfall_gib=weights - budget))
+    return shortfalls
 
 
 def estimate_memory(plan: PlacementPlan, models: Mapping[str, ModelMemory], config: MemoryConfig) -> MemoryEstimate:
@@ -245,7 +263,8 @@ def estimate_memory(plan: PlacementPlan, models: Mapping[str, ModelMemory], conf
         if unknown:
             raise ValueError(f"MemoryConfig.phases[{phase!r}] names unknown roles {unknown}; plan roles: {names}")
     colocated = {name for group in plan.config.groups for name in group.roles}
-    warnings = _engine_warnings(plan, models, config)
+    engine_shortfalls = _engine_shortfalls(plan, models, config, phases, colocated)
+    warnings = [str(shortfall) for shortfall in engine_shortfalls]
     warnings += [f"no ModelMemory for role {r!r}; counted only its CUDA context" for r in names if r not in models]
     per_gpu: dict[tuple[int, int], dict[str, float]] = {}
     breakdown: dict[tuple[int, int], dict[str, dict[str, float]]] = {}
@@ -275,5 +294,5 @@ def estimate_memory(plan: PlacementPlan, models: Mapping[str, ModelMemory], conf
         phases=tuple(phases), gpu_memory_gib=config.gpu_memory_gib,
         per_gpu=MappingProxyType({k: MappingProxyType(v) for k, v in per_gpu.items()}),
         breakdown=MappingProxyType({k: MappingProxyType(v) for k, v in breakdown.items()}),
-        warnings=tuple(warnings),
+        warnings=tuple(warnings), engine_shortfalls=tuple(engine_shortfalls),
     )

@@ -1,7 +1,7 @@
-"""LoRA adapters pushed into vLLM in memory: the engine's bookkeeping of adapter ids (:class:`AdapterSlots`), the
-peft-name parsing both sides share (:func:`adapter_modules`), and the worker-side registration
-(:func:`register_adapter`, :func:`remove_adapters`), which the worker extension (:mod:`rlhfkit.engines.vllm._worker`)
-calls.
+"""LoRA adapters pushed into vLLM in memory: the engine's bookkeeping of adapter ids (:class:`AdapterSlots`) and the
+worker-side registration (:func:`register_adapter`, :func:`remove_adapters`), which the worker extension
+(:mod:`rlhfkit.engines.vllm._worker`) calls. The adapter names are paired and checked by
+:func:`rlhfkit.lora.adapter_modules`, as the HF engine's :class:`rlhfkit.lora.AdapterMerger` does.
 
 How an adapter gets in (no filesystem): the trainer's adapter tensors (peft's saved names,
 ``base_model.model.<module>.lora_A.weight``) arrive through the weight-sync receiver; the worker builds vLLM's
@@ -23,35 +23,15 @@ from typing import Any
 
 import torch
 
-__all__ = ["AdapterSlots", "adapter_modules", "adapter_path", "check_adapter_support", "register_adapter",
-           "remove_adapters"]
+from rlhfkit.lora import adapter_modules
 
-_PREFIX = "base_model.model."
+__all__ = ["AdapterSlots", "adapter_path", "check_adapter_support", "register_adapter", "remove_adapters"]
 
 
 def adapter_path(adapter_id: int) -> str:
     """The ``LoRARequest.lora_path`` of an in-memory adapter: never read (vLLM finds the id registered), but named
     so that an error about it says where it came from."""
     return f"rlhfkit-in-memory-adapter/v{adapter_id}"
-
-
-def adapter_modules(names: Iterable[str]) -> dict[str, tuple[str, str]]:
-    """``{module name: (lora_A name, lora_B name)}`` of peft-named adapter tensors; the module name is what vLLM's
-    ``parse_fine_tuned_lora_name`` gives (``base_model.model.`` and ``.lora_X.weight`` stripped, e.g.
-    ``model.layers.0.self_attn.q_proj``; vLLM packs q/k/v and gate/up into its fused modules itself).
-    Raises ValueError for a name that is not an adapter weight or a module missing one of its two tensors."""
-    parts: dict[str, dict[str, str]] = {}
-    for name in names:
-        module, dot, tail = str(name).removeprefix(_PREFIX).rpartition(".lora_")
-        if not dot or tail not in ("A.weight", "B.weight"):
-            raise ValueError(f"adapter tensor {name!r} is not a LoRA weight; expected peft's saved names "
-                             "'base_model.model.<module>.lora_A.weight' / '.lora_B.weight' (rlhfkit.lora.adapter_name)")
-        parts.setdefault(module, {})[tail[0]] = str(name)
-    incomplete = [module for module, found in parts.items() if len(found) != 2]
-    if incomplete:
-        raise ValueError(f"adapter incomplete: {len(incomplete)} module(s) lack lora_A or lora_B, e.g. "
-                         f"{incomplete[:3]}")
-    return {module: (found["A"], found["B"]) for module, found in parts.items()}
 
 
 class AdapterSlots:
