@@ -505,16 +505,11 @@ def _check_lora(config: HybridConfig, trainers: Mapping[str, TrainerConfig], *,
 
 def plan_gpus(config: HybridConfig, roles: tuple[str, ...]) -> Any:
     """The placement plan of a run: every role and the engines on the same GPUs when ``colocate``."""
-    from rlhfkit.placement import Inventory, PlacementConfig, RoleSpec, engines, plan_placement
+    from rlhfkit.placement import plan_layout
 
-    inventory = Inventory.uniform(num_nodes=config.num_nodes, gpus_per_node=config.num_gpus)
-    engine_gpus = config.total_gpus if config.colocate else config.engine_gpus
-    specs = tuple(RoleSpec(name=role, num_gpus=config.trainer_gpus) for role in roles)
-    specs += (engines(engine_gpus // config.tensor_parallel_size, config.tensor_parallel_size),)
-    if config.colocate:
-        return plan_placement(PlacementConfig(roles=specs, inventory=inventory, hybrid=True))
-    groups = (roles,) if len(roles) > 1 else ()
-    return plan_placement(PlacementConfig(roles=specs, inventory=inventory, colocate=groups))
+    return plan_layout(num_nodes=config.num_nodes, gpus_per_node=config.num_gpus, colocate=config.colocate,
+                       engine_gpus=None if config.colocate else config.engine_gpus,
+                       tensor_parallel_size=config.tensor_parallel_size, trainer_roles=tuple(roles))
 
 
 def check_fit(config: HybridConfig, trainers: Mapping[str, TrainerConfig], *,

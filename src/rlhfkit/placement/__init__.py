@@ -8,6 +8,8 @@ What it does:
     the node, its GPUs (= bundle indices in that node's placement group; a TP group is contiguous on one node) and its
     share of each GPU. ``print(plan)`` shows one row per GPU. Every invalid request raises ``ValueError`` naming the
     roles and numbers, before anything starts.
+  * :func:`plan_layout` builds the two standard layouts (colocated hybrid engine, or engines on GPUs of their own)
+    over ``num_nodes`` x ``gpus_per_node`` GPUs in one call.
   * :func:`estimate_memory` gives a first-order per-GPU, per-phase memory budget and warns when a phase cannot fit.
   * :func:`materialize` (needs the ``ray`` extra) reserves the plan as Ray placement groups — one ``STRICT_PACK`` group
     per used node, one bundle per GPU — and :class:`MaterializedPlan` gives each (role, rank) its scheduling options:
@@ -21,6 +23,7 @@ Dependencies: importing this module needs nothing beyond the standard library; R
 
 from __future__ import annotations
 
+from rlhfkit.placement._layout import plan_layout
 from rlhfkit.placement._memory import MemoryConfig, MemoryEstimate, MemoryFitError, ModelMemory, estimate_memory
 from rlhfkit.placement._plan import (
     MAX_GPUS,
@@ -65,6 +68,7 @@ __all__ = [
     "engines",
     "estimate_memory",
     "materialize",
+    "plan_layout",
     "plan_placement",
     "ray_share",
 ]
