@@ -294,4 +294,27 @@ def materialize(
     if not_ready:
         _fail(ray, plan, groups, bundles, sorted(waits[ref] for ref in not_ready), timeout_s)
     logger.info("placement groups of %d node(s) ready in %.2f s", len(waits), time.monotonic() - start)
+    _warn_shared_ray_nodes(pg_module, groups)
     return MaterializedPlan(plan, groups, cpus_per_bundle=cpus_per_bundle)
+
+
+def _warn_shared_ray_nodes(pg_module: Any, groups: Sequence[Any]) -> dict[str, list[int]]:
+    """Warn when several plan nodes landed on one Ray node; returns Ray node id -> the plan nodes it holds.
+
+    Nothing keeps two STRICT_PACK groups apart: a Ray node larger than the plan's nodes can take several of them.
+    TP groups still stay inside one node; labels (``NodeSpec.resources``) pin plan nodes to machines.
+    """
+    held: dict[str, list[int]] = {}
+    for node, group in enumerate(groups):
+        if group is not None:
+            ray_nodes = set(pg_module.placement_group_table(group)["bundles_to_node_id"].values())
+            for ray_node in ray_nodes:
+                held.setdefault(ray_node, []).append(node)
+    for ray_node, nodes in held.items():
+        if len(nodes) > 1:
+            logger.warning(
+                "plan nodes %s share one Ray node (%s): it has more GPUs than a plan node. TP groups still stay on "
+                "one node; to give each plan node a machine of its own, label the nodes (NodeSpec.resources, "
+                "`ray start --resources`) or plan gpus_per_node as the machines have", nodes, ray_node,
+            )
+    return held
