@@ -16,7 +16,7 @@ import socket
 import sys
 import time
 
-from rlhfkit.placement import Inventory, PlacementConfig, RoleSpec, engines, materialize, plan_placement
+from rlhfkit.placement import PlacementPlan, materialize, plan_layout
 from rlhfkit.workers import RayConfig, Worker, WorkerGroup, WorkerGroupConfig, ray_init
 
 
@@ -49,6 +49,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def build_plan(args: argparse.Namespace) -> PlacementPlan:
+    """The hybrid plan the check reserves: actor and reference on every GPU, engines of ``--tp`` GPUs beside them."""
+    return plan_layout(num_nodes=args.nodes, gpus_per_node=args.gpus_per_node, tensor_parallel_size=args.tp)
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     args = parse_args(argv)
     if args.tiny:
@@ -58,10 +63,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         # Workers do not inherit this shell: forward what the imports need.
         ray_init(RayConfig(address=args.address, forward_env=("PYTHONPATH", "LD_LIBRARY_PATH")))
     num_gpus = args.nodes * args.gpus_per_node
-    roles = (RoleSpec(name="actor", num_gpus=num_gpus), RoleSpec(name="reference", num_gpus=num_gpus),
-             engines(num_gpus // args.tp, args.tp))
-    inventory = Inventory.uniform(num_nodes=args.nodes, gpus_per_node=args.gpus_per_node)
-    plan = plan_placement(PlacementConfig(roles=roles, inventory=inventory, hybrid=True))
+    plan = build_plan(args)
     print(plan, flush=True)
     start = time.monotonic()
     with materialize(plan, timeout_s=args.timeout, cpus_per_bundle=args.cpus_per_bundle) as placed:
