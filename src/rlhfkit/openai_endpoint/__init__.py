@@ -13,8 +13,9 @@ template), ``n``, ``temperature``, ``top_p``, ``max_tokens``/``max_completion_to
 one-token stop string stops the engine, a longer one is cut after generation), ``seed``, ``logprobs``, and vLLM's
 ``return_token_ids``; OpenAI-style JSON errors (400 naming the field for a malformed request, 404 for an unknown
 model or path, 503 while closing, 504 when the engine does not answer within ``request_timeout_s``, 500 when it
-fails). It binds 127.0.0.1 only, on an ephemeral port by default, in a daemon thread; :meth:`OpenAIEndpoint.close`
-returns in bounded time.
+fails). Concurrent requests with equal sampling parameters are batched into one engine call (see
+:class:`OpenAIEndpoint`). It binds 127.0.0.1 only, on an ephemeral port by default, in a daemon thread;
+:meth:`OpenAIEndpoint.close` returns in bounded time.
 
 What it does not do: streaming, tool-call parsing (the assistant's text comes back as ``content``; parse tool calls
 in your agent), ``top_logprobs``, penalties or logit bias (refused with a 400, never silently ignored: the recorded
@@ -44,6 +45,7 @@ import torch
 from rlhfkit._optional import require
 from rlhfkit.engines.protocol import SamplingConfig
 from rlhfkit.engines.router import EngineError, EngineGroup, EngineGroupConfig, EngineTimeoutError
+from rlhfkit.openai_endpoint._batching import BatcherClosedError, BatchFailedError, BatchTimeoutError, RequestBatcher
 from rlhfkit.openai_endpoint._http import HOST, Reply, start_server
 from rlhfkit.openai_endpoint._requests import (
     ChatRequest,
@@ -72,12 +74,17 @@ class OpenAIEndpointConfig:
         max_n: the largest ``n`` accepted.
         max_model_len: when set, a request whose prompt tokens plus ``max_tokens`` exceed it gets a 400
             (``context_length_exceeded``) before it reaches the engine.
-        request_timeout_s: longest wait for the engine's answer to one request (504 after it).
+        request_timeout_s: longest wait for the engine's answer to one request, queueing for a batch included (504
+            after it).
         read_timeout_s: socket timeout while reading a request.
         shutdown_timeout_s: how long :meth:`OpenAIEndpoint.close` waits for requests in flight.
         max_request_bytes: the largest request body accepted (413 beyond).
         session_header: the header that names a request's session (before the body's ``user`` field).
         default_session_id: the session of a request that names none.
+        batch_window_s: how long the oldest waiting request waits for others with the same sampling parameters
+            before their engine call is sent (0: as soon as the engine is free; while it is busy, requests keep
+            collecting anyway). See "Batching" in :class:`OpenAIEndpoint`.
+        max_batch_prompts: most requests (prompts) in one engine call; a full batch is sent without waiting.
     """
 
     model_name: str = "rlhfkit"
@@ -92,6 +99,8 @@ class OpenAIEndpointConfig:
     max_request_bytes: int = 8 * 1024 * 1024
     session_header: str = "X-Session-Id"
     default_session_id: str = "default"
+    batch_window_s: float = 0.01
+    max_batch_prompts: int = 256
 
     def __post_init__(self) -> None:
         for name in ("model_name", "session_header", "default_session_id"):
@@ -100,7 +109,7 @@ class OpenAIEndpointConfig:
         port = self.port
         if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
             raise ValueError(f"OpenAIEndpointConfig.port={port!r}; must be an int in [0, 65535] (0: ephemeral)")
-        for name in ("default_max_tokens", "max_tokens_limit", "max_n", "max_request_bytes"):
+        for name in ("default_max_tokens", "max_tokens_limit", "max_n", "max_request_bytes", "max_batch_prompts"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"OpenAIEndpointConfig.{name}={value!r}; must be an int >= 1")
@@ -114,6 +123,10 @@ class OpenAIEndpointConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
                 raise ValueError(f"OpenAIEndpointConfig.{name}={value!r}; must be a finite number of seconds > 0")
+        window = self.batch_window_s
+        if isinstance(window, bool) or not isinstance(window, (int, float)) or not 0 <= window < math.inf:
+            raise ValueError(f"OpenAIEndpointConfig.batch_window_s={window!r}; must be a finite number of seconds "
+                             ">= 0 (0: send each batch as soon as the engine is free)")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -235,9 +248,17 @@ class OpenAIEndpoint:
             time, with ``request_timeout_s``) or an :class:`~rlhfkit.engines.router.EngineGroup` (used as is, e.g.
             vLLM actors).
         tokenizer: the model's tokenizer, with a chat template (``apply_chat_template``, ``encode``, ``decode``).
-        config: ports, limits and timeouts.
+        config: ports, limits, timeouts and batching.
 
     Use as a context manager, or :meth:`start` and :meth:`close`. Records stay readable after close.
+
+    Batching: concurrent requests are collected by one batcher thread and sent to the engine together, one
+    ``generate(prompts, sampling)`` call per group of requests with equal sampling parameters (``n``, ``max_tokens``,
+    ``temperature``, ``top_p``, ``seed``, one-token stops), at most ``max_batch_prompts`` a call, after
+    ``batch_window_s`` (or at once when full). At most one call per engine of the group runs at a time; requests
+    that arrive meanwhile wait and go out together. A request with a ``seed`` is sent alone, so that its answer does
+    not depend on what arrived with it. Each request keeps its own prompt ids (session continuation included),
+    record, answer and timeout; an engine call that fails answers each of its requests with a 500.
     """
 
     def __init__(self, engine: Any, tokenizer: Any, config: OpenAIEndpointConfig | None = None) -> None:
@@ -266,6 +287,7 @@ class OpenAIEndpoint:
         self._in_flight = 0
         self._state: Literal["new", "serving", "closed"] = "new"
         self._server = self._thread = None
+        self._batcher: RequestBatcher | None = None
         self._created = int(time.time())
 
     # ------------------------------------------------------------------ lifecycle
@@ -273,9 +295,19 @@ class OpenAIEndpoint:
         """Bind 127.0.0.1 and serve in a daemon thread; returns self."""
         if self._state != "new":
             raise RuntimeError(f"OpenAIEndpoint.start() called on an endpoint that is {self._state}; build a new one")
-        self._server, self._thread = start_server(self._serve, port=self.config.port,
-                                                  read_timeout_s=self.config.read_timeout_s,
-                                                  max_request_bytes=self.config.max_request_bytes)
+        timeout_s = self.config.request_timeout_s
+        self._batcher = RequestBatcher(lambda prompts, sampling: self._group.generate(prompts, sampling,
+                                                                                      timeout_s=timeout_s),
+                                       window_s=self.config.batch_window_s,
+                                       max_batch_prompts=self.config.max_batch_prompts,
+                                       max_in_flight=self._group.num_engines)
+        try:
+            self._server, self._thread = start_server(self._serve, port=self.config.port,
+                                                      read_timeout_s=self.config.read_timeout_s,
+                                                      max_request_bytes=self.config.max_request_bytes)
+        except BaseException:
+            self._batcher.close()
+            raise
         self._state = "serving"
         logger.info("openai endpoint serving %r at %s", self.config.model_name, self.url)
         return self
@@ -310,6 +342,7 @@ class OpenAIEndpoint:
                            "get no answer", left, self.config.shutdown_timeout_s)
         self._server.shutdown()   # returns within the serve loop's poll interval
         self._server.server_close()
+        self._batcher.close(timeout_s=max(0.1, deadline - time.monotonic()))   # requests still queued: 503
         self._thread.join(timeout=max(0.1, deadline - time.monotonic()))
         if self._owns_group:
             self._group.close()
@@ -382,18 +415,31 @@ class OpenAIEndpoint:
         sampling = SamplingConfig(n=request.n, max_new_tokens=request.max_tokens, temperature=request.temperature,
                                   top_p=request.top_p, seed=request.seed, logprobs=True,
                                   stop_token_ids=single_token_stops(self.tokenizer, request.stop))
-        try:
-            rollouts = self._group.generate([prompt], sampling, timeout_s=config.request_timeout_s)
-        except EngineTimeoutError as error:
-            raise EndpointError(504, f"the engine did not answer within request_timeout_s="
-                                f"{config.request_timeout_s:g} s: {error}", type="timeout_error") from error
-        except EngineError as error:
-            logger.error("openai endpoint: the engine failed: %s", error)
-            raise EndpointError(500, f"the engine failed: {error}", type="server_error") from error
+        rollouts = self._generate(prompt, sampling)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         choices = [self._choice(request, rollout) for rollout in rollouts]
         records = self._record(session_id, request_id, request, prompt, rollouts, choices)
         return self._answer(request, request_id, session_id, prompt, records)
+
+    def _generate(self, prompt: list[int], sampling: SamplingConfig) -> list[Rollout]:
+        """This request's rollouts, from an engine call shared with concurrent requests of equal ``sampling``."""
+        timeout_s = self.config.request_timeout_s
+        try:
+            return self._batcher.generate(prompt, sampling, timeout_s=timeout_s)
+        except BatchTimeoutError as error:
+            raise EndpointError(504, f"the engine did not answer within request_timeout_s={timeout_s:g} s "
+                                "(waiting for a batch included)", type="timeout_error") from error
+        except BatcherClosedError as error:
+            raise EndpointError(503, "the endpoint is shutting down", type="server_error") from error
+        except BatchFailedError as failure:
+            cause, calls = failure.error, f"an engine call of {failure.batch_size} request(s)"
+            if isinstance(cause, EngineTimeoutError):
+                raise EndpointError(504, f"the engine did not answer within request_timeout_s={timeout_s:g} s "
+                                    f"({calls}): {cause}", type="timeout_error") from cause
+            if isinstance(cause, EngineError):
+                raise EndpointError(500, f"the engine failed ({calls}): {cause}", type="server_error") from cause
+            raise EndpointError(500, f"internal error in {calls}: {type(cause).__name__}: {cause}",
+                                type="server_error") from cause
 
     def _render(self, messages: list[dict[str, Any]], request: ChatRequest, generation_prompt: bool = True) -> str:
         extra = {"tools": request.tools} if request.tools else {}
