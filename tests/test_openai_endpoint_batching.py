@@ -203,6 +203,21 @@ def test_an_engine_failure_fails_exactly_the_requests_of_its_batch(hf_engine, to
         assert status == 200, answer
 
 
+def test_an_engine_group_of_two_gets_batches_spread_over_its_engines(tiny_llama_path, tokenizer):
+    """An EngineGroup given to the endpoint receives whole batches and spreads their prompts over its engines as it
+    does for any call: eight concurrent requests reach both engines in fewer calls than requests, each answered."""
+    from rlhfkit.engines.router import EngineGroup
+
+    logs = [CallLog(HFEngine(HFEngineConfig(model=str(tiny_llama_path), seed=index))) for index in range(2)]
+    with EngineGroup(logs) as group, endpoint_for(group, tokenizer, batch_window_s=2.0, max_batch_prompts=8) as endpoint:
+        answers = concurrently([lambda i=i: post(endpoint.url, {"messages": question(i), "max_tokens": 4,
+                                                                "return_token_ids": True}) for i in range(8)])
+    assert [status for status, _ in answers] == [200] * 8, answers
+    sent = [tuple(p) for log in logs for prompts, _, _ in log.calls for p in prompts]
+    assert sorted(sent) == sorted(tuple(answer["prompt_token_ids"]) for _, answer in answers)
+    assert all(log.calls for log in logs) and sum(len(log.calls) for log in logs) < 8
+
+
 class HangingEngine:
     """Hangs every call until released; remembers the prompts it was sent."""
 
