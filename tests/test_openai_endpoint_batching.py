@@ -111,6 +111,17 @@ def test_concurrent_requests_share_one_engine_call_and_answer_as_a_batch_of_one(
         torch.testing.assert_close(record.response_logprobs, alone.response_logprobs, atol=1e-5, rtol=0)
 
 
+def test_128_concurrent_clients_are_all_served_in_few_calls(hf_engine, tokenizer):
+    """Issue 22's agent loop (16 prompts x 8 samples at once). Defect: the server's listen backlog was
+    socketserver's default of 5, so a burst of connections was reset before any was read."""
+    log = CallLog(hf_engine)
+    with endpoint_for(log, tokenizer) as endpoint:   # default window and max_batch_prompts
+        answers = concurrently([lambda i=i: post(endpoint.url, {"messages": question(i % 16), "max_tokens": 2})
+                                for i in range(128)], timeout=120)
+    assert [status for status, _ in answers] == [200] * 128
+    assert sum(len(prompts) for prompts, _, _ in log.calls) == 128 and len(log.calls) <= 32
+
+
 def test_different_sampling_parameters_never_share_a_call(hf_engine, tokenizer):
     """Four clients at temperature 0.7 and four at 1.0 at once: every call holds only prompts of requests with its
     own temperature, each record is its call's rollout, and the log-probs a trainer recomputes at the record's

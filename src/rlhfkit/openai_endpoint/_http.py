@@ -31,6 +31,8 @@ def _error(status: int, message: str, type: str = "invalid_request_error") -> Re
 class _Server(ThreadingHTTPServer):
     daemon_threads = True          # a hung request never blocks interpreter exit
     allow_reuse_address = False    # an ephemeral port is never shared
+    # listen() backlog: socketserver's default of 5 resets connections when an agent loop opens 100+ at once
+    request_queue_size = 1024
 
     def handle_error(self, request, client_address) -> None:   # default prints a traceback to stderr
         logger.exception("openai endpoint: unhandled error while serving %s", client_address)
