@@ -11,8 +11,10 @@ ids fit every vocabulary here). Each model is built in ``--work-dir``, used by e
 ``--keep``. Each run is examples/grpo_hybrid.py in its own process under ``--timeout`` seconds.
 
 Modes: ``full`` (every weight trains, bf16 with fp32 masters, the engine asleep at level 2; up to 3B the example's
-defaults: ZeRO-1, every state moved to host memory while asleep; 7B-8B add ZeRO-3, the optimizer in host memory and
-gradient checkpointing) and ``lora`` (rank ``--lora-rank`` adapters on the attention and MLP projections; the
+defaults: ZeRO-1, every state moved to host memory while asleep; 7B-8B: ZeRO-3 with 66% of the optimizer (fp32
+masters, fp32 gradients, Adam moments) in host memory and the rest on the GPU, gradient checkpointing, the trainers
+resident while only the engine sleeps, a 0.25 engine share and no reference model or KL term — ``LARGE_FULL``, the
+only fp32-master layout the memory estimate fits in 80 GB + 125 GiB of host memory) and ``lora`` (rank ``--lora-rank`` adapters on the attention and MLP projections; the
 adapters alone are pushed; engine sleep level 1). ``--peer trl`` runs bench/peer_trl.py (full-parameter, bf16,
 vLLM colocate with sleep mode) on the same model and workload. A run that fails keeps its exit code, the
 plan's memory estimate error if that is what stopped it, and its log's tail. Writes a JSON with, per architecture
@@ -109,11 +111,21 @@ def ours_command(model: Path | None, mode: str, out: Path, *, steps: int, tiny: 
         return command + ["--zero-stage", "3", "--gradient-checkpointing", "true", "--lr", "1e-5"] + lora
     if ARCHITECTURES[model_arch(model)]["hidden_size"] < LARGE_HIDDEN:
         return command  # the example's defaults (ZeRO-1, every state offloaded while asleep) fit up to 3B
-    return command + ["--zero-stage", "3", "--gradient-checkpointing", "true", "--offload-optimizer", "true"]
+    large = [arg for arg in command if arg not in ("--offload-trainers", "false")]
+    large[large.index("--engine-memory") + 1] = str(LARGE_FULL["engine_memory"])
+    return large + ["--zero-stage", "3", "--gradient-checkpointing", "true", "--offload-optimizer", "true",
+                    "--offload-optimizer-ratio", str(LARGE_FULL["offload_optimizer_ratio"]),
+                    "--sub-group-elements", str(LARGE_FULL["sub_group_elements"]), "--offload-trainers", "false",
+                    "--reference", "false", "--kl-coef", "0"]
 
 
-# from this width up (7B-8B) full-parameter training needs the optimizer in host memory and recomputed activations
+# from this width up (7B-8B) full-parameter training with fp32 master weights fits one 80 GB GPU and ~125 GiB of host
+# memory only as LARGE_FULL: 66% of the fp32 masters, fp32 gradients and Adam moments in host memory (ZeRO-3 partial
+# offload, placed by 1e8-element sub-groups), the rest and the bf16 weights on the GPU, trainers resident while the
+# engine sleeps, a 0.25 engine share, and no reference model (GRPO without a KL term, as DAPO): the plan's estimate
+# (rlhfkit.hybrid._fit) gives Qwen2.5-7B ~73 GiB GPU / ~118 GiB host and Llama-3.1-8B ~78 / ~122.
 LARGE_HIDDEN = 3584
+LARGE_FULL = {"offload_optimizer_ratio": 0.66, "sub_group_elements": 100_000_000, "engine_memory": 0.25}
 
 
 def model_arch(model: Path) -> str:

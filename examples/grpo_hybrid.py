@@ -6,6 +6,8 @@
     python examples/grpo_hybrid.py --model /tmp/smollm2-hf --engine sglang --sglang-site /tmp/site/sglang  # SGLang
     python examples/grpo_hybrid.py --device cpu --tiny true                 # CPU: HF engine, logical GPUs
     python examples/grpo_hybrid.py --model M --bf16 true --zero-stage 3 --lora-rank 16   # LoRA: adapters only
+    python examples/grpo_hybrid.py --model M --bf16 true --zero-stage 3 --offload-optimizer true \
+        --offload-optimizer-ratio 0.7 --offload-trainers false --reference false --kl-coef 0   # 7B on one 80 GB GPU
 
 One step, in the order the GPU is handed around (the phase guard refuses any other):
 
@@ -61,6 +63,9 @@ class Options:
     zero_stage: int = 1
     bf16: bool = False  # bf16 trainers and engine (large models); fp32 keeps the engine-trainer gap ~1e-3
     offload_optimizer: bool = False  # Adam states and master weights in host memory (ZeRO-Offload)
+    offload_optimizer_ratio: float = 1.0  # ZeRO-3: the share of them in host memory, the rest on the GPU
+    sub_group_elements: int = 1_000_000_000  # ZeRO-3 sub-group size (elements): the grain of offload_optimizer_ratio
+    reference: bool = True  # False: no reference model and no KL term (needs --kl-coef 0), as DAPO
     gradient_checkpointing: bool = False
     lora_rank: int = 0  # > 0: train LoRA adapters (alpha = 2 * rank, attention + MLP projections) and push only them
     engine_memory: float = 0.15  # vLLM's share of the GPU (weights + KV cache)
@@ -76,9 +81,11 @@ def grpo_loss(logprobs, micro, *, num_tokens, num_seqs, kl_coef):
     batch, counts = micro.batch, {"num_tokens": num_tokens, "num_seqs": num_seqs}
     loss, stats = policy_loss(logprobs, micro.old_logprobs, micro.advantages, batch.loss_mask, batch.cu_seqlens,
                               clip_low=CLIP, clip_high=CLIP, **counts)
+    gap = (logprobs.detach() - micro.engine_logprobs)[batch.loss_mask].abs()
+    if micro.ref_logprobs is None:  # --reference false: no KL term
+        return loss, stats | {"engine_gap": float(gap.mean())}
     kl, kl_stats = kl_loss(logprobs, micro.ref_logprobs, batch.loss_mask, batch.cu_seqlens, estimator="k3",
                            **counts)
-    gap = (logprobs.detach() - micro.engine_logprobs)[batch.loss_mask].abs()
     return loss + kl_coef * kl, stats | {"kl_loss": kl_stats["kl_mean"], "engine_gap": float(gap.mean())}
 
 
@@ -89,12 +96,19 @@ def start(options: Options) -> Hybrid:
     deepspeed = DeepSpeedEngineConfig(zero_stage=options.zero_stage, bf16=options.bf16, learning_rate=options.lr,
                                       optimizer="torch_adamw" if cpu else "fused_adam", gradient_clipping=1.0,
                                       offload_optimizer=options.offload_optimizer,
+                                      offload_optimizer_ratio=options.offload_optimizer_ratio,
+                                      sub_group_elements=options.sub_group_elements,
                                       gradient_checkpointing=options.gradient_checkpointing)
     offload, rank = options.offload_trainers and not options.resident, options.lora_rank
     lora = LoraConfig(rank=rank, alpha=2.0 * rank, target_modules=LORA_TARGETS) if rank else None
-    trainers = {"actor": TrainerConfig(deepspeed=deepspeed, offload=offload, lora=lora),
-                "reference": TrainerConfig(deepspeed=dataclasses.replace(deepspeed, offload_optimizer=False),
-                                           offload=offload)}
+    if not options.reference and options.kl_coef != 0:
+        raise ValueError(f"--reference false with --kl-coef {options.kl_coef}: the KL term needs the reference; "
+                         "pass --kl-coef 0")
+    trainers = {"actor": TrainerConfig(deepspeed=deepspeed, offload=offload, lora=lora)}
+    if options.reference:
+        trainers["reference"] = TrainerConfig(deepspeed=dataclasses.replace(deepspeed, offload_optimizer=False,
+                                                                            offload_optimizer_ratio=1.0),
+                                              offload=offload)
     sleep_level = 0 if options.resident else (1 if lora else 2)  # LoRA pushes adapters only: keep the base weights
     config = HybridConfig(model=model, device=options.device, engine="hf" if cpu else options.engine, seed=SEED,
                           sglang_python=options.sglang_python, sglang_site=options.sglang_site,
@@ -113,7 +127,7 @@ def main(argv=None) -> list[dict]:
     out = Path(options.out)
     out.mkdir(parents=True, exist_ok=True)
     hybrid = start(options)
-    actor, reference, engines, timer = hybrid.trainers["actor"], hybrid.trainers["reference"], hybrid.engines, \
+    actor, reference, engines, timer = hybrid.trainers["actor"], hybrid.trainers.get("reference"), hybrid.engines, \
         hybrid.timer
     tokenizer = AutoTokenizer.from_pretrained(hybrid.config.model)
     task = ArithmeticTask(min_value=0, max_value=9 if options.tiny else 99, ops=("+", "-"), seed=SEED)
@@ -138,14 +152,16 @@ def main(argv=None) -> list[dict]:
                     scores, _ = apply_reward_function(arithmetic_reward, texts, responses, answers)
                 batch = pack_rollouts(rollouts)
                 # 2. The reference wakes, computes its log-probs on every rank, and sleeps.
-                with timer.phase("forward_reference"):
-                    ref_logprobs = reference.forward(batch)
+                ref_logprobs = None
+                if reference is not None:
+                    with timer.phase("forward_reference"):
+                        ref_logprobs = reference.forward(batch)
                 # 3. GRPO advantages; the engine's log-probs are the behaviour policy's.
                 with timer.phase("experience"):
                     experience, stats = make_experience(
                         rollouts, torch.tensor(scores), config=config,
                         policy_logprobs_fn=lambda b: engine_token_logprobs(rollouts, b),
-                        ref_logprobs_fn=lambda b: ref_logprobs)
+                        ref_logprobs_fn=None if reference is None else lambda b: ref_logprobs)
                     stats = {k: v for k, v in stats.items() if not k.startswith("time/")}  # timer has the phases
                 # 4. The actor wakes and trains over minibatches; then it keeps only its weights for the push.
                 with timer.phase("train_actor"):

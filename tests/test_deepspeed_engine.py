@@ -364,3 +364,24 @@ def test_gpu_fused_adam_sleep_frees_memory_and_resumes_exactly(tiny_model_factor
         awake, asleep = trip["memory_awake"]["allocated"] - base, trip["memory_asleep"]["allocated"] - base
         assert awake > 0 and asleep <= 0.1 * awake, (check, base, awake, asleep, trip)
         assert result["losses"] == result["ref_losses"], check
+
+
+def test_deepspeed_dict_partial_optimizer_offload():
+    """Issue 20 (7B on one GPU): DeepSpeed's offload_optimizer.ratio and sub_group_size, refused where DeepSpeed
+    would assert (not ZeRO-3 Offload with its CPU Adam) or where the schedule would not reach the GPU part."""
+    config = DeepSpeedEngineConfig(zero_stage=3, offload_optimizer=True, offload_optimizer_ratio=0.66,
+                                   sub_group_elements=100_000_000)
+    zero = config.to_deepspeed_dict()["zero_optimization"]
+    assert zero["offload_optimizer"] == {"device": "cpu", "pin_memory": True, "ratio": 0.66}
+    assert zero["sub_group_size"] == 100_000_000
+    assert "ratio" not in DeepSpeedEngineConfig(zero_stage=3, offload_optimizer=True).to_deepspeed_dict()[
+        "zero_optimization"]["offload_optimizer"]
+    with pytest.raises(ValueError, match=r"offload_optimizer_ratio=0.5 needs zero_stage=3, offload_optimizer=True"):
+        DeepSpeedEngineConfig(zero_stage=2, offload_optimizer=True, offload_optimizer_ratio=0.5)
+    with pytest.raises(ValueError, match="optimizer='torch_adamw'"):
+        DeepSpeedEngineConfig(zero_stage=3, offload_optimizer=True, offload_optimizer_ratio=0.5,
+                              optimizer="torch_adamw")
+    with pytest.raises(ValueError, match="lr_warmup_steps=2"):
+        DeepSpeedEngineConfig(zero_stage=3, offload_optimizer=True, offload_optimizer_ratio=0.5, lr_warmup_steps=2)
+    with pytest.raises(ValueError, match="offload_optimizer_ratio=0"):
+        DeepSpeedEngineConfig(zero_stage=3, offload_optimizer=True, offload_optimizer_ratio=0)

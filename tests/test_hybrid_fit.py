@@ -10,7 +10,7 @@ transformers = pytest.importorskip("transformers")
 
 from rlhfkit.deepspeed_engine import DeepSpeedEngineConfig
 from rlhfkit.hybrid import Hybrid, HybridConfig, TrainerConfig
-from rlhfkit.hybrid._fit import model_shape
+from rlhfkit.hybrid._fit import model_shape, offloaded_fraction
 from rlhfkit.hybrid._launch import check_fit
 from rlhfkit.lora import LoraConfig
 from rlhfkit.placement import MemoryFitError
@@ -26,9 +26,22 @@ def qwen7b(tmp_path_factory):
     return str(path)
 
 
+@pytest.fixture(scope="module")
+def llama8b(tmp_path_factory):
+    """Llama-3.1-8B's architecture as a config folder."""
+    path = tmp_path_factory.mktemp("llama8b")
+    transformers.LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                             num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=131072,
+                             tie_word_embeddings=False).save_pretrained(path)
+    return str(path)
+
+
 def _trainers(**deepspeed):
     ds = DeepSpeedEngineConfig(**({"zero_stage": 3, "bf16": True} | deepspeed))
     return ds
+
+
+H100 = {"gpu_memory_gib": 79.2, "host_memory_gib": 125.0, "dtype": "bfloat16"}  # the lent GPU machine
 
 
 def test_model_shape_counts_the_real_parameters(qwen7b):
@@ -40,7 +53,8 @@ def test_model_shape_counts_the_real_parameters(qwen7b):
 def test_full_parameter_7b_without_offload_names_training_and_the_shortfall(qwen7b):
     """Regression (issue 20): 7B full-parameter AdamW on one 80 GiB GPU without offload cannot fit (bf16 weights +
     grads + fp32 master and moments ≈ 114 GiB): refused naming phase 'training' and a shortfall of tens of GiB."""
-    config = HybridConfig(model=qwen7b, gpu_memory_gib=80.0, dtype="bfloat16", engine_memory=0.3)
+    config = HybridConfig(model=qwen7b, gpu_memory_gib=80.0, dtype="bfloat16", engine_memory=0.3,
+                          host_memory_gib=125.0)
     trainers = {"actor": TrainerConfig(deepspeed=_trainers())}
     with pytest.raises(MemoryFitError, match=r"phase 'training' needs ~\d+\.\d GiB .*short by \d+\.\d GiB") as info:
         check_fit(config, trainers)
@@ -52,12 +66,87 @@ def test_full_parameter_7b_without_offload_names_training_and_the_shortfall(qwen
     {"deepspeed": {"offload_optimizer": True, "gradient_checkpointing": True}},
     {"deepspeed": {"gradient_checkpointing": True}, "lora": LoraConfig(rank=16)},
 ])
-def test_offload_or_lora_makes_7b_fit(qwen7b, settings):
+def test_offload_or_lora_makes_7b_fit_the_gpu(qwen7b, settings):
+    """GPU only (no host size given on a CPU run): both fit 80 GiB."""
     config = HybridConfig(model=qwen7b, gpu_memory_gib=80.0, engine_sleep_level=1, dtype="bfloat16",
-                          engine_memory=0.3)
+                          engine_memory=0.3, device="cpu", engine="hf")
     trainer = TrainerConfig(deepspeed=_trainers(**settings["deepspeed"]), lora=settings.get("lora"),
                             micro_batch_tokens=4096)
-    check_fit(config, {"actor": trainer, "reference": TrainerConfig(deepspeed=_trainers())})
+    assert check_fit(config, {"actor": trainer, "reference": TrainerConfig(deepspeed=_trainers())}).host_per_node == {}
+
+
+def test_full_offload_7b_is_refused_for_host_memory(qwen7b):
+    """Regression (issue 20): ZeRO-3 with the whole optimizer offloaded, the trainers resident, was the planned 7B
+    layout, and the estimate counted no host memory. DeepSpeed keeps 18 bytes per parameter there (fp32 master,
+    fp32 gradient, Adam moments, bf16 gradient partition): ~128 GiB for 7.6B alone, beside the engine's level-1
+    backup, in 125 GiB: refused naming host memory, the phase and the shortfall, before Ray starts. The worst phase
+    is the reference's load: its whole host copy beside the actor's offloaded states."""
+    config = HybridConfig(model=qwen7b, engine_memory=0.35, **H100)
+    actor = TrainerConfig(deepspeed=_trainers(offload_optimizer=True, gradient_checkpointing=True), offload=False)
+    reference = TrainerConfig(deepspeed=_trainers(), offload=False)
+    with pytest.raises(MemoryFitError, match=r"does not fit host memory: phase 'load_reference' needs ~\d+\.\d GiB "
+                                             r"of host memory on node0 \(actor 127\.\d, reference 14\.2, rollout "
+                                             r"14\.2.*short by \d+\.\d GiB") as info:
+        check_fit(config, {"actor": actor, "reference": reference})
+    assert info.value.memory == "host" and 40 < info.value.shortfall_gib < 55
+    with pytest.raises(MemoryFitError, match="phase 'generating'") as steady:  # without the load: still short
+        check_fit(config, {"actor": actor})
+    assert steady.value.memory == "host" and steady.value.shortfall_gib > 20
+
+
+def test_partial_offload_without_reference_fits_7b_and_8b(qwen7b, llama8b):
+    """Issue 20: bench/scale.py's 7B-8B layout (LARGE_FULL) passes both budgets with fp32 masters; the same with a
+    resident reference does not (GPU short), and with the trainers parked in host memory it is refused outright."""
+    from bench.scale import LARGE_FULL
+
+    deepspeed = _trainers(offload_optimizer=True, gradient_checkpointing=True,
+                          offload_optimizer_ratio=LARGE_FULL["offload_optimizer_ratio"],
+                          sub_group_elements=LARGE_FULL["sub_group_elements"])
+    actor = TrainerConfig(deepspeed=deepspeed, offload=False)
+    for path, gpu, host in ((qwen7b, 74.0, 118.0), (llama8b, 78.0, 122.0)):
+        estimate = check_fit(HybridConfig(model=path, engine_memory=LARGE_FULL["engine_memory"], **H100),
+                             {"actor": actor})
+        assert gpu - 1 < estimate.peak() < gpu and host - 1 < estimate.host_peak() < host
+        assert set(estimate.host_phases) == {"generating", "training", "load_actor"}
+    with pytest.raises(MemoryFitError, match="phase 'generating'") as info:
+        check_fit(HybridConfig(model=qwen7b, engine_memory=LARGE_FULL["engine_memory"], **H100),
+                  {"actor": actor, "reference": TrainerConfig(deepspeed=_trainers(), offload=False)})
+    assert info.value.memory == "gpu"
+    with pytest.raises(ValueError, match=r"TrainerConfig\(offload=True\) with deepspeed.offload_optimizer_ratio=0.66"):
+        TrainerConfig(deepspeed=deepspeed, offload=True)
+
+
+def test_lora_7b_fits_both_budgets(qwen7b):
+    """bench/scale.py's LoRA mode at 7B: the trainers parked in host memory and the engine's level-1 backup."""
+    lora = TrainerConfig(deepspeed=_trainers(gradient_checkpointing=True), lora=LoraConfig(rank=16))
+    estimate = check_fit(HybridConfig(model=qwen7b, engine_memory=0.35, engine_sleep_level=1, **H100),
+                         {"actor": lora, "reference": TrainerConfig(deepspeed=_trainers())})
+    assert estimate.peak() < 60 and 55 < estimate.host_peak() < 65
+
+
+def test_offloaded_fraction_places_whole_sub_groups():
+    """DeepSpeed cuts parameters in order into sub-groups that close at sub_group_size and keeps the first
+    int((1 - ratio) * n) on the GPU: a large first tensor puts more than 1 - ratio there."""
+    sizes = (5, 1, 1, 1, 1, 1)  # sub-groups of >= 2: [5], [1, 1], [1, 1], [1] -> the first 2 of 4 on the GPU
+    assert offloaded_fraction(sizes, ratio=0.5, sub_group_elements=2) == pytest.approx(0.3)
+    assert offloaded_fraction(sizes, ratio=0.5, sub_group_elements=100) == 1.0  # one sub-group: int(0.5) = 0 on GPU
+    assert offloaded_fraction(sizes, ratio=1.0, sub_group_elements=2) == 1.0
+    # two ranks: partitions (3, 1, 1, 1, 1, 1) -> [3], [1, 1, 1], [1, 1] -> the first 1 of 3 on the GPU
+    assert offloaded_fraction(sizes, ratio=0.5, sub_group_elements=3, world=2) == pytest.approx(5 / 8)
+
+
+def test_host_memory_defaults_to_this_machine_on_cuda(qwen7b, monkeypatch):
+    """HybridConfig.host_memory_gib=None on device='cuda' checks the machine's physical memory (sysconf)."""
+    import rlhfkit.hybrid._launch as launch
+
+    monkeypatch.setattr(launch, "physical_memory_gib", lambda: 40.0)
+    trainer = TrainerConfig(deepspeed=_trainers(offload_optimizer=True, gradient_checkpointing=True))
+    with pytest.raises(MemoryFitError, match=r"node has 40\.0 GiB") as info:
+        check_fit(HybridConfig(model=qwen7b, gpu_memory_gib=80.0, dtype="bfloat16", engine_memory=0.3),
+                  {"actor": trainer})
+    assert info.value.memory == "host"
+    with pytest.raises(ValueError, match="HybridConfig.host_memory_gib=0"):
+        HybridConfig(model=qwen7b, host_memory_gib=0)
 
 
 def test_an_engine_share_that_leaves_no_room_names_generating(qwen7b):
@@ -94,7 +183,8 @@ def test_sglang_engine_share_is_checked_too(qwen7b):
     config = HybridConfig(model=qwen7b, gpu_memory_gib=80.0, engine="sglang")
     with pytest.raises(MemoryFitError, match=r"phase 'generating'.*28\.\d GiB.*12\.0 GiB.*short by 16\.\d GiB"):
         check_fit(config, {"actor": TrainerConfig(deepspeed=_trainers(offload_optimizer=True))})
-    check_fit(HybridConfig(model=qwen7b, gpu_memory_gib=80.0, engine="sglang", dtype="bfloat16", engine_memory=0.3),
+    check_fit(HybridConfig(model=qwen7b, gpu_memory_gib=80.0, engine="sglang", dtype="bfloat16", engine_memory=0.3,
+                           host_memory_gib=1000.0),
               {"actor": TrainerConfig(deepspeed=_trainers(offload_optimizer=True))})
 
 

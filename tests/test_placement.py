@@ -432,3 +432,46 @@ def test_check_fit_refuses_an_engine_share_that_leaves_no_kv_cache():
     estimate_memory(plan, models, dataclasses.replace(config, engine_memory_fraction=0.3)).check_fit()
     sized = {"rollout": ModelMemory(num_params=7_000_000_000, kind="engine", engine_gib=2.0)}
     estimate_memory(plan, sized, config).check_fit()
+
+
+def test_host_estimate_matches_hand_computation():
+    """Issue 20: host memory per node per phase — ZeRO-3 optimizer offload (a share of it: masters + moments + fp32
+    gradient, 16 bytes, plus the bf16 gradient partitions), a role parked in host memory, an engine's backup, process
+    and node reserves, and each model's host copy while it loads; check_fit names the host shortfall."""
+    roles = (RoleSpec(name="actor", num_gpus=1), RoleSpec(name="reference", num_gpus=1),
+             RoleSpec(name="rollout", num_gpus=1))
+    plan = plan_placement(PlacementConfig(roles=roles, inventory=Inventory.uniform(num_nodes=1, gpus_per_node=1),
+                                          colocate=(("actor", "reference", "rollout"),)))
+    params = 1_000_000_000
+    models = {"actor": ModelMemory(num_params=params, kind="trainable", zero_stage=3, offload_optimizer=True,
+                                   offload_optimizer_ratio=0.75, asleep="gpu"),
+              "reference": ModelMemory(num_params=params, asleep="host"),
+              "rollout": ModelMemory(num_params=params, kind="engine", host_gib=1.5, asleep_gib=1.0)}
+    config = MemoryConfig(gpu_memory_gib=80, context_gib=0.5, engine_memory_fraction=0.25, host_memory_gib=64,
+                          host_process_gib=2.0, host_reserved_gib=4.0, load_order=("actor", "reference"),
+                          phases={"generate": ("rollout",), "train": ("actor",)})
+    estimate = estimate_memory(plan, models, config)
+    actor_host = params * (0.75 * 16 + 2) / GIB  # offloaded optimizer share + bf16 gradient partitions
+    reference_host = params * 2 / GIB  # parked weights
+    steady = actor_host + reference_host + 1.5 + 3 * 2.0 + 4.0
+    assert estimate.host_per_node[0]["generate"] == pytest.approx(steady)
+    assert estimate.host_per_node[0]["train"] == pytest.approx(steady)
+    assert estimate.host_per_node[0]["load_actor"] == pytest.approx(params * 2 / GIB + 1.5 + 10.0)
+    assert estimate.host_per_node[0]["load_reference"] == pytest.approx(actor_host + params * 2 / GIB + 1.5 + 10.0)
+    # GPU: the actor keeps bf16 weights and 25% of the optimizer (16 bytes) asleep, no gradients (ZeRO-3 Offload)
+    actor_gpu = params * (2 + 0.25 * 16) / GIB
+    assert estimate.per_gpu[(0, 0)]["generate"] == pytest.approx(0.25 * 80 + actor_gpu + 3 * 0.5)
+    assert estimate.per_gpu[(0, 0)]["train"] == pytest.approx(actor_gpu + 1.0 + 3 * 0.5)
+    assert estimate.host_phases == ("generate", "train", "load_actor", "load_reference")
+    assert "host" in estimate.table() and estimate.host_peak() == pytest.approx(steady)
+    estimate.check_fit()
+    small = estimate_memory(plan, models, dataclasses.replace(config, host_memory_gib=20.0))
+    with pytest.raises(MemoryFitError, match=r"does not fit host memory: phase 'generate' .* short by "
+                                             r"\d+\.\d GiB") as info:
+        small.check_fit()
+    assert info.value.memory == "host" and info.value.shortfall_gib == pytest.approx(steady - 20.0)
+    assert any("host memory needs" in warning for warning in small.warnings)
+    with pytest.raises(ValueError, match="offload_optimizer_ratio=1.5"):
+        ModelMemory(num_params=1, offload_optimizer_ratio=1.5)
+    with pytest.raises(ValueError, match=r"load_order names unknown roles \['critic'\]"):
+        estimate_memory(plan, models, dataclasses.replace(config, load_order=("critic",)))

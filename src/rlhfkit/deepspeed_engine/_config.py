@@ -56,6 +56,15 @@ class DeepSpeedEngineConfig:
         offload_optimizer: keep fp32 master weights and optimizer states in CPU memory (ZeRO-Offload, stage >= 1).
         offload_params: keep ZeRO-3 parameter shards in CPU memory (ZeRO-Infinity; needs zero_stage=3 and
             offload_optimizer=True).
+        offload_optimizer_ratio: with ``offload_optimizer`` at ZeRO-3, the share of the optimizer's sub-groups (in
+            parameter order, the last ones) whose fp32 masters, fp32 gradients and Adam moments live in host memory;
+            the first ``int((1 - ratio) * num_sub_groups)`` stay on the GPU (DeepSpeed's ``offload_optimizer.ratio``,
+            "Twin-Flow"). Below 1 it needs ``optimizer="fused_adam"`` (DeepSpeedCPUAdam; the GPU part steps with
+            ``torch.optim.AdamW``) and a constant learning rate without warmup: DeepSpeed builds the GPU part's
+            optimizer with the initial rate, and the schedule does not reach it.
+        sub_group_elements: ZeRO-3's ``sub_group_size``: parameters are cut, in order, into sub-groups of at least
+            this many elements (a larger tensor is a sub-group of its own); the optimizer steps one sub-group at a
+            time, and ``offload_optimizer_ratio`` places whole sub-groups. DeepSpeed's default is 1e9.
         gradient_checkpointing: recompute activations in backward (HF ``gradient_checkpointing_enable``, non-reentrant).
         gradient_clipping: clip the global gradient 2-norm to this value; 0 disables clipping.
         lr_schedule, lr_warmup_steps, lr_total_steps, lr_min_ratio: see :func:`lr_factor`; ``lr_total_steps`` is
@@ -86,6 +95,8 @@ class DeepSpeedEngineConfig:
     weight_decay: float = 0.0
     offload_optimizer: bool = False
     offload_params: bool = False
+    offload_optimizer_ratio: float = 1.0
+    sub_group_elements: int = 1_000_000_000
     gradient_checkpointing: bool = False
     gradient_clipping: float = 1.0
     lr_schedule: Literal["constant", "cosine"] = "constant"
@@ -108,10 +119,31 @@ class DeepSpeedEngineConfig:
                              f"(got zero_stage={self.zero_stage}, offload_optimizer={self.offload_optimizer})")
         if self.offload_optimizer and self.zero_stage == 0:
             raise ValueError("DeepSpeedEngineConfig.offload_optimizer=True needs zero_stage >= 1 (got zero_stage=0)")
+        self._check_partial_offload()
         total = self.lr_total_steps
         if self.lr_schedule == "cosine" and (total is None or total <= self.lr_warmup_steps):
             raise ValueError(f"DeepSpeedEngineConfig.lr_total_steps={self.lr_total_steps}; lr_schedule='cosine' needs "
                              f"lr_total_steps > lr_warmup_steps={self.lr_warmup_steps}")
+
+    def _check_partial_offload(self) -> None:
+        ratio = self.offload_optimizer_ratio
+        if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 < ratio <= 1:
+            raise ValueError(f"DeepSpeedEngineConfig.offload_optimizer_ratio={ratio!r}; a fraction in (0, 1] (1: the "
+                             "whole optimizer in host memory; for none, offload_optimizer=False)")
+        elements = self.sub_group_elements
+        if isinstance(elements, bool) or not isinstance(elements, int) or elements < 1:
+            raise ValueError(f"DeepSpeedEngineConfig.sub_group_elements={elements!r}; must be an int >= 1")
+        if ratio == 1:
+            return
+        if not (self.offload_optimizer and self.zero_stage == 3 and self.optimizer == "fused_adam"):
+            raise ValueError(f"DeepSpeedEngineConfig.offload_optimizer_ratio={ratio} needs zero_stage=3, "
+                             f"offload_optimizer=True and optimizer='fused_adam' (got zero_stage={self.zero_stage}, "
+                             f"offload_optimizer={self.offload_optimizer}, optimizer={self.optimizer!r})")
+        if self.lr_schedule != "constant" or self.lr_warmup_steps:
+            raise ValueError(f"DeepSpeedEngineConfig.offload_optimizer_ratio={ratio} with lr_schedule="
+                             f"{self.lr_schedule!r}, lr_warmup_steps={self.lr_warmup_steps}: DeepSpeed steps the GPU "
+                             "part with its own optimizer, which the schedule does not reach; use a constant rate "
+                             "without warmup, or offload_optimizer_ratio=1")
 
     def _check_choices(self) -> None:
         if self.zero_stage not in (0, 1, 2, 3):
@@ -165,8 +197,11 @@ class DeepSpeedEngineConfig:
         if self.zero_stage == 3:
             zero["stage3_param_persistence_threshold"] = self.param_persistence_threshold
             zero["stage3_gather_16bit_weights_on_model_save"] = False
+            zero["sub_group_size"] = self.sub_group_elements
         if self.offload_optimizer and with_optimizer:
             zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+            if self.offload_optimizer_ratio < 1:
+                zero["offload_optimizer"]["ratio"] = self.offload_optimizer_ratio
         if self.offload_params:
             zero["offload_param"] = {"device": "cpu", "pin_memory": True}
         config: dict[str, Any] = {

@@ -2,12 +2,21 @@
 :class:`~rlhfkit.hybrid.HybridConfig` and its trainer roles, checked before Ray or any actor starts.
 
 Phases follow the hybrid engine: ``generating`` (the engines awake), ``training`` (the actor; ``training_critic``),
-``forward_<role>`` (reference, reward); a role with ``TrainerConfig.offload=False`` holds its states in every phase.
+``forward_<role>`` (reference, reward); a role with ``TrainerConfig.offload=False`` holds its weights, gradients and
+optimizer states on the GPU in every phase (its activations only in its own).
 Counts come from the model's config built on the meta device (no weights read). Activations are a first-order
 guess from the micro-batch token budget (layer inputs kept by gradient checkpointing, or every layer's working set
 without it, plus float32 logits): the estimate is a floor, so a run it refuses cannot fit, and one it passes may
 still run out of memory. An engine share (vLLM, SGLang) that the engine's weights fill, leaving no KV cache, is
-refused by the same estimate (:meth:`rlhfkit.placement.MemoryEstimate.check_fit`). Needs transformers.
+refused by the same estimate (:meth:`rlhfkit.placement.MemoryEstimate.check_fit`). An asleep vLLM / SGLang engine
+keeps ``ENGINE_ASLEEP_GIB`` on its GPU.
+
+Host memory (with a node size): what DeepSpeed's optimizer offload keeps there (``offload_optimizer_ratio`` of the
+fp32 masters, fp32 gradients and Adam moments, placed by whole sub-groups as DeepSpeed does; ZeRO-3's bf16 gradient
+partitions), the pinned buffers of roles that sleep to host memory (``TrainerConfig.offload``), the engine's
+level-1 weight backup (the start-up sleep of a colocated engine makes one, and the pinned-memory cache keeps it),
+:class:`~rlhfkit.placement.MemoryConfig`'s per-process and per-node reserves, and each model's whole host copy
+while it loads (roles load in the order given). Needs transformers.
 """
 
 from __future__ import annotations
@@ -18,7 +27,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["ModelShape", "estimate_hybrid_memory", "model_shape"]
+__all__ = ["ModelShape", "estimate_hybrid_memory", "model_shape", "offloaded_fraction"]
 
 _GIB = 1024**3
 
@@ -32,6 +41,7 @@ class ModelShape:
     intermediate_size: int
     num_layers: int
     vocab_size: int
+    param_sizes: tuple[int, ...] = ()  # element count of each parameter, in ``model.parameters()`` order
 
 
 def model_shape(path: str, *, model: torch.nn.Module | None = None) -> ModelShape:
@@ -44,7 +54,8 @@ def model_shape(path: str, *, model: torch.nn.Module | None = None) -> ModelShap
     config = model.config
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     hidden = int(text.hidden_size)
-    return ModelShape(num_params=sum(p.numel() for p in model.parameters()), hidden_size=hidden,
+    sizes = tuple(p.numel() for p in model.parameters())
+    return ModelShape(num_params=sum(sizes), param_sizes=sizes, hidden_size=hidden,
                       intermediate_size=int(getattr(text, "intermediate_size", 4 * hidden) or 4 * hidden),
                       num_layers=int(text.num_hidden_layers), vocab_size=int(text.vocab_size))
 
@@ -62,7 +73,26 @@ def _activation_gib(shape: ModelShape, *, tokens: int, bytes_per_value: int, tra
     return (kept + logits) / _GIB
 
 
-def _trainer_memory(shape: ModelShape, trainer: Any, role: str) -> Any:
+def offloaded_fraction(sizes: tuple[int, ...], *, ratio: float, sub_group_elements: int, world: int = 1) -> float:
+    """The share of the parameters whose optimizer DeepSpeed ZeRO-3 keeps in host memory at
+    ``offload_optimizer.ratio=ratio``: each rank's partitions (``ceil(size / world)``) are cut, in order, into
+    sub-groups that close once they reach ``sub_group_elements`` elements; the first ``int((1 - ratio) * n)`` of the
+    ``n`` sub-groups stay on the GPU (DeepSpeed 0.19's ``_create_fp16_sub_groups`` and ``_create_fp32_partitions``).
+    Whole sub-groups move, so a large embedding at the front can put far more than ``1 - ratio`` on the GPU."""
+    if ratio >= 1 or not sizes:
+        return 1.0 if ratio >= 1 else ratio
+    groups, current = [], 0
+    for size in sizes:
+        current += -(-size // world)
+        if current >= sub_group_elements:
+            groups.append(current)
+            current = 0
+    if current:
+        groups.append(current)
+    return 1.0 - sum(groups[:int((1 - ratio) * len(groups))]) / sum(groups)
+
+
+def _trainer_memory(shape: ModelShape, trainer: Any, role: str, *, world: int) -> Any:
     from rlhfkit.lora import LoraConfig
     from rlhfkit.placement import ModelMemory
 
@@ -76,36 +106,61 @@ def _trainer_memory(shape: ModelShape, trainer: Any, role: str) -> Any:
     bytes_per_value = 2 if ds.bf16 else 4
     activations = _activation_gib(shape, tokens=trainer.micro_batch_tokens, bytes_per_value=bytes_per_value,
                                   trains=trains, checkpointing=ds.gradient_checkpointing)
+    ratio = ds.offload_optimizer_ratio
+    if ratio < 1 and trainable is None:
+        ratio = offloaded_fraction(shape.param_sizes, ratio=ratio, sub_group_elements=ds.sub_group_elements,
+                                   world=world)
     return ModelMemory(num_params=shape.num_params, kind="trainable" if trains else "frozen",
                        bytes_per_param=bytes_per_value, grad_bytes_per_param=bytes_per_value,
                        optimizer_bytes_per_param=12.0 if ds.bf16 else 8.0, zero_stage=ds.zero_stage,
                        activation_gib=activations, num_trainable_params=trainable,
-                       offload_optimizer=ds.offload_optimizer and trains, offload_params=ds.offload_params)
+                       offload_optimizer=ds.offload_optimizer and trains, offload_params=ds.offload_params,
+                       offload_optimizer_ratio=ratio, asleep="host" if trainer.offload else "gpu")
+
+
+# GPU memory a vLLM / SGLang engine keeps while asleep besides its CUDA context: CUDA graphs and buffers outside its
+# sleep pool (the 1.5B scale run on an H100: ~1.3 GiB more than the trainers' states and contexts with it asleep).
+ENGINE_ASLEEP_GIB = {"graphs": 1.5, "eager": 0.5}
+
+
+def _engine_memory(config: Any, shape: ModelShape) -> Any:
+    """The engine role: a share of the GPU (vLLM, SGLang) or its weights (HF); in host memory its weights whenever it
+    ever sleeps at level 1 — the start-up sleep while the trainers load always does when colocated, and the pinned
+    backup stays in the engine process's pinned-memory cache after the wake."""
+    from rlhfkit.placement import ModelMemory
+
+    dtype_bytes = 2 if config.engine_dtype == "bfloat16" else 4
+    weights_gib = shape.num_params * dtype_bytes / _GIB
+    backs_up = config.engine_sleep_level == 1 or (config.colocate and not config.overlap)
+    asleep = 0.0 if config.engine == "hf" else ENGINE_ASLEEP_GIB["eager" if config.enforce_eager else "graphs"]
+    return ModelMemory(num_params=shape.num_params, kind="engine", bytes_per_param=dtype_bytes,
+                       engine_gib=weights_gib if config.engine == "hf" else None,
+                       host_gib=weights_gib / config.tensor_parallel_size if backs_up else 0.0,
+                       asleep_gib=asleep if config.colocate else 0.0)
 
 
 def estimate_hybrid_memory(config: Any, trainers: Mapping[str, Any], *, plan: Any, gpu_memory_gib: float,
+                           host_memory_gib: float | None = None,
                            meta_model: Callable[[str], torch.nn.Module] | None = None) -> Any:
-    """The per-GPU, per-phase :class:`~rlhfkit.placement.MemoryEstimate` of a hybrid run (see the module docs);
+    """The per-GPU, per-phase :class:`~rlhfkit.placement.MemoryEstimate` of a hybrid run (see the module docs), with
+    host memory per node when ``host_memory_gib`` is given (load phases in the order of ``trainers``);
     ``meta_model``: path -> the model built on the meta device (default :func:`rlhfkit.lora.meta_model`), called
     once per distinct path."""
     from rlhfkit.lora import meta_model as build_meta_model
-    from rlhfkit.placement import MemoryConfig, ModelMemory, estimate_memory
+    from rlhfkit.placement import MemoryConfig, estimate_memory
 
     build = meta_model or build_meta_model
     paths = dict.fromkeys([trainer.model or config.model for trainer in trainers.values()] + [config.model])
     shapes = {path: model_shape(path, model=build(path)) for path in paths}
-    models = {role: _trainer_memory(shapes[trainer.model or config.model], trainer, role)
+    models = {role: _trainer_memory(shapes[trainer.model or config.model], trainer, role,
+                                    world=len(plan.ranks(role)))
               for role, trainer in trainers.items()}
-    engine_shape = shapes[config.model]
-    dtype_bytes = 2 if config.engine_dtype == "bfloat16" else 4
-    engine_gib = engine_shape.num_params * dtype_bytes / _GIB if config.engine == "hf" else None
-    models["rollout"] = ModelMemory(num_params=engine_shape.num_params, kind="engine", bytes_per_param=dtype_bytes,
-                                    engine_gib=engine_gib)
-    resident = tuple(role for role, trainer in trainers.items() if not trainer.offload)
+    models["rollout"] = _engine_memory(config, shapes[config.model])
     names = {"actor": "training", "critic": "training_critic"}
-    phases = {"generating": ("rollout", *resident)}
+    phases = {"generating": ("rollout",)}  # an asleep trainer with offload=False keeps its states (asleep="gpu")
     for role in trainers:
-        phases[names.get(role, f"forward_{role}")] = tuple(dict.fromkeys((role, *resident)))
+        phases[names.get(role, f"forward_{role}")] = (role,)
     return estimate_memory(plan, models, MemoryConfig(gpu_memory_gib=gpu_memory_gib,
                                                       engine_memory_fraction=config.engine_memory_fraction,
-                                                      phases=phases))
+                                                      phases=phases, host_memory_gib=host_memory_gib,
+                                                      load_order=tuple(trainers)))

@@ -76,6 +76,9 @@ class HybridConfig:
         gpu_memory_gib: memory of one GPU for the fit check that :meth:`Hybrid.start` runs before anything starts
             (:class:`~rlhfkit.placement.MemoryFitError` naming the phase and the shortfall). None: the driver's
             first CUDA device when ``device="cuda"`` and it sees one, else no check.
+        host_memory_gib: host memory of one node for the same check (the host phases: DeepSpeed's optimizer
+            offload, trainers asleep in host memory, the engine's level-1 backup, process footprints, each model's
+            host copy while it loads). None: this machine's physical memory when ``device="cuda"``, else no check.
     """
 
     model: str
@@ -102,6 +105,7 @@ class HybridConfig:
     call_timeout_s: float = 900.0
     sync_timeout_s: float = 300.0
     gpu_memory_gib: float | None = None
+    host_memory_gib: float | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -122,10 +126,11 @@ class HybridConfig:
         for name in ("start_timeout_s", "call_timeout_s", "sync_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"HybridConfig.{name}={getattr(self, name)!r}; must be > 0 seconds")
-        if self.gpu_memory_gib is not None and (isinstance(self.gpu_memory_gib, bool)
-                                                or not isinstance(self.gpu_memory_gib, (int, float))
-                                                or not self.gpu_memory_gib > 0):
-            raise ValueError(f"HybridConfig.gpu_memory_gib={self.gpu_memory_gib!r}; GiB of one GPU (> 0) or None")
+        for name, what in (("gpu_memory_gib", "one GPU"), ("host_memory_gib", "one node's host memory")):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                      or not value > 0):
+                raise ValueError(f"HybridConfig.{name}={value!r}; GiB of {what} (> 0) or None")
         if self.device == "cpu" and self.engine in ("vllm", "sglang"):
             raise ValueError(f"HybridConfig(device='cpu') needs engine='hf' (engine={self.engine!r} is CUDA-only)")
         total, tp = self.num_gpus * self.num_nodes, self.tensor_parallel_size
@@ -513,21 +518,33 @@ def plan_gpus(config: HybridConfig, roles: tuple[str, ...]) -> Any:
 
 
 def check_fit(config: HybridConfig, trainers: Mapping[str, TrainerConfig], *,
-              meta_model: Callable[[str], Any] | None = None) -> None:
+              meta_model: Callable[[str], Any] | None = None) -> Any:
     """Raise :class:`~rlhfkit.placement.MemoryFitError` when the plan's memory estimate says a phase cannot fit one
-    GPU of ``config.gpu_memory_gib``, or the engines' share leaves no room for a KV cache (see
-    :mod:`rlhfkit.hybrid._fit`); nothing when the size is unknown. ``meta_model``: as for
-    :func:`~rlhfkit.hybrid._fit.estimate_hybrid_memory`."""
+    GPU of ``config.gpu_memory_gib`` or one node's ``config.host_memory_gib`` of host memory (``error.memory`` says
+    which), or the engines' share leaves no room for a KV cache (see :mod:`rlhfkit.hybrid._fit`); returns the
+    :class:`~rlhfkit.placement.MemoryEstimate` (None when the GPU size is unknown: no check). ``meta_model``: as
+    for :func:`~rlhfkit.hybrid._fit.estimate_hybrid_memory`."""
     from rlhfkit.hybrid._fit import estimate_hybrid_memory
 
-    gpu_gib = config.gpu_memory_gib
+    gpu_gib, host_gib = config.gpu_memory_gib, config.host_memory_gib
     if gpu_gib is None and config.device == "cuda":
         import torch
 
         if torch.cuda.is_available():
             gpu_gib = torch.cuda.get_device_properties(0).total_memory / 1024**3
+    if host_gib is None and config.device == "cuda":
+        host_gib = physical_memory_gib()
     if gpu_gib is None:
-        return
+        return None
     estimate = estimate_hybrid_memory(config, trainers, plan=plan_gpus(config, tuple(trainers)),
-                                      gpu_memory_gib=gpu_gib, meta_model=meta_model)
+                                      gpu_memory_gib=gpu_gib, host_memory_gib=host_gib, meta_model=meta_model)
     estimate.check_fit(what=f"the hybrid run of {config.model!r} on {config.total_gpus} GPU(s)")
+    return estimate
+
+
+def physical_memory_gib() -> float | None:
+    """This machine's physical memory in GiB (``SC_PAGE_SIZE * SC_PHYS_PAGES``); None where sysconf lacks them."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1024**3
+    except (ValueError, OSError, AttributeError):
+        return None

@@ -92,6 +92,11 @@ class TrainerConfig:
                 raise TypeError(f"TrainerConfig.{name}={getattr(self, name)!r}; must be True or False")
         if self.model is not None and not isinstance(self.model, str):
             raise TypeError(f"TrainerConfig.model={self.model!r}; expected a folder path (str) or None")
+        if self.offload and self.deepspeed.offload_optimizer_ratio < 1:
+            raise ValueError(f"TrainerConfig(offload=True) with deepspeed.offload_optimizer_ratio="
+                             f"{self.deepspeed.offload_optimizer_ratio}: the optimizer part DeepSpeed keeps on the GPU "
+                             "is not moved by its offload_states (sleeping would not free it); use offload=False "
+                             "(the role stays on the GPU, only the engines sleep) or offload_optimizer_ratio=1")
 
     def for_role(self, role: str) -> TrainerConfig:
         """This config as a role's worker gets it (trained roles: global loss normalisation)."""
