@@ -31,7 +31,13 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rlhfkit.data import ArithmeticTask, PromptDatasetConfig, arithmetic_accuracy, arithmetic_reward, prompt_batch
 from rlhfkit.engines import SamplingConfig
-from rlhfkit.experience import ExperienceConfig, engine_token_logprobs, iterate_minibatches, make_experience
+from rlhfkit.experience import (
+    ExperienceConfig,
+    engine_token_logprobs,
+    iterate_minibatches,
+    make_experience,
+    select_experience,
+)
 from rlhfkit.losses import kl_loss, model_logprobs, policy_loss
 from rlhfkit.multiturn import (
     MalformedToolCallError,
@@ -47,7 +53,7 @@ from rlhfkit.multiturn import (
 )
 from rlhfkit.openai_endpoint import OpenAIEndpoint, OpenAIEndpointConfig, session_to_rollout
 from rlhfkit.options import parse_options
-from rlhfkit.packing import global_counts
+from rlhfkit.packing import global_counts, partition_by_token_budget, register_varlen_attention
 from rlhfkit.rewards import apply_reward_function, rollout_texts
 from rlhfkit.tiny_models import TinyModelConfig, build_tiny_model
 
@@ -91,7 +97,7 @@ class Options:
     tiny: bool = False  # smoke run: 2 steps of a few short conversations
 
 
-CLIP, MINIBATCHES, SEED = 0.2, 2, 0
+CLIP, MINIBATCHES, MICRO_BATCH_TOKENS, SEED = 0.2, 2, 8192, 0
 
 
 def observation_template(tokenizer) -> str:
@@ -157,7 +163,9 @@ def load(options: Options):
                                                  TinyModelConfig(hidden_size=64, num_layers=2, seed=SEED),
                                                  exist_ok=True))
     tokenizer = AutoTokenizer.from_pretrained(path)
-    policy = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(options.device)
+    # packed sequences attend only within themselves (rlhfkit.packing's varlen attention), never a dense T x T mask
+    policy = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
+                                                  attn_implementation=register_varlen_attention()).to(options.device)
     reference = copy.deepcopy(policy).eval().requires_grad_(False)
     if options.engine == "vllm" and options.device != "cpu":
         from rlhfkit.engines.vllm import VLLMEngine, VLLMEngineConfig
@@ -195,25 +203,30 @@ def endpoint_rollouts(endpoint, records: list[dict], options: Options, step: int
 
 
 def train(experience, policy, optimizer, options: Options, step: int) -> dict[str, float]:
+    """PPO-clip + k3 KL over minibatches; each minibatch's gradient is accumulated over micro-batches of at most
+    MICRO_BATCH_TOKENS tokens (losses normalised by the whole minibatch's counts), then one AdamW step."""
     stats: dict[str, float] = {}
     minibatches = list(iterate_minibatches(experience, num_minibatches=min(MINIBATCHES, experience.num_seqs),
                                            seed=step))
     for mb in minibatches:
-        mb = mb.to(options.device)
-        batch, mask, cu = mb.batch, mb.batch.loss_mask, mb.batch.cu_seqlens  # mask: sampled tokens only
-        num_tokens, num_seqs = global_counts(mask, cu)
-        logprobs = model_logprobs(policy, batch, temperature=options.temperature)
-        loss, pstats = policy_loss(logprobs, mb.old_logprobs, mb.advantages, mask, cu, clip_low=CLIP,
-                                   clip_high=CLIP, num_tokens=num_tokens, num_seqs=num_seqs)
-        kl, kstats = kl_loss(logprobs, mb.ref_logprobs, mask, cu, estimator="k3", num_tokens=num_tokens,
-                             num_seqs=num_seqs)
+        num_tokens, num_seqs = global_counts(mb.batch.loss_mask, mb.batch.cu_seqlens)
+        micro_batches = partition_by_token_budget(mb.batch.cu_seqlens.diff(), max_tokens=MICRO_BATCH_TOKENS)
         optimizer.zero_grad(set_to_none=True)
-        (loss + options.kl_coef * kl).backward()
-        pstats["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0))
+        for indices in micro_batches:
+            micro = select_experience(mb, indices).to(options.device)
+            batch, mask, cu = micro.batch, micro.batch.loss_mask, micro.batch.cu_seqlens  # mask: sampled tokens
+            logprobs = model_logprobs(policy, batch, temperature=options.temperature, loss_tokens_only=True)
+            loss, pstats = policy_loss(logprobs, micro.old_logprobs, micro.advantages, mask, cu, clip_low=CLIP,
+                                       clip_high=CLIP, num_tokens=num_tokens, num_seqs=num_seqs)
+            kl, kstats = kl_loss(logprobs, micro.ref_logprobs, mask, cu, estimator="k3", num_tokens=num_tokens,
+                                 num_seqs=num_seqs)
+            (loss + options.kl_coef * kl).backward()
+            pstats |= {"loss": float(loss.detach()), "kl_loss": kstats["kl_mean"]}
+            for key, value in pstats.items():
+                stats[key] = stats.get(key, 0.0) + value / len(minibatches) / len(micro_batches)
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0))
+        stats["grad_norm"] = stats.get("grad_norm", 0.0) + grad_norm / len(minibatches)
         optimizer.step()
-        pstats |= {"loss": float(loss.detach()), "kl_loss": kstats["kl_mean"]}
-        for key, value in pstats.items():
-            stats[key] = stats.get(key, 0.0) + value / len(minibatches)
     return stats
 
 
@@ -275,9 +288,9 @@ def main(argv=None) -> list[dict]:
             with torch.no_grad():
                 experience, exp_stats = make_experience(
                     rollouts, torch.tensor(scores), config=config,
-                    policy_logprobs_fn=lambda b: model_logprobs(policy, b.to(options.device),
+                    policy_logprobs_fn=lambda b: model_logprobs(policy, b.to(options.device), loss_tokens_only=True,
                                                                 temperature=options.temperature),
-                    ref_logprobs_fn=lambda b: model_logprobs(reference, b.to(options.device),
+                    ref_logprobs_fn=lambda b: model_logprobs(reference, b.to(options.device), loss_tokens_only=True,
                                                              temperature=options.temperature))
             experience_engine = engine_token_logprobs(rollouts, experience.batch)
             mask = experience.batch.loss_mask
