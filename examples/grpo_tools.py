@@ -170,7 +170,7 @@ def load(options: Options):
     if options.engine == "vllm" and options.device != "cpu":
         from rlhfkit.engines.vllm import VLLMEngine, VLLMEngineConfig
 
-        engine = VLLMEngine(VLLMEngineConfig(model=path, gpu_memory_utilization=0.35, seed=SEED,
+        engine = VLLMEngine(VLLMEngineConfig(model=path, gpu_memory_utilization=0.35, seed=SEED, dtype="float32",
                                              max_model_len=options.max_total_tokens + options.max_new_tokens))
     else:
         from rlhfkit.engines.hf import HFEngine

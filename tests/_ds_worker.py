@@ -220,6 +220,38 @@ def check_train(stage: int, ctx) -> dict:
             "export": export, "hf_files": sorted(p.name for p in (saved / "hf").iterdir())}
 
 
+def check_lora(stage: int, ctx) -> dict:
+    """An actor with LoRA adapters (the base frozen): train, a sleep/wake round trip, train on; regression (issue
+    20): under ZeRO-3 DeepSpeed's offload_states mapped every parameter's shard, frozen ones included, onto the flat
+    buffer of the trainable ones and failed (``start + length exceeds dimension size``)."""
+    from rlhfkit.deepspeed_engine import DeepSpeedEngine
+    from rlhfkit.lora import LoraConfig
+
+    batch = _batch(200 + ctx.rank, ctx.vocab)
+    lora = LoraConfig(rank=4, alpha=8.0, target_modules=("q_proj", "v_proj"))
+    config = _config(stage, lr_warmup_steps=0, lr_schedule="constant")
+    torch.manual_seed(1)  # the adapters' initialisation
+    ref = DeepSpeedEngine.from_pretrained(ctx.model, role="actor", config=config, lora=lora)
+    ref_losses = []
+    for _ in range(3):
+        ref_losses.append(float(_nll(ref, batch)))
+        _train_step(ref, batch)
+    ref.destroy()
+    del ref
+    _release()
+    torch.manual_seed(1)
+    engine = DeepSpeedEngine.from_pretrained(ctx.model, role="actor", config=config, lora=lora)
+    losses = [float(_nll(engine, batch))]
+    _train_step(engine, batch)
+    round_trip = _sleep_round_trip(engine, batch)
+    for _ in range(2):
+        losses.append(float(_nll(engine, batch)))
+        _train_step(engine, batch)
+    frozen = sum(not p.requires_grad for p in engine.module.parameters())
+    engine.destroy()
+    return {"round_trip": round_trip, "losses": losses, "ref_losses": ref_losses, "frozen": frozen}
+
+
 def check_stream(stage: int, ctx, *, bf16: bool = False) -> dict:
     """Reference model: stream == file state dict; log-probs == naive per-sequence HF forward; sleep round trip."""
     from transformers import AutoModelForCausalLM
@@ -355,6 +387,7 @@ CHECKS = {
     "stream3_bf16": lambda ctx: check_stream(3, ctx, bf16=True),
     **{f"critic{s}": (lambda s: lambda ctx: check_critic(s, ctx))(s) for s in (2, 3)},
     **{f"norm{s}": (lambda s: lambda ctx: check_normalization(s, ctx))(s) for s in (1, 3)},
+    **{f"lora{s}": (lambda s: lambda ctx: check_lora(s, ctx))(s) for s in (1, 3)},
 }
 
 

@@ -175,14 +175,26 @@ def plan_sleep(ds_engine, *, zero_stage: int, has_optimizer: bool, offload_optim
                          note="ZeRO-1/2: DeepSpeed offload_states moves weights, masters and grads (its pinned "
                               "buffers kept across cycles); rlhfkit moves the optimizer states")
     fused = _is_fused_adam(ds_engine.optimizer.optimizer)
+    # DeepSpeed 0.19's ZeRO-3 offload_states(lp_params) maps the shard of *every* parameter onto the flat buffer of
+    # the trainable ones, so a model with frozen parameters (LoRA's base) fails ("start + length exceeds dimension
+    # size"); rlhfkit then moves the shards itself (with DeepSpeed's flat buffer, so its views stay aliased).
+    frozen = _has_frozen_parameters(ds_engine)
+    weights = () if frozen else (LP_PARAMS,)
+    how = "; rlhfkit moves the parameter shards (frozen parameters)" if frozen else ""
     if fused or offload_optimizer:
-        return SleepPlan(deepspeed_states=(HP_PARAMS, LP_PARAMS, LP_GRADS, GRAD_BUFFER, OPTIM_STATES),
-                         own_master_and_optimizer=False, own_module_params=False,
-                         note="ZeRO-3 with FusedAdam (or CPU optimizer): DeepSpeed offload_states moves everything")
-    return SleepPlan(deepspeed_states=(LP_PARAMS, LP_GRADS, GRAD_BUFFER), own_master_and_optimizer=True,
-                     own_module_params=False,
+        return SleepPlan(deepspeed_states=(HP_PARAMS, *weights, LP_GRADS, GRAD_BUFFER, OPTIM_STATES),
+                         own_master_and_optimizer=False, own_module_params=frozen,
+                         note="ZeRO-3 with FusedAdam (or CPU optimizer): DeepSpeed offload_states moves the states"
+                              + how)
+    return SleepPlan(deepspeed_states=(*weights, LP_GRADS, GRAD_BUFFER), own_master_and_optimizer=True,
+                     own_module_params=frozen,
                      note="ZeRO-3 with a torch optimizer: DeepSpeed moves bf16 shards and grads, rlhfkit moves fp32 "
-                          "master weights and optimizer states (DeepSpeed asserts FusedAdam for those)")
+                          "master weights and optimizer states (DeepSpeed asserts FusedAdam for those)" + how)
+
+
+def _has_frozen_parameters(ds_engine) -> bool:
+    module = getattr(ds_engine, "module", None)
+    return module is not None and any(not param.requires_grad for param in module.parameters())
 
 
 def _is_fused_adam(optimizer) -> bool:
@@ -225,6 +237,11 @@ def module_tensors(ds_engine, zero_stage: int, *, with_grads: bool) -> list[torc
             tensors.append(param)
             if with_grads and param.grad is not None:
                 tensors.append(param.grad)
+    if zero_stage == 3:  # DeepSpeed's flat buffer of the trainable shards and its views move with them
+        wrapper = getattr(ds_engine, "optimizer", None)
+        flats = [getattr(wrapper, "lp_param_buffer", None), *(getattr(wrapper, "fp16_partitioned_groups_flat", None)
+                                                               or [])]
+        tensors += [flat for flat in flats if isinstance(flat, torch.Tensor)]
     return tensors
 
 
