@@ -365,3 +365,36 @@ def test_grpo_tools_example_runs_two_steps_on_cpu(tiny_llama_path, tmp_path):
     assert all(row["engine_vs_trainer/mean_abs_logprob_diff"] < 1e-4 for row in rows)
     assert all(row["multiturn/ok"] == 4 and "multiturn/tool_calls_mean" in row for row in rows)
     assert (tmp_path / "metrics.jsonl").read_text().count("\n") == 2
+
+
+def test_grpo_tools_example_endpoint_rollouts_on_cpu(tiny_llama_path, tmp_path):
+    """--rollouts endpoint: agent code over the OpenAI API drives the same loop; every session becomes one rollout
+    whose sampled tokens the trainer scores as the engine did."""
+    example = load_example("grpo_tools")
+    rows = example.main(["--device", "cpu", "--tiny", "true", "--model", str(tiny_llama_path), "--out",
+                         str(tmp_path), "--rollouts", "endpoint"])
+    assert [row["step"] for row in rows] == [0, 1]
+    assert all(row["engine_vs_trainer/mean_abs_logprob_diff"] < 1e-4 for row in rows)
+    assert all(row["multiturn/failed"] == 0 and row["num_seqs"] == 4 for row in rows)
+
+
+def test_grpo_tools_agent_runs_tool_calls_and_feeds_results_back(monkeypatch):
+    """The example's agent: a tool call is run and its result sent back as the next user message; a malformed call
+    gets the error; an answer without a call ends the conversation."""
+    example = load_example("grpo_tools")
+    call = '<tool_call>{"name": "calculator", "arguments": {"expression": "598 * 691"}}</tool_call>'
+    answers = iter([call, "<tool_call>{", "413218"])
+    sent = []
+
+    def post(url, body):
+        sent.append([dict(m) for m in body["messages"]])
+        return {"choices": [{"message": {"role": "assistant", "content": next(answers)}}]}
+
+    monkeypatch.setattr(example, "post", post)
+    options = example.Options(max_turns=3)
+    stats = example.agent("http://unused/v1", "What is 598 * 691?", "s0", options)
+    assert stats == {"turns": 3, "tool_calls": 1, "tool_errors": 0}
+    assert sent[1][-2:] == [{"role": "assistant", "content": call},
+                            {"role": "user", "content": "<tool_response>413218</tool_response>"}]
+    assert sent[2][-1]["content"].startswith("<tool_response>error: ")  # the malformed call's message
+    assert sent[0][-1] == {"role": "user", "content": "What is 598 * 691?"} and len(sent) == 3
