@@ -136,7 +136,8 @@ class SleepPlan:
     ``deepspeed_states``: names passed to ``engine.offload_states(include=...)`` (minus ``lp_params`` when the
     weights are kept). ``own_master_and_optimizer``: move ZeRO-3 master weights (ZeRO-0: the parameters' grads) and
     optimizer states ourselves. ``own_optimizer_states``: move only the optimizer states ourselves (ZeRO-1/2).
-    ``own_module_params``: move the module's parameters ourselves. ``unsupported``: why this engine cannot sleep
+    ``own_module_params``: move the module's parameters ourselves. ``own_frozen_params``: move the parameters
+    that do not train ourselves (ZeRO-1/2, whose flat buffers hold only the trainable ones). ``unsupported``: why this engine cannot sleep
     (empty when it can). ``note``: why, for the log.
     """
 
@@ -145,6 +146,7 @@ class SleepPlan:
     own_module_params: bool
     note: str
     own_optimizer_states: bool = False
+    own_frozen_params: bool = False
     unsupported: str = ""
 
 
@@ -170,10 +172,13 @@ def plan_sleep(ds_engine, *, zero_stage: int, has_optimizer: bool, offload_optim
         return SleepPlan(deepspeed_states=(), own_master_and_optimizer=True, own_module_params=True,
                          note="ZeRO-0: DeepSpeed has no offload_states; rlhfkit moves parameters, grads, optimizer")
     if zero_stage in (1, 2):
+        # DeepSpeed's flat buffers hold the trainable weights only: frozen ones (LoRA's base) are moved by rlhfkit
+        frozen = _has_frozen_parameters(ds_engine)
         return SleepPlan(deepspeed_states=(HP_PARAMS, LP_PARAMS, LP_GRADS), own_master_and_optimizer=False,
-                         own_optimizer_states=True, own_module_params=False,
+                         own_optimizer_states=True, own_module_params=False, own_frozen_params=frozen,
                          note="ZeRO-1/2: DeepSpeed offload_states moves weights, masters and grads (its pinned "
-                              "buffers kept across cycles); rlhfkit moves the optimizer states")
+                              "buffers kept across cycles); rlhfkit moves the optimizer states"
+                              + (" and the frozen parameters" if frozen else ""))
     fused = _is_fused_adam(ds_engine.optimizer.optimizer)
     # DeepSpeed 0.19's ZeRO-3 offload_states(lp_params) maps the shard of *every* parameter onto the flat buffer of
     # the trainable ones, so a model with frozen parameters (LoRA's base) fails ("start + length exceeds dimension
@@ -297,6 +302,10 @@ def offload_engine(ds_engine, plan: SleepPlan, offloaders: dict[str, StorageOffl
     if plan.own_master_and_optimizer and "own_master" not in now:
         offloaders["own_master"].offload(master_and_optimizer_tensors(ds_engine, zero_stage), device=device)
         now.add("own_master")
+    if plan.own_frozen_params and not keep_weights and "own_params" not in now:
+        frozen = [param for param in ds_engine.module.parameters() if not param.requires_grad]
+        offloaders["own_params"].offload(frozen, device=device)
+        now.add("own_params")
     if plan.own_module_params and not keep_weights and "own_params" not in now:
         tensors = module_tensors(ds_engine, zero_stage, with_grads=plan.own_master_and_optimizer)
         offloaders["own_params"].offload(tensors, device=device)
