@@ -8,7 +8,8 @@ sleep mode on), the same workload, one after the other in one command on the sam
 
 Workload: 16 prompts x 8 samples of the built-in arithmetic task, 64 new tokens, fp32, 2 minibatches, engine memory
 share 0.15 for both. Step statistics are medians over the steps after the first. For each side: step time, the time
-of each phase, phase switches (sleep/wake + weight sync) as a fraction of the step, device-wide peak GPU memory
+of each phase, phase switches (sleep/wake + weight sync) as a fraction of the step, the bytes they copied and their
+pinned-copy floor (``switch``: medians of the ``switch/*`` keys, e.g. ``over_floor``), device-wide peak GPU memory
 (NVML; also per process at the device peak, each process named by its role), time from launch to the first step
 (wall clock from starting the process to the first step's start, for both sides), and the reward curve's ends.
 
@@ -37,7 +38,7 @@ WORKLOAD = {"prompts_per_step": 16, "samples_per_prompt": 8, "max_new_tokens": 6
 
 def summarize(rows: list[dict], launch_to_first_step_s: float | None = None) -> dict:
     timed = rows[1:] or rows
-    keys = sorted({key for row in timed for key in row if key.startswith("time/")})
+    keys = sorted({key for row in timed for key in row if key.startswith(("time/", "switch/"))})
     median = {key: statistics.median(row[key] for row in timed if key in row) for key in keys}
     peaks = {key: max(row[key] for row in rows if key in row) for key in {k for r in rows for k in r
                                                                             if k.startswith("mem/")}}
@@ -47,6 +48,9 @@ def summarize(rows: list[dict], launch_to_first_step_s: float | None = None) -> 
             if "engine_vs_trainer/mean_abs_logprob_diff" in row]
     return {"steps": len(rows), "step_s": median.get("time/step_s"), "median": median,
             "phase_switch_fraction": median.get("time/phase_switch_fraction"),
+            # bytes the switches copied and their pinned-copy floor (issue 18; floor keys only on a GPU)
+            "switch": {key.removeprefix("switch/"): value for key, value in median.items()
+                       if key.startswith("switch/")},
             "peak_memory_gib": max(peaks.values()) if peaks else None, "peak_memory_by_phase_gib": peaks,
             "launch_to_first_step_s": launch_to_first_step_s, "first_mean_reward": sum(rewards[:k]) / k,
             "last_mean_reward": sum(rewards[-k:]) / k, "max_abs_kl": max(abs(r.get("kl/mean", 0.0)) for r in rows),

@@ -34,6 +34,63 @@ def test_phase_timer_moves_worker_switch_time_to_sleep_wake():
         pass
 
 
+def test_phase_timer_reports_switch_bytes_and_their_copy_floor():
+    """Issue 18 item 2: the bytes given to count_switch/count_sync_bytes add up per step; with measured copy rates
+    the step reports floor_s = d2h / d2h rate + h2d / h2d rate + sync / d2d rate and over_floor = switch / floor."""
+    from rlhfkit.hybrid import CopyRates
+
+    timer = PhaseTimer()
+    timer.count_switch(0.5, bytes_d2h=10e9)  # before the step: not counted
+    timer.start_step()
+    with timer.phase("train"):
+        time.sleep(0.02)
+        timer.count_switch(0.01, bytes_d2h=2e9, bytes_h2d=1e9)
+    timer.count_switch(0.0, bytes_h2d=3e9)
+    with timer.phase("weight_sync"):
+        timer.count_sync_bytes(4e9)
+    row = timer.end_step()
+    assert (row["switch/bytes_d2h"], row["switch/bytes_h2d"], row["switch/bytes_sync"]) == (2e9, 4e9, 4e9)
+    assert "switch/floor_s" not in row and "switch/over_floor" not in row  # no rates, no floor
+
+    timer.copy_rates = CopyRates(h2d_bytes_per_s=50e9, d2h_bytes_per_s=40e9, d2d_bytes_per_s=1000e9, num_bytes=1,
+                                 device="cuda:0")
+    timer.start_step()
+    timer.count_switch(0.3, bytes_d2h=2e9, bytes_h2d=4e9)
+    timer.count_sync_bytes(4e9)
+    row = timer.end_step()
+    floor = 2e9 / 40e9 + 4e9 / 50e9 + 4e9 / 1000e9
+    assert row["switch/floor_s"] == pytest.approx(floor)
+    assert row["switch/over_floor"] == pytest.approx(row["time/phase_switch_s"] / floor)
+    assert row["switch/h2d_gb_per_s"] == pytest.approx(50.0)
+    with pytest.raises(ValueError, match="bytes_d2h=-1"):
+        timer.count_switch(0.1, bytes_d2h=-1)
+    with pytest.raises(ValueError, match="d2h_bytes_per_s=0"):
+        CopyRates(h2d_bytes_per_s=1.0, d2h_bytes_per_s=0, d2d_bytes_per_s=1.0, num_bytes=1, device="cuda:0")
+
+
+def test_measure_copy_rates_is_none_without_a_cuda_device_and_checks_its_arguments():
+    """Issue 18 item 2: on CPU there is no device copy to bound (None, not a made-up rate); bad sizes are refused."""
+    from rlhfkit.hybrid import measure_copy_rates
+
+    assert measure_copy_rates("cpu") is None
+    if not torch.cuda.is_available():
+        assert measure_copy_rates() is None
+    with pytest.raises(ValueError, match="num_bytes=0"):
+        measure_copy_rates("cpu", num_bytes=0)
+    with pytest.raises(ValueError, match="repeats=0"):
+        measure_copy_rates("cpu", repeats=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_measure_copy_rates_on_a_gpu():
+    from rlhfkit.hybrid import measure_copy_rates
+
+    rates = measure_copy_rates(num_bytes=64 * 1024**2, repeats=2)
+    assert rates is not None and rates.device.startswith("cuda")
+    assert 1e9 < rates.h2d_bytes_per_s < 1e12 and 1e9 < rates.d2h_bytes_per_s < 1e12  # PCIe/NVLink-C2C range
+
+
 def test_metrics_logger_writes_numbers_only(tmp_path):
     before = time.time()
     with MetricsLogger(tmp_path) as metrics:
@@ -152,6 +209,41 @@ def test_primitives_train_push_and_match_the_engine(hybrid):
     hybrid.engines.sleep(level=1)  # level 1 keeps the engine's weights: later tests generate without a push
     after = actor.forward(experience.batch)  # new weights: log-probs moved
     assert (after[mask] - trained[mask]).abs().max() > 1e-6
+
+
+@pytest.mark.slow
+@pytest.mark.ray
+def test_trainer_sleeps_and_wakes_report_the_bytes_they_copied(hybrid, tiny_llama_path):
+    """Issue 18 item 1: each step's row carries the bytes its trainer sleeps copied off the device and its wakes
+    brought back. A reference (no optimizer) moves exactly its parameters each way; a full-parameter actor after an
+    optimizer step moves at least its parameters (its Adam states alone are twice that); a wake brings back what
+    the sleep before it moved."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_llama_path), dtype=torch.float32)
+    param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    timer, actor = hybrid.timer, hybrid.trainers["actor"]
+    experience = _experience(hybrid)  # the engines generated and went back to sleep
+
+    timer.start_step()
+    hybrid.trainers["reference"].forward(experience.batch)  # wake, forward, sleep
+    row = timer.end_step()
+    assert row["switch/bytes_h2d"] == row["switch/bytes_d2h"] == param_bytes, row
+    assert "switch/floor_s" not in row  # CPU: no copy rates, no floor
+
+    actor.forward_backward(experience, pg_loss)
+    actor.optim_step(sleep_after=True)
+    timer.start_step()
+    actor.wake()
+    actor.sleep()
+    first = timer.end_step()
+    timer.start_step()
+    actor.wake()
+    actor.sleep()
+    second = timer.end_step()
+    assert first["switch/bytes_d2h"] >= 2 * param_bytes, first  # Adam's exp_avg and exp_avg_sq at least
+    assert second["switch/bytes_h2d"] == first["switch/bytes_d2h"], (first, second)
+    assert second["switch/bytes_d2h"] == first["switch/bytes_d2h"], (first, second)  # the same states each cycle
 
 
 @pytest.mark.slow

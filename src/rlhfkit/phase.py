@@ -240,7 +240,8 @@ class TCPPhaseStore:
 
 @dataclass(frozen=True, kw_only=True)
 class Transition:
-    """One guarded transition. Memory fields are bytes of this process's view of the device (None without CUDA)."""
+    """One guarded transition. Memory fields are bytes of this process's view of the device (None without CUDA).
+    ``result``: what the model's ``sleep()``/``wake_up()`` returned (e.g. a DeepSpeed engine's stats), or None."""
 
     action: str
     role: str
@@ -250,6 +251,7 @@ class Transition:
     allocated: int | None
     reserved: int | None
     free: int | None
+    result: Any = None
 
 
 def _memory(device: torch.device | None) -> tuple[int | None, int | None, int | None]:
@@ -313,14 +315,14 @@ class PhaseGuard:
                 f"cannot wake '{role}' on GPU {gpu}{where}: '{other_role}' is awake there"
                 f"{f' ({other_owner})' if other_owner else ''}; put '{other_role}' to sleep first "
                 f"(guard.sleep('{other_role}', ...))")
-        start = time.perf_counter()
+        start, result = time.perf_counter(), None
         try:
             if model is not None:
-                model.wake_up(**wake_kwargs)
+                result = model.wake_up(**wake_kwargs)
         except BaseException:
             self.store.release(gpu, f"{role}{_OWNER_SEP}{owner}")
             raise
-        return self._record("wake", role, gpu, phase, time.perf_counter() - start)
+        return self._record("wake", role, gpu, phase, time.perf_counter() - start, result)
 
     def sleep(self, role: str, model: Sleepable | None = None, *, gpu: str | None = None, phase: str | None = None,
               **sleep_kwargs: Any) -> Transition:
@@ -329,15 +331,15 @@ class PhaseGuard:
         released only when that model woke it; ``model=None`` releases ``role``'s claim whoever made it (a driver
         releasing on behalf of a process that put its model to sleep itself)."""
         gpu = self._gpu(gpu)
-        start = time.perf_counter()
+        start, result = time.perf_counter(), None
         if model is not None:
-            model.sleep(**sleep_kwargs)
+            result = model.sleep(**sleep_kwargs)
             self.store.release(gpu, f"{role}{_OWNER_SEP}{_owner(model)}")
         else:
             holder = self.store.holder(gpu)
             if holder is not None and _split_holder(holder)[0] == role:
                 self.store.release(gpu, holder)
-        return self._record("sleep", role, gpu, phase, time.perf_counter() - start)
+        return self._record("sleep", role, gpu, phase, time.perf_counter() - start, result)
 
     @contextlib.contextmanager
     def phase(self, name: str, role: str, model: Sleepable | None = None, *, gpu: str | None = None,
@@ -357,10 +359,11 @@ class PhaseGuard:
             logger.warning("phase guard: force-released '%s' (%s) on GPU %s", *_split_holder(holder), gpu)
         return None if holder is None else _split_holder(holder)[0]
 
-    def _record(self, action: str, role: str, gpu: str, phase: str | None, seconds: float) -> Transition:
+    def _record(self, action: str, role: str, gpu: str, phase: str | None, seconds: float,
+                result: Any = None) -> Transition:
         allocated, reserved, free = _memory(self.device)
         transition = Transition(action=action, role=role, gpu=gpu, phase=phase, seconds=seconds,
-                                allocated=allocated, reserved=reserved, free=free)
+                                allocated=allocated, reserved=reserved, free=free, result=result)
         self.history.append(transition)
         where = f" (phase {phase})" if phase else ""
         if allocated is None:

@@ -113,6 +113,7 @@ class DeepSpeedEngine:
             offload_optimizer=config.offload_optimizer, offload_params=config.offload_params)
         self._offloaders = {"own_master": sleeping.StorageOffloader(), "own_params": sleeping.StorageOffloader()}
         self._offloaded: set[str] = set()
+        self._offloaded_bytes = 0  # copied off the device by the sleeps since the last wake
         self._asleep = False
         self._weights_kept = False
         self._pending_losses: list[torch.Tensor] = []
@@ -247,7 +248,8 @@ class DeepSpeedEngine:
         """Move this rank's parameters, gradients and optimizer states to pinned host memory, then empty the CUDA
         cache. ``keep_weights=True`` leaves the bf16 weights (ZeRO-3: this rank's shards) on the device so that
         :meth:`named_parameters_for_sync` still works; a later ``sleep()`` moves them too. Returns timing/memory stats
-        (seconds, and allocated/reserved bytes before and after on CUDA)."""
+        (seconds, and allocated/reserved bytes before and after on CUDA) and ``bytes_moved``: the bytes this call
+        copied device -> host (rlhfkit's copies plus the state storages DeepSpeed's ``offload_states`` moved)."""
         if self._asleep and (keep_weights or not self._weights_kept):
             return {}
         if self._sleep_plan.unsupported or (self.has_optimizer and self.config.zero_stage == 0 and self.config.bf16):
@@ -256,12 +258,14 @@ class DeepSpeedEngine:
                                          "bf16 wrapper keeps private flat buffers); use zero_stage >= 1"))
         before = sleeping.device_memory(self.device)
         start = time.perf_counter()
-        self._offloaded = sleeping.offload_engine(self.ds_engine, self._sleep_plan, self._offloaders,
-                                                  zero_stage=self.config.zero_stage, keep_weights=keep_weights,
-                                                  done=self._offloaded)
+        self._offloaded, moved = sleeping.offload_engine(self.ds_engine, self._sleep_plan, self._offloaders,
+                                                         zero_stage=self.config.zero_stage, keep_weights=keep_weights,
+                                                         done=self._offloaded)
         seconds = time.perf_counter() - start
         self._asleep, self._weights_kept = True, keep_weights
+        self._offloaded_bytes += moved
         stats = self._log_transition("asleep" + (" (weights kept)" if keep_weights else ""), before, seconds)
+        stats["bytes_moved"] = float(moved)
         stats["pin_seconds"] = sum(offloader.last_pin_seconds for offloader in self._offloaders.values())
         stats["resident_state_bytes"] = float(self.resident_state_bytes(include_weights=not keep_weights))
         if stats["resident_state_bytes"] and not self.config.offload_params:
@@ -287,7 +291,8 @@ class DeepSpeedEngine:
         return {"sleep_seconds": slept.get("seconds", 0.0), "wake_seconds": woke.get("seconds", 0.0)}
 
     def wake_up(self) -> dict[str, float]:
-        """Bring back everything :meth:`sleep` moved (bit-identical); a no-op when awake."""
+        """Bring back everything :meth:`sleep` moved (bit-identical); a no-op when awake. Returns timing/memory stats
+        and ``bytes_moved``: host -> device bytes, those the sleeps since the last wake moved off."""
         if not self._asleep:
             return {}
         before = sleeping.device_memory(self.device)
@@ -295,7 +300,8 @@ class DeepSpeedEngine:
         sleeping.reload_engine(self.ds_engine, self._offloaders, self._offloaded)
         seconds = time.perf_counter() - start
         self._offloaded, self._asleep, self._weights_kept = set(), False, False
-        return self._log_transition("awake", before, seconds)
+        moved, self._offloaded_bytes = self._offloaded_bytes, 0
+        return self._log_transition("awake", before, seconds) | {"bytes_moved": float(moved)}
 
     def _log_transition(self, what: str, before: dict[str, float], seconds: float) -> dict[str, float]:
         after = sleeping.device_memory(self.device)

@@ -12,6 +12,7 @@ Two mechanisms, chosen per state:
   states (DeepSpeed would allocate fresh pinned buffers for them at every sleep).
 
 :func:`resident_state_bytes` checks the result: the bytes of the engine's state storages still on a GPU.
+:func:`offload_engine` also counts the bytes it copied off the device (the phase switch's share of the copy floor).
 
 Internal to :mod:`rlhfkit.deepspeed_engine`; needs deepspeed only through the engine object it is handed.
 """
@@ -270,49 +271,60 @@ def state_tensors(ds_engine, zero_stage: int, *, include_weights: bool = True) -
     return tensors
 
 
+def _storages(tensors: Iterable[torch.Tensor], device_type: str) -> dict[int, int]:
+    """``{data_ptr: nbytes}`` of the distinct storages behind ``tensors`` on devices of ``device_type``."""
+    storages: dict[int, int] = {}
+    for tensor in tensors:
+        if isinstance(tensor, torch.Tensor) and tensor.device.type == device_type:
+            storage = tensor.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+    return storages
+
+
 def resident_state_bytes(ds_engine, zero_stage: int, *, include_weights: bool = True) -> int:
     """Bytes of the distinct CUDA storages behind :func:`state_tensors` (0 after a complete sleep; the check that
     ``sleep()`` really moved the states, not just flagged them)."""
-    storages: dict[int, int] = {}
-    for tensor in state_tensors(ds_engine, zero_stage, include_weights=include_weights):
-        if isinstance(tensor, torch.Tensor) and tensor.device.type == "cuda":
-            storage = tensor.untyped_storage()
-            storages[storage.data_ptr()] = storage.nbytes()
-    return sum(storages.values())
+    return sum(_storages(state_tensors(ds_engine, zero_stage, include_weights=include_weights), "cuda").values())
 
 
 def offload_engine(ds_engine, plan: SleepPlan, offloaders: dict[str, StorageOffloader], *, zero_stage: int,
-                   keep_weights: bool, done: set[str]) -> set[str]:
-    """Move what ``plan`` says (skipping what is in ``done``); returns the names of the states now offloaded."""
+                   keep_weights: bool, done: set[str]) -> tuple[set[str], int]:
+    """Move what ``plan`` says (skipping what is in ``done``); returns the names of the states now offloaded and the
+    bytes copied off the device: :class:`StorageOffloader`'s count, plus, for DeepSpeed's ``offload_states``, the
+    distinct state storages on the device before it that no state tensor uses after it. (On a CPU "device" DeepSpeed's
+    ZeRO-1/2 ``reload_states`` leaves its states in its host buffers, so later sleeps count only rlhfkit's part.)"""
     device = ds_engine.device if isinstance(ds_engine.device, torch.device) else torch.device(ds_engine.device)
-    now = set(done)
+    now, moved = set(done), 0
     if hasattr(ds_engine, "empty_partition_cache") and zero_stage == 3:
         ds_engine.empty_partition_cache()
     include = [s for s in plan.deepspeed_states if s not in now and not (keep_weights and s == LP_PARAMS)]
     if include:
         enum = _offload_state_enum()
+        before = _storages(state_tensors(ds_engine, zero_stage), device.type)
         # ZeRO-1/2: DeepSpeed clears the master-weight views of the optimizer states (``_hp_mapping``) when it moves
         # the masters, so the optimizer states are moved after it and are free to go.
         ds_engine.offload_states(include=[enum(s) for s in include], pin_memory=True, non_blocking=True)
         _synchronize(device)  # the device->host copies are queued; the host copies must be complete when we return
+        after = _storages(state_tensors(ds_engine, zero_stage), device.type)
+        moved += sum(nbytes for pointer, nbytes in before.items() if pointer not in after)
         now.update(include)
     if plan.own_optimizer_states and "own_master" not in now:
-        offloaders["own_master"].offload(optimizer_state_tensors(ds_engine, zero_stage), device=device)
+        moved += offloaders["own_master"].offload(optimizer_state_tensors(ds_engine, zero_stage), device=device)
         now.add("own_master")
     if plan.own_master_and_optimizer and "own_master" not in now:
-        offloaders["own_master"].offload(master_and_optimizer_tensors(ds_engine, zero_stage), device=device)
+        moved += offloaders["own_master"].offload(master_and_optimizer_tensors(ds_engine, zero_stage), device=device)
         now.add("own_master")
     if plan.own_frozen_params and not keep_weights and "own_params" not in now:
         frozen = [param for param in ds_engine.module.parameters() if not param.requires_grad]
-        offloaders["own_params"].offload(frozen, device=device)
+        moved += offloaders["own_params"].offload(frozen, device=device)
         now.add("own_params")
     if plan.own_module_params and not keep_weights and "own_params" not in now:
         tensors = module_tensors(ds_engine, zero_stage, with_grads=plan.own_master_and_optimizer)
-        offloaders["own_params"].offload(tensors, device=device)
+        moved += offloaders["own_params"].offload(tensors, device=device)
         now.add("own_params")
     if device.type == "cuda":
         release_cuda_caches()
-    return now
+    return now, moved
 
 
 def release_cuda_caches() -> None:

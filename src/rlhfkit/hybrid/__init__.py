@@ -10,6 +10,8 @@ What it gives you (your script keeps the loop, the advantages, the minibatch loo
 - :class:`RolloutEngines`: ``generate`` (= ``sample``), ``sleep``/``wake`` under the phase guard, weight versions.
 - :class:`PhaseTimer`, :class:`GpuMemorySampler`, :class:`MetricsLogger`: per-phase time and peak GPU memory from any
   script; JSONL by default, Weights & Biases or TensorBoard when installed and asked for.
+- :func:`measure_copy_rates` / :class:`CopyRates`: the device's pinned host<->device copy rates, the floor the timer
+  holds the phase switches' copied bytes against (``switch/floor_s``, ``switch/over_floor``).
 - Errors naming role, rank and phase: :class:`HybridCallError`, :class:`RoleAsleepError`,
   :class:`LossFunctionError`, :class:`EnginesBusyError`.
 
@@ -18,6 +20,7 @@ and ``rlhfkit[deepspeed]`` (and ``rlhfkit[vllm]`` for vLLM engines), imported wh
 See ``docs/hybrid.md``.
 """
 
+from rlhfkit.hybrid._copy_floor import CopyRates, measure_copy_rates
 from rlhfkit.hybrid._engines import RolloutEngines
 from rlhfkit.hybrid._errors import EnginesBusyError, HybridCallError, LossFunctionError, RoleAsleepError
 from rlhfkit.hybrid._launch import Hybrid, HybridConfig
@@ -25,6 +28,7 @@ from rlhfkit.hybrid._timer import GpuMemorySampler, MetricsLogger, PhaseTimer
 from rlhfkit.hybrid._trainer import LossFn, TrainerConfig, TrainerGroup
 
 __all__ = [
+    "CopyRates",
     "EnginesBusyError",
     "GpuMemorySampler",
     "Hybrid",
@@ -38,4 +42,5 @@ __all__ = [
     "RolloutEngines",
     "TrainerConfig",
     "TrainerGroup",
+    "measure_copy_rates",
 ]

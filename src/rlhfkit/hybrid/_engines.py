@@ -38,30 +38,40 @@ class GuardedEngineMixin:
         self._guard, self._gpus, self._events = PhaseGuard(store), tuple(gpus), []
         self._resident = False
 
-    def guarded_sleep(self, level: int, phase: str) -> float:
-        """Sleep at ``level`` (0: stay resident, only the guard's claim is released); returns seconds."""
+    def guarded_sleep(self, level: int, phase: str) -> dict[str, float]:
+        """Sleep at ``level`` (0: stay resident, only the guard's claim is released); returns ``switch_s`` and
+        ``bytes_d2h`` (what the engine's ``sleep`` reports it copied to host; 0 when it reports nothing)."""
         self._resident = level == 0
-        seconds = 0.0
+        seconds, moved = 0.0, 0.0
         for index, gpu in enumerate(self._gpus):
             model, kwargs = (self, {"level": level}) if index == 0 and level else (None, {})
             transition = self._guard.sleep(self.role, model, gpu=gpu, phase=phase, **kwargs)
             self._events.append(transition_record(transition, rank=self.engine_index))
             seconds += transition.seconds
-        return seconds
+            moved += _bytes_moved(transition.result)
+        return {"switch_s": seconds, "bytes_d2h": moved}
 
-    def guarded_wake(self, tags: Sequence[str] | None, phase: str) -> float:
-        """Claim every GPU of the engine, then wake ``tags`` (None: everything); returns seconds."""
-        seconds = 0.0
+    def guarded_wake(self, tags: Sequence[str] | None, phase: str) -> dict[str, float]:
+        """Claim every GPU of the engine, then wake ``tags`` (None: everything); returns ``switch_s`` and
+        ``bytes_h2d`` (what the engine's ``wake_up`` reports it copied back)."""
+        seconds, moved = 0.0, 0.0
         for index, gpu in reversed(list(enumerate(self._gpus))):
             model, kwargs = (self, {"tags": tags}) if index == 0 and not self._resident else (None, {})
             transition = self._guard.wake(self.role, model, gpu=gpu, phase=phase, **kwargs)
             self._events.append(transition_record(transition, rank=self.engine_index))
             seconds += transition.seconds
-        return seconds
+            moved += _bytes_moved(transition.result)
+        return {"switch_s": seconds, "bytes_h2d": moved}
 
     def guard_events(self) -> list[dict[str, Any]]:
         events, self._events = self._events, []
         return events
+
+
+def _bytes_moved(result: Any) -> float:
+    """The ``bytes_moved`` an engine's sleep/wake_up returned (vLLM's does; engines that return None moved 0 that
+    they can tell of)."""
+    return float(result.get("bytes_moved", 0.0)) if isinstance(result, dict) else 0.0
 
 
 class HFEngineActor(GuardedEngineMixin):
@@ -182,9 +192,12 @@ class RolloutEngines:
     def generating(self) -> bool:
         return self._generating > 0
 
-    def _switch(self, seconds: list[float]) -> None:
-        if self.timer is not None and seconds:
-            self.timer.count_switch(max(seconds))
+    def _switch(self, results: list[dict[str, float]]) -> None:
+        """The slowest engine's time and the largest engine's bytes (engines switch in parallel, on their GPUs)."""
+        if self.timer is not None and results:
+            self.timer.count_switch(max(result["switch_s"] for result in results),
+                                    bytes_d2h=max(result.get("bytes_d2h", 0.0) for result in results),
+                                    bytes_h2d=max(result.get("bytes_h2d", 0.0) for result in results))
 
     def wake(self, tags: Sequence[str] | None = None, *, phase: str = "generate") -> None:
         self._switch(self.group.call("guarded_wake", list(tags) if tags else None, phase))

@@ -263,7 +263,11 @@ class Hybrid:
         mark = time.perf_counter()
         self.startup["processes_s"] = mark - started
         for role, trainer_config in configs.items():  # one role at a time: each claims the GPU while it loads
-            self._workers[role].call("load", trainer_config, timeout_s=self.config.start_timeout_s)
+            # the actor's process measures its pinned copy rates (the floor of the switches) before its model loads
+            loaded = self._workers[role].call("load", trainer_config, measure_copy_rates=role == "actor",
+                                              timeout_s=self.config.start_timeout_s)
+            if role == "actor":
+                self.timer.copy_rates = loaded[0]["copy_rates"]
             self.trainers[role] = TrainerGroup(self._workers[role], trainer_config, timer=self.timer)
             self.startup[f"{role}_load_s"], mark = time.perf_counter() - mark, time.perf_counter()
         self.startup["models_s"] = time.perf_counter() - started - self.startup["processes_s"]
@@ -438,10 +442,11 @@ class Hybrid:
                 ray.get(ref)  # an engine's own error says more than the sender's timeout
             raise
         received = ray.get(receiving, timeout=self.config.sync_timeout_s)
-        timer.count_switch(max(trainer.workers.gather(sleeping)))
+        trainer._account(trainer.workers.gather(sleeping))
         if colocated:
             engines.wake(["kv_cache"], phase="generate")
         report = next(item for item in sent if item)
+        timer.count_sync_bytes(float(report["bytes"]))
         self._pushed_version, trainer.steps_since_push = int(report["version"]), 0
         versions = [int(worker["version"]) for reports in received for worker in reports]
         return {"sync/version": float(report["version"]), "sync/bytes": float(report["bytes"]),

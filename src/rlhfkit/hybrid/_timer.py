@@ -3,7 +3,9 @@
 :class:`PhaseTimer` is usable from any script: ``with timer.phase("generate"): ...``. Phase names are yours; a phase
 may repeat in a step (times add up). Time that a phase spent putting models to sleep or waking them (measured inside
 the workers) is moved to the ``sleep_wake`` phase with :meth:`PhaseTimer.count_switch`, so a step's breakdown shows
-the price of time-sharing the GPU. Peak memory is device-wide (NVML: every process, vLLM's pool included), sampled by a
+the price of time-sharing the GPU; the bytes those sleeps, wakes and weight syncs copied are counted too, and with
+the device's measured copy rates (:attr:`PhaseTimer.copy_rates`, :func:`rlhfkit.hybrid.measure_copy_rates`) the
+step reports how far its switches are from the pinned-copy floor. Peak memory is device-wide (NVML: every process, vLLM's pool included), sampled by a
 thread every few milliseconds; without NVML or a GPU it is simply absent. Nothing here needs Ray or DeepSpeed.
 """
 
@@ -112,17 +114,25 @@ class PhaseTimer:
     Call :meth:`start_step`, time phases with :meth:`phase`, then :meth:`end_step` returns the step's row:
     ``time/<phase>_s``, ``time/step_s``, ``time/phase_switch_s`` (``sleep_wake`` + ``weight_sync``),
     ``time/phase_switch_fraction`` and ``mem/<phase>_peak_gib`` (device-wide, GiB; per GPU too with several).
+
+    Bytes moved (given to :meth:`count_switch` and :meth:`count_sync_bytes`): ``switch/bytes_d2h`` (device -> host,
+    sleeps), ``switch/bytes_h2d`` (host -> device, wakes) and ``switch/bytes_sync`` (the weight sync). With
+    ``copy_rates`` set (:class:`~rlhfkit.hybrid.CopyRates`, measured on the device): ``switch/floor_s`` =
+    ``bytes_d2h / d2h rate + bytes_h2d / h2d rate + bytes_sync / d2d rate`` (the copies alone),
+    ``switch/over_floor`` = ``time/phase_switch_s / switch/floor_s`` and the rates (``switch/{h2d,d2h,d2d}_gb_per_s``).
     """
 
-    def __init__(self, sampler: GpuMemorySampler | None = None) -> None:
+    def __init__(self, sampler: GpuMemorySampler | None = None, *, copy_rates: Any = None) -> None:
         self.sampler = sampler
+        self.copy_rates = copy_rates  # a CopyRates (or None: no floor reported)
+        self._bytes: dict[str, float] = defaultdict(float)
         self.times: dict[str, float] = defaultdict(float)
         self._moved: dict[str, float] = defaultdict(float)
         self._current: str | None = None
         self._started: float | None = None
 
     def start_step(self) -> None:
-        self.times, self._moved = defaultdict(float), defaultdict(float)
+        self.times, self._moved, self._bytes = defaultdict(float), defaultdict(float), defaultdict(float)
         self._started = time.perf_counter()
         if self.sampler is not None:
             self.sampler.take()
@@ -144,9 +154,15 @@ class PhaseTimer:
             if self.sampler is not None:
                 self.sampler.set_phase(None)
 
-    def count_switch(self, seconds: float, *, phase: str | None = None) -> None:
+    def count_switch(self, seconds: float, *, phase: str | None = None, bytes_d2h: float = 0.0,
+                     bytes_h2d: float = 0.0) -> None:
         """Count ``seconds`` of ``phase`` (default: the phase running now) as ``sleep_wake``: the workers' own
-        sleep/wake time inside a call that also did other work. Outside any phase it is added to ``sleep_wake``."""
+        sleep/wake time inside a call that also did other work. Outside any phase it is added to ``sleep_wake``.
+        ``bytes_d2h`` / ``bytes_h2d``: what those sleeps / wakes copied (per GPU: ranks copy in parallel)."""
+        for name, value in (("bytes_d2h", bytes_d2h), ("bytes_h2d", bytes_h2d)):
+            if not value >= 0:
+                raise ValueError(f"count_switch({name}={value!r}); give a byte count >= 0")
+            self._bytes[name] += value
         if not seconds > 0:
             return
         source = phase or self._current
@@ -154,6 +170,26 @@ class PhaseTimer:
             self.times["sleep_wake"] += seconds
         elif source not in SWITCH_PHASES:
             self._moved[source] += seconds
+
+    def count_sync_bytes(self, num_bytes: float) -> None:
+        """Count ``num_bytes`` a weight sync moved into the engines in this step."""
+        if not num_bytes >= 0:
+            raise ValueError(f"count_sync_bytes({num_bytes!r}); give a byte count >= 0")
+        self._bytes["bytes_sync"] += num_bytes
+
+    def _switch_bytes(self, switch_s: float) -> dict[str, float]:
+        moved = {name: self._bytes.get(name, 0.0) for name in ("bytes_d2h", "bytes_h2d", "bytes_sync")}
+        row = {f"switch/{name}": value for name, value in moved.items()}
+        rates = self.copy_rates
+        if rates is None:
+            return row
+        floor = rates.floor_seconds(bytes_d2h=moved["bytes_d2h"], bytes_h2d=moved["bytes_h2d"],
+                                    bytes_d2d=moved["bytes_sync"])
+        row |= {"switch/floor_s": floor, "switch/h2d_gb_per_s": rates.h2d_bytes_per_s / 1e9,
+                "switch/d2h_gb_per_s": rates.d2h_bytes_per_s / 1e9, "switch/d2d_gb_per_s": rates.d2d_bytes_per_s / 1e9}
+        if floor > 0:
+            row["switch/over_floor"] = switch_s / floor
+        return row
 
     def end_step(self) -> dict[str, float]:
         if self._started is None:
@@ -167,6 +203,7 @@ class PhaseTimer:
         row = {f"time/{name}_s": seconds for name, seconds in self.times.items()} | {"time/step_s": step}
         switch = sum(self.times.get(name, 0.0) for name in SWITCH_PHASES)
         row |= {"time/phase_switch_s": switch, "time/phase_switch_fraction": switch / step if step > 0 else 0.0}
+        row |= self._switch_bytes(switch)
         if self.sampler is not None:
             for name, per_gpu in self.sampler.take().items():
                 row[f"mem/{name}_peak_gib"] = max(per_gpu) / _GIB

@@ -157,8 +157,12 @@ class TrainerGroup:
         return out
 
     def _account(self, results: list[dict[str, Any]]) -> None:
+        """Report the ranks' sleep/wake time and bytes to the timer: the slowest rank's time and the largest rank's
+        bytes (the ranks copy in parallel, each on its own GPU)."""
         if self.timer is not None:
-            self.timer.count_switch(max(result.get("switch_s", 0.0) for result in results))
+            self.timer.count_switch(max(result.get("switch_s", 0.0) for result in results),
+                                    bytes_d2h=max(result.get("bytes_d2h", 0.0) for result in results),
+                                    bytes_h2d=max(result.get("bytes_h2d", 0.0) for result in results))
         self.peak_gib = max([self.peak_gib] + [result.get("peak_gib", 0.0) for result in results])
 
     def forward(self, batch: PackedBatch, *, output: str = "logprobs", temperature: float = 1.0, wake: bool = True,
@@ -227,14 +231,10 @@ class TrainerGroup:
         return {f"{self.role}/{key}": value for key, value in results[0]["stats"].items()}
 
     def sleep(self, *, keep_weights: bool = False, phase: str = "sleep") -> None:
-        seconds = self.workers.call("sleep", phase, keep_weights)
-        if self.timer is not None:
-            self.timer.count_switch(max(seconds))
+        self._account(self.workers.call("sleep", phase, keep_weights))
 
     def wake(self, *, phase: str = "wake") -> None:
-        seconds = self.workers.call("wake", phase)
-        if self.timer is not None:
-            self.timer.count_switch(max(seconds))
+        self._account(self.workers.call("wake", phase))
 
     def save(self, root: str | Path) -> Path:
         """A DeepSpeed checkpoint (+ HF export) under ``root/step-<global step>``, atomically; the role stays awake."""

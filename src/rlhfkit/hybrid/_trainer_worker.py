@@ -88,20 +88,25 @@ class TrainerWorker(Worker):
         self.sender: Any = None
         self._pending_backward = False
         self._resident = _Resident()
+        self._moved = {"bytes_d2h": 0.0, "bytes_h2d": 0.0}  # copied by sleeps / wakes since the last call's report
 
     @property
     def trains(self) -> bool:
         return self.role in ("actor", "critic")
 
     # ------------------------------------------------------------------ lifecycle
-    def load(self, config: Any) -> dict[str, Any]:
-        """Build the model while holding the GPU's claim, then put it to sleep."""
+    def load(self, config: Any, *, measure_copy_rates: bool = False) -> dict[str, Any]:
+        """Build the model while holding the GPU's claim, then put it to sleep. ``measure_copy_rates``: first time
+        this process's pinned host<->device copies on the still empty GPU (:func:`rlhfkit.hybrid.
+        measure_copy_rates`; ``copy_rates`` is None on CPU)."""
         from rlhfkit.deepspeed_engine import DeepSpeedEngine
+        from rlhfkit.hybrid._copy_floor import measure_copy_rates as measure
 
         self.config = config
         self._transition("wake", "load")  # claim only: the model does not exist yet
         if self.device_kind == "cuda":
             torch.cuda.set_device(self.device())
+        rates = measure(self.device()) if measure_copy_rates and self.device_kind == "cuda" else None
         torch.manual_seed(config.seed)
         # trained roles own the accumulation boundary: backward accumulates, optim_step() is the boundary
         overrides = {"managed_gradient_accumulation": False} if self.trains else None
@@ -112,7 +117,9 @@ class TrainerWorker(Worker):
         (model if config.offload else self._resident).sleep()
         self._transition("sleep", "load")  # the claim was taken with no model: release it the same way
         self.model = model
-        return {"parameters": sum(getattr(p, "ds_numel", p.numel()) for p in self.model.module.parameters())}
+        self._take_moved()  # loading is not a phase switch of any step
+        return {"parameters": sum(getattr(p, "ds_numel", p.numel()) for p in self.model.module.parameters()),
+                "copy_rates": rates}
 
     def _sleepable(self) -> Any:
         """What the guard wakes and puts to sleep (one object for the whole run: the guard's claim names it)."""
@@ -127,22 +134,33 @@ class TrainerWorker(Worker):
             transition = self.guard.sleep(self.role, self._sleepable() if self.model is not None else None,
                                           phase=phase, **kwargs)
             self.awake = False
+        if isinstance(transition.result, dict):  # a DeepSpeed engine's stats (the resident stand-in returns None)
+            self._moved["bytes_d2h" if action == "sleep" else "bytes_h2d"] += transition.result.get("bytes_moved", 0)
         self.events.append(transition_record(transition, rank=self.rank))
         return transition.seconds
 
-    def wake(self, phase: str = "wake") -> float:
-        return 0.0 if self.awake else self._transition("wake", phase)
+    def _take_moved(self) -> dict[str, float]:
+        """The bytes sleeps and wakes copied since the last call (reported with its ``switch_s``)."""
+        moved, self._moved = self._moved, {"bytes_d2h": 0.0, "bytes_h2d": 0.0}
+        return moved
+
+    def wake(self, phase: str = "wake") -> dict[str, float]:
+        """Wake the role (if asleep); returns ``switch_s`` and the bytes moved (``bytes_d2h``, ``bytes_h2d``)."""
+        seconds = 0.0 if self.awake else self._transition("wake", phase)
+        return {"switch_s": seconds, **self._take_moved()}
 
     @property
     def _weights_only(self) -> bool:
         """Asleep but for the weights (``sleep(keep_weights=True)``): a push may read them, a full sleep moves them."""
         return self.model is not None and self.model.is_asleep and self.model._weights_kept
 
-    def sleep(self, phase: str = "sleep", keep_weights: bool = False) -> float:
-        """Put the role to sleep; when it kept only its weights, ``keep_weights=False`` moves those too."""
-        if not self.awake and not (self._weights_only and not keep_weights):
-            return 0.0
-        return self._transition("sleep", phase, keep_weights=keep_weights and self.config.offload)
+    def sleep(self, phase: str = "sleep", keep_weights: bool = False) -> dict[str, float]:
+        """Put the role to sleep; when it kept only its weights, ``keep_weights=False`` moves those too. Returns
+        ``switch_s`` and the bytes moved (``bytes_d2h``, ``bytes_h2d``)."""
+        seconds = 0.0
+        if self.awake or (self._weights_only and not keep_weights):
+            seconds = self._transition("sleep", phase, keep_weights=keep_weights and self.config.offload)
+        return {"switch_s": seconds, **self._take_moved()}
 
     def guard_events(self) -> list[dict[str, Any]]:
         events, self.events = self.events, []
@@ -191,7 +209,7 @@ class TrainerWorker(Worker):
                 outputs = [run(batch).float().cpu() for batch in batches]
             peak = _peak_gib()
             switch += self._end(phase, sleep_after)
-        return {"outputs": outputs, "switch_s": switch, "peak_gib": peak}
+        return {"outputs": outputs, "switch_s": switch, "peak_gib": peak, **self._take_moved()}
 
     def forward_backward(self, micro_batches: list, loss_fn: Any, *, output: str, temperature: float,
                          num_tokens: float, num_seqs: float, phase: str, wake: bool) -> dict[str, Any]:
@@ -222,7 +240,7 @@ class TrainerWorker(Worker):
                     sums[key] += float(value) / len(micro_batches)
             self.model._pending_losses.clear()  # optim_step reports the loss; the wrapper's list is not used
             self._pending_backward = True
-        return {"stats": dict(sums), "switch_s": switch, "peak_gib": _peak_gib()}
+        return {"stats": dict(sums), "switch_s": switch, "peak_gib": _peak_gib(), **self._take_moved()}
 
     def _loss_function(self, shipped: Any) -> Any:
         """The caller's loss function, sent pickled; unpickled once while the same bytes keep coming."""
@@ -275,19 +293,19 @@ class TrainerWorker(Worker):
             stats = {"lr": lr, "grad_norm": float("nan") if norm is None else float(norm),
                      "global_step": float(self.model.global_step)}
             switch = self._end(phase, sleep_after)
-        return {"stats": stats, "switch_s": switch}
+        return {"stats": stats, "switch_s": switch, **self._take_moved()}
 
     def save(self, root: str, *, phase: str) -> dict[str, Any]:
         switch = self._begin("save", phase, True)
         with self._guarded_call(phase):
             path = self.model.save_checkpoint(root, export_hf=True)
-        return {"path": str(path), "switch_s": switch}
+        return {"path": str(path), "switch_s": switch, **self._take_moved()}
 
     def load_checkpoint(self, path: str, *, phase: str) -> dict[str, Any]:
         switch = self._begin("load_checkpoint", phase, True)
         with self._guarded_call(phase):
             client_state = self.model.load_checkpoint(path)
-        return {"client_state": client_state, "switch_s": switch}
+        return {"client_state": client_state, "switch_s": switch, **self._take_moved()}
 
     # ------------------------------------------------------------------ weights out
     def open_weight_sync(self, sender: bool, *, config: Any, world_size: int, group_name: str) -> Any:

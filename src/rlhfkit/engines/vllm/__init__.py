@@ -229,8 +229,10 @@ class VLLMEngine(EngineState):
             )
 
     # --- protocol: sleep / wake ---------------------------------------------------------------------------------------
-    def sleep(self, level: int = 1) -> None:
-        """Release accelerator memory: level 1 keeps the weights in host memory, level 2 discards them."""
+    def sleep(self, level: int = 1) -> dict[str, float]:
+        """Release accelerator memory: level 1 keeps the weights in host memory, level 2 discards them. Returns
+        ``bytes_moved``: the weights' bytes copied to host (level 1; per GPU, the largest tensor-parallel shard) or 0
+        (level 2: nothing is copied, the next weight sync re-sends them)."""
         if not self.config.enable_sleep_mode:
             raise RuntimeError(f"engine {self.engine_index}: sleep() needs VLLMEngineConfig.enable_sleep_mode=True")
         if level == 2 and self._adapters is not None:
@@ -238,17 +240,28 @@ class VLLMEngine(EngineState):
                              "adapter buffers), which LoRA adapter syncs never rewrite; use level=1")
         self._check_sleep(level)
         self.settle_weight_sync()
+        moved = self._weight_bytes() if level == 1 else 0
         self._llm.sleep(level=level)
         self._asleep = set(WAKE_TAGS)
         self._sleep_level = level
         if level == 2:
             self._invalidate("sleep(level=2) discarded them")
+        return {"bytes_moved": float(moved)}
 
-    def wake_up(self, tags: Sequence[str] | None = None) -> None:
-        """Restore ``"weights"``, ``"kv_cache"`` or both (``None``); waking what is awake does nothing."""
+    def _weight_bytes(self) -> int:
+        """Bytes of the model's parameters on one GPU (the largest worker's), asked once while awake. vLLM's level-1
+        sleep also copies the weight-tagged buffers (rotary caches): a small undercount."""
+        if getattr(self, "_weight_bytes_cached", None) is None:
+            self._weight_bytes_cached = max(self._rpc("rlhfkit_weight_bytes", timeout=self.config.health_timeout_s))
+        return self._weight_bytes_cached
+
+    def wake_up(self, tags: Sequence[str] | None = None) -> dict[str, float]:
+        """Restore ``"weights"``, ``"kv_cache"`` or both (``None``); waking what is awake does nothing. Returns
+        ``bytes_moved``: the weights' bytes copied back from host (after a level-1 sleep), else 0."""
         wanted = self._tags_to_wake(tags)
         if not wanted:
-            return
+            return {"bytes_moved": 0.0}
+        moved = self._weight_bytes() if "weights" in wanted and self._sleep_level == 1 else 0
         self.settle_weight_sync()
         if self.features.sleep_tags:
             self._llm.wake_up(tags=wanted)
@@ -259,6 +272,7 @@ class VLLMEngine(EngineState):
         self._asleep.difference_update(wanted)
         if not self._asleep:
             self._sleep_level = 0
+        return {"bytes_moved": float(moved)}
 
     def _reset_prefix_cache_if_stale(self) -> None:
         if self._prefix_cache_stale and "kv_cache" not in self._asleep and self.features.reset_prefix_cache:

@@ -487,6 +487,10 @@ class WeightSyncExtension:
                 fingerprint[name] = [float(values.sum()), float((values * values).sum())]
         return fingerprint
 
+    def rlhfkit_weight_bytes(self) -> int:
+        """Bytes of this worker's parameters (what a level-1 sleep copies to host)."""
+        return sum(p.numel() * p.element_size() for p in self._rlhfkit_model().parameters())
+
     def rlhfkit_worker_info(self) -> dict[str, Any]:
         return {"rank": int(getattr(self, "rank", 0)), "pid": os.getpid(), "device": str(getattr(self, "device", "")),
                 "version": int(self._rlhfkit_state()["version"])}
