@@ -161,3 +161,16 @@ def test_a_run_past_its_timeout_is_exit_124_not_a_crash(tmp_path):
     assert code == 124 and seconds < 20
     assert "started" in (tmp_path / "run.log").read_text()
     assert read_metrics(tmp_path) == []
+
+
+def test_hybrid_bench_summary_carries_the_switch_medians():
+    """Issue 18 item 2: bench/hybrid.py's summary puts the median switch/* values (bytes, floor, over_floor) next to
+    phase_switch_fraction; the first step (compiles, pins buffers) is left out like the times."""
+    from bench.hybrid import summarize
+
+    rows = [{"time/step_s": 9.0, "time/phase_switch_fraction": 0.5, "switch/over_floor": 99.0, "reward/mean": 0.0},
+            *({"time/step_s": 1.0, "time/phase_switch_fraction": 0.2, "switch/over_floor": ratio,
+               "switch/bytes_d2h": 8.0, "reward/mean": 0.0} for ratio in (3.0, 5.0, 4.0))]
+    summary = summarize(rows)
+    assert summary["phase_switch_fraction"] == 0.2
+    assert summary["switch"] == {"over_floor": 4.0, "bytes_d2h": 8.0}

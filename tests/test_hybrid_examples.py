@@ -61,6 +61,10 @@ def test_grpo_hybrid_on_cpu(ray_not_started, tiny_llama_path, tmp_path):
     assert all(0.0 <= row["reward/min"] <= row["reward/max"] <= 1.0 for row in rows)
     assert {"time/generate_s", "time/forward_reference_s", "time/train_actor_s", "time/weight_sync_s",
             "time/sleep_wake_s"} <= set(rows[0])
+    for row in rows:  # issue 18: the bytes each step's switches copied (the floor needs a GPU's copy rates)
+        assert row["switch/bytes_d2h"] > 0 and row["switch/bytes_h2d"] > 0, row
+        assert row["switch/bytes_sync"] == row["sync/bytes"] > 0, row
+        assert "switch/floor_s" not in row
     one_step = [("sleep", "rollout"), ("wake", "reference"), ("sleep", "reference"), ("wake", "actor"),
                 ("sleep", "actor"), ("wake", "rollout"), ("sleep", "actor"), ("wake", "rollout")]
     assert replay_guard(tmp_path / "phases.jsonl") == {"node0/gpu0": [("wake", "rollout")] + one_step * 3}
