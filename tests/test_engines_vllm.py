@@ -787,3 +787,19 @@ def test_logprob_values_read_flat_and_nested_logprobs():
     assert _logprob_values(flat, tokens) == _logprob_values(nested, tokens) == [-0.5, -1.25, -2.0, -0.75]
     with pytest.raises(RuntimeError, match="log-probs for 4 of 5 tokens"):
         _logprob_values(flat, tokens + [1])
+
+
+def test_sleep_and_wake_report_the_weight_bytes_they_copy():
+    """Issue 18 item 1: a level-1 sleep copies the weights to host and the weights' wake copies them back (their
+    bytes, per GPU: one tensor-parallel worker's parameters, asked once); level 2 copies nothing (the push re-sends)."""
+    engine = make_engine(enable_sleep_mode=True, tensor_parallel_size=2)
+    model = engine.llm.workers[0].model_runner.model
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert weight_bytes > 0
+    assert engine.sleep(1) == {"bytes_moved": float(weight_bytes)}
+    assert engine.wake_up(["kv_cache"]) == {"bytes_moved": 0.0}  # the KV cache is freed, not copied
+    assert engine.wake_up(["weights"]) == {"bytes_moved": float(weight_bytes)}
+    assert engine.wake_up() == {"bytes_moved": 0.0}  # awake: nothing to do
+    assert engine.sleep(2) == {"bytes_moved": 0.0}
+    assert engine.wake_up() == {"bytes_moved": 0.0}
+    assert engine.llm.calls.count(("rpc", "rlhfkit_weight_bytes")) == 1
