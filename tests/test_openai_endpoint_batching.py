@@ -337,8 +337,59 @@ def test_concurrent_sessions_continue_token_for_token_in_shared_calls(hf_engine,
 
 @pytest.mark.parametrize("field, value", [("batch_window_s", -0.1), ("batch_window_s", float("inf")),
                                           ("batch_window_s", True), ("batch_window_s", "0.01"),
-                                          ("max_batch_prompts", 0), ("max_batch_prompts", 2.5)])
+                                          ("max_batch_prompts", 0), ("max_batch_prompts", 2.5),
+                                          ("max_batch_wait_s", -1.0), ("max_batch_wait_s", float("inf"))])
 def test_batching_config_errors_name_field_and_value(field, value):
     with pytest.raises(ValueError, match=rf"OpenAIEndpointConfig\.{field}={value!r}"):
         OpenAIEndpointConfig(**{field: value})
     assert OpenAIEndpointConfig(batch_window_s=0).batch_window_s == 0
+
+
+def _trickle(batcher, count: int, gap_s: float) -> list[threading.Thread]:
+    """``count`` requests of equal sampling, one every ``gap_s`` seconds, each on its own thread."""
+    sampling = SamplingConfig(n=1, max_new_tokens=2)
+    threads = [threading.Thread(target=batcher.generate, args=([i + 1], sampling), kwargs={"timeout_s": 10.0})
+               for i in range(count)]
+    for thread in threads:
+        thread.start()
+        time.sleep(gap_s)
+    return threads
+
+
+def _counting_generate(calls: list[int]):
+    def generate(prompts, sampling):
+        calls.append(len(prompts))
+        return [Rollout(prompt_token_ids=torch.tensor(p), response_token_ids=torch.tensor([7])) for p in prompts]
+    return generate
+
+
+def test_a_trickle_of_requests_joins_one_call_while_the_gaps_stay_below_the_window():
+    """Agents connect over a few hundred milliseconds (thread starts, HTTP): a fixed window from the oldest request
+    split them into a call per window; the quiet-gap rule sends one call once nobody arrived for batch_window_s."""
+    from rlhfkit.openai_endpoint._batching import RequestBatcher
+
+    calls: list[int] = []
+    batcher = RequestBatcher(_counting_generate(calls), window_s=0.05, max_wait_s=5.0, max_batch_prompts=64,
+                             max_in_flight=1)
+    try:
+        for thread in _trickle(batcher, 12, gap_s=0.01):  # spans 0.12 s > window_s; every gap < window_s
+            thread.join(timeout=10)
+    finally:
+        batcher.close()
+    assert calls == [12]
+
+
+def test_max_batch_wait_bounds_how_long_a_request_waits_for_others():
+    from rlhfkit.openai_endpoint._batching import RequestBatcher
+
+    calls: list[int] = []
+    batcher = RequestBatcher(_counting_generate(calls), window_s=0.05, max_wait_s=0.1, max_batch_prompts=64,
+                             max_in_flight=1)
+    try:
+        started = time.monotonic()
+        for thread in _trickle(batcher, 15, gap_s=0.02):  # never quiet for 0.05 s, spans 0.3 s
+            thread.join(timeout=10)
+    finally:
+        batcher.close()
+    assert sum(calls) == 15 and len(calls) >= 2, calls  # the first call left at max_wait_s, not at the end
+    assert time.monotonic() - started < 5

@@ -81,9 +81,11 @@ class OpenAIEndpointConfig:
         max_request_bytes: the largest request body accepted (413 beyond).
         session_header: the header that names a request's session (before the body's ``user`` field).
         default_session_id: the session of a request that names none.
-        batch_window_s: how long the oldest waiting request waits for others with the same sampling parameters
-            before their engine call is sent (0: as soon as the engine is free; while it is busy, requests keep
-            collecting anyway). See "Batching" in :class:`OpenAIEndpoint`.
+        batch_window_s: the quiet gap: waiting requests with the same sampling parameters are sent as one engine
+            call once no other such request has arrived for this long (0: as soon as the engine is free; while it is
+            busy, requests keep collecting anyway). See "Batching" in :class:`OpenAIEndpoint`.
+        max_batch_wait_s: the longest a request waits for others before its call is sent (never less than
+            ``batch_window_s``).
         max_batch_prompts: most requests (prompts) in one engine call; a full batch is sent without waiting.
     """
 
@@ -100,6 +102,7 @@ class OpenAIEndpointConfig:
     session_header: str = "X-Session-Id"
     default_session_id: str = "default"
     batch_window_s: float = 0.01
+    max_batch_wait_s: float = 0.25
     max_batch_prompts: int = 256
 
     def __post_init__(self) -> None:
@@ -127,6 +130,10 @@ class OpenAIEndpointConfig:
         if isinstance(window, bool) or not isinstance(window, (int, float)) or not 0 <= window < math.inf:
             raise ValueError(f"OpenAIEndpointConfig.batch_window_s={window!r}; must be a finite number of seconds "
                              ">= 0 (0: send each batch as soon as the engine is free)")
+        wait = self.max_batch_wait_s
+        if isinstance(wait, bool) or not isinstance(wait, (int, float)) or not 0 <= wait < math.inf:
+            raise ValueError(f"OpenAIEndpointConfig.max_batch_wait_s={wait!r}; must be a finite number of seconds "
+                             ">= 0 (a batch waits at least batch_window_s anyway)")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -254,8 +261,8 @@ class OpenAIEndpoint:
 
     Batching: concurrent requests are collected by one batcher thread and sent to the engine together, one
     ``generate(prompts, sampling)`` call per group of requests with equal sampling parameters (``n``, ``max_tokens``,
-    ``temperature``, ``top_p``, ``seed``, one-token stops), at most ``max_batch_prompts`` a call, after
-    ``batch_window_s`` (or at once when full). At most one call per engine of the group runs at a time; requests
+    ``temperature``, ``top_p``, ``seed``, one-token stops), at most ``max_batch_prompts`` a call, once none has
+    arrived for ``batch_window_s`` (at the latest ``max_batch_wait_s`` after the first; at once when full). At most one call per engine of the group runs at a time; requests
     that arrive meanwhile wait and go out together. A request with a ``seed`` is sent alone, so that its answer does
     not depend on what arrived with it. Each request keeps its own prompt ids (session continuation included),
     record, answer and timeout; an engine call that fails answers each of its requests with a 500.
@@ -299,6 +306,7 @@ class OpenAIEndpoint:
         self._batcher = RequestBatcher(lambda prompts, sampling: self._group.generate(prompts, sampling,
                                                                                       timeout_s=timeout_s),
                                        window_s=self.config.batch_window_s,
+                                       max_wait_s=max(self.config.max_batch_wait_s, self.config.batch_window_s),
                                        max_batch_prompts=self.config.max_batch_prompts,
                                        max_in_flight=self._group.num_engines)
         try:

@@ -4,8 +4,10 @@
 Each HTTP request thread hands ``(prompt ids, SamplingConfig)`` to one :class:`RequestBatcher`, whose thread groups
 the queued requests by equal ``SamplingConfig`` (an engine call takes one) and sends each group as one
 ``generate(prompts, sampling)`` call on a daemon thread of its own, at most ``max_in_flight`` calls at a time. A group
-is sent once its oldest request has waited ``window_s``, or once it holds ``max_batch_prompts`` requests; while every
-call slot is busy, requests keep queueing and go out together when a slot frees. Groups go out oldest first.
+is sent once no request has joined it for ``window_s`` (a quiet gap: a burst of agents that connect over a few hundred
+milliseconds becomes one call, not one per window), at the latest ``max_wait_s`` after its oldest request arrived,
+or at once when it holds ``max_batch_prompts`` requests; while every call slot is busy, requests keep queueing and go
+out together when a slot frees. Groups go out oldest first.
 
 A request with a ``seed`` is sent alone: the engines derive each prompt's generator from ``(seed, prompt position in
 the call)``, so in a shared call its samples would depend on what else arrived with it, and the same seeded request
@@ -66,19 +68,23 @@ class RequestBatcher:
     Args:
         generate: the engine call, ``generate(prompts, sampling) -> rollouts`` (prompt-major, ``n`` per prompt); it
             must bound its own wait (the endpoint passes ``EngineGroup.generate`` with a timeout).
-        window_s: how long the oldest request of a group waits for others before its call is sent (0: at once).
+        window_s: the quiet gap: a group's call is sent once no request joined it for this long (0: at once).
+        max_wait_s: the longest its oldest request waits for others (>= window_s).
         max_batch_prompts: most requests (prompts) in one call.
         max_in_flight: most calls running at once (the number of engines behind ``generate``).
         name: names the threads.
     """
 
     def __init__(self, generate: Generate, *, window_s: float, max_batch_prompts: int, max_in_flight: int,
-                 name: str = "rlhfkit-openai-batcher") -> None:
-        if max_batch_prompts < 1 or max_in_flight < 1 or not window_s >= 0:
-            raise ValueError(f"RequestBatcher(window_s={window_s!r}, max_batch_prompts={max_batch_prompts!r}, "
-                             f"max_in_flight={max_in_flight!r}); need window_s >= 0 and counts >= 1")
+                 max_wait_s: float | None = None, name: str = "rlhfkit-openai-batcher") -> None:
+        max_wait_s = window_s if max_wait_s is None else max_wait_s
+        if max_batch_prompts < 1 or max_in_flight < 1 or not window_s >= 0 or not max_wait_s >= window_s:
+            raise ValueError(f"RequestBatcher(window_s={window_s!r}, max_wait_s={max_wait_s!r}, max_batch_prompts="
+                             f"{max_batch_prompts!r}, max_in_flight={max_in_flight!r}); need 0 <= window_s <= "
+                             "max_wait_s and counts >= 1")
         self._generate = generate
         self.window_s, self.max_batch_prompts, self.max_in_flight = float(window_s), max_batch_prompts, max_in_flight
+        self.max_wait_s = float(max_wait_s)
         self._name = name
         self._cond = threading.Condition()
         self._queue: list[_Pending] = []
@@ -135,7 +141,8 @@ class RequestBatcher:
                 threading.Thread(target=self._call, args=(batch,), name=f"{self._name}-call", daemon=True).start()
 
     def _next_batch(self, now: float) -> tuple[list[_Pending] | None, float | None]:
-        """The oldest group that is ready (full, or its oldest request waited ``window_s``), taken off the queue;
+        """The oldest group that is ready (full, quiet for ``window_s``, or its oldest request waited ``max_wait_s``),
+        taken off the queue;
         else ``(None, seconds until the next group is ready)`` (None: until notified). Called under the lock."""
         if self._in_flight >= self.max_in_flight or not self._queue:
             return None, None
@@ -145,7 +152,7 @@ class RequestBatcher:
         earliest = None
         for sampling, members in groups.items():
             limit = 1 if sampling.seed is not None else self.max_batch_prompts
-            ready_at = members[0].arrived + self.window_s
+            ready_at = min(members[-1].arrived + self.window_s, members[0].arrived + self.max_wait_s)
             if len(members) >= limit or ready_at <= now:
                 batch = members[:limit]
                 taken = set(map(id, batch))
