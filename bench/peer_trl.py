@@ -47,9 +47,34 @@ def parse_args(argv=None) -> argparse.Namespace:
     a("--no-sleep", action="store_true", help="vLLM sleep mode off")
     a("--device", choices=("cuda", "cpu"), default="cuda")
     a("--work-dir", type=Path, default=None, help="TRL's output_dir (default: a temporary folder)")
+    a("--deepspeed", choices=DEEPSPEED_MODES, default="none",
+      help="DeepSpeed through TRL's trainer: ZeRO-3, optionally with the optimizer in host memory (large models)")
     args = parser.parse_args(argv)
     check_workload(parser, args)
     return args
+
+
+DEEPSPEED_MODES = ("none", "zero3", "zero3-offload")
+
+
+def deepspeed_config(mode: str) -> dict | None:
+    """The DeepSpeed config TRL's (transformers') trainer takes as ``deepspeed=``: ZeRO-3, and with
+    ``zero3-offload`` the optimizer states and fp32 masters in pinned host memory under DeepSpeed's own AdamW (CPU
+    Adam; a client torch optimizer is refused with offload). "auto" values are filled from GRPOConfig."""
+    if mode not in DEEPSPEED_MODES:
+        raise ValueError(f"--deepspeed {mode!r}; choose one of {DEEPSPEED_MODES}")
+    if mode == "none":
+        return None
+    zero = {"stage": 3, "overlap_comm": False, "contiguous_gradients": True,
+            "stage3_gather_16bit_weights_on_model_save": True}
+    config = {"zero_optimization": zero, "bf16": {"enabled": "auto"}, "gradient_clipping": "auto",
+              "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+              "train_batch_size": "auto"}
+    if mode == "zero3-offload":
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+        config["optimizer"] = {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto",
+                                                           "weight_decay": "auto"}}
+    return config
 
 
 def prepare_environment(args) -> None:
@@ -96,6 +121,7 @@ def grpo_config(args, work_dir: Path):
         use_vllm=use_vllm, vllm_mode="colocate", vllm_enable_sleep_mode=use_vllm and not args.no_sleep,
         vllm_gpu_memory_utilization=args.gpu_memory_utilization, vllm_max_model_length=args.max_model_len,
         vllm_importance_sampling_correction=False,  # grpo_hybrid.py applies no engine/trainer IS correction
+        deepspeed=deepspeed_config(getattr(args, "deepspeed", "none")),
     )
 
 

@@ -16,7 +16,8 @@ masters, fp32 gradients, Adam moments) in host memory and the rest on the GPU, g
 resident while only the engine sleeps, a 0.25 engine share and no reference model or KL term — ``LARGE_FULL``, the
 only fp32-master layout the memory estimate fits in 80 GB + 125 GiB of host memory) and ``lora`` (rank ``--lora-rank`` adapters on the attention and MLP projections; the
 adapters alone are pushed; engine sleep level 1). ``--peer trl`` runs bench/peer_trl.py (full-parameter, bf16,
-vLLM colocate with sleep mode) on the same model and workload. A run that fails keeps its exit code, the
+vLLM colocate with sleep mode; 7B-8B: ZeRO-3 with the optimizer in host memory and no reference, TRL's equivalent of
+``LARGE_FULL``) on the same model and workload. A run that fails keeps its exit code, the
 plan's memory estimate error if that is what stopped it, and its log's tail. Writes a JSON with, per architecture
 and mode: median step time, median time of each phase, peak memory per phase, the sync time and bytes, startup.
 """
@@ -162,6 +163,9 @@ def run_trl(args, model: Path, out: Path) -> dict:
                "--samples-per-prompt", str(workload["samples_per_prompt"]), "--max-new-tokens",
                str(workload["max_new_tokens"]), "--minibatches", "2", "--grad-accum", "1", "--dtype", "bfloat16",
                "--gpu-memory-utilization", str(args.engine_memory)]
+    if not args.tiny and ARCHITECTURES[model_arch(model)]["hidden_size"] >= LARGE_HIDDEN:
+        # TRL's equivalent of LARGE_FULL: ZeRO-3 with the optimizer in host memory, and no reference (beta 0)
+        command += ["--deepspeed", "zero3-offload", "--kl-coef", "0"]
     code, wall = run_logged(command, out.with_suffix(".log"), args.timeout)
     result = json.loads(out.read_text()) if out.exists() else {}
     return {"command": " ".join(command), "returncode": code, "wall_s": wall, **result}

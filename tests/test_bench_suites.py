@@ -174,3 +174,35 @@ def test_hybrid_bench_summary_carries_the_switch_medians():
     summary = summarize(rows)
     assert summary["phase_switch_fraction"] == 0.2
     assert summary["switch"] == {"over_floor": 4.0, "bytes_d2h": 8.0}
+
+
+def test_peer_trl_deepspeed_configs_for_large_models(monkeypatch, tmp_path):
+    """Issue 20 (TRL's largest model on one GPU): the peer's --deepspeed modes give the transformers-trainer DeepSpeed
+    config; with the optimizer offloaded DeepSpeed's own AdamW is named (a client torch optimizer is refused then),
+    and bench/scale.py passes it, with no reference, for 7B-8B shapes only."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("peer_trl", ROOT / "bench" / "peer_trl.py")
+    peer = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(peer)
+    assert peer.deepspeed_config("none") is None
+    zero3 = peer.deepspeed_config("zero3")
+    assert zero3["zero_optimization"]["stage"] == 3 and "offload_optimizer" not in zero3["zero_optimization"]
+    offload = peer.deepspeed_config("zero3-offload")
+    assert offload["zero_optimization"]["offload_optimizer"]["device"] == "cpu" and offload["optimizer"]["type"]
+    assert peer.parse_args(["--model", "M", "--out", "o.json", "--deepspeed", "zero3-offload"]).deepspeed == \
+        "zero3-offload"
+    with pytest.raises(ValueError, match="--deepspeed 'zero2'"):
+        peer.deepspeed_config("zero2")
+    import argparse
+
+    from bench import scale
+
+    commands = []
+    monkeypatch.setattr(scale, "run_logged", lambda command, log, timeout: (commands.append(command), (1, 0.0))[1])
+    args = argparse.Namespace(tiny=False, steps=2, engine_memory=0.35, timeout=10.0)
+    for arch in ("qwen2.5-1.5b", "qwen2.5-7b"):
+        scale.run_trl(args, tmp_path / arch, tmp_path / f"{arch}.json")
+    small, large = commands
+    assert "--deepspeed" not in small
+    assert large[large.index("--deepspeed") + 1] == "zero3-offload" and large[large.index("--kl-coef") + 1] == "0"
