@@ -40,14 +40,12 @@ from rlhfkit.experience import (
 )
 from rlhfkit.losses import kl_loss, model_logprobs, policy_loss
 from rlhfkit.multiturn import (
-    MalformedToolCallError,
+    Action,
     MultiTurnConfig,
-    ToolArgumentError,
     ToolEnvironment,
     ToolEnvironmentConfig,
     calculator,
     generate_trajectories,
-    parse_tool_calls,
     trainable_rollouts,
     trajectory_stats,
 )
@@ -127,7 +125,8 @@ def agent(url: str, question: str, session: str, options: Options) -> dict[str, 
     """Agent code that knows only OpenAI's chat API: ask, run the calculator calls of the answer, send the results
     back as the next message, until an answer without a call or the turn / context limit."""
     messages, stats = conversation(question), {"turns": 0, "tool_calls": 0, "tool_errors": 0}
-    for _ in range(options.max_turns):
+    tools = ToolEnvironment(TOOLS, ToolEnvironmentConfig(observation_template="<tool_response>{result}</tool_response>"))
+    for turn in range(options.max_turns):
         body = {"model": "policy", "messages": messages, "max_tokens": options.max_new_tokens,
                 "temperature": options.temperature, "user": session}
         try:
@@ -139,22 +138,13 @@ def agent(url: str, question: str, session: str, options: Options) -> dict[str, 
         stats["turns"] += 1
         message = answer["choices"][0]["message"]
         messages.append(message)  # unchanged: the endpoint then continues the session token for token
-        try:
-            calls = parse_tool_calls(message["content"], TOOLS)
-        except MalformedToolCallError as error:
-            calls, results = [], [f"error: {error}"]
-        else:
-            if not calls:
-                break
-            results = []
-        for call in calls:
-            stats["tool_calls"] += 1
-            try:
-                results.append(TOOLS[call.name](**call.arguments))
-            except ToolArgumentError as error:
-                stats["tool_errors"] += 1
-                results.append(f"error: {error}")
-        messages.append({"role": "user", "content": "".join(f"<tool_response>{r}</tool_response>" for r in results)})
+        # the library's tool environment parses and runs the calls; its observation is the next message's text
+        result = tools.step(Action(text=message["content"], token_ids=(), turn=turn, finish_reason="stop"))
+        stats["tool_calls"] += result.num_tool_calls
+        stats["tool_errors"] += result.num_tool_errors
+        if result.done:
+            break
+        messages.append({"role": "user", "content": result.observation})
     return stats
 
 
