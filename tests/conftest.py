@@ -56,6 +56,21 @@ def tiny_llama_path(tiny_model_factory):
     return tiny_model_factory("llama")
 
 
+@pytest.fixture(scope="module")
+def tokenizer(tiny_llama_path):
+    """The tiny Llama's tokenizer (with a chat template)."""
+    transformers = pytest.importorskip("transformers")
+    return transformers.AutoTokenizer.from_pretrained(tiny_llama_path)
+
+
+@pytest.fixture(scope="module")
+def hf_engine(tiny_llama_path):
+    """An HF engine over the tiny Llama, seed 0."""
+    from rlhfkit.engines.hf import HFEngine, HFEngineConfig
+
+    return HFEngine(HFEngineConfig(model=str(tiny_llama_path), seed=0))
+
+
 @pytest.fixture(scope="session")
 def tiny_qwen2_path(tiny_model_factory):
     return tiny_model_factory("qwen2")

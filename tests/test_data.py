@@ -22,12 +22,6 @@ from rlhfkit.data import (
 from rlhfkit.rewards import RewardError, apply_reward_function
 
 
-@pytest.fixture(scope="module")
-def tokenizer(tiny_llama_path):
-    transformers = pytest.importorskip("transformers")
-    return transformers.AutoTokenizer.from_pretrained(tiny_llama_path)
-
-
 RECORDS = [{"question": f"What is {i} + {i + 1}?", "answer": 2 * i + 1, "extra": "x"} for i in range(10)]
 
 

@@ -19,9 +19,7 @@ from rlhfkit.openai_endpoint import (ChatRecord, OpenAIEndpoint, OpenAIEndpointC
                                      session_to_rollout)
 from rlhfkit.types import Rollout
 
-transformers = pytest.importorskip("transformers")
-
-from rlhfkit.engines.hf import HFEngine, HFEngineConfig
+pytest.importorskip("transformers")  # the endpoint's tokenizer, the hf engine
 
 
 class SpyEngine:
@@ -34,16 +32,6 @@ class SpyEngine:
         rollouts = self.engine.generate(prompts, sampling)
         self.calls.append((prompts, sampling, rollouts))
         return rollouts
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_llama_path):
-    return transformers.AutoTokenizer.from_pretrained(tiny_llama_path)
-
-
-@pytest.fixture(scope="module")
-def hf_engine(tiny_llama_path):
-    return HFEngine(HFEngineConfig(model=str(tiny_llama_path), seed=0))
 
 
 @pytest.fixture

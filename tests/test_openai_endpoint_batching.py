@@ -20,7 +20,7 @@ from rlhfkit.engines.protocol import SamplingConfig
 from rlhfkit.openai_endpoint import OpenAIEndpoint, OpenAIEndpointConfig, session_to_rollout
 from rlhfkit.types import Rollout
 
-transformers = pytest.importorskip("transformers")
+pytest.importorskip("transformers")  # the endpoint's tokenizer, the hf engine
 
 from rlhfkit.engines.hf import HFEngine, HFEngineConfig
 
@@ -40,16 +40,6 @@ class CallLog:
         rollouts = self.engine.generate(prompts, sampling)
         self.calls.append((prompts, sampling, rollouts))
         return rollouts
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_llama_path):
-    return transformers.AutoTokenizer.from_pretrained(tiny_llama_path)
-
-
-@pytest.fixture(scope="module")
-def hf_engine(tiny_llama_path):
-    return HFEngine(HFEngineConfig(model=str(tiny_llama_path), seed=0))
 
 
 def post(url, body, headers=None, timeout=60):
