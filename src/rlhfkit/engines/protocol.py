@@ -22,7 +22,7 @@ import torch
 from rlhfkit.types import Rollout
 
 __all__ = ["SamplingConfig", "RolloutEngine", "WeightVersionError", "WeightLagError",
-           "next_weight_version", "check_weight_lag"]
+           "next_weight_version", "check_weight_lag", "prompt_lists"]
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +36,20 @@ class WeightVersionError(ValueError):
 
 class WeightLagError(RuntimeError):
     """Rollouts were produced by weights older than the trainer's by more than the configured bound."""
+
+
+def prompt_lists(prompt_token_ids: Sequence[Sequence[int]],
+                 prompt_indices: Sequence[int] | None = None) -> tuple[list[list[int]], list[int]]:
+    """An engine's prompts as lists of ints (tensors accepted) and their ``prompt_index`` values (default: their
+    positions); ValueError for an empty prompt or a ``prompt_indices`` of another length."""
+    prompts = [[int(t) for t in (p.tolist() if hasattr(p, "tolist") else p)] for p in prompt_token_ids]
+    for index, prompt in enumerate(prompts):
+        if not prompt:
+            raise ValueError(f"prompt_token_ids[{index}] is empty; every prompt needs at least one token")
+    indices = list(range(len(prompts))) if prompt_indices is None else [int(i) for i in prompt_indices]
+    if len(indices) != len(prompts):
+        raise ValueError(f"prompt_indices has {len(indices)} entries for {len(prompts)} prompts")
+    return prompts, indices
 
 
 def next_weight_version(owner: str, current: int, offered: int | None) -> int:

@@ -41,7 +41,8 @@ from typing import Any
 import torch
 
 from rlhfkit.engines._state import EngineState
-from rlhfkit.engines.protocol import WAKE_TAGS, SamplingConfig, WeightVersionError, next_weight_version
+from rlhfkit.engines.protocol import (WAKE_TAGS, SamplingConfig, WeightVersionError, next_weight_version,
+                                      prompt_lists)
 from rlhfkit.engines.router import pack_generate_result
 from rlhfkit.engines.sglang._config import SGLANG_VERSION, SGLangEngineConfig, server_command
 from rlhfkit.engines.sglang._http import (
@@ -165,13 +166,7 @@ class SGLangEngine(EngineState):
              prompt_indices: Sequence[int] | None) -> tuple[list[list[int]], list[int], list[tuple]]:
         if not isinstance(sampling, SamplingConfig):
             raise TypeError(f"sampling must be a SamplingConfig, got {type(sampling).__name__}")
-        prompts = [[int(t) for t in (p.tolist() if hasattr(p, "tolist") else p)] for p in prompt_token_ids]
-        for index, prompt in enumerate(prompts):
-            if not prompt:
-                raise ValueError(f"prompt_token_ids[{index}] is empty; every prompt needs at least one token")
-        indices = list(range(len(prompts))) if prompt_indices is None else [int(i) for i in prompt_indices]
-        if len(indices) != len(prompts):
-            raise ValueError(f"prompt_indices has {len(indices)} entries for {len(prompts)} prompts")
+        prompts, indices = prompt_lists(prompt_token_ids, prompt_indices)
         self._check_ready("generate")
         if not prompts:
             return [], [], []

@@ -55,7 +55,8 @@ from rlhfkit.engines.vllm._compat import (
 from rlhfkit.engines.vllm._config import WORKER_EXTENSION, VLLMEngineConfig, build_llm_kwargs
 from rlhfkit.engines.vllm._lora import AdapterSlots, adapter_path
 from rlhfkit.engines.vllm._ray import create_engine_group, create_engines, kill_engines, plan_launches, wait_ready
-from rlhfkit.engines.protocol import WAKE_TAGS, SamplingConfig, WeightVersionError, next_weight_version
+from rlhfkit.engines.protocol import (WAKE_TAGS, SamplingConfig, WeightVersionError, next_weight_version,
+                                      prompt_lists)
 from rlhfkit.engines.router import pack_generate_result
 from rlhfkit.types import Rollout
 
@@ -180,13 +181,7 @@ class VLLMEngine(EngineState):
             raise TypeError(f"sampling must be a SamplingConfig, got {type(sampling).__name__}")
         self.settle_weight_sync()
         self._check_ready("generate")
-        prompts = [[int(t) for t in (p.tolist() if hasattr(p, "tolist") else p)] for p in prompt_token_ids]
-        for index, prompt in enumerate(prompts):
-            if not prompt:
-                raise ValueError(f"prompt_token_ids[{index}] is empty; every prompt needs at least one token")
-        indices = list(range(len(prompts))) if prompt_indices is None else [int(i) for i in prompt_indices]
-        if len(indices) != len(prompts):
-            raise ValueError(f"prompt_indices has {len(indices)} entries for {len(prompts)} prompts")
+        prompts, indices = prompt_lists(prompt_token_ids, prompt_indices)
         if not prompts:
             return [], [], []
         self._reset_prefix_cache_if_stale()  # prefixes cached before a weight change would reuse stale KV
