@@ -639,3 +639,27 @@ def test_docs_packing_padded_snippet_runs(capsys):
     exec(compile(code, "docs/packing.md", "exec"), {"__name__": "docs_snippet"})
     gap = re.search(r"^tensor\(([-\d.e]+)\)$", capsys.readouterr().out, re.M)
     assert gap is not None and float(gap.group(1)) < 1e-4
+
+
+@pytest.mark.parametrize("attn", ["sdpa", VARLEN_ATTENTION])
+def test_a_long_packed_row_under_a_dense_mask_attention_warns_with_the_fix(tiny_llama_path, attn):
+    """Regression (issue 22, an H100 out of memory): a plain HF model (sdpa) given 51k packed tokens built a dense
+    T x T mask. packed_inputs now warns at DENSE_MASK_WARN_TOKENS and names the varlen attention; varlen is silent."""
+    import warnings
+
+    from rlhfkit.packing import DENSE_MASK_WARN_TOKENS, packed_inputs
+
+    model = _load(tiny_llama_path, attn)
+    half = DENSE_MASK_WARN_TOKENS // 2
+    long_batch = pack_sequences([torch.ones(half, dtype=torch.long), torch.ones(half, dtype=torch.long)])
+    short_batch = pack_sequences([torch.ones(64, dtype=torch.long)])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        packed_inputs(model, short_batch)
+        packed_inputs(model, long_batch)
+    messages = [str(w.message) for w in caught if issubclass(w.category, UserWarning)]
+    if attn == "sdpa":
+        assert len(messages) == 1 and f"{DENSE_MASK_WARN_TOKENS} tokens" in messages[0]
+        assert "register_varlen_attention" in messages[0]
+    else:
+        assert not messages

@@ -22,6 +22,7 @@ for the optional all-reduce in :func:`global_counts`. It needs only torch; :func
 from __future__ import annotations
 
 import logging
+import warnings
 from collections.abc import Sequence
 from typing import Literal
 
@@ -61,6 +62,8 @@ Side = Literal["right", "left"]
 PACKED_ATTENTION_IMPLEMENTATIONS = ("eager", "sdpa", "flex_attention", "flash_attention_2", "flash_attention_3",
                                     VARLEN_ATTENTION)
 _VARLEN_IMPLEMENTATIONS = ("flash_attention_2", "flash_attention_3", VARLEN_ATTENTION)
+# a packed row this long under a dense-mask attention (eager, sdpa, flex) builds a T x T mask of >= 256M entries
+DENSE_MASK_WARN_TOKENS = 16384
 
 
 def _check_multiple(pad_to_multiple_of: int) -> None:
@@ -264,6 +267,13 @@ def packed_inputs(model: torch.nn.Module, batch: PackedBatch) -> dict:
     if attn is not None and attn not in PACKED_ATTENTION_IMPLEMENTATIONS:
         raise ValueError(f"model uses attn_implementation={attn!r}, which is not known to respect packed sequence "
                          f"boundaries; load it with one of {PACKED_ATTENTION_IMPLEMENTATIONS}")
+    if attn not in _VARLEN_IMPLEMENTATIONS and batch.num_tokens >= DENSE_MASK_WARN_TOKENS:
+        warnings.warn(f"a packed batch of {batch.num_tokens} tokens under attn_implementation={attn!r}: transformers "
+                      f"builds a dense {batch.num_tokens} x {batch.num_tokens} mask and attends across it (memory and "
+                      "time grow with T^2; this ran an 80 GB GPU out of memory at 51k tokens). Load the model with "
+                      "attn_implementation=rlhfkit.packing.register_varlen_attention() (or flash-attention), or pass "
+                      "smaller micro-batches (rlhfkit.packing.partition_by_token_budget)", UserWarning,
+                      stacklevel=3)
     extra = _varlen_kwargs(batch) if attn in _VARLEN_IMPLEMENTATIONS else {}
     return {"input_ids": batch.input_ids[None], "position_ids": batch.position_ids[None], "attention_mask": None,
             "use_cache": False, **extra}
