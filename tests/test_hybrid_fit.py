@@ -16,24 +16,28 @@ from rlhfkit.lora import LoraConfig
 from rlhfkit.placement import MemoryFitError
 
 
+def _architecture(tmp_path_factory, name: str) -> str:
+    """bench/scale.py's published config of ``name`` as a config folder (no weights: the check never reads them)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from bench.scale import ARCHITECTURES
+
+    fields = dict(ARCHITECTURES[name])
+    path = tmp_path_factory.mktemp(name)
+    transformers.AutoConfig.for_model(fields.pop("model_type"), **fields).save_pretrained(path)
+    return str(path)
+
+
 @pytest.fixture(scope="module")
 def qwen7b(tmp_path_factory):
-    """Qwen2.5-7B's architecture as a config folder (no weights: the check never reads them)."""
-    path = tmp_path_factory.mktemp("qwen7b")
-    transformers.Qwen2Config(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
-                             num_attention_heads=28, num_key_value_heads=4, max_position_embeddings=32768,
-                             tie_word_embeddings=False).save_pretrained(path)
-    return str(path)
+    return _architecture(tmp_path_factory, "qwen2.5-7b")
 
 
 @pytest.fixture(scope="module")
 def llama8b(tmp_path_factory):
-    """Llama-3.1-8B's architecture as a config folder."""
-    path = tmp_path_factory.mktemp("llama8b")
-    transformers.LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                             num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=131072,
-                             tie_word_embeddings=False).save_pretrained(path)
-    return str(path)
+    return _architecture(tmp_path_factory, "llama-3.1-8b")
 
 
 def _trainers(**deepspeed):
