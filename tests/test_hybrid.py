@@ -215,20 +215,22 @@ def test_primitives_train_push_and_match_the_engine(hybrid):
 @pytest.mark.ray
 def test_trainer_sleeps_and_wakes_report_the_bytes_they_copied(hybrid, tiny_llama_path):
     """Issue 18 item 1: each step's row carries the bytes its trainer sleeps copied off the device and its wakes
-    brought back. A reference (no optimizer) moves exactly its parameters each way; a full-parameter actor after an
-    optimizer step moves at least its parameters (its Adam states alone are twice that); a wake brings back what
-    the sleep before it moved."""
+    brought back. A reference (no optimizer) moves its parameters each way (after its first cycle as slots of one
+    buffer, each slot rounded up to 512 bytes); a full-parameter actor after an optimizer step moves at least its
+    parameters (its Adam states alone are twice that); a wake brings back what the sleep before it moved."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(tiny_llama_path), dtype=torch.float32)
     param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    padding = 512 * len(list(model.parameters()))  # StorageOffloader.ALIGN per slot, at most
     timer, actor = hybrid.timer, hybrid.trainers["actor"]
     experience = _experience(hybrid)  # the engines generated and went back to sleep
 
     timer.start_step()
     hybrid.trainers["reference"].forward(experience.batch)  # wake, forward, sleep
     row = timer.end_step()
-    assert row["switch/bytes_h2d"] == row["switch/bytes_d2h"] == param_bytes, row
+    assert row["switch/bytes_h2d"] == row["switch/bytes_d2h"], row
+    assert param_bytes <= row["switch/bytes_d2h"] < param_bytes + padding, row
     assert "switch/floor_s" not in row  # CPU: no copy rates, no floor
 
     actor.forward_backward(experience, pg_loss)

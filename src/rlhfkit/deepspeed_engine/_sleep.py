@@ -45,13 +45,20 @@ class StorageOffloader:
 
     Every tensor keeps its identity (``.data`` is re-pointed), so optimizers, hooks and DeepSpeed's bookkeeping that
     hold the tensor objects see the restored values. Tensors that share a storage are moved as one buffer and stay
-    aliased. Host buffers are kept between cycles (pinning is slow); :meth:`release_host_buffers` frees them.
+    aliased. The host side is one pinned buffer with a slot per storage, kept between cycles (pinning is slow);
+    :meth:`release_host_buffers` frees it. :meth:`reload` brings every slot back as a view of *one* device buffer, so
+    from the second cycle on the tensors share one storage and each direction is a single copy (a model's hundreds
+    of per-parameter optimizer states otherwise cost a copy and its launch each, both ways, every step).
     """
 
+    ALIGN = 512  # bytes: slot offsets in the flat buffers (a multiple of every dtype's size)
+
     def __init__(self) -> None:
-        self._host: list[torch.Tensor] = []
-        self._moved: list[tuple[list[torch.Tensor], int, int, torch.device]] = []
+        self._host: torch.Tensor | None = None  # one flat pinned buffer
+        self._layout: list[int] = []  # the byte size of each slot of _host, in order
+        self._moved: list[tuple[list[torch.Tensor], int, torch.device]] = []  # members, byte offset, device
         self.last_pin_seconds = 0.0  # time the last offload() spent allocating pinned host buffers
+        self.last_copies = 0  # device->host copies the last offload() issued
 
     @property
     def active(self) -> bool:
@@ -70,33 +77,45 @@ class StorageOffloader:
             storage = tensor.untyped_storage()
             if storage.nbytes() > 0:
                 groups.setdefault(storage.data_ptr(), []).append(tensor)
-        moved_bytes, self.last_pin_seconds = 0, 0.0
-        for slot, members in enumerate(groups.values()):
-            storage = members[0].untyped_storage()
-            nbytes = storage.nbytes()
-            if slot >= len(self._host) or self._host[slot].numel() != nbytes:
-                start = time.perf_counter()
-                host = _pin(torch.empty(nbytes, dtype=torch.uint8))
-                self._host[slot:slot + 1] = [host]
-                self.last_pin_seconds += time.perf_counter() - start
-            source = torch.empty(0, dtype=torch.uint8, device=device).set_(storage)
-            self._host[slot].copy_(source, non_blocking=non_blocking)
-            self._moved.append((members, slot, nbytes, device))
-            moved_bytes += nbytes
+        layout = [members[0].untyped_storage().nbytes() for members in groups.values()]
+        self.last_pin_seconds, self.last_copies = 0.0, 0
+        if not groups:
+            return 0
+        offsets = _offsets(layout, self.ALIGN)
+        total = offsets[-1] + layout[-1]
+        if self._host is None or layout != self._layout:
+            if self._host is None or self._host.numel() < total:
+                started = time.perf_counter()
+                self._host = None  # free the old pinned buffer before pinning a larger one
+                self._host = _pin(torch.empty(total, dtype=torch.uint8))
+                self.last_pin_seconds = time.perf_counter() - started
+            self._layout = layout
+        for members, offset, nbytes in zip(groups.values(), offsets, layout, strict=True):
+            source = torch.empty(0, dtype=torch.uint8, device=device).set_(members[0].untyped_storage())
+            self._host[offset:offset + nbytes].copy_(source, non_blocking=non_blocking)
+            self._moved.append((members, offset, device))
+        self.last_copies = len(layout)
         _synchronize(device)
-        for members, slot, _, _ in self._moved:
-            _repoint(members, self._host[slot])
-        return moved_bytes
+        for members, offset, _ in self._moved:
+            _repoint(members, self._host, offset)
+        return sum(layout)
 
     def reload(self, *, non_blocking: bool = True) -> int:
-        """Copy every moved storage back to its device; returns the bytes moved."""
+        """Copy every moved storage back, all of a device's slots in one copy into one buffer; returns the bytes
+        moved."""
+        by_device: dict[torch.device, list[tuple[list[torch.Tensor], int]]] = {}
+        for members, offset, device in self._moved:
+            by_device.setdefault(device, []).append((members, offset))
+        end = {offset: offset + size for offset, size in zip(_offsets(self._layout, self.ALIGN), self._layout,
+                                                              strict=True)}
         moved_bytes = 0
-        for members, slot, nbytes, device in self._moved:
-            buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
-            buffer.copy_(self._host[slot], non_blocking=non_blocking)
-            _repoint(members, buffer)
-            moved_bytes += nbytes
-        for device in {entry[3] for entry in self._moved}:
+        for device, entries in by_device.items():
+            low, high = min(offset for _, offset in entries), max(end[offset] for _, offset in entries)
+            buffer = torch.empty(high - low, dtype=torch.uint8, device=device)
+            buffer.copy_(self._host[low:high], non_blocking=non_blocking)
+            for members, _ in entries:  # their offsets are in the host buffer's coordinates: shift by -low
+                _repoint(members, buffer, -low)
+            moved_bytes += sum(end[offset] - offset for _, offset in entries)
             _synchronize(device)
         self._moved = []
         return moved_bytes
@@ -104,15 +123,27 @@ class StorageOffloader:
     def release_host_buffers(self) -> None:
         if self._moved:
             raise RuntimeError("release_host_buffers() while states are offloaded would lose them; reload() first")
-        self._host = []
+        self._host, self._layout = None, []
 
 
-def _repoint(members: list[torch.Tensor], buffer: torch.Tensor) -> None:
-    """Make every tensor in ``members`` a view of ``buffer``'s storage at its own offset, size and stride."""
+def _offsets(layout: list[int], align: int) -> list[int]:
+    """Byte offsets of consecutive slots of ``layout``'s sizes, each rounded up to ``align``."""
+    offsets, position = [], 0
+    for size in layout:
+        offsets.append(position)
+        position += -(-size // align) * align
+    return offsets
+
+
+def _repoint(members: list[torch.Tensor], buffer: torch.Tensor, byte_offset: int = 0) -> None:
+    """Make every tensor in ``members`` a view of ``buffer``'s storage at its own offset (shifted by
+    ``byte_offset``), size and stride."""
     storage = buffer.untyped_storage()
+    base = buffer.storage_offset() + byte_offset  # buffer is uint8: its offset is in bytes
     for tensor in members:
+        itemsize = tensor.element_size()
         view = torch.empty(0, dtype=tensor.dtype, device=buffer.device)
-        view.set_(storage, tensor.storage_offset(), tensor.size(), tensor.stride())
+        view.set_(storage, base // itemsize + tensor.storage_offset(), tensor.size(), tensor.stride())
         tensor.data = view
 
 
