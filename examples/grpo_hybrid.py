@@ -60,13 +60,13 @@ class Options:
     kl_coef: float = 0.001
     resident: bool = False  # nothing sleeps: engine and trainers stay on the GPU (the guard still orders phases)
     offload_trainers: bool = True  # False: only the engine sleeps, the trainers keep their states (TRL's sleep mode)
-    zero_stage: int = 1
+    zero_stage: int | None = None  # None: 0 in fp32 (no duplicate fp32 weight copies to move), 1 in bf16
     bf16: bool = False  # bf16 trainers and engine (large models); fp32 keeps the engine-trainer gap ~1e-3
     offload_optimizer: bool = False  # Adam states and master weights in host memory (ZeRO-Offload)
     offload_optimizer_ratio: float = 1.0  # ZeRO-3: the share of them in host memory, the rest on the GPU
     sub_group_elements: int = 1_000_000_000  # ZeRO-3 sub-group size (elements): the grain of offload_optimizer_ratio
     reference: bool = True  # False: no reference model and no KL term (needs --kl-coef 0), as DAPO
-    gradient_checkpointing: bool = False
+    gradient_checkpointing: bool = False  # True: recompute activations in backward, 4x larger micro-batches
     lora_rank: int = 0  # > 0: train LoRA adapters (alpha = 2 * rank, attention + MLP projections) and push only them
     engine_memory: float = 0.15  # vLLM's share of the GPU (weights + KV cache)
     tiny: bool = False  # smoke run: 3 steps of a few short samples
@@ -93,7 +93,9 @@ def start(options: Options) -> Hybrid:
     cpu = options.device == "cpu"
     tiny = TinyModelConfig(hidden_size=64, num_layers=2, seed=SEED)  # CPU smoke runs: a tiny random Llama
     model = options.model or str(build_tiny_model(Path(options.out) / "tiny_model", tiny, exist_ok=True))
-    deepspeed = DeepSpeedEngineConfig(zero_stage=options.zero_stage, bf16=options.bf16, learning_rate=options.lr,
+    # ZeRO-0 + bf16 cannot sleep (DeepSpeed's BF16_Optimizer has no offload_states): bf16 takes stage 1
+    stage = options.zero_stage if options.zero_stage is not None else (1 if options.bf16 and not cpu else 0)
+    deepspeed = DeepSpeedEngineConfig(zero_stage=stage, bf16=options.bf16, learning_rate=options.lr,
                                       optimizer="torch_adamw" if cpu else "fused_adam", gradient_clipping=1.0,
                                       offload_optimizer=options.offload_optimizer,
                                       offload_optimizer_ratio=options.offload_optimizer_ratio,
@@ -104,7 +106,8 @@ def start(options: Options) -> Hybrid:
     if not options.reference and options.kl_coef != 0:
         raise ValueError(f"--reference false with --kl-coef {options.kl_coef}: the KL term needs the reference; "
                          "pass --kl-coef 0")
-    trainers = {"actor": TrainerConfig(deepspeed=deepspeed, offload=offload, lora=lora)}
+    micro = 16384 if options.gradient_checkpointing else 4096  # tokens per micro-batch: bounds activation memory
+    trainers = {"actor": TrainerConfig(deepspeed=deepspeed, offload=offload, lora=lora, micro_batch_tokens=micro)}
     if options.reference:
         trainers["reference"] = TrainerConfig(deepspeed=dataclasses.replace(deepspeed, offload_optimizer=False,
                                                                             offload_optimizer_ratio=1.0),
@@ -113,7 +116,8 @@ def start(options: Options) -> Hybrid:
     config = HybridConfig(model=model, device=options.device, engine="hf" if cpu else options.engine, seed=SEED,
                           sglang_python=options.sglang_python, sglang_site=options.sglang_site,
                           num_gpus=options.num_gpus, engine_sleep_level=sleep_level, engine_memory=options.engine_memory,
-                          dtype="bfloat16" if options.bf16 and not cpu else "float32")
+                          dtype="bfloat16" if options.bf16 and not cpu else "float32",
+                          max_num_seqs=-(-options.prompts_per_step * options.samples_per_prompt // options.num_gpus))
     return Hybrid.start(config, trainers)
 
 

@@ -226,7 +226,7 @@ class DeepSpeedEngine:
         boundary = self.ds_engine.is_gradient_accumulation_boundary()
         lr = float(self.ds_engine.get_lr()[0])
         # ZeRO-0 without a bf16/fp16 wrapper does not record the norm: compute it from the reduced gradients.
-        own_norm = self._grad_norm() if boundary and self.config.zero_stage == 0 else None
+        own_norm = self.zero0_grad_norm() if boundary else None
         self.ds_engine.step()
         if not boundary:
             return {}
@@ -239,9 +239,16 @@ class DeepSpeedEngine:
                 "grad_norm": float("nan") if grad_norm is None else float(grad_norm),
                 "global_step": float(self.global_step)}
 
-    def _grad_norm(self) -> float | None:
-        grads = [p.grad.detach().float().norm() for p in self.module.parameters() if p.grad is not None]
-        return float(torch.stack(grads).norm()) if grads else None
+    def zero0_grad_norm(self) -> float | None:
+        """ZeRO-0: the global norm of the gradients before the optimizer step, which DeepSpeed does not record at
+        stage 0 (call it after the last ``backward`` of a step); None at other stages (ask DeepSpeed's
+        ``get_global_grad_norm()`` after the step) or without gradients."""
+        if self.config.zero_stage != 0:
+            return None
+        grads = [p.grad.detach() for p in self.module.parameters() if p.grad is not None]
+        if not grads:
+            return None
+        return float(torch.linalg.vector_norm(torch.stack([n.float() for n in torch._foreach_norm(grads)])))
 
     # ------------------------------------------------------------------ sleep / wake
     def sleep(self, *, keep_weights: bool = False) -> dict[str, float]:

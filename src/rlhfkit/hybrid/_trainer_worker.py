@@ -287,9 +287,11 @@ class TrainerWorker(Worker):
         with self._guarded_call(phase):
             engine = self.model.ds_engine
             lr = float(engine.get_lr()[0])
+            own_norm = self.model.zero0_grad_norm()  # DeepSpeed records no norm at ZeRO-0
             engine.step()
             self._pending_backward = False
             norm = engine.get_global_grad_norm()
+            norm = own_norm if norm is None else norm
             stats = {"lr": lr, "grad_norm": float("nan") if norm is None else float(norm),
                      "global_step": float(self.model.global_step)}
             switch = self._end(phase, sleep_after)
