@@ -88,7 +88,8 @@ def start(options: Options) -> Hybrid:
         "reward": TrainerConfig(deepspeed=dataclasses.replace(frozen, value_head_init_std=0.02),
                                 model=options.reward_model, offload=offload)}
     config = HybridConfig(model=model, device=options.device, engine="hf" if cpu else "vllm",
-                          num_gpus=options.num_gpus, engine_sleep_level=0 if options.resident else 2, seed=SEED)
+                          num_gpus=options.num_gpus, engine_sleep_level=0 if options.resident else 2, seed=SEED,
+                          max_num_seqs=-(-options.prompts_per_step * options.samples_per_prompt // options.num_gpus))
     return Hybrid.start(config, trainers)
 
 

@@ -140,15 +140,26 @@ def test_offloaded_fraction_places_whole_sub_groups():
 
 
 def test_host_memory_defaults_to_this_machine_on_cuda(qwen7b, monkeypatch):
-    """HybridConfig.host_memory_gib=None on device='cuda' checks the machine's physical memory (sysconf)."""
+    """HybridConfig.host_memory_gib=None on device='cuda' checks the machine's physical memory (sysconf) up to Ray's
+    memory-kill threshold (RAY_memory_usage_threshold, 0.95 by default)."""
     import rlhfkit.hybrid._launch as launch
 
     monkeypatch.setattr(launch, "physical_memory_gib", lambda: 40.0)
+    monkeypatch.delenv("RAY_memory_usage_threshold", raising=False)
+    monkeypatch.delenv("RAY_memory_monitor_refresh_ms", raising=False)
+    assert launch.ray_memory_threshold() == 0.95
+    monkeypatch.setenv("RAY_memory_usage_threshold", "0.5")
     trainer = TrainerConfig(deepspeed=_trainers(offload_optimizer=True, gradient_checkpointing=True))
-    with pytest.raises(MemoryFitError, match=r"node has 40\.0 GiB") as info:
+    with pytest.raises(MemoryFitError, match=r"node has 20\.0 GiB") as info:
         check_fit(HybridConfig(model=qwen7b, gpu_memory_gib=80.0, dtype="bfloat16", engine_memory=0.3),
                   {"actor": trainer})
     assert info.value.memory == "host"
+    monkeypatch.setenv("RAY_memory_monitor_refresh_ms", "0")  # Ray's monitor off: all of it
+    assert launch.ray_memory_threshold() == 1.0
+    monkeypatch.setenv("RAY_memory_monitor_refresh_ms", "250")
+    monkeypatch.setenv("RAY_memory_usage_threshold", "1.5")
+    with pytest.raises(ValueError, match="RAY_memory_usage_threshold='1.5'"):
+        launch.ray_memory_threshold()
     with pytest.raises(ValueError, match="HybridConfig.host_memory_gib=0"):
         HybridConfig(model=qwen7b, host_memory_gib=0)
 

@@ -58,6 +58,9 @@ class HybridConfig:
             them in host memory; 0 keeps the engine resident (the guard still orders the phases). With
             ``TrainerConfig.lora`` only 1 or 0: a push carries the adapters alone and never rewrites the base weights.
         max_model_len, enforce_eager: vLLM settings.
+        max_num_seqs: sequences a vLLM engine runs at once; give the rollout batch of one engine (prompts x samples
+            / engines): vLLM captures CUDA graphs up to twice it, and its default (1024 on large GPUs) captures 102
+            graphs at start-up. None: vLLM's default.
         dtype: engine and weight-sync dtype (float32 keeps engine and trainer log-probs within ~1e-3 on small models).
         sync_bucket_mb: weight-sync bucket size.
         overlap: the engines stay resident beside the awake trainers, outside the phase guard, so that a
@@ -78,7 +81,8 @@ class HybridConfig:
             first CUDA device when ``device="cuda"`` and it sees one, else no check.
         host_memory_gib: host memory of one node for the same check (the host phases: DeepSpeed's optimizer
             offload, trainers asleep in host memory, the engine's level-1 backup, process footprints, each model's
-            host copy while it loads). None: this machine's physical memory when ``device="cuda"``, else no check.
+            host copy while it loads). None: this machine's physical memory times Ray's memory-kill threshold
+            (``RAY_memory_usage_threshold``, 0.95: Ray kills workers past it) when ``device="cuda"``, else no check.
     """
 
     model: str
@@ -94,6 +98,7 @@ class HybridConfig:
     engine_memory: float | None = None
     engine_sleep_level: int = 2
     max_model_len: int = 1024
+    max_num_seqs: int | None = None
     enforce_eager: bool = False
     dtype: str = "float32"
     sync_bucket_mb: int = 128
@@ -119,6 +124,9 @@ class HybridConfig:
             if isinstance(value, bool) or not isinstance(value, int) or value < (0 if name in ("seed",
                                                                                             "max_weight_lag") else 1):
                 raise ValueError(f"HybridConfig.{name}={value!r}; must be a positive int")
+        if self.max_num_seqs is not None and (isinstance(self.max_num_seqs, bool)
+                                              or not isinstance(self.max_num_seqs, int) or self.max_num_seqs < 1):
+            raise ValueError(f"HybridConfig.max_num_seqs={self.max_num_seqs!r}; must be None or a positive int")
         if self.engine_sleep_level not in (0, 1, 2):
             raise ValueError(f"HybridConfig.engine_sleep_level={self.engine_sleep_level!r}; expected 0, 1 or 2")
         if self.engine_memory is not None and not 0 < self.engine_memory < 1:
@@ -315,7 +323,7 @@ class Hybrid:
                 model=config.model, num_engines=len(gpus), tensor_parallel_size=config.tensor_parallel_size,
                 gpu_memory_utilization=config.engine_memory_fraction, enable_sleep_mode=config.colocate,
                 seed=config.seed, enforce_eager=config.enforce_eager, max_model_len=config.max_model_len,
-                dtype=config.engine_dtype,
+                max_num_seqs=config.max_num_seqs, dtype=config.engine_dtype,
                 env=env, startup_timeout_s=config.start_timeout_s, control_timeout_s=config.call_timeout_s,
                 enable_lora=lora is not None, max_lora_rank=lora.rank if lora is not None else 16)
             self._handles = create_engines(engine_config, placement=placed, role="rollout",
@@ -538,13 +546,29 @@ def check_fit(config: HybridConfig, trainers: Mapping[str, TrainerConfig], *,
         if torch.cuda.is_available():
             gpu_gib = torch.cuda.get_device_properties(0).total_memory / 1024**3
     if host_gib is None and config.device == "cuda":
-        host_gib = physical_memory_gib()
+        physical = physical_memory_gib()
+        host_gib = None if physical is None else physical * ray_memory_threshold()
     if gpu_gib is None:
         return None
     estimate = estimate_hybrid_memory(config, trainers, plan=plan_gpus(config, tuple(trainers)),
                                       gpu_memory_gib=gpu_gib, host_memory_gib=host_gib, meta_model=meta_model)
     estimate.check_fit(what=f"the hybrid run of {config.model!r} on {config.total_gpus} GPU(s)")
     return estimate
+
+
+def ray_memory_threshold() -> float:
+    """The share of a node's memory past which Ray's memory monitor kills workers (``RAY_memory_usage_threshold``,
+    0.95 by default; 1.0 when ``RAY_memory_monitor_refresh_ms=0`` turns the monitor off): the usable host memory."""
+    if os.environ.get("RAY_memory_monitor_refresh_ms", "").strip() == "0":
+        return 1.0
+    raw = os.environ.get("RAY_memory_usage_threshold", "0.95")
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"RAY_memory_usage_threshold={raw!r}; Ray expects a number in (0, 1]") from None
+    if not 0 < value <= 1:
+        raise ValueError(f"RAY_memory_usage_threshold={raw!r}; Ray expects a number in (0, 1]")
+    return value
 
 
 def physical_memory_gib() -> float | None:

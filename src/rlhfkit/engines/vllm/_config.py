@@ -19,7 +19,7 @@ WEIGHT_LOADINGS = ("auto", "layerwise", "direct", "planned")  # VLLMEngineConfig
 _OWN_KWARGS = ("model", "tensor_parallel_size", "gpu_memory_utilization", "enable_sleep_mode", "seed",
                "enable_prefix_caching", "enforce_eager", "max_model_len", "dtype", "logprobs_mode",
                "worker_extension_cls", "distributed_executor_backend", "enable_lora", "max_lora_rank", "max_loras",
-               "max_cpu_loras")
+               "max_cpu_loras", "max_num_seqs")
 
 
 def _freeze_pairs(owner: str, name: str, value: Any) -> tuple[tuple[str, Any], ...]:
@@ -50,6 +50,9 @@ class VLLMEngineConfig:
         enable_sleep_mode: allow :meth:`VLLMEngine.sleep` (CUDA only; costs a custom allocator).
         seed: engine ``i`` is seeded with ``seed + i``.
         enable_prefix_caching, enforce_eager, max_model_len, dtype: passed to ``vllm.LLM``.
+        max_num_seqs: sequences an engine runs at once (``vllm.LLM``'s); vLLM captures CUDA graphs for batch sizes
+            up to twice it, so the rollout batch per engine keeps start-up short (None: vLLM's default, 1024 on large
+            GPUs: 102 graphs to capture, 41 s for a 7B model on an H100).
         logprobs_mode: ``"processed_logprobs"`` (temperature applied; the protocol's convention) or
             ``"raw_logprobs"`` (see the module docstring).
         extra_kwargs: more ``vllm.LLM`` keyword arguments, as a mapping or (name, value) pairs (stored as pairs);
@@ -95,6 +98,7 @@ class VLLMEngineConfig:
     enable_prefix_caching: bool = True
     enforce_eager: bool = False
     max_model_len: int | None = None
+    max_num_seqs: int | None = None
     dtype: str = "bfloat16"
     logprobs_mode: Literal["processed_logprobs", "raw_logprobs"] = "processed_logprobs"
     extra_kwargs: Any = field(default=())
@@ -124,8 +128,10 @@ class VLLMEngineConfig:
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not 0 < value <= 1:
                 raise ValueError(f"VLLMEngineConfig.{name}={value!r}; must be in (0, 1]")
-        if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 1):
-            raise ValueError(f"VLLMEngineConfig.max_model_len={self.max_model_len!r}; must be None or an int >= 1")
+        for name in ("max_model_len", "max_num_seqs"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"VLLMEngineConfig.{name}={value!r}; must be None or an int >= 1")
         if self.weight_loading not in WEIGHT_LOADINGS:
             raise ValueError(f"VLLMEngineConfig.weight_loading={self.weight_loading!r}; expected one of "
                              f"{WEIGHT_LOADINGS}")
@@ -189,8 +195,9 @@ def build_llm_kwargs(config: VLLMEngineConfig, features: VLLMFeatures, *, engine
         kwargs["logprobs_mode"] = config.logprobs_mode
     elif config.logprobs_mode == "processed_logprobs":
         require_feature("logprobs_mode", features, purpose="logprobs_mode='processed_logprobs'")
-    if config.max_model_len is not None:
-        kwargs["max_model_len"] = config.max_model_len
+    for name in ("max_model_len", "max_num_seqs"):
+        if getattr(config, name) is not None:
+            kwargs[name] = getattr(config, name)
     if config.enable_lora:
         require_feature("lora", features, purpose="VLLMEngineConfig.enable_lora=True")
         kwargs.update(enable_lora=True, max_lora_rank=lora_rank_slot(config.max_lora_rank, features.lora_ranks),
