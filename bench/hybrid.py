@@ -58,15 +58,31 @@ def summarize(rows: list[dict], launch_to_first_step_s: float | None = None) -> 
 
 
 def run_logged(command: list[str], log: Path, timeout: float, env: dict[str, str] | None = None) -> tuple[int, float]:
-    """Run ``command`` with its output in ``log``; (exit code, seconds). Past ``timeout`` the process is killed and
-    the code is 124, so the caller still writes its JSON."""
+    """Run ``command`` with its output in ``log``; (exit code, seconds). Past ``timeout`` the run is stopped and the
+    code is 124, so the caller still writes its JSON: SIGINT first (the example's ``finally`` closes its Ray
+    cluster), then SIGKILL to its whole process group after 20 s, then ``ray stop --force`` — a killed driver's Ray
+    workers otherwise keep their pinned host memory (30-50 GiB at 7B) and the next run fails for host memory."""
+    import signal
+
     started = time.time()
     with log.open("w") as handle:
+        process = subprocess.Popen(command, stdout=handle, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         try:
-            code = subprocess.run(command, stdout=handle, stderr=subprocess.STDOUT, timeout=timeout, check=False,
-                                  env=env).returncode
+            code = process.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             code = 124
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGINT)
+            try:
+                process.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
+            ray = shutil.which("ray")
+            if ray:
+                subprocess.run([ray, "stop", "--force"], stdout=handle, stderr=subprocess.STDOUT, timeout=60,
+                               check=False)
     return code, time.time() - started
 
 
@@ -142,7 +158,7 @@ def _pid_roles(phases: Path) -> dict[int, str]:
 def run_ours(args, out: Path) -> dict:
     command = [sys.executable, str(REPO / "examples/grpo_hybrid.py"), "--model", args.model, "--out", str(out),
                "--steps", str(args.steps), "--resident", str(args.resident).lower()]
-    command += [f"--{k.replace('_', '-')}={v}" for k, v in WORKLOAD.items()]
+    command += [f"--{k.replace('_', '-')}={v}" for k, v in WORKLOAD.items()] + args.ours_args.split()
     log = out.with_suffix(".log")
     out.mkdir(parents=True, exist_ok=True)
     env, memory, launched = cache_env(args, "rlhfkit"), ProcessMemory(), time.time()
@@ -206,6 +222,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--summarize", type=Path, help="summarise an existing run directory instead")
     parser.add_argument("--cache", type=Path, help="compile-cache root (default: next to --out)")
     parser.add_argument("--cold", action="store_true", help="empty the compile caches first (a fresh start)")
+    parser.add_argument("--ours-args", default="", help="more options of examples/grpo_hybrid.py, e.g. "
+                        "'--gradient-checkpointing true' (an A/B of a non-default setting)")
     args = parser.parse_args(argv)
     if args.summarize:
         rows = [json.loads(line) for line in (args.summarize / "metrics.jsonl").read_text().splitlines()]
