@@ -610,6 +610,34 @@ def test_in_process_engine_core_is_set_before_the_llm_is_built(monkeypatch, in_p
     assert seen["env"] == expected
 
 
+def test_model_inspection_runs_in_process_only_while_the_llm_is_built(monkeypatch):
+    """vLLM inspects an uncached model class in a subprocess that imports vLLM again (32 s on a fresh H100 machine);
+    with the in-process engine core nothing forks, so it runs here, and vLLM's function is restored afterwards."""
+    import sys
+    import types
+
+    from rlhfkit.engines.vllm._compat import model_inspection_in_process
+
+    package = types.ModuleType("fakevllm")
+    registry = types.ModuleType("fakevllm.model_executor.models.registry")
+    original = registry._run_in_subprocess = lambda fn: "ran in a subprocess"
+    monkeypatch.setitem(sys.modules, "fakevllm", package)
+    monkeypatch.setitem(sys.modules, "fakevllm.model_executor.models.registry", registry)
+    with model_inspection_in_process(package) as active:
+        assert active and registry._run_in_subprocess(lambda: "ran here") == "ran here"
+    assert registry._run_in_subprocess is original
+    with pytest.raises(RuntimeError, match="boom"), model_inspection_in_process(package):
+        raise RuntimeError("boom")
+    assert registry._run_in_subprocess is original  # restored on errors too
+    with model_inspection_in_process(fake_vllm()) as active:  # a stand-in module object: nothing to patch
+        assert not active
+    without = types.ModuleType("novllm")  # a vLLM without the private function: left alone
+    monkeypatch.setitem(sys.modules, "novllm", without)
+    monkeypatch.setitem(sys.modules, "novllm.model_executor.models.registry", types.ModuleType("r"))
+    with model_inspection_in_process(without) as active:
+        assert not active
+
+
 def test_plan_launches_without_ray():
     config = VLLMEngineConfig(model="/m", num_engines=2, tensor_parallel_size=2, gpu_share=0.25,
                               env={"RLHFKIT_TEST_MARKER": "x"})

@@ -33,6 +33,7 @@ the actor helpers); nothing is imported at module import.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -49,6 +50,7 @@ from rlhfkit.engines.vllm._compat import (
     lora_request_class,
     make_sampling_params,
     make_token_prompt,
+    model_inspection_in_process,
     request_seed,
     require_feature,
 )
@@ -115,7 +117,9 @@ class VLLMEngine(EngineState):
             kwargs = build_llm_kwargs(config, self.features, engine_index=engine_index,
                                       distributed_executor_backend=distributed_executor_backend)
             logger.info("engine %d: starting vLLM %s for %s", engine_index, self.features.version, config.model)
-            llm = self._vllm.LLM(**kwargs)
+            in_process = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0" and config.tensor_parallel_size == 1
+            with model_inspection_in_process(self._vllm) if in_process else contextlib.nullcontext():
+                llm = self._vllm.LLM(**kwargs)
         self._llm = llm
         self._init_state()
         self._sleep_level = 0

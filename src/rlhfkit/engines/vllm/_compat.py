@@ -13,10 +13,12 @@ Does not start engines or import vLLM at import time. Needs ``rlhfkit[vllm]`` on
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import importlib
 import inspect
 import typing
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
@@ -36,6 +38,7 @@ __all__ = [
     "make_token_prompt",
     "request_seed",
     "lora_request_class",
+    "model_inspection_in_process",
 ]
 
 SUPPORTED_VLLM = ">=0.10 (V1 engine, worker_extension_cls, collective_rpc)"
@@ -222,6 +225,33 @@ def make_sampling_params(sampling: SamplingConfig, *, sampling_params_cls: Any, 
         # a few flat lists per completion instead of a dict and a Logprob object per token (vLLM ≥ 0.11.1)
         kwargs["flat_logprobs"] = True
     return sampling_params_cls(**kwargs)
+
+
+@contextlib.contextmanager
+def model_inspection_in_process(vllm: Any) -> Iterator[bool]:
+    """While building an ``LLM`` whose engine core runs in this process: vLLM inspects a model class it has no cached
+    facts about (``VLLM_CACHE_ROOT/modelinfos``) in a fresh Python subprocess, so that the process which later forks
+    engine workers never initialises CUDA. That subprocess imports vLLM and torch again: 32 s on an H100 machine with
+    empty caches. Where nothing forks (the in-process core, one GPU) the inspection runs here instead. Yields whether
+    it does: vLLM's private ``model_executor.models.registry._run_in_subprocess`` is replaced only where it exists (a
+    real ``vllm`` module), and put back on exit."""
+    if not isinstance(vllm, ModuleType):
+        yield False
+        return
+    try:
+        registry = importlib.import_module(f"{vllm.__name__}.model_executor.models.registry")
+    except ImportError:
+        yield False
+        return
+    original = getattr(registry, "_run_in_subprocess", None)
+    if not callable(original):
+        yield False
+        return
+    registry._run_in_subprocess = lambda fn: fn()
+    try:
+        yield True
+    finally:
+        registry._run_in_subprocess = original
 
 
 def lora_request_class(vllm: Any) -> Any:

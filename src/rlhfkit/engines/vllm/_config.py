@@ -51,8 +51,8 @@ class VLLMEngineConfig:
         seed: engine ``i`` is seeded with ``seed + i``.
         enable_prefix_caching, enforce_eager, max_model_len, dtype: passed to ``vllm.LLM``.
         max_num_seqs: sequences an engine runs at once (``vllm.LLM``'s); vLLM captures CUDA graphs for batch sizes
-            up to twice it, so the rollout batch per engine keeps start-up short (None: vLLM's default, 1024 on large
-            GPUs: 102 graphs to capture, 41 s for a 7B model on an H100).
+            up to it (at most 512), so the rollout batch per engine keeps start-up short (None: vLLM's default, 1024
+            on large GPUs: 51 sizes per graph kind, twice that with LoRA, 41 s for a 7B model on an H100).
         logprobs_mode: ``"processed_logprobs"`` (temperature applied; the protocol's convention) or
             ``"raw_logprobs"`` (see the module docstring).
         extra_kwargs: more ``vllm.LLM`` keyword arguments, as a mapping or (name, value) pairs (stored as pairs);
