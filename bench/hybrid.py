@@ -4,7 +4,7 @@ sleep mode on), the same workload, one after the other in one command on the sam
     python bench/hybrid.py --model /tmp/smollm2-hf --steps 15 --out hybrid.json            # sleeping (default)
     python bench/hybrid.py --model /tmp/smollm2-hf --steps 15 --resident --out res.json    # both resident
     python bench/hybrid.py --model /tmp/smollm2-hf --steps 100 --no-peer --out grpo100.json
-    python bench/hybrid.py --summarize runs/grpo100 --out grpo100.json                   # an existing run dir
+    python bench/hybrid.py --summarize runs/grpo100 --out grpo100.json --plot curve.png  # an existing run dir
 
 Workload: 16 prompts x 8 samples of the built-in arithmetic task, 64 new tokens, fp32, 2 minibatches, engine memory
 share 0.15 for both. Step statistics are medians over the steps after the first. For each side: step time, the time
@@ -210,6 +210,40 @@ def ratios(ours: dict, peer: dict) -> dict:
             "launch_to_first_step": ratio(ours.get("launch_to_first_step_s"), peer.get("launch_to_first_step_s"))}
 
 
+def plot_run(rows: list[dict], path: Path, title: str) -> bool:
+    """Reward and exact answers, KL and the engine-vs-trainer gap, step time and its phase switches, per step of a
+    run's ``metrics.jsonl`` rows (False when matplotlib is missing)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    steps = [row["step"] for row in rows]
+    figure, (reward, drift, time_) = plt.subplots(1, 3, figsize=(15, 4))
+    reward.plot(steps, [row["reward/mean"] for row in rows], label="mean reward")
+    reward.plot(steps, [row.get("accuracy", float("nan")) for row in rows], label="exact answers")
+    reward.set_xlabel("step")
+    reward.legend()
+    drift.plot(steps, [row.get("kl/mean", float("nan")) for row in rows], label="KL to the reference (nats/token)")
+    drift.plot(steps, [row.get("engine_vs_trainer/mean_abs_logprob_diff", float("nan")) for row in rows],
+               label="engine-vs-trainer log-prob gap")
+    drift.set_yscale("log")
+    drift.set_xlabel("step")
+    drift.legend()
+    time_.plot(steps, [row["time/step_s"] for row in rows], label="step (s)")
+    time_.plot(steps, [row.get("time/phase_switch_s", float("nan")) for row in rows], label="phase switches (s)")
+    time_.set_ylim(0, 3 * statistics.median(row["time/step_s"] for row in rows))
+    time_.set_xlabel("step")
+    time_.legend()
+    figure.suptitle(title)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return True
+
+
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", help="HF model folder")
@@ -220,14 +254,17 @@ def main(argv=None) -> dict:
     parser.add_argument("--peer-only", action="store_true", help="run TRL only (its half of a side-by-side)")
     parser.add_argument("--timeout", type=float, default=540.0, help="limit of each side's run (s)")
     parser.add_argument("--summarize", type=Path, help="summarise an existing run directory instead")
+    parser.add_argument("--plot", type=Path, help="with --summarize: also draw the run's curves into this PNG")
     parser.add_argument("--cache", type=Path, help="compile-cache root (default: next to --out)")
     parser.add_argument("--cold", action="store_true", help="empty the compile caches first (a fresh start)")
     parser.add_argument("--ours-args", default="", help="more options of examples/grpo_hybrid.py, e.g. "
                         "'--gradient-checkpointing true' (an A/B of a non-default setting)")
     args = parser.parse_args(argv)
     if args.summarize:
-        rows = [json.loads(line) for line in (args.summarize / "metrics.jsonl").read_text().splitlines()]
+        rows = read_metrics(args.summarize)
         result = summarize(rows)
+        if args.plot:
+            plot_run(rows, args.plot, f"examples/grpo_hybrid.py, {len(rows)} steps ({args.summarize.name})")
     else:
         if not args.model:
             parser.error("--model is required")
