@@ -91,6 +91,31 @@ def test_measure_copy_rates_on_a_gpu():
     assert 1e9 < rates.h2d_bytes_per_s < 1e12 and 1e9 < rates.d2h_bytes_per_s < 1e12  # PCIe/NVLink-C2C range
 
 
+def test_a_colocated_engine_builds_its_model_only_after_the_start_gate(tiny_llama_path):
+    """Hybrid.start loads the trainers first and then raises the gate; an engine actor waits for it before building
+    its model (vLLM then profiles memory on a GPU nobody is filling), bounded by its timeout."""
+    from rlhfkit.hybrid._engines import HFEngineActor
+    from rlhfkit.phase import TCPPhaseStore
+
+    store = TCPPhaseStore.serve(timeout_s=10)
+    built = {}
+
+    def build():
+        built["actor"] = HFEngineActor(str(tiny_llama_path), engine_index=0, seed=0, device="cpu", guard_store=store,
+                                       gpus=["node0/gpu0"], start_gate="trainers-loaded", gate_timeout_s=30)
+
+    thread = threading.Thread(target=build)
+    thread.start()
+    thread.join(0.5)
+    assert thread.is_alive() and "actor" not in built
+    store.set_flag("trainers-loaded")
+    thread.join(60)
+    assert built["actor"].ready()["engine_index"] == 0
+    with pytest.raises(TimeoutError, match="never-raised"):
+        HFEngineActor(str(tiny_llama_path), engine_index=0, seed=0, device="cpu", guard_store=store,
+                      gpus=["node0/gpu0"], start_gate="never-raised", gate_timeout_s=0.2)
+
+
 def test_metrics_logger_writes_numbers_only(tmp_path):
     before = time.time()
     with MetricsLogger(tmp_path) as metrics:

@@ -146,6 +146,25 @@ def test_guard_needs_a_gpu_and_a_role_and_can_force_release():
     assert gpu_key().count(":") == 1
 
 
+def test_tcp_store_flags_open_a_gate_for_every_holder_and_bound_the_wait():
+    """Hybrid.start's start gate: colocated engines build their models once the trainers raise the flag."""
+    import threading
+
+    server = TCPPhaseStore.serve(timeout_s=10)
+    client = pickle.loads(pickle.dumps(server))  # what an engine actor receives
+    waited = {}
+    thread = threading.Thread(target=lambda: waited.setdefault("s", client.wait_flag("gate", timeout_s=10)))
+    thread.start()
+    thread.join(0.3)
+    assert thread.is_alive()  # still waiting: nothing raised the flag
+    server.set_flag("gate")
+    thread.join(5)
+    assert not thread.is_alive() and waited["s"] >= 0.3
+    assert client.wait_flag("gate", timeout_s=0.1) < 0.1  # raised once, open for every later wait
+    with pytest.raises(TimeoutError, match="flag 'other'.*0.2 s"):
+        client.wait_flag("other", timeout_s=0.2)
+
+
 def test_tcp_store_rejects_bad_port():
     with pytest.raises(ValueError, match="port=70000"):
         TCPPhaseStore("127.0.0.1", 70000)

@@ -237,6 +237,22 @@ class TCPPhaseStore:
             return None
         return store.get(self._key(gpu)).decode() or None
 
+    def set_flag(self, name: str) -> None:
+        """Raise the one-way flag ``name`` for every process that holds this store (e.g. a start-up gate: the
+        engines build their models once the trainers have loaded theirs and gone to sleep)."""
+        self._client().set(f"rlhfkit/flag/{name}", "1")
+
+    def wait_flag(self, name: str, *, timeout_s: float, poll_s: float = 0.05) -> float:
+        """Block until :meth:`set_flag` raised ``name`` (in any process); returns the seconds waited. Raises
+        ``TimeoutError`` naming the flag after ``timeout_s``."""
+        store, key, started = self._client(), f"rlhfkit/flag/{name}", time.monotonic()
+        while not store.check([key]):
+            if time.monotonic() - started > timeout_s:
+                raise TimeoutError(f"flag {name!r} of the phase store at {self.host}:{self.port} was not raised "
+                                   f"within {timeout_s:g} s")
+            time.sleep(poll_s)
+        return time.monotonic() - started
+
 
 @dataclass(frozen=True, kw_only=True)
 class Transition:

@@ -79,9 +79,12 @@ class HFEngineActor(GuardedEngineMixin):
     sleep/wake, ``init_weight_sync``/``receive_weights`` through :mod:`rlhfkit.weight_sync`, versions)."""
 
     def __init__(self, model_path: str, *, engine_index: int, seed: int, device: str, guard_store: Any,
-                 gpus: Sequence[str], dtype: str = "float32") -> None:
+                 gpus: Sequence[str], dtype: str = "float32", start_gate: str | None = None,
+                 gate_timeout_s: float = 900.0) -> None:
         from rlhfkit.engines.hf import HFEngine, HFEngineConfig
 
+        if start_gate is not None:  # colocated: build once the trainers have loaded and gone to sleep
+            guard_store.wait_flag(start_gate, timeout_s=gate_timeout_s)
         self.engine_index = engine_index
         self.engine = HFEngine(HFEngineConfig(model=model_path, device=device, dtype=dtype, seed=seed + engine_index))
         self.receiver: Any = None
@@ -140,12 +143,20 @@ class HFEngineActor(GuardedEngineMixin):
         return [{"version": report.version, "seconds": report.seconds, "bytes": report.num_bytes}]
 
 
-def guarded_vllm_engine_class(guard_store: Any, gpus_by_engine: Sequence[Sequence[str]]) -> type:
-    """rlhfkit's vLLM engine actor with guarded sleep/wake, as ``create_engines(engine_cls=...)`` builds it."""
+def guarded_vllm_engine_class(guard_store: Any, gpus_by_engine: Sequence[Sequence[str]], *,
+                              start_gate: str | None = None) -> type:
+    """rlhfkit's vLLM engine actor with guarded sleep/wake, as ``create_engines(engine_cls=...)`` builds it.
+    ``start_gate``: a flag of ``guard_store`` (:meth:`~rlhfkit.phase.TCPPhaseStore.wait_flag`) the actor waits for,
+    after importing vLLM and before building its model (colocated runs: the trainers load first, so that vLLM
+    profiles its memory on a GPU nobody else is filling)."""
     from rlhfkit.engines.vllm import VLLMEngineActor
 
     class GuardedVLLMEngine(GuardedEngineMixin, VLLMEngineActor):
         def __init__(self, config: Any, *, engine_index: int = 0, distributed_executor_backend: Any = None) -> None:
+            if start_gate is not None:
+                import vllm  # noqa: F401 — the slow import runs while the trainers load
+
+                guard_store.wait_flag(start_gate, timeout_s=config.startup_timeout_s)
             super().__init__(config, engine_index=engine_index,
                              distributed_executor_backend=distributed_executor_backend)
             self._guard_setup(guard_store, gpus_by_engine[engine_index])
@@ -153,12 +164,16 @@ def guarded_vllm_engine_class(guard_store: Any, gpus_by_engine: Sequence[Sequenc
     return GuardedVLLMEngine
 
 
-def guarded_sglang_engine_class(guard_store: Any, gpus_by_engine: Sequence[Sequence[str]]) -> type:
-    """rlhfkit's SGLang engine actor with guarded sleep/wake (the Ray actor class body; wrap it with ``ray.remote``)."""
+def guarded_sglang_engine_class(guard_store: Any, gpus_by_engine: Sequence[Sequence[str]], *,
+                                start_gate: str | None = None) -> type:
+    """rlhfkit's SGLang engine actor with guarded sleep/wake (the Ray actor class body; wrap it with ``ray.remote``);
+    ``start_gate`` as for :func:`guarded_vllm_engine_class` (the server starts once it is raised)."""
     from rlhfkit.engines.sglang import SGLangEngineActor
 
     class GuardedSGLangEngine(GuardedEngineMixin, SGLangEngineActor):
         def __init__(self, config: Any, *, engine_index: int = 0) -> None:
+            if start_gate is not None:
+                guard_store.wait_flag(start_gate, timeout_s=config.startup_timeout_s)
             super().__init__(config, engine_index=engine_index)
             self._guard_setup(guard_store, gpus_by_engine[engine_index])
 

@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import time
+import uuid
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -59,8 +60,9 @@ class HybridConfig:
             ``TrainerConfig.lora`` only 1 or 0: a push carries the adapters alone and never rewrites the base weights.
         max_model_len, enforce_eager: vLLM settings.
         max_num_seqs: sequences a vLLM engine runs at once; give the rollout batch of one engine (prompts x samples
-            / engines): vLLM captures CUDA graphs up to twice it, and its default (1024 on large GPUs) captures 102
-            graphs at start-up. None: vLLM's default.
+            / engines): vLLM captures CUDA graphs for batch sizes up to it (at most 512), and its default (1024 on
+            large GPUs) captures 51 sizes of each graph kind at start-up, twice that with LoRA (41 s at 7B on an
+            H100). None: vLLM's default.
         dtype: engine and weight-sync dtype (float32 keeps engine and trainer log-probs within ~1e-3 on small models).
         sync_bucket_mb: weight-sync bucket size.
         overlap: the engines stay resident beside the awake trainers, outside the phase guard, so that a
@@ -205,8 +207,10 @@ def _timed(fn: Any, *args: Any) -> tuple[Any, float]:
 class Hybrid:
     """A started hybrid run: ``trainers`` (role -> :class:`TrainerGroup`), ``engines`` (:class:`RolloutEngines`),
     ``timer`` (a :class:`PhaseTimer` every block reports its sleep/wake time to), ``startup`` (seconds: ``total_s``;
-    ``ray_s``; ``engines_s`` and ``<role>_process_s``, started in parallel, up to ``processes_s``; ``<role>_load_s``
-    one role after another, ``models_s`` in all; ``weight_sync_s``; ``wake_s``)."""
+    ``ray_s``; the engine and trainer processes start in parallel: ``<role>_process_s``, up to ``processes_s``;
+    ``<role>_load_s`` one role after another, ``models_s`` in all; ``engines_s`` from the engines' start to their
+    ready, which colocated engines reach after building their models behind the trainers' loads,
+    ``engines_after_models_s`` of it after the last load; ``weight_sync_s``; ``wake_s``)."""
 
     def __init__(self, config: HybridConfig) -> None:
         self.config = config
@@ -217,6 +221,7 @@ class Hybrid:
         self._handles: list[Any] = []
         self._workers: dict[str, Any] = {}
         self._placed = self._store = self._group = None
+        self._start_gate: str | None = None
         self._started_ray = False
         self._pushed_version = 0
 
@@ -261,24 +266,39 @@ class Hybrid:
         self._store = TCPPhaseStore.serve(host=ray.util.get_node_ip_address())
         configs = {role: trainer.for_role(role) for role, trainer in trainers.items()}
         self.startup["ray_s"] = time.perf_counter() - started
-        with ThreadPoolExecutor(1 + len(configs)) as pool:
+        # Colocated, the trainers load first (one at a time, each claiming the GPU) and go to sleep while the engine
+        # processes start and import; the engines build their models once the gate opens, so that vLLM measures its
+        # memory on a GPU nobody else is filling, and need no start-up sleep to make room for the trainers.
+        self._start_gate = f"engines-build-{uuid.uuid4().hex[:12]}" if self.config.colocate else None
+        pool = ThreadPoolExecutor(1 + len(configs))
+        try:
             engines = pool.submit(_timed, self._start_engines, configs["actor"].lora)
             groups = {role: pool.submit(_timed, self._start_group, role, c.model or self.config.model)
                       for role, c in configs.items()}
             for role, future in groups.items():
                 self._workers[role], self.startup[f"{role}_process_s"] = future.result()
+            mark = time.perf_counter()
+            self.startup["processes_s"] = mark - started
+            for role, trainer_config in configs.items():  # one role at a time: each claims the GPU while it loads
+                if engines.done() and engines.exception() is not None:  # an engine failed while importing
+                    raise engines.exception()
+                # the actor's process measures its pinned copy rates (the floor of the switches) before its load
+                loaded = self._workers[role].call("load", trainer_config, measure_copy_rates=role == "actor",
+                                                  timeout_s=self.config.start_timeout_s)
+                if role == "actor":
+                    self.timer.copy_rates = loaded[0]["copy_rates"]
+                self.trainers[role] = TrainerGroup(self._workers[role], trainer_config, timer=self.timer)
+                self.startup[f"{role}_load_s"], mark = time.perf_counter() - mark, time.perf_counter()
+            self.startup["models_s"] = time.perf_counter() - started - self.startup["processes_s"]
+            if self._start_gate is not None:
+                self._store.set_flag(self._start_gate)
             self.startup["engines_s"] = engines.result()[1]
+            self.startup["engines_after_models_s"] = time.perf_counter() - mark
+        except BaseException:
+            pool.shutdown(wait=False, cancel_futures=True)  # close() kills the actors an engine thread may wait on
+            raise
+        pool.shutdown(wait=True)
         mark = time.perf_counter()
-        self.startup["processes_s"] = mark - started
-        for role, trainer_config in configs.items():  # one role at a time: each claims the GPU while it loads
-            # the actor's process measures its pinned copy rates (the floor of the switches) before its model loads
-            loaded = self._workers[role].call("load", trainer_config, measure_copy_rates=role == "actor",
-                                              timeout_s=self.config.start_timeout_s)
-            if role == "actor":
-                self.timer.copy_rates = loaded[0]["copy_rates"]
-            self.trainers[role] = TrainerGroup(self._workers[role], trainer_config, timer=self.timer)
-            self.startup[f"{role}_load_s"], mark = time.perf_counter() - mark, time.perf_counter()
-        self.startup["models_s"] = time.perf_counter() - started - self.startup["processes_s"]
         self._connect_weight_sync()
         self.startup["weight_sync_s"], mark = time.perf_counter() - mark, time.perf_counter()
         if self.config.colocate and not self.config.overlap:
@@ -307,7 +327,8 @@ class Hybrid:
         return plan_gpus(self.config, roles)
 
     def _start_engines(self, lora: Any = None) -> None:
-        """Start the engines (asleep at level 1 when colocated); ``lora``: the actor's LoraConfig (vLLM engines
+        """Start the engines (colocated: each builds its model once ``self._start_gate`` is raised, after the
+        trainers have loaded); ``lora``: the actor's LoraConfig (vLLM engines
         then serve adapters, with ``max_lora_rank`` = its rank)."""
         import ray
 
@@ -327,7 +348,8 @@ class Hybrid:
                 env=env, startup_timeout_s=config.start_timeout_s, control_timeout_s=config.call_timeout_s,
                 enable_lora=lora is not None, max_lora_rank=lora.rank if lora is not None else 16)
             self._handles = create_engines(engine_config, placement=placed, role="rollout",
-                                           engine_cls=guarded_vllm_engine_class(self._store, gpus))
+                                           engine_cls=guarded_vllm_engine_class(self._store, gpus,
+                                                                                start_gate=self._start_gate))
         elif config.engine == "sglang":
             self._handles = self._start_sglang_engines(gpus, env)
         else:
@@ -339,7 +361,8 @@ class Hybrid:
                     options["max_concurrency"] = 4
                 self._handles.append(actor_cls.options(**options).remote(
                     config.model, engine_index=index, seed=config.seed, device=config.device,
-                    guard_store=self._store, gpus=engine_gpus, dtype=config.engine_dtype))
+                    guard_store=self._store, gpus=engine_gpus, dtype=config.engine_dtype,
+                    start_gate=self._start_gate, gate_timeout_s=config.start_timeout_s))
             ray.get([handle.ready.remote() for handle in self._handles], timeout=config.start_timeout_s)
         self._group = EngineGroup(self._handles, forward_prompt_indices=True, config=EngineGroupConfig(
             generate_timeout_s=config.call_timeout_s, control_timeout_s=config.call_timeout_s,
@@ -348,9 +371,6 @@ class Hybrid:
                                       sleep_level=config.engine_sleep_level, timer=self.timer,
                                       trainer_version=self.actor_version, overlap=config.overlap,
                                       pausable=config.engine == "hf", update_timeout_s=config.sync_timeout_s)
-        if config.colocate and not config.overlap:  # the trainers load next; level 1 keeps the weights
-            self._group.call("guarded_sleep", 1, "startup")
-            self.engines.asleep = True
 
     def _start_sglang_engines(self, gpus: list[list[str]], env: dict[str, str]) -> list[Any]:
         """One Ray actor per engine, each starting its SGLang server on the actor's GPU(s)."""
@@ -368,7 +388,7 @@ class Hybrid:
             context_length=config.max_model_len, enforce_eager=config.enforce_eager, env=server_env,
             startup_timeout_s=config.start_timeout_s, control_timeout_s=config.call_timeout_s,
             generate_timeout_s=config.call_timeout_s)
-        actor_cls = ray.remote(guarded_sglang_engine_class(self._store, gpus))
+        actor_cls = ray.remote(guarded_sglang_engine_class(self._store, gpus, start_gate=self._start_gate))
         handles = []
         for index in range(len(gpus)):
             options = placed.actor_options("rollout", index) | {"runtime_env": {"env_vars": env}, "max_restarts": 0}
