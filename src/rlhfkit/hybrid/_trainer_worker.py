@@ -206,7 +206,8 @@ class TrainerWorker(Worker):
                                                                      loss_tokens_only=True),
                    "values": self.model.forward_values, "rewards": self.model.forward_rewards}[output]
             with torch.no_grad(), _tf32(self.config.tf32_frozen_forward and not self.trains):
-                outputs = [run(batch).float().cpu() for batch in batches]
+                outputs = [run(batch).float() for batch in batches]  # queued back to back; one wait for them all
+            outputs = [output.cpu() for output in outputs]
             peak = _peak_gib()
             switch += self._end(phase, sleep_after)
         return {"outputs": outputs, "switch_s": switch, "peak_gib": peak, **self._take_moved()}

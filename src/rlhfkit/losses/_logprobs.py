@@ -144,9 +144,11 @@ def token_logprobs(logits: torch.Tensor, labels: torch.Tensor, *, temperature: f
                          f"{getattr(labels, 'dtype', '')}")
     if labels.shape[0] != logits.shape[0]:
         raise ValueError(f"labels has {labels.shape[0]} entries but logits has {logits.shape[0]} rows; they must match")
-    if labels.numel() and (int(labels.min()) < 0 or int(labels.max()) >= logits.shape[1]):
-        raise ValueError(f"labels must be token ids in [0, {logits.shape[1]}) (the vocabulary of logits), got range "
-                         f"[{int(labels.min())}, {int(labels.max())}]")
+    if labels.numel():
+        low, high = (int(value) for value in torch.aminmax(labels))  # one device sync for both bounds
+        if low < 0 or high >= logits.shape[1]:
+            raise ValueError(f"labels must be token ids in [0, {logits.shape[1]}) (the vocabulary of logits), got "
+                             f"range [{low}, {high}]")
     rows = _rows_per_chunk(chunk_size, logits)
     return _ChunkedLogProbs.apply(logits, labels.long(), float(temperature), rows, bool(inplace_backward))
 
