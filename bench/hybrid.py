@@ -79,11 +79,23 @@ def run_logged(command: list[str], log: Path, timeout: float, env: dict[str, str
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(process.pid, signal.SIGKILL)
                 process.wait()
-            ray = shutil.which("ray")
-            if ray:
-                subprocess.run([ray, "stop", "--force"], stdout=handle, stderr=subprocess.STDOUT, timeout=60,
-                               check=False)
+            stop = _ray_stop_command()
+            if stop:
+                subprocess.run(stop, stdout=handle, stderr=subprocess.STDOUT, timeout=60, check=False)
     return code, time.time() - started
+
+
+def _ray_stop_command() -> list[str] | None:
+    """``ray stop --force`` through the ``ray`` script, or through its module where only the package is installed
+    (a site directory on ``PYTHONPATH``); None without Ray."""
+    import importlib.util
+
+    script = shutil.which("ray")
+    if script:
+        return [script, "stop", "--force"]
+    if importlib.util.find_spec("ray") is not None:
+        return [sys.executable, "-m", "ray.scripts.scripts", "stop", "--force"]
+    return None
 
 
 def read_metrics(out: Path) -> list[dict]:
