@@ -62,7 +62,7 @@ def test_full_parameter_7b_without_offload_names_training_and_the_shortfall(qwen
     trainers = {"actor": TrainerConfig(deepspeed=_trainers())}
     with pytest.raises(MemoryFitError, match=r"phase 'training' needs ~\d+\.\d GiB .*short by \d+\.\d GiB") as info:
         check_fit(config, trainers)
-    assert info.value.phase == "training" and 30 < info.value.shortfall_gib < 80
+    assert info.value.phase == "training" and 30 < info.value.shortfall_gib < 100
     assert isinstance(info.value, ValueError)
 
 

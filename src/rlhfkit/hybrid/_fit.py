@@ -61,8 +61,10 @@ def model_shape(path: str, *, model: torch.nn.Module | None = None) -> ModelShap
 
 
 def _activation_gib(shape: ModelShape, *, tokens: int, bytes_per_value: int, trains: bool, checkpointing: bool) -> float:
-    """First-order activation floor of one micro-batch of ``tokens`` tokens."""
-    layer = tokens * (6 * shape.hidden_size + 3 * shape.intermediate_size) * bytes_per_value  # one layer's working set
+    """First-order activation floor of one micro-batch of ``tokens`` tokens. A decoder layer keeps about 10 hidden-
+    and 4 intermediate-sized values per token for its backward (norm inputs and outputs, q, k, v before and after
+    the rotary embedding, the attention output, the residual; gate, up, their activation and product)."""
+    layer = tokens * (10 * shape.hidden_size + 4 * shape.intermediate_size) * bytes_per_value  # one layer's set
     if not trains:
         kept = layer
     elif checkpointing:

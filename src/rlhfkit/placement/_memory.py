@@ -40,7 +40,8 @@ class ModelMemory:
         bytes_per_param: bytes of one weight on GPU (2 for bf16).
         grad_bytes_per_param: bytes of one gradient (trainable only).
         optimizer_bytes_per_param: bytes of optimizer state per parameter (trainable only); 12 = fp32 master copy +
-            Adam's two moments.
+            Adam's two moments. With ``bytes_per_param`` below 4 (bf16/fp16 weights) the estimate adds 4 more: the
+            fp32 gradients DeepSpeed's optimizer step builds beside the masters.
         zero_stage: DeepSpeed ZeRO stage; shards optimizer states (>= 1), gradients (>= 2) and weights (3) over the
             role's ranks.
         activation_gib: peak activation memory per rank while awake, from your own measurement.
@@ -316,7 +317,10 @@ def _states_gib(plan: PlacementPlan, role: str, model: ModelMemory) -> float:
         if not (model.offload_optimizer and model.zero_stage == 3):  # ZeRO-3 Offload: gradient partitions on host
             total += trainable * model.grad_bytes_per_param / (world if model.zero_stage >= 2 else 1)
         on_gpu = 1.0 - model.offload_optimizer_ratio if model.offload_optimizer else 1.0
-        per_param = model.optimizer_bytes_per_param + (_FP32_GRAD_BYTES if model.offload_optimizer else 0.0)
+        # DeepSpeed's optimizer step of a bf16/fp16 model builds fp32 gradients beside the fp32 masters (ZeRO-1/2:
+        # the flattened partition; ZeRO-3: the fp32 groups' .grad), as its optimizer offload does in host memory
+        fp32_grads = model.offload_optimizer or model.bytes_per_param < _FP32_GRAD_BYTES
+        per_param = model.optimizer_bytes_per_param + (_FP32_GRAD_BYTES if fp32_grads else 0.0)
         total += on_gpu * trainable * per_param / (world if model.zero_stage >= 1 else 1)
     return total / _GIB
 
