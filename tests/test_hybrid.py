@@ -226,6 +226,7 @@ def test_primitives_train_push_and_match_the_engine(hybrid):
     stats = actor.forward_backward(experience, pg_loss)
     stats |= actor.optim_step(sleep_after="keep_weights")
     assert stats["actor/grad_norm"] > 0 and stats["actor/global_step"] >= 1
+    assert stats["actor/peak_gib"] == stats["actor/peak_reserved_gib"] == 0.0  # torch's CUDA peaks; none on CPU
     before = hybrid.engines.weight_versions()
     pushed = hybrid.push_weights()
     assert pushed["engine/weight_version"] == before[0] + 1

@@ -193,8 +193,9 @@ class TrainerGroup:
                          temperature: float = 1.0, wake: bool = True, phase: str | None = None) -> dict[str, float]:
         """Your ``loss_fn`` on the model's outputs for ``minibatch`` (split over ranks and micro-batches), then
         backward; gradients accumulate until :meth:`optim_step`. Returns the loss function's stats (mean over
-        micro-batches and ranks), ``{role}/loss`` (the minibatch's total loss) and ``{role}/peak_gib`` (the largest
-        peak of memory allocated by torch on any rank during the call; 0 on CPU)."""
+        micro-batches and ranks), ``{role}/loss`` (the minibatch's total loss), ``{role}/peak_gib`` (the largest
+        peak of memory allocated by torch on any rank during the call; 0 on CPU) and ``{role}/peak_reserved_gib``
+        (the same with the caching allocator's blocks: what the device sees of the process, less its context)."""
         if output not in ("logprobs", "values"):
             raise ValueError(f"output={output!r}; forward_backward trains on 'logprobs' or 'values'")
         if not isinstance(minibatch, Experience):
@@ -219,7 +220,8 @@ class TrainerGroup:
         for key in results[0]["stats"]:
             values = [result["stats"][key] for result in results]
             stats[f"{self.role}/{key}"] = sum(values) if key == "loss" else sum(values) / len(values)
-        return stats | {f"{self.role}/peak_gib": max(result.get("peak_gib", 0.0) for result in results)}
+        return stats | {f"{self.role}/{key}": max(result.get(key, 0.0) for result in results)
+                        for key in ("peak_gib", "peak_reserved_gib")}
 
     def optim_step(self, *, sleep_after: bool | str = False, phase: str | None = None) -> dict[str, float]:
         """The optimizer step; returns ``{role}/lr``, ``{role}/grad_norm`` (pre-clip, global) and

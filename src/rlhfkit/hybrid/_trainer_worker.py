@@ -241,7 +241,8 @@ class TrainerWorker(Worker):
                     sums[key] += float(value) / len(micro_batches)
             self.model._pending_losses.clear()  # optim_step reports the loss; the wrapper's list is not used
             self._pending_backward = True
-        return {"stats": dict(sums), "switch_s": switch, "peak_gib": _peak_gib(), **self._take_moved()}
+        return {"stats": dict(sums), "switch_s": switch, "peak_gib": _peak_gib(),
+                "peak_reserved_gib": _peak_gib(reserved=True), **self._take_moved()}
 
     def _loss_function(self, shipped: Any) -> Any:
         """The caller's loss function, sent pickled; unpickled once while the same bytes keep coming."""
@@ -353,5 +354,8 @@ def _reset_peak() -> None:
         torch.cuda.reset_peak_memory_stats()
 
 
-def _peak_gib() -> float:
-    return torch.cuda.max_memory_allocated() / _GIB if torch.cuda.is_available() else 0.0
+def _peak_gib(*, reserved: bool = False) -> float:
+    """torch's peak since the last reset: allocated, or ``reserved`` (allocated plus the caching allocator's blocks)."""
+    if not torch.cuda.is_available():
+        return 0.0
+    return (torch.cuda.max_memory_reserved() if reserved else torch.cuda.max_memory_allocated()) / _GIB
