@@ -66,7 +66,7 @@ class Options:
     offload_optimizer_ratio: float = 1.0  # ZeRO-3: the share of them in host memory, the rest on the GPU
     sub_group_elements: int = 1_000_000_000  # ZeRO-3 sub-group size (elements): the grain of offload_optimizer_ratio
     reference: bool = True  # False: no reference model and no KL term (needs --kl-coef 0), as DAPO
-    gradient_checkpointing: bool = False  # True: recompute activations in backward, 4x larger micro-batches
+    gradient_checkpointing: bool = False  # True: recompute activations in backward (large models)
     lora_rank: int = 0  # > 0: train LoRA adapters (alpha = 2 * rank, attention + MLP projections) and push only them
     engine_memory: float = 0.15  # vLLM's share of the GPU (weights + KV cache)
     tiny: bool = False  # smoke run: 3 steps of a few short samples
@@ -106,8 +106,7 @@ def start(options: Options) -> Hybrid:
     if not options.reference and options.kl_coef != 0:
         raise ValueError(f"--reference false with --kl-coef {options.kl_coef}: the KL term needs the reference; "
                          "pass --kl-coef 0")
-    micro = 16384 if options.gradient_checkpointing else 4096  # tokens per micro-batch: bounds activation memory
-    trainers = {"actor": TrainerConfig(deepspeed=deepspeed, offload=offload, lora=lora, micro_batch_tokens=micro)}
+    trainers = {"actor": TrainerConfig(deepspeed=deepspeed, offload=offload, lora=lora)}
     if options.reference:
         trainers["reference"] = TrainerConfig(deepspeed=dataclasses.replace(deepspeed, offload_optimizer=False,
                                                                             offload_optimizer_ratio=1.0),

@@ -225,13 +225,10 @@ class DeepSpeedEngine:
         self._require_role("step", ("actor", "critic"))
         boundary = self.ds_engine.is_gradient_accumulation_boundary()
         lr = float(self.ds_engine.get_lr()[0])
-        # ZeRO-0 without a bf16/fp16 wrapper does not record the norm: compute it from the reduced gradients.
-        own_norm = self.zero0_grad_norm() if boundary else None
-        self.ds_engine.step()
         if not boundary:
+            self.ds_engine.step()  # DeepSpeed counts the micro-step; the optimizer waits for the boundary
             return {}
-        grad_norm = self.ds_engine.get_global_grad_norm()
-        grad_norm = own_norm if grad_norm is None else grad_norm
+        grad_norm = self.optimizer_step()
         losses, self._pending_losses = self._pending_losses, []
         total = float(torch.stack(losses).float().sum()) if losses else float("nan")
         loss = total if self.config.loss_normalization == "global" else total / max(1, len(losses))
@@ -239,10 +236,17 @@ class DeepSpeedEngine:
                 "grad_norm": float("nan") if grad_norm is None else float(grad_norm),
                 "global_step": float(self.global_step)}
 
-    def zero0_grad_norm(self) -> float | None:
-        """ZeRO-0: the global norm of the gradients before the optimizer step, which DeepSpeed does not record at
-        stage 0 (call it after the last ``backward`` of a step); None at other stages (ask DeepSpeed's
-        ``get_global_grad_norm()`` after the step) or without gradients."""
+    def optimizer_step(self) -> float | None:
+        """DeepSpeed's step at an accumulation boundary, for callers that own the boundary (``ds_config_overrides=
+        {"managed_gradient_accumulation": False}``, as rlhfkit's trainer worker); returns the global pre-clip gradient
+        norm (None without gradients). :meth:`step` uses it at its boundaries."""
+        own_norm = self._zero0_grad_norm()
+        self.ds_engine.step()
+        grad_norm = self.ds_engine.get_global_grad_norm()
+        return own_norm if grad_norm is None else float(grad_norm)
+
+    def _zero0_grad_norm(self) -> float | None:
+        """DeepSpeed records no gradient norm at stage 0 (no bf16/fp16 wrapper): compute it before the step."""
         if self.config.zero_stage != 0:
             return None
         grads = [p.grad.detach() for p in self.module.parameters() if p.grad is not None]

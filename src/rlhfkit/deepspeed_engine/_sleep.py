@@ -101,24 +101,19 @@ class StorageOffloader:
         return sum(layout)
 
     def reload(self, *, non_blocking: bool = True) -> int:
-        """Copy every moved storage back, all of a device's slots in one copy into one buffer; returns the bytes
-        moved."""
-        by_device: dict[torch.device, list[tuple[list[torch.Tensor], int]]] = {}
-        for members, offset, device in self._moved:
-            by_device.setdefault(device, []).append((members, offset))
-        end = {offset: offset + size for offset, size in zip(_offsets(self._layout, self.ALIGN), self._layout,
-                                                              strict=True)}
-        moved_bytes = 0
-        for device, entries in by_device.items():
-            low, high = min(offset for _, offset in entries), max(end[offset] for _, offset in entries)
-            buffer = torch.empty(high - low, dtype=torch.uint8, device=device)
-            buffer.copy_(self._host[low:high], non_blocking=non_blocking)
-            for members, _ in entries:  # their offsets are in the host buffer's coordinates: shift by -low
-                _repoint(members, buffer, -low)
-            moved_bytes += sum(end[offset] - offset for _, offset in entries)
-            _synchronize(device)
+        """Copy every moved storage back in one copy, into one device buffer whose slots they become; returns the
+        bytes moved."""
+        if not self._moved:
+            return 0
+        device = self._moved[0][2]  # one offload() call, one device
+        total = _offsets(self._layout, self.ALIGN)[-1] + self._layout[-1]
+        buffer = torch.empty(total, dtype=torch.uint8, device=device)
+        buffer.copy_(self._host[:total], non_blocking=non_blocking)
+        for members, _, _ in self._moved:  # their offsets in the host buffer are their offsets in this one
+            _repoint(members, buffer)
+        _synchronize(device)
         self._moved = []
-        return moved_bytes
+        return sum(self._layout)
 
     def release_host_buffers(self) -> None:
         if self._moved:

@@ -384,7 +384,7 @@ class Hybrid:
             model=config.model, python=config.sglang_python, tensor_parallel_size=config.tensor_parallel_size,
             mem_fraction_static=config.engine_memory_fraction, seed=config.seed, dtype=config.engine_dtype,
             enable_memory_saver=config.colocate,
-            weights_cpu_backup=config.colocate,  # the start-up sleep is level 1
+            weights_cpu_backup=config.colocate and config.engine_sleep_level == 1,  # level 2 re-sends weights
             context_length=config.max_model_len, enforce_eager=config.enforce_eager, env=server_env,
             startup_timeout_s=config.start_timeout_s, control_timeout_s=config.call_timeout_s,
             generate_timeout_s=config.call_timeout_s)

@@ -287,13 +287,9 @@ class TrainerWorker(Worker):
             raise RoleAsleepError(f"optim_step() called while '{self.role}' rank {self.rank} is asleep (phase "
                                   f"'{phase}')", role=self.role, rank=self.rank, phase=phase)
         with self._guarded_call(phase):
-            engine = self.model.ds_engine
-            lr = float(engine.get_lr()[0])
-            own_norm = self.model.zero0_grad_norm()  # DeepSpeed records no norm at ZeRO-0
-            engine.step()
+            lr = float(self.model.ds_engine.get_lr()[0])
+            norm = self.model.optimizer_step()
             self._pending_backward = False
-            norm = engine.get_global_grad_norm()
-            norm = own_norm if norm is None else norm
             stats = {"lr": lr, "grad_norm": float("nan") if norm is None else float(norm),
                      "global_step": float(self.model.global_step)}
             switch = self._end(phase, sleep_after)
