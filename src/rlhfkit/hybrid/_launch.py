@@ -63,6 +63,13 @@ class HybridConfig:
             / engines): vLLM captures CUDA graphs for batch sizes up to it (at most 512), and its default (1024 on
             large GPUs) captures 51 sizes of each graph kind at start-up, twice that with LoRA (41 s at 7B on an
             H100). None: vLLM's default.
+        kv_cache_tokens: vLLM only: the tokens each engine's KV cache holds. The cache is then sized to them
+            (``kv_cache_memory_bytes``: every layer's keys and values in ``dtype``, from the model's config) instead
+            of filling what ``engine_memory`` leaves after the weights, and vLLM skips its memory profile. A cache
+            sized to the rollout batch (sequences per engine x (longest prompt + new tokens)) is mapped and unmapped
+            at every wake and sleep in less time, and the generating phase's peak shrinks with it (the fit check
+            counts weights + cache + vLLM's working memory). At least ``max_model_len``; ``engine_memory`` then only
+            has to be free when the engine starts (vLLM checks it). None: the cache fills ``engine_memory``.
         dtype: engine and weight-sync dtype (float32 keeps engine and trainer log-probs within ~1e-3 on small models).
         sync_bucket_mb: weight-sync bucket size.
         overlap: the engines stay resident beside the awake trainers, outside the phase guard, so that a
@@ -101,6 +108,7 @@ class HybridConfig:
     engine_sleep_level: int = 2
     max_model_len: int = 1024
     max_num_seqs: int | None = None
+    kv_cache_tokens: int | None = None
     enforce_eager: bool = False
     dtype: str = "float32"
     sync_bucket_mb: int = 128
@@ -129,6 +137,16 @@ class HybridConfig:
         if self.max_num_seqs is not None and (isinstance(self.max_num_seqs, bool)
                                               or not isinstance(self.max_num_seqs, int) or self.max_num_seqs < 1):
             raise ValueError(f"HybridConfig.max_num_seqs={self.max_num_seqs!r}; must be None or a positive int")
+        if self.kv_cache_tokens is not None:
+            if isinstance(self.kv_cache_tokens, bool) or not isinstance(self.kv_cache_tokens, int):
+                raise ValueError(f"HybridConfig.kv_cache_tokens={self.kv_cache_tokens!r}; must be None or an int")
+            if self.engine != "vllm":
+                raise ValueError(f"HybridConfig.kv_cache_tokens={self.kv_cache_tokens} sizes vLLM's KV cache; "
+                                 f"engine={self.engine!r} has no such setting (leave kv_cache_tokens None)")
+            if self.kv_cache_tokens < self.max_model_len:
+                raise ValueError(f"HybridConfig.kv_cache_tokens={self.kv_cache_tokens} is below max_model_len="
+                                 f"{self.max_model_len}: vLLM needs room for one whole sequence; raise it or lower "
+                                 "max_model_len")
         if self.engine_sleep_level not in (0, 1, 2):
             raise ValueError(f"HybridConfig.engine_sleep_level={self.engine_sleep_level!r}; expected 0, 1 or 2")
         if self.engine_memory is not None and not 0 < self.engine_memory < 1:
@@ -222,6 +240,7 @@ class Hybrid:
         self._workers: dict[str, Any] = {}
         self._placed = self._store = self._group = None
         self._start_gate: str | None = None
+        self._kv_cache_bytes: int | None = None
         self._started_ray = False
         self._pushed_version = 0
 
@@ -246,6 +265,10 @@ class Hybrid:
         _check_lora(config, trainers, meta_model=built)
         check_fit(config, trainers, meta_model=built)
         run, started = cls(config), time.perf_counter()
+        if config.kv_cache_tokens is not None:
+            from rlhfkit.hybrid._fit import hybrid_kv_cache_bytes, model_shape
+
+            run._kv_cache_bytes = hybrid_kv_cache_bytes(config, model_shape(config.model, model=built(config.model)))
         try:
             run._start(dict(trainers), started)
         except BaseException:
@@ -344,8 +367,9 @@ class Hybrid:
                 model=config.model, num_engines=len(gpus), tensor_parallel_size=config.tensor_parallel_size,
                 gpu_memory_utilization=config.engine_memory_fraction, enable_sleep_mode=config.colocate,
                 seed=config.seed, enforce_eager=config.enforce_eager, max_model_len=config.max_model_len,
-                max_num_seqs=config.max_num_seqs, dtype=config.engine_dtype,
-                env=env, startup_timeout_s=config.start_timeout_s, control_timeout_s=config.call_timeout_s,
+                max_num_seqs=config.max_num_seqs, kv_cache_memory_bytes=self._kv_cache_bytes,
+                dtype=config.engine_dtype, env=env, startup_timeout_s=config.start_timeout_s,
+                control_timeout_s=config.call_timeout_s,
                 enable_lora=lora is not None, max_lora_rank=lora.rank if lora is not None else 16)
             self._handles = create_engines(engine_config, placement=placed, role="rollout",
                                            engine_cls=guarded_vllm_engine_class(self._store, gpus,

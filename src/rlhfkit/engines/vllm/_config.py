@@ -19,7 +19,7 @@ WEIGHT_LOADINGS = ("auto", "layerwise", "direct", "planned")  # VLLMEngineConfig
 _OWN_KWARGS = ("model", "tensor_parallel_size", "gpu_memory_utilization", "enable_sleep_mode", "seed",
                "enable_prefix_caching", "enforce_eager", "max_model_len", "dtype", "logprobs_mode",
                "worker_extension_cls", "distributed_executor_backend", "enable_lora", "max_lora_rank", "max_loras",
-               "max_cpu_loras", "max_num_seqs")
+               "max_cpu_loras", "max_num_seqs", "kv_cache_memory_bytes")
 
 
 def _freeze_pairs(owner: str, name: str, value: Any) -> tuple[tuple[str, Any], ...]:
@@ -53,6 +53,9 @@ class VLLMEngineConfig:
         max_num_seqs: sequences an engine runs at once (``vllm.LLM``'s); vLLM captures CUDA graphs for batch sizes
             up to it (at most 512), so the rollout batch per engine keeps start-up short (None: vLLM's default, 1024
             on large GPUs: 51 sizes per graph kind, twice that with LoRA, 41 s for a 7B model on an H100).
+        kv_cache_memory_bytes: the KV cache of each GPU, in bytes (``vllm.LLM``'s): vLLM allocates exactly this
+            much and skips its memory profile, instead of filling ``gpu_memory_utilization`` with KV cache (which
+            then only has to be free at start-up). It must hold ``max_model_len`` tokens. None: fill the share.
         logprobs_mode: ``"processed_logprobs"`` (temperature applied; the protocol's convention) or
             ``"raw_logprobs"`` (see the module docstring).
         extra_kwargs: more ``vllm.LLM`` keyword arguments, as a mapping or (name, value) pairs (stored as pairs);
@@ -99,6 +102,7 @@ class VLLMEngineConfig:
     enforce_eager: bool = False
     max_model_len: int | None = None
     max_num_seqs: int | None = None
+    kv_cache_memory_bytes: int | None = None
     dtype: str = "bfloat16"
     logprobs_mode: Literal["processed_logprobs", "raw_logprobs"] = "processed_logprobs"
     extra_kwargs: Any = field(default=())
@@ -128,7 +132,7 @@ class VLLMEngineConfig:
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not 0 < value <= 1:
                 raise ValueError(f"VLLMEngineConfig.{name}={value!r}; must be in (0, 1]")
-        for name in ("max_model_len", "max_num_seqs"):
+        for name in ("max_model_len", "max_num_seqs", "kv_cache_memory_bytes"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"VLLMEngineConfig.{name}={value!r}; must be None or an int >= 1")
@@ -195,7 +199,7 @@ def build_llm_kwargs(config: VLLMEngineConfig, features: VLLMFeatures, *, engine
         kwargs["logprobs_mode"] = config.logprobs_mode
     elif config.logprobs_mode == "processed_logprobs":
         require_feature("logprobs_mode", features, purpose="logprobs_mode='processed_logprobs'")
-    for name in ("max_model_len", "max_num_seqs"):
+    for name in ("max_model_len", "max_num_seqs", "kv_cache_memory_bytes"):
         if getattr(config, name) is not None:
             kwargs[name] = getattr(config, name)
     if config.enable_lora:
