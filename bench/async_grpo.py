@@ -1,8 +1,10 @@
-"""Asynchronous vs synchronous GRPO on one GPU: ``examples/grpo_async.py --mode async`` and ``--mode sync`` (the
-same script, the same engine resident beside the actor), one after the other, and their ratio (issue 21).
+"""Asynchronous vs synchronous GRPO: ``examples/grpo_async.py --mode async`` and ``--mode sync`` (the same script,
+the same layout: the engine resident beside the actor on one GPU, or on a GPU of its own with ``--engine-gpus``),
+one after the other, and their ratio (issue 21).
 
     python bench/async_grpo.py --model /tmp/smollm2-hf --steps 30 --out async.json            # staleness 1, TIS
     python bench/async_grpo.py --model /tmp/smollm2-hf --steps 30 --max-staleness 2 --out async2.json
+    python bench/async_grpo.py --model /tmp/smollm2-hf --num-gpus 2 --engine-gpus 1 --out async_2gpu.json
     python bench/async_grpo.py --tiny --out /tmp/async.json                                  # CPU smoke run
 
 Workload: the example's defaults (16 prompts x 8 samples of the arithmetic task, 64 new tokens). For each mode:
@@ -62,6 +64,7 @@ def run_mode(args, mode: str, out: Path) -> dict:
                "--max-staleness", str(args.max_staleness), "--correction", args.correction]
     command += ["--device", "cpu", "--tiny", "true"] if args.tiny else ["--model", args.model, "--steps",
                                                                         str(args.steps)]
+    command += ["--num-gpus", str(args.num_gpus), "--engine-gpus", str(args.engine_gpus)]
     out.mkdir(parents=True, exist_ok=True)
     log = out / "run.log"
     code, wall = run_logged(command, log, args.timeout)
@@ -111,6 +114,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--correction", default="tis", choices=("none", "tis", "token_mask", "seq_mask"))
     parser.add_argument("--tiny", action="store_true", help="CPU smoke run of the example (3 tiny steps)")
     parser.add_argument("--timeout", type=float, default=1500.0, help="limit of each mode's run (s)")
+    parser.add_argument("--num-gpus", type=int, default=1)
+    parser.add_argument("--engine-gpus", type=int, default=0, help="> 0: the engines on GPUs of their own")
     args = parser.parse_args(argv)
     if not args.tiny and not args.model:
         parser.error("--model is required (or --tiny)")

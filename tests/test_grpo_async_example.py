@@ -1,6 +1,6 @@
 """examples/grpo_async.py end to end on CPU (issue 21's must-shows): real local Ray with logical GPUs, the HF engine in
-a threaded Ray actor resident beside the trainers (``HybridConfig(overlap=True)``), DeepSpeed ZeRO-1 on CPU, gloo
-weight sync, a RolloutProducer thread and a staleness-bounded RolloutBuffer.
+a threaded Ray actor resident beside the trainers (``HybridConfig(overlap=True)``) or on a GPU of its own, gloo
+weight sync, a RolloutProducer thread and a staleness-bounded RolloutBuffer; DeepSpeed ZeRO-0 (the example's stage).
 
 - staleness 0: the asynchronous loop's losses are bit-identical to the synchronous loop of the same script;
 - staleness 1: the bound holds, rollouts lag by one version, the off-policy metrics are logged;
@@ -82,3 +82,21 @@ def test_a_failure_mid_run_ends_it_with_a_clear_error_in_bounded_time(failure, r
         assert "engine 0" in str(error) or "died" in str(error).lower(), error
     assert not _producer_threads()  # the producer was stopped, the buffer closed, Ray shut down
     assert not ray.is_initialized()
+
+
+@pytest.mark.slow
+@pytest.mark.ray
+def test_the_engine_on_a_gpu_of_its_own_runs_the_same_loop(ray_not_started, tiny_llama_path, tmp_path):
+    """--num-gpus 2 --engine-gpus 1: the separated layout (trainers on logical GPU 0, the engine on GPU 1, weights
+    over the non-colocated channel) trains with the bound held, and at staleness 0 gives the colocated run's losses."""
+    module = load_example("grpo_async")
+    colocated = _run(module, tiny_llama_path, tmp_path / "colocated", "--mode", "async", "--max-staleness", "0")
+    separated = _run(module, tiny_llama_path, tmp_path / "separated0", "--mode", "async", "--max-staleness", "0",
+                     "--num-gpus", "2", "--engine-gpus", "1")
+    keys = ("actor/loss", "reward/mean", "kl/mean")
+    assert [row[k] for row in separated for k in keys] == pytest.approx([row[k] for row in colocated for k in keys])
+    lagged = _run(module, tiny_llama_path, tmp_path / "separated1", "--mode", "async", "--max-staleness", "1",
+                  "--num-gpus", "2", "--engine-gpus", "1")
+    assert [row["sync/version"] for row in lagged] == [1.0, 2.0, 3.0]
+    assert all(row["staleness/max"] <= 1 for row in lagged) and lagged[-1]["buffer/dropped_groups"] == 0
+    assert not _producer_threads()
