@@ -274,3 +274,28 @@ def test_kv_cache_tokens_size_the_generating_phase(qwen7b):
 def test_kv_cache_tokens_refused_where_they_cannot_work(qwen7b, settings, message):
     with pytest.raises(ValueError, match=message):
         HybridConfig(model=qwen7b, **settings)
+
+
+def test_engines_build_during_the_loads_only_with_a_sized_cache_that_fits(tmp_path_factory, qwen7b):
+    """Colocated vLLM engines skip the start gate (build while the trainers load) only when kv_cache_tokens spares
+    vLLM its memory profile and every role's largest footprint fits the GPU at once: 1.5B yes; 7B with its trainers
+    resident (bench/scale.py's LARGE_FULL) no; without kv_cache_tokens, an unknown GPU, or SGLang, never."""
+    from bench.scale import LARGE_FULL
+
+    from rlhfkit.hybrid._launch import engines_may_build_during_loads
+
+    qwen15 = _architecture(tmp_path_factory, "qwen2.5-1.5b")
+    zero1 = {"actor": TrainerConfig(deepspeed=_trainers(zero_stage=1)),
+             "reference": TrainerConfig(deepspeed=_trainers(zero_stage=1))}
+    sized = HybridConfig(model=qwen15, engine_memory=0.35, max_num_seqs=128, kv_cache_tokens=128 * 1024, **H100)
+    assert engines_may_build_during_loads(sized, check_fit(sized, zero1))
+    share = dataclasses.replace(sized, kv_cache_tokens=None)
+    assert not engines_may_build_during_loads(share, check_fit(share, zero1))
+    assert not engines_may_build_during_loads(sized, None)
+    deepspeed = _trainers(offload_optimizer=True, gradient_checkpointing=True,
+                          offload_optimizer_ratio=LARGE_FULL["offload_optimizer_ratio"],
+                          sub_group_elements=LARGE_FULL["sub_group_elements"])
+    large = HybridConfig(model=qwen7b, engine_memory=LARGE_FULL["engine_memory"], max_num_seqs=128,
+                         kv_cache_tokens=128 * 1024, **H100)
+    resident = {"actor": TrainerConfig(deepspeed=deepspeed, offload=False)}
+    assert not engines_may_build_during_loads(large, check_fit(large, resident))

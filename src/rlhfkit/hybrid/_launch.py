@@ -69,7 +69,9 @@ class HybridConfig:
             sized to the rollout batch (sequences per engine x (longest prompt + new tokens)) is mapped and unmapped
             at every wake and sleep in less time, and the generating phase's peak shrinks with it (the fit check
             counts weights + cache + vLLM's working memory). At least ``max_model_len``; ``engine_memory`` then only
-            has to be free when the engine starts (vLLM checks it). None: the cache fills ``engine_memory``.
+            has to be free when the engine starts (vLLM checks it). Colocated engines then build their models while
+            the trainers load, when every role's largest footprint fits the GPU at once
+            (:func:`engines_may_build_during_loads`). None: the cache fills ``engine_memory``.
         dtype: engine and weight-sync dtype (float32 keeps engine and trainer log-probs within ~1e-3 on small models).
         sync_bucket_mb: weight-sync bucket size.
         overlap: the engines stay resident beside the awake trainers, outside the phase guard, so that a
@@ -241,6 +243,7 @@ class Hybrid:
         self._placed = self._store = self._group = None
         self._start_gate: str | None = None
         self._kv_cache_bytes: int | None = None
+        self._build_during_loads = False
         self._started_ray = False
         self._pushed_version = 0
 
@@ -263,8 +266,9 @@ class Hybrid:
 
         built = functools.cache(meta_model)  # each model built on the meta device once, for both checks
         _check_lora(config, trainers, meta_model=built)
-        check_fit(config, trainers, meta_model=built)
+        estimate = check_fit(config, trainers, meta_model=built)
         run, started = cls(config), time.perf_counter()
+        run._build_during_loads = engines_may_build_during_loads(config, estimate)
         if config.kv_cache_tokens is not None:
             from rlhfkit.hybrid._fit import hybrid_kv_cache_bytes, model_shape
 
@@ -291,8 +295,10 @@ class Hybrid:
         self.startup["ray_s"] = time.perf_counter() - started
         # Colocated, the trainers load first (one at a time, each claiming the GPU) and go to sleep while the engine
         # processes start and import; the engines build their models once the gate opens, so that vLLM measures its
-        # memory on a GPU nobody else is filling, and need no start-up sleep to make room for the trainers.
-        self._start_gate = f"engines-build-{uuid.uuid4().hex[:12]}" if self.config.colocate else None
+        # memory on a GPU nobody else is filling, and need no start-up sleep to make room for the trainers. A KV
+        # cache of a given size needs no measuring: then the engines build during the loads when all of it fits.
+        gated = self.config.colocate and not self._build_during_loads
+        self._start_gate = f"engines-build-{uuid.uuid4().hex[:12]}" if gated else None
         pool = ThreadPoolExecutor(1 + len(configs))
         try:
             engines = pool.submit(_timed, self._start_engines, configs["actor"].lora)
@@ -598,6 +604,23 @@ def check_fit(config: HybridConfig, trainers: Mapping[str, TrainerConfig], *,
                                       gpu_memory_gib=gpu_gib, host_memory_gib=host_gib, meta_model=meta_model)
     estimate.check_fit(what=f"the hybrid run of {config.model!r} on {config.total_gpus} GPU(s)")
     return estimate
+
+
+def engines_may_build_during_loads(config: HybridConfig, estimate: Any) -> bool:
+    """Whether colocated vLLM engines may build their models while the trainers load (no start gate): only with
+    ``kv_cache_tokens`` (vLLM then skips the memory profile that another process's allocations would spoil) and
+    when every role's largest footprint in the plan's estimate (``estimate``, from :func:`check_fit`) fits each GPU
+    at once."""
+    if not (config.colocate and config.engine == "vllm" and config.kv_cache_tokens is not None) or estimate is None:
+        return False
+    for phases in estimate.breakdown.values():
+        largest: dict[str, float] = {}
+        for roles in phases.values():
+            for role, gib in roles.items():
+                largest[role] = max(largest.get(role, 0.0), gib)
+        if sum(largest.values()) > estimate.gpu_memory_gib:
+            return False
+    return True
 
 
 def ray_memory_threshold() -> float:
