@@ -67,6 +67,7 @@ class Options:
     sub_group_elements: int = 1_000_000_000  # ZeRO-3 sub-group size (elements): the grain of offload_optimizer_ratio
     reference: bool = True  # False: no reference model and no KL term (needs --kl-coef 0), as DAPO
     gradient_checkpointing: bool = False  # True: recompute activations in backward (large models)
+    empty_caches: bool = True  # False: asleep trainers keep their cached GPU blocks (shorter switches, higher peak)
     lora_rank: int = 0  # > 0: train LoRA adapters (alpha = 2 * rank, attention + MLP projections) and push only them
     engine_memory: float = 0.15  # vLLM's share of the GPU (weights + KV cache)
     kv_cache_tokens: int | None = None  # vLLM's KV cache, in tokens per engine (None: it fills --engine-memory)
@@ -101,7 +102,8 @@ def start(options: Options) -> Hybrid:
                                       offload_optimizer=options.offload_optimizer,
                                       offload_optimizer_ratio=options.offload_optimizer_ratio,
                                       sub_group_elements=options.sub_group_elements,
-                                      gradient_checkpointing=options.gradient_checkpointing)
+                                      gradient_checkpointing=options.gradient_checkpointing,
+                                      empty_cache_on_sleep=options.empty_caches)
     offload, rank = options.offload_trainers and not options.resident, options.lora_rank
     lora = LoraConfig(rank=rank, alpha=2.0 * rank, target_modules=LORA_TARGETS) if rank else None
     if not options.reference and options.kl_coef != 0:

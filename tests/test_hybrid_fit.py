@@ -299,3 +299,23 @@ def test_engines_build_during_the_loads_only_with_a_sized_cache_that_fits(tmp_pa
                          kv_cache_tokens=128 * 1024, **H100)
     resident = {"actor": TrainerConfig(deepspeed=deepspeed, offload=False)}
     assert not engines_may_build_during_loads(large, check_fit(large, resident))
+
+
+def test_trainers_that_keep_their_cached_blocks_hold_them_while_asleep(tmp_path_factory):
+    """DeepSpeedEngineConfig(empty_cache_on_sleep=False): an asleep trainer keeps its activations' blocks, so every
+    phase it sleeps through (generating, the reference's forward) holds them in the estimate; its own phase does
+    not change."""
+    qwen15 = _architecture(tmp_path_factory, "qwen2.5-1.5b")
+    config = HybridConfig(model=qwen15, engine_memory=0.35, **H100)
+    phases = {}
+    for keep in (False, True):
+        deepspeed = _trainers(zero_stage=1, empty_cache_on_sleep=not keep)
+        estimate = check_fit(config, {"actor": TrainerConfig(deepspeed=deepspeed, micro_batch_tokens=4096),
+                                      "reference": TrainerConfig(deepspeed=_trainers(zero_stage=1))})
+        phases[keep] = estimate.per_gpu[(0, 0)]
+    assert phases[True]["training"] == phases[False]["training"]
+    kept = phases[True]["generating"] - phases[False]["generating"]
+    assert kept == pytest.approx(phases[True]["forward_reference"] - phases[False]["forward_reference"])
+    assert 13.2 < kept < 13.3  # 28 layers x 4,096 tokens x (10 x 1,536 + 4 x 8,960) bf16 values + fp32 logits
+    with pytest.raises(TypeError, match="empty_cache_on_sleep=1"):
+        DeepSpeedEngineConfig(empty_cache_on_sleep=1)

@@ -257,7 +257,7 @@ class DeepSpeedEngine:
     # ------------------------------------------------------------------ sleep / wake
     def sleep(self, *, keep_weights: bool = False) -> dict[str, float]:
         """Move this rank's parameters, gradients and optimizer states to pinned host memory, then empty the CUDA
-        cache. ``keep_weights=True`` leaves the bf16 weights (ZeRO-3: this rank's shards) on the device so that
+        cache (unless ``DeepSpeedEngineConfig.empty_cache_on_sleep=False``). ``keep_weights=True`` leaves the bf16 weights (ZeRO-3: this rank's shards) on the device so that
         :meth:`named_parameters_for_sync` still works; a later ``sleep()`` moves them too. Returns timing/memory stats
         (seconds, and allocated/reserved bytes before and after on CUDA) and ``bytes_moved``: the bytes this call
         copied device -> host (rlhfkit's copies plus the state storages DeepSpeed's ``offload_states`` moved)."""
@@ -271,7 +271,8 @@ class DeepSpeedEngine:
         start = time.perf_counter()
         self._offloaded, moved = sleeping.offload_engine(self.ds_engine, self._sleep_plan, self._offloaders,
                                                          zero_stage=self.config.zero_stage, keep_weights=keep_weights,
-                                                         done=self._offloaded)
+                                                         done=self._offloaded,
+                                                         empty_cache=self.config.empty_cache_on_sleep)
         seconds = time.perf_counter() - start
         self._asleep, self._weights_kept = True, keep_weights
         self._offloaded_bytes += moved

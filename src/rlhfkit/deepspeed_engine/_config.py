@@ -81,6 +81,10 @@ class DeepSpeedEngineConfig:
             ``initializer_range`` init.
         param_persistence_threshold: ZeRO-3 parameters with fewer elements stay gathered between forwards
             (DeepSpeed's ``stage3_param_persistence_threshold``); sleep() releases them too.
+        empty_cache_on_sleep: ``sleep()`` returns the process's cached CUDA blocks (and cuBLAS workspaces) to the
+            driver, so that the other processes on the GPU can use that memory; the next phase allocates them again.
+            False keeps them for the next wake: shorter switches, but the process holds its activations' blocks
+            while asleep (the hybrid fit check counts them).
         bucket_elements: DeepSpeed's ``reduce_bucket_size`` and ``allgather_bucket_size`` (ZeRO-1/2; ZeRO-3's
             ``reduce_bucket_size``), in elements. ZeRO-1/2 keep a gradient bucket of this many elements on the GPU
             while training: DeepSpeed's default (5e8) is 2 GiB of fp32, 5e7 is 200 MiB.
@@ -110,6 +114,7 @@ class DeepSpeedEngineConfig:
     value_head_init_std: float | None = None
     param_persistence_threshold: int = 100_000
     bucket_elements: int = 50_000_000
+    empty_cache_on_sleep: bool = True
 
     def __post_init__(self) -> None:
         self._check_choices()
@@ -146,6 +151,9 @@ class DeepSpeedEngineConfig:
                              "without warmup, or offload_optimizer_ratio=1")
 
     def _check_choices(self) -> None:
+        if not isinstance(self.empty_cache_on_sleep, bool):
+            raise TypeError(f"DeepSpeedEngineConfig.empty_cache_on_sleep={self.empty_cache_on_sleep!r}; must be "
+                            "True or False")
         if self.zero_stage not in (0, 1, 2, 3):
             raise ValueError(f"DeepSpeedEngineConfig.zero_stage={self.zero_stage!r}; expected 0, 1, 2 or 3")
         for name, choices in (("optimizer", _OPTIMIZERS), ("lr_schedule", _SCHEDULES),

@@ -314,7 +314,7 @@ def resident_state_bytes(ds_engine, zero_stage: int, *, include_weights: bool = 
 
 
 def offload_engine(ds_engine, plan: SleepPlan, offloaders: dict[str, StorageOffloader], *, zero_stage: int,
-                   keep_weights: bool, done: set[str]) -> tuple[set[str], int]:
+                   keep_weights: bool, done: set[str], empty_cache: bool = True) -> tuple[set[str], int]:
     """Move what ``plan`` says (skipping what is in ``done``); returns the names of the states now offloaded and the
     bytes copied off the device: :class:`StorageOffloader`'s count, plus, for DeepSpeed's ``offload_states``, the
     distinct state storages on the device before it that no state tensor uses after it. (On a CPU "device" DeepSpeed's
@@ -348,7 +348,7 @@ def offload_engine(ds_engine, plan: SleepPlan, offloaders: dict[str, StorageOffl
         tensors = module_tensors(ds_engine, zero_stage, with_grads=plan.own_master_and_optimizer)
         moved += offloaders["own_params"].offload(tensors, device=device)
         now.add("own_params")
-    if device.type == "cuda":
+    if device.type == "cuda" and empty_cache:
         release_cuda_caches()
     return now, moved
 

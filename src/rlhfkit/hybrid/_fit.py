@@ -139,7 +139,8 @@ def _trainer_memory(shape: ModelShape, trainer: Any, role: str, *, world: int) -
                        optimizer_bytes_per_param=12.0 if ds.bf16 else 8.0, zero_stage=ds.zero_stage,
                        activation_gib=activations, num_trainable_params=trainable,
                        offload_optimizer=ds.offload_optimizer and trains, offload_params=ds.offload_params,
-                       offload_optimizer_ratio=ratio, asleep="host" if trainer.offload else "gpu")
+                       offload_optimizer_ratio=ratio, asleep="host" if trainer.offload else "gpu",
+                       asleep_gib=0.0 if ds.empty_cache_on_sleep else activations)  # kept blocks: its activations
 
 
 # GPU memory a vLLM / SGLang engine keeps while asleep besides its CUDA context: CUDA graphs and buffers outside its
