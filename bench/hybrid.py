@@ -36,6 +36,14 @@ REPO = Path(__file__).resolve().parents[1]
 WORKLOAD = {"prompts_per_step": 16, "samples_per_prompt": 8, "max_new_tokens": 64}
 
 
+WINDOWS = (1, 10, 20)  # step medians from these steps on: both sides run slower for their first steps
+
+
+def step_windows(step_times: list[float]) -> dict[str, float]:
+    """Median step time from each of ``WINDOWS`` on (``"from_10"``: steps 10, 11, ...), where the run has them."""
+    return {f"from_{start}": statistics.median(step_times[start:]) for start in WINDOWS if len(step_times) > start}
+
+
 def summarize(rows: list[dict], launch_to_first_step_s: float | None = None) -> dict:
     timed = rows[1:] or rows
     keys = sorted({key for row in timed for key in row if key.startswith(("time/", "switch/"))})
@@ -47,6 +55,7 @@ def summarize(rows: list[dict], launch_to_first_step_s: float | None = None) -> 
     gaps = [row["engine_vs_trainer/mean_abs_logprob_diff"] for row in rows
             if "engine_vs_trainer/mean_abs_logprob_diff" in row]
     return {"steps": len(rows), "step_s": median.get("time/step_s"), "median": median,
+            "step_s_windows": step_windows([row["time/step_s"] for row in rows if "time/step_s" in row]),
             "phase_switch_fraction": median.get("time/phase_switch_fraction"),
             # bytes the switches copied and their pinned-copy floor (issue 18; floor keys only on a GPU)
             "switch": {key.removeprefix("switch/"): value for key, value in median.items()
@@ -209,6 +218,8 @@ def run_trl(args, out: Path) -> dict:
     first = result.get("first_step_unix")
     result["launch_to_first_step_s"] = first - launched if first else None
     result["process_memory"] = memory.stop({})
+    result["step_s_windows"] = step_windows([row["time/step_s"] for row in result.get("rows", [])
+                                             if "time/step_s" in row])
     return {"command": " ".join(command), "returncode": code, **result}
 
 
@@ -216,7 +227,10 @@ def ratios(ours: dict, peer: dict) -> dict:
     def ratio(a, b):
         return a / b if a is not None and b else None
 
+    windows = ours.get("step_s_windows") or {}
     return {"step_time": ratio(ours.get("step_s"), peer.get("step_s")),
+            "step_time_windows": {name: ratio(value, (peer.get("step_s_windows") or {}).get(name))
+                                  for name, value in windows.items()},
             "peak_memory": ratio(ours.get("peak_memory_gib"), (peer.get("peak_memory_gib") or {}).get("device")
                                  if isinstance(peer.get("peak_memory_gib"), dict) else peer.get("peak_memory_gib")),
             "launch_to_first_step": ratio(ours.get("launch_to_first_step_s"), peer.get("launch_to_first_step_s"))}
@@ -271,8 +285,14 @@ def main(argv=None) -> dict:
     parser.add_argument("--cold", action="store_true", help="empty the compile caches first (a fresh start)")
     parser.add_argument("--ours-args", default="", help="more options of examples/grpo_hybrid.py, e.g. "
                         "'--gradient-checkpointing true' (an A/B of a non-default setting)")
+    parser.add_argument("--compare", nargs=2, type=Path, metavar=("OURS", "TRL"),
+                        help="the ratios of two earlier runs' JSONs (a --no-peer and a --peer-only run)")
     args = parser.parse_args(argv)
-    if args.summarize:
+    if args.compare:
+        ours, peer = (json.loads(path.read_text()) for path in args.compare)
+        result = {"ours": str(args.compare[0]), "trl": str(args.compare[1]),
+                  "ratio_vs_trl": ratios(ours["rlhfkit"], peer["trl"])}
+    elif args.summarize:
         rows = read_metrics(args.summarize)
         result = summarize(rows)
         if args.plot:

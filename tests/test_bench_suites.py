@@ -176,6 +176,25 @@ def test_hybrid_bench_summary_carries_the_switch_medians():
     assert summary["switch"] == {"over_floor": 4.0, "bytes_d2h": 8.0}
 
 
+def test_hybrid_bench_compares_equal_windows_of_two_runs(tmp_path):
+    """Both sides run slower for their first ~10 steps, so bench/hybrid.py gives the median step from steps 1, 10 and
+    20 on for each side and their ratios; --compare takes them from a --no-peer and a --peer-only run's JSONs."""
+    from bench.hybrid import main, step_windows, summarize
+
+    assert step_windows([9.0, 3.0, 1.0]) == {"from_1": 2.0}
+    ours_times = [9.0] + [2.0] * 9 + [1.0] * 30
+    ours = {"rlhfkit": summarize([{"time/step_s": t, "reward/mean": 0.0} for t in ours_times])}
+    assert ours["rlhfkit"]["step_s_windows"] == {"from_1": 1.0, "from_10": 1.0, "from_20": 1.0}
+    peer_rows = [{"time/step_s": t} for t in [9.0] + [4.0] * 9 + [2.0] * 30]
+    peer = {"trl": {"step_s": 2.0, "rows": peer_rows, "step_s_windows": step_windows([4.0] * 10 + [2.0] * 30)}}
+    (tmp_path / "ours.json").write_text(json.dumps(ours))
+    (tmp_path / "trl.json").write_text(json.dumps(peer))
+    result = main(["--compare", str(tmp_path / "ours.json"), str(tmp_path / "trl.json"), "--out",
+                   str(tmp_path / "ratio.json")])
+    assert result["ratio_vs_trl"]["step_time_windows"] == {"from_1": 0.5, "from_10": 0.5, "from_20": 0.5}
+    assert json.loads((tmp_path / "ratio.json").read_text())["ratio_vs_trl"]["step_time"] == 0.5
+
+
 def test_peer_trl_deepspeed_configs_for_large_models(monkeypatch, tmp_path):
     """Issue 20 (TRL's largest model on one GPU): the peer's --deepspeed modes give the transformers-trainer DeepSpeed
     config; with the optimizer offloaded DeepSpeed's own AdamW is named (a client torch optimizer is refused then),
