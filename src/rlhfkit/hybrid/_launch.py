@@ -610,11 +610,12 @@ def engines_may_build_during_loads(config: HybridConfig, estimate: Any) -> bool:
     """Whether colocated vLLM engines may build their models while the trainers load (no start gate): only with
     ``kv_cache_tokens`` (vLLM then skips the memory profile that another process's allocations would spoil) and
     when every role's largest footprint in the plan's estimate (``estimate``, from :func:`check_fit`) fits each GPU
-    at once."""
+    at once — the engines' counted as at least their ``engine_memory`` share, which vLLM wants free at start-up."""
     if not (config.colocate and config.engine == "vllm" and config.kv_cache_tokens is not None) or estimate is None:
         return False
+    share = config.engine_memory_fraction * estimate.gpu_memory_gib
     for phases in estimate.breakdown.values():
-        largest: dict[str, float] = {}
+        largest: dict[str, float] = {"rollout": share}
         for roles in phases.values():
             for role, gib in roles.items():
                 largest[role] = max(largest.get(role, 0.0), gib)
