@@ -8,8 +8,9 @@ Counts come from the model's config built on the meta device (no weights read). 
 guess from the micro-batch token budget (layer inputs kept by gradient checkpointing, or every layer's working set
 without it, plus float32 logits): the estimate is a floor, so a run it refuses cannot fit, and one it passes may
 still run out of memory. An engine share (vLLM, SGLang) that the engine's weights fill, leaving no KV cache, is
-refused by the same estimate (:meth:`rlhfkit.placement.MemoryEstimate.check_fit`). An asleep vLLM / SGLang engine
-keeps ``ENGINE_ASLEEP_GIB`` on its GPU.
+refused by the same estimate (:meth:`rlhfkit.placement.MemoryEstimate.check_fit`); with ``kv_cache_tokens`` a vLLM
+engine is counted as what it holds instead (:func:`engine_awake_gib`). An asleep vLLM / SGLang engine keeps
+``ENGINE_ASLEEP_GIB`` on its GPU; a trainer with ``empty_cache_on_sleep=False`` keeps its activations' blocks.
 
 Host memory (with a node size): what DeepSpeed's optimizer offload keeps there (``offload_optimizer_ratio`` of the
 fp32 masters, fp32 gradients and Adam moments, placed by whole sub-groups as DeepSpeed does; ZeRO-3's bf16 gradient
