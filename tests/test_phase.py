@@ -179,7 +179,9 @@ def _race(store, role, barrier, results):
 def test_cross_process_claims_are_atomic(kind, tmp_path):
     store = FilePhaseStore(tmp_path / "phase") if kind == "file" else TCPPhaseStore.serve(timeout_s=20)
     copy = pickle.loads(pickle.dumps(store))  # what a Ray actor or a spawned worker receives
-    context = multiprocessing.get_context("fork")
+    # spawn, not fork: a fork of the test process, where earlier tests started Ray (gRPC) and other threads, can
+    # abort at exit (SIGABRT in CI once), and the store is shipped pickled either way
+    context = multiprocessing.get_context("spawn")
     barrier, results = context.Barrier(4), context.Queue()
     processes = [context.Process(target=_race, args=(copy, f"role{i}", barrier, results)) for i in range(4)]
     for process in processes:
