@@ -475,3 +475,19 @@ def test_host_estimate_matches_hand_computation():
         ModelMemory(num_params=1, offload_optimizer_ratio=1.5)
     with pytest.raises(ValueError, match=r"load_order names unknown roles \['critic'\]"):
         estimate_memory(plan, models, dataclasses.replace(config, load_order=("critic",)))
+
+
+def test_master_ports_come_from_outside_the_ephemeral_range():
+    """Regression (CI, session 5): MASTER_PORT was a bind(0) port, which the kernel may hand to another process's
+    outgoing connection or bind(0) in the seconds before rank 0 listens on it (EADDRINUSE at init_process_group).
+    The probe now picks a free port outside the kernel's ephemeral range."""
+    import socket
+
+    from rlhfkit.placement._ray import _ephemeral_range, free_listen_port
+
+    low, high = _ephemeral_range()
+    ports = {free_listen_port() for _ in range(20)}
+    assert all(not low <= port <= high for port in ports) and len(ports) > 1
+    port = ports.pop()
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("", port))  # free: nothing holds it after the probe
