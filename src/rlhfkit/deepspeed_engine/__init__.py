@@ -257,8 +257,9 @@ class DeepSpeedEngine:
     # ------------------------------------------------------------------ sleep / wake
     def sleep(self, *, keep_weights: bool = False) -> dict[str, float]:
         """Move this rank's parameters, gradients and optimizer states to pinned host memory, then empty the CUDA
-        cache (unless ``DeepSpeedEngineConfig.empty_cache_on_sleep=False``). ``keep_weights=True`` leaves the bf16 weights (ZeRO-3: this rank's shards) on the device so that
-        :meth:`named_parameters_for_sync` still works; a later ``sleep()`` moves them too. Returns timing/memory stats
+        cache (unless ``DeepSpeedEngineConfig.empty_cache_on_sleep=False``). ``keep_weights=True`` leaves the bf16
+        weights (ZeRO-3: this rank's shards) on the device so that :meth:`named_parameters_for_sync` still works; a
+        later ``sleep()`` moves them too. Returns timing/memory stats
         (seconds, and allocated/reserved bytes before and after on CUDA) and ``bytes_moved``: the bytes this call
         copied device -> host (rlhfkit's copies plus the state storages DeepSpeed's ``offload_states`` moved)."""
         if self._asleep and (keep_weights or not self._weights_kept):
