@@ -41,10 +41,14 @@ def transition_record(transition: Any, **extra: Any) -> dict[str, Any]:
 
 class _Resident:
     """The sleep of a model that stays on its GPU: the guard still orders the phases; sleeping returns the cached
-    activation memory to the device so the next role can allocate it."""
+    activation memory to the device so the next role can allocate it (unless ``empty_cache`` is False:
+    ``DeepSpeedEngineConfig.empty_cache_on_sleep``)."""
+
+    def __init__(self) -> None:
+        self.empty_cache = True
 
     def sleep(self, **kwargs: Any) -> None:
-        if torch.cuda.is_available():
+        if self.empty_cache and torch.cuda.is_available():
             torch.cuda.empty_cache()
 
     def wake_up(self, **kwargs: Any) -> None:
@@ -103,6 +107,7 @@ class TrainerWorker(Worker):
         from rlhfkit.hybrid._copy_floor import measure_copy_rates as measure
 
         self.config = config
+        self._resident.empty_cache = config.deepspeed.empty_cache_on_sleep
         self._transition("wake", "load")  # claim only: the model does not exist yet
         if self.device_kind == "cuda":
             torch.cuda.set_device(self.device())
