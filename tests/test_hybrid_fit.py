@@ -282,7 +282,7 @@ def test_engines_build_during_the_loads_only_with_a_sized_cache_that_fits(tmp_pa
     resident (bench/scale.py's LARGE_FULL) no; without kv_cache_tokens, an unknown GPU, or SGLang, never."""
     from bench.scale import LARGE_FULL
 
-    from rlhfkit.hybrid._launch import engines_may_build_during_loads
+    from rlhfkit.hybrid._fit import engines_may_build_during_loads
 
     qwen15 = _architecture(tmp_path_factory, "qwen2.5-1.5b")
     zero1 = {"actor": TrainerConfig(deepspeed=_trainers(zero_stage=1)),

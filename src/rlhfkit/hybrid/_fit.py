@@ -28,7 +28,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["ModelShape", "estimate_hybrid_memory", "kv_cache_bytes", "model_shape", "offloaded_fraction"]
+__all__ = ["ModelShape", "engines_may_build_during_loads", "estimate_hybrid_memory", "kv_cache_bytes", "model_shape",
+           "offloaded_fraction"]
 
 _GIB = 1024**3
 
@@ -230,3 +231,21 @@ def estimate_hybrid_memory(config: Any, trainers: Mapping[str, Any], *, plan: An
                                                       engine_memory_fraction=config.engine_memory_fraction,
                                                       phases=phases, host_memory_gib=host_memory_gib,
                                                       load_order=tuple(trainers)))
+
+
+def engines_may_build_during_loads(config: Any, estimate: Any) -> bool:
+    """Whether colocated vLLM engines may build their models while the trainers load (no start gate): only with
+    ``kv_cache_tokens`` (vLLM then skips the memory profile that another process's allocations would spoil) and
+    when every role's largest footprint in the plan's estimate (``estimate``, from ``check_fit``) fits each GPU
+    at once — the engines' counted as at least their ``engine_memory`` share, which vLLM wants free at start-up."""
+    if not (config.colocate and config.engine == "vllm" and config.kv_cache_tokens is not None) or estimate is None:
+        return False
+    share = config.engine_memory_fraction * estimate.gpu_memory_gib
+    for phases in estimate.breakdown.values():
+        largest: dict[str, float] = {"rollout": share}
+        for roles in phases.values():
+            for role, gib in roles.items():
+                largest[role] = max(largest.get(role, 0.0), gib)
+        if sum(largest.values()) > estimate.gpu_memory_gib:
+            return False
+    return True

@@ -71,7 +71,7 @@ class HybridConfig:
             counts weights + cache + vLLM's working memory). At least ``max_model_len``; ``engine_memory`` then only
             has to be free when the engine starts (vLLM checks it). Colocated engines then build their models while
             the trainers load, when every role's largest footprint fits the GPU at once
-            (:func:`engines_may_build_during_loads`). None: the cache fills ``engine_memory``.
+            (:func:`rlhfkit.hybrid._fit.engines_may_build_during_loads`). None: the cache fills ``engine_memory``.
         dtype: engine and weight-sync dtype (float32 keeps engine and trainer log-probs within ~1e-3 on small models).
         sync_bucket_mb: weight-sync bucket size.
         overlap: the engines stay resident beside the awake trainers, outside the phase guard, so that a
@@ -262,6 +262,7 @@ class Hybrid:
                 raise ValueError(f"trainer role {role!r}; expected actor, critic, reference or reward")
             if not isinstance(trainer, TrainerConfig):
                 raise TypeError(f"trainers[{role!r}] must be a TrainerConfig, got {type(trainer).__name__}")
+        from rlhfkit.hybrid._fit import engines_may_build_during_loads, hybrid_kv_cache_bytes, model_shape
         from rlhfkit.lora import meta_model
 
         built = functools.cache(meta_model)  # each model built on the meta device once, for both checks
@@ -270,8 +271,6 @@ class Hybrid:
         run, started = cls(config), time.perf_counter()
         run._build_during_loads = engines_may_build_during_loads(config, estimate)
         if config.kv_cache_tokens is not None:
-            from rlhfkit.hybrid._fit import hybrid_kv_cache_bytes, model_shape
-
             run._kv_cache_bytes = hybrid_kv_cache_bytes(config, model_shape(config.model, model=built(config.model)))
         try:
             run._start(dict(trainers), started)
@@ -604,24 +603,6 @@ def check_fit(config: HybridConfig, trainers: Mapping[str, TrainerConfig], *,
                                       gpu_memory_gib=gpu_gib, host_memory_gib=host_gib, meta_model=meta_model)
     estimate.check_fit(what=f"the hybrid run of {config.model!r} on {config.total_gpus} GPU(s)")
     return estimate
-
-
-def engines_may_build_during_loads(config: HybridConfig, estimate: Any) -> bool:
-    """Whether colocated vLLM engines may build their models while the trainers load (no start gate): only with
-    ``kv_cache_tokens`` (vLLM then skips the memory profile that another process's allocations would spoil) and
-    when every role's largest footprint in the plan's estimate (``estimate``, from :func:`check_fit`) fits each GPU
-    at once — the engines' counted as at least their ``engine_memory`` share, which vLLM wants free at start-up."""
-    if not (config.colocate and config.engine == "vllm" and config.kv_cache_tokens is not None) or estimate is None:
-        return False
-    share = config.engine_memory_fraction * estimate.gpu_memory_gib
-    for phases in estimate.breakdown.values():
-        largest: dict[str, float] = {"rollout": share}
-        for roles in phases.values():
-            for role, gib in roles.items():
-                largest[role] = max(largest.get(role, 0.0), gib)
-        if sum(largest.values()) > estimate.gpu_memory_gib:
-            return False
-    return True
 
 
 def ray_memory_threshold() -> float:

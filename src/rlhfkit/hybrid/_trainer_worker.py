@@ -44,8 +44,8 @@ class _Resident:
     activation memory to the device so the next role can allocate it (unless ``empty_cache`` is False:
     ``DeepSpeedEngineConfig.empty_cache_on_sleep``)."""
 
-    def __init__(self) -> None:
-        self.empty_cache = True
+    def __init__(self, *, empty_cache: bool = True) -> None:
+        self.empty_cache = empty_cache
 
     def sleep(self, **kwargs: Any) -> None:
         if self.empty_cache and torch.cuda.is_available():
@@ -107,7 +107,7 @@ class TrainerWorker(Worker):
         from rlhfkit.hybrid._copy_floor import measure_copy_rates as measure
 
         self.config = config
-        self._resident.empty_cache = config.deepspeed.empty_cache_on_sleep
+        self._resident = _Resident(empty_cache=config.deepspeed.empty_cache_on_sleep)
         self._transition("wake", "load")  # claim only: the model does not exist yet
         if self.device_kind == "cuda":
             torch.cuda.set_device(self.device())
