@@ -255,7 +255,7 @@ def test_kv_cache_tokens_size_the_generating_phase(qwen7b):
 
     trainers = {"actor": TrainerConfig(deepspeed=_trainers(offload_optimizer=True))}
     share = HybridConfig(model=qwen7b, gpu_memory_gib=80.0, host_memory_gib=1000.0, engine_memory=0.5,
-                         dtype="bfloat16", max_num_seqs=128)
+                         dtype="bfloat16", max_num_seqs=128, kv_tokens_per_seq=None)
     sized = dataclasses.replace(share, kv_cache_tokens=128 * 1024)
     assert hybrid_kv_cache_bytes(share, model_shape(qwen7b)) is None
     assert hybrid_kv_cache_bytes(sized, model_shape(qwen7b)) == 128 * 1024 * 57_344
@@ -264,6 +264,23 @@ def test_kv_cache_tokens_size_the_generating_phase(qwen7b):
     generating = {name: check_fit(config, trainers).per_gpu[(0, 0)]["generating"] for name, config in
                   (("share", share), ("sized", sized))}
     assert generating["sized"] < generating["share"] - 15
+
+
+def test_the_kv_cache_is_sized_to_the_rollout_batch_by_default(qwen7b):
+    """Without kv_cache_tokens a vLLM engine's cache holds max_num_seqs x kv_tokens_per_seq tokens (at least
+    max_model_len); without max_num_seqs, with kv_tokens_per_seq None, or for HF / SGLang engines it fills the share."""
+    from rlhfkit.hybrid._fit import hybrid_kv_cache_bytes
+
+    config = HybridConfig(model=qwen7b, max_num_seqs=128)
+    assert config.engine_kv_tokens == 128 * 256
+    assert hybrid_kv_cache_bytes(config, model_shape(qwen7b)) == 128 * 256 * 57_344 * 2  # float32: twice bf16
+    assert dataclasses.replace(config, max_num_seqs=2).engine_kv_tokens == 1024  # max_model_len
+    assert dataclasses.replace(config, kv_cache_tokens=5000).engine_kv_tokens == 5000
+    assert dataclasses.replace(config, kv_tokens_per_seq=64).engine_kv_tokens == 128 * 64
+    for unsized in ({"max_num_seqs": None}, {"kv_tokens_per_seq": None}, {"engine": "sglang"}, {"engine": "hf"}):
+        assert dataclasses.replace(config, **unsized).engine_kv_tokens is None, unsized
+    with pytest.raises(ValueError, match=r"kv_tokens_per_seq=0; must be None or a positive int"):
+        dataclasses.replace(config, kv_tokens_per_seq=0)
 
 
 @pytest.mark.parametrize(("settings", "message"), [
@@ -289,8 +306,10 @@ def test_engines_build_during_the_loads_only_with_a_sized_cache_that_fits(tmp_pa
              "reference": TrainerConfig(deepspeed=_trainers(zero_stage=1))}
     sized = HybridConfig(model=qwen15, engine_memory=0.35, max_num_seqs=128, kv_cache_tokens=128 * 1024, **H100)
     assert engines_may_build_during_loads(sized, check_fit(sized, zero1))
-    share = dataclasses.replace(sized, kv_cache_tokens=None)
+    share = dataclasses.replace(sized, kv_cache_tokens=None, kv_tokens_per_seq=None)
     assert not engines_may_build_during_loads(share, check_fit(share, zero1))
+    per_seq = dataclasses.replace(sized, kv_cache_tokens=None)  # the default: 128 x 256 tokens
+    assert engines_may_build_during_loads(per_seq, check_fit(per_seq, zero1))
     assert not engines_may_build_during_loads(sized, None)
     deepspeed = _trainers(offload_optimizer=True, gradient_checkpointing=True,
                           offload_optimizer_ratio=LARGE_FULL["offload_optimizer_ratio"],

@@ -8,8 +8,8 @@ Counts come from the model's config built on the meta device (no weights read). 
 guess from the micro-batch token budget (layer inputs kept by gradient checkpointing, or every layer's working set
 without it, plus float32 logits): the estimate is a floor, so a run it refuses cannot fit, and one it passes may
 still run out of memory. An engine share (vLLM, SGLang) that the engine's weights fill, leaving no KV cache, is
-refused by the same estimate (:meth:`rlhfkit.placement.MemoryEstimate.check_fit`); with ``kv_cache_tokens`` a vLLM
-engine is counted as what it holds instead (:func:`engine_awake_gib`). An asleep vLLM / SGLang engine keeps
+refused by the same estimate (:meth:`rlhfkit.placement.MemoryEstimate.check_fit`); with a sized KV cache
+(``HybridConfig.engine_kv_tokens``) a vLLM engine is counted as what it holds instead (:func:`engine_awake_gib`). An asleep vLLM / SGLang engine keeps
 ``ENGINE_ASLEEP_GIB`` on its GPU; a trainer with ``empty_cache_on_sleep=False`` keeps its activations' blocks.
 
 Host memory (with a node size): what DeepSpeed's optimizer offload keeps there (``offload_optimizer_ratio`` of the
@@ -163,16 +163,18 @@ def _engine_workspace_gib(config: Any, shape: ModelShape, dtype_bytes: int) -> f
 
 
 def hybrid_kv_cache_bytes(config: Any, shape: ModelShape) -> int | None:
-    """``HybridConfig.kv_cache_tokens`` in bytes per engine GPU (:func:`kv_cache_bytes` in the engine dtype), or
-    None when the cache fills the engine's share."""
-    if config.kv_cache_tokens is None:
+    """``HybridConfig.engine_kv_tokens`` in bytes per engine GPU (:func:`kv_cache_bytes` in the engine dtype), or
+    None when the cache fills the engine's share (also when the size comes from ``kv_tokens_per_seq`` and the
+    model's config gives no attention heads to size it by)."""
+    tokens = config.engine_kv_tokens
+    if tokens is None or (config.kv_cache_tokens is None and not (shape.num_kv_heads > 0 and shape.head_dim > 0)):
         return None
-    return kv_cache_bytes(shape, tokens=config.kv_cache_tokens, dtype_bytes=_dtype_bytes(config.engine_dtype),
+    return kv_cache_bytes(shape, tokens=tokens, dtype_bytes=_dtype_bytes(config.engine_dtype),
                           tensor_parallel_size=config.tensor_parallel_size)
 
 
 def engine_awake_gib(config: Any, shape: ModelShape) -> float | None:
-    """GiB one GPU of an awake vLLM engine holds with ``kv_cache_tokens`` set: its weights (``1 /
+    """GiB one GPU of an awake vLLM engine holds with a sized KV cache (``HybridConfig.engine_kv_tokens``): its weights (``1 /
     tensor_parallel_size``), the KV cache, its working memory and what stays outside the sleep pool (CUDA graphs).
     None when the cache fills ``engine_memory`` (the share is the footprint)."""
     kv = hybrid_kv_cache_bytes(config, shape)
@@ -190,7 +192,7 @@ def _dtype_bytes(dtype: str) -> int:
 
 def _engine_memory(config: Any, shape: ModelShape) -> Any:
     """The engine role: a share of the GPU (vLLM, SGLang), or what it holds (HF: its weights; vLLM with
-    ``kv_cache_tokens``: :func:`engine_awake_gib`); in host memory its weights whenever it may sleep at level 1
+    a sized KV cache: :func:`engine_awake_gib`); in host memory its weights whenever it may sleep at level 1
     (colocated engines are counted so: the 7B runs' host peaks were measured with it)."""
     from rlhfkit.placement import ModelMemory
 
@@ -235,10 +237,10 @@ def estimate_hybrid_memory(config: Any, trainers: Mapping[str, Any], *, plan: An
 
 def engines_may_build_during_loads(config: Any, estimate: Any) -> bool:
     """Whether colocated vLLM engines may build their models while the trainers load (no start gate): only with
-    ``kv_cache_tokens`` (vLLM then skips the memory profile that another process's allocations would spoil) and
-    when every role's largest footprint in the plan's estimate (``estimate``, from ``check_fit``) fits each GPU
+    a sized KV cache (``HybridConfig.engine_kv_tokens``; vLLM then skips the memory profile that another
+    process's allocations would spoil) and when every role's largest footprint in the plan's estimate (``estimate``, from ``check_fit``) fits each GPU
     at once — the engines' counted as at least their ``engine_memory`` share, which vLLM wants free at start-up."""
-    if not (config.colocate and config.engine == "vllm" and config.kv_cache_tokens is not None) or estimate is None:
+    if not (config.colocate and config.engine_kv_tokens is not None) or estimate is None:
         return False
     share = config.engine_memory_fraction * estimate.gpu_memory_gib
     for phases in estimate.breakdown.values():

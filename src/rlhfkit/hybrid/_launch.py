@@ -66,12 +66,17 @@ class HybridConfig:
         kv_cache_tokens: vLLM only: the tokens each engine's KV cache holds. The cache is then sized to them
             (``kv_cache_memory_bytes``: every layer's keys and values in ``dtype``, from the model's config) instead
             of filling what ``engine_memory`` leaves after the weights, and vLLM skips its memory profile. A cache
-            sized to the rollout batch (sequences per engine x (longest prompt + new tokens)) is mapped and unmapped
-            at every wake and sleep in less time, and the generating phase's peak shrinks with it (the fit check
-            counts weights + cache + vLLM's working memory). At least ``max_model_len``; ``engine_memory`` then only
-            has to be free when the engine starts (vLLM checks it). Colocated engines then build their models while
-            the trainers load, when every role's largest footprint fits the GPU at once
-            (:func:`rlhfkit.hybrid._fit.engines_may_build_during_loads`). None: the cache fills ``engine_memory``.
+            sized to the rollout batch is mapped and unmapped at every wake and sleep in less time, and the
+            generating phase's peak shrinks with it (the fit check counts weights + cache + vLLM's working memory).
+            At least ``max_model_len``; ``engine_memory`` then only has to be free when the engine starts (vLLM
+            checks it). Colocated engines then build their models while the trainers load, when every role's largest
+            footprint fits the GPU at once (:func:`rlhfkit.hybrid._fit.engines_may_build_during_loads`). None: the
+            size comes from ``kv_tokens_per_seq`` (:attr:`engine_kv_tokens`).
+        kv_tokens_per_seq: vLLM only, when ``kv_cache_tokens`` is None and ``max_num_seqs`` is set: the cache holds
+            ``max_num_seqs * kv_tokens_per_seq`` tokens (at least ``max_model_len``). The default 256 covers a
+            prompt and its response on average (vLLM allocates 16-token blocks as sequences grow, and preempts
+            rather than fails when they run out). None, or ``max_num_seqs`` None: the cache fills ``engine_memory``
+            (the behaviour before 0.x; slower switches, higher peak: docs/benchmarks.md).
         dtype: engine and weight-sync dtype (float32 keeps engine and trainer log-probs within ~1e-3 on small models).
         sync_bucket_mb: weight-sync bucket size.
         overlap: the engines stay resident beside the awake trainers, outside the phase guard, so that a
@@ -111,6 +116,7 @@ class HybridConfig:
     max_model_len: int = 1024
     max_num_seqs: int | None = None
     kv_cache_tokens: int | None = None
+    kv_tokens_per_seq: int | None = 256
     enforce_eager: bool = False
     dtype: str = "float32"
     sync_bucket_mb: int = 128
@@ -149,6 +155,11 @@ class HybridConfig:
                 raise ValueError(f"HybridConfig.kv_cache_tokens={self.kv_cache_tokens} is below max_model_len="
                                  f"{self.max_model_len}: vLLM needs room for one whole sequence; raise it or lower "
                                  "max_model_len")
+        if self.kv_tokens_per_seq is not None and (isinstance(self.kv_tokens_per_seq, bool)
+                                                   or not isinstance(self.kv_tokens_per_seq, int)
+                                                   or self.kv_tokens_per_seq < 1):
+            raise ValueError(f"HybridConfig.kv_tokens_per_seq={self.kv_tokens_per_seq!r}; must be None or a "
+                             "positive int")
         if self.engine_sleep_level not in (0, 1, 2):
             raise ValueError(f"HybridConfig.engine_sleep_level={self.engine_sleep_level!r}; expected 0, 1 or 2")
         if self.engine_memory is not None and not 0 < self.engine_memory < 1:
@@ -195,6 +206,18 @@ class HybridConfig:
     @property
     def trainer_gpus(self) -> int:
         return self.total_gpus if self.colocate else self.total_gpus - self.engine_gpus
+
+    @property
+    def engine_kv_tokens(self) -> int | None:
+        """The tokens each vLLM engine's KV cache is sized to: ``kv_cache_tokens``, else ``max_num_seqs *
+        kv_tokens_per_seq`` (at least ``max_model_len``), else None (the cache fills ``engine_memory``)."""
+        if self.engine != "vllm":
+            return None
+        if self.kv_cache_tokens is not None:
+            return self.kv_cache_tokens
+        if self.max_num_seqs is None or self.kv_tokens_per_seq is None:
+            return None
+        return max(self.max_model_len, self.max_num_seqs * self.kv_tokens_per_seq)
 
     @property
     def engine_memory_fraction(self) -> float:
@@ -269,9 +292,9 @@ class Hybrid:
         _check_lora(config, trainers, meta_model=built)
         estimate = check_fit(config, trainers, meta_model=built)
         run, started = cls(config), time.perf_counter()
-        run._build_during_loads = engines_may_build_during_loads(config, estimate)
-        if config.kv_cache_tokens is not None:
+        if config.engine_kv_tokens is not None:
             run._kv_cache_bytes = hybrid_kv_cache_bytes(config, model_shape(config.model, model=built(config.model)))
+        run._build_during_loads = run._kv_cache_bytes is not None and engines_may_build_during_loads(config, estimate)
         try:
             run._start(dict(trainers), started)
         except BaseException:
