@@ -109,7 +109,8 @@ def ours_command(model: Path | None, mode: str, out: Path, *, steps: int, tiny: 
     if engine_only_sleep:
         command += ["--offload-trainers", "false"]
     if mode == "lora":
-        return command + ["--zero-stage", "3", "--gradient-checkpointing", "true", "--lr", "1e-5"] + lora
+        return command + ["--zero-stage", "3", "--gradient-checkpointing", "true", "--lr", "1e-5",
+                          "--empty-caches", "true"] + lora
     if ARCHITECTURES[model_arch(model)]["hidden_size"] < LARGE_HIDDEN:
         return command  # the example's defaults (ZeRO-1, every state offloaded while asleep) fit up to 3B
     large = [arg for arg in command if arg not in ("--offload-trainers", "false")]
@@ -117,7 +118,7 @@ def ours_command(model: Path | None, mode: str, out: Path, *, steps: int, tiny: 
     return large + ["--zero-stage", "3", "--gradient-checkpointing", "true", "--offload-optimizer", "true",
                     "--offload-optimizer-ratio", str(LARGE_FULL["offload_optimizer_ratio"]),
                     "--sub-group-elements", str(LARGE_FULL["sub_group_elements"]), "--offload-trainers", "false",
-                    "--reference", "false", "--kl-coef", "0"]
+                    "--reference", "false", "--kl-coef", "0", "--empty-caches", "true"]
 
 
 # from this width up (7B-8B) full-parameter training with fp32 master weights fits one 80 GB GPU and ~125 GiB of host

@@ -7,7 +7,7 @@
     python examples/grpo_hybrid.py --device cpu --tiny true                 # CPU: HF engine, logical GPUs
     python examples/grpo_hybrid.py --model M --bf16 true --zero-stage 3 --lora-rank 16   # LoRA: adapters only
     python examples/grpo_hybrid.py --model M --bf16 true --zero-stage 3 --offload-optimizer true \
-        --offload-optimizer-ratio 0.7 --offload-trainers false --reference false --kl-coef 0   # 7B on one 80 GB GPU
+        --offload-optimizer-ratio 0.7 --offload-trainers false --reference false --kl-coef 0 --empty-caches true  # 7B
 
 One step, in the order the GPU is handed around (the phase guard refuses any other):
 
@@ -67,10 +67,10 @@ class Options:
     sub_group_elements: int = 1_000_000_000  # ZeRO-3 sub-group size (elements): the grain of offload_optimizer_ratio
     reference: bool = True  # False: no reference model and no KL term (needs --kl-coef 0), as DAPO
     gradient_checkpointing: bool = False  # True: recompute activations in backward (large models)
-    empty_caches: bool = True  # False: asleep trainers keep their cached GPU blocks (shorter switches, higher peak)
+    empty_caches: bool = False  # True: asleep trainers return their cached GPU blocks (large models: more room)
     lora_rank: int = 0  # > 0: train LoRA adapters (alpha = 2 * rank, attention + MLP projections) and push only them
-    engine_memory: float = 0.15  # vLLM's share of the GPU (weights + KV cache)
-    kv_cache_tokens: int | None = None  # vLLM's KV cache, in tokens per engine (None: it fills --engine-memory)
+    engine_memory: float = 0.15  # vLLM's share of the GPU: what it needs free at start, all of it with no kv sizing
+    kv_tokens_per_seq: int | None = 256  # vLLM's KV cache per sequence of the batch (none: it fills --engine-memory)
     tiny: bool = False  # smoke run: 3 steps of a few short samples
 
 
@@ -119,7 +119,7 @@ def start(options: Options) -> Hybrid:
                           sglang_python=options.sglang_python, sglang_site=options.sglang_site,
                           num_gpus=options.num_gpus, engine_sleep_level=sleep_level, engine_memory=options.engine_memory,
                           dtype="bfloat16" if options.bf16 and not cpu else "float32",
-                          kv_cache_tokens=None if cpu else options.kv_cache_tokens,
+                          kv_tokens_per_seq=options.kv_tokens_per_seq,
                           max_num_seqs=-(-options.prompts_per_step * options.samples_per_prompt // options.num_gpus))
     return Hybrid.start(config, trainers)
 
