@@ -68,6 +68,7 @@ class Options:
     reference: bool = True  # False: no reference model and no KL term (needs --kl-coef 0), as DAPO
     gradient_checkpointing: bool = False  # True: recompute activations in backward (large models)
     empty_caches: bool = False  # True: asleep trainers return their cached GPU blocks (large models: more room)
+    fused_kernels: str | None = None  # "liger": Liger-Kernel's RMSNorm, RoPE, SwiGLU in the trainers (rlhfkit[liger])
     lora_rank: int = 0  # > 0: train LoRA adapters (alpha = 2 * rank, attention + MLP projections) and push only them
     engine_memory: float = 0.15  # vLLM's share of the GPU: what it needs free at start, all of it with no kv sizing
     kv_tokens_per_seq: int | None = 256  # vLLM's KV cache per sequence of the batch (none: it fills --engine-memory)
@@ -103,7 +104,7 @@ def start(options: Options) -> Hybrid:
                                       offload_optimizer_ratio=options.offload_optimizer_ratio,
                                       sub_group_elements=options.sub_group_elements,
                                       gradient_checkpointing=options.gradient_checkpointing,
-                                      empty_cache_on_sleep=options.empty_caches)
+                                      empty_cache_on_sleep=options.empty_caches, fused_kernels=options.fused_kernels)
     offload, rank = options.offload_trainers and not options.resident, options.lora_rank
     lora = LoraConfig(rank=rank, alpha=2.0 * rank, target_modules=LORA_TARGETS) if rank else None
     if not options.reference and options.kl_coef != 0:

@@ -434,3 +434,83 @@ def test_lora_actor_sleeps_and_trains_on_exactly(lora_results, stage):
 @pytest.fixture(scope="module")
 def lora_results(tiny_llama_path, tmp_path_factory):
     return _run_worker(1, ["lora1", "lora3"], tiny_llama_path, tmp_path_factory.mktemp("ds-lora"))
+
+
+# ---------------------------------------------------------------------------------------------- fused kernels (Liger)
+def test_fused_kernels_config_accepts_liger_or_none():
+    assert DeepSpeedEngineConfig(fused_kernels="liger").fused_kernels == "liger"
+    with pytest.raises(ValueError, match=r"fused_kernels='triton'; expected None or 'liger'"):
+        DeepSpeedEngineConfig(fused_kernels="triton")
+
+
+def test_fused_kernels_refused_without_cuda_then_without_liger_then_for_unknown_architectures(tiny_llama_path,
+                                                                                             monkeypatch):
+    """apply_fused_kernels checks, before touching the model: CUDA, then Liger-Kernel (naming the extra), then that
+    Liger patches the architecture; a known one gets RMSNorm, RoPE and SwiGLU without any fused cross-entropy."""
+    import types
+
+    from transformers import AutoModelForCausalLM
+
+    from rlhfkit.deepspeed_engine._models import apply_fused_kernels
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_path)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(RuntimeError, match="fused_kernels='liger' needs CUDA"):
+        apply_fused_kernels(model, "liger")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setitem(sys.modules, "liger_kernel", None)  # not installed
+    monkeypatch.delitem(sys.modules, "liger_kernel.transformers.monkey_patch", raising=False)
+    with pytest.raises(ImportError, match=r"pip install 'rlhfkit\[liger\]'"):
+        apply_fused_kernels(model, "liger")
+    calls = []
+    fake = types.ModuleType("liger_kernel.transformers.monkey_patch")
+    fake.MODEL_TYPE_TO_APPLY_LIGER_FN = {"qwen2": lambda **kwargs: calls.append(kwargs)}
+    monkeypatch.setitem(sys.modules, "liger_kernel.transformers.monkey_patch", fake)
+    with pytest.raises(ValueError, match=r"no kernels for model_type='llama' \(it patches \['qwen2'\]\)"):
+        apply_fused_kernels(model, "liger")
+    assert calls == []
+    fake.MODEL_TYPE_TO_APPLY_LIGER_FN["llama"] = lambda **kwargs: calls.append(kwargs)
+    apply_fused_kernels(model, "liger")
+    assert calls == [{"rope": True, "rms_norm": True, "swiglu": True, "cross_entropy": False,
+                      "fused_linear_cross_entropy": False, "model": model}]
+    with pytest.raises(ValueError, match=r"fused_kernels='apex'; expected 'liger'"):
+        apply_fused_kernels(model, "apex")
+
+
+_LIGER_CHECK = """
+import sys, torch
+from rlhfkit.deepspeed_engine._models import load_hf_model
+from rlhfkit.losses import model_logprobs
+from rlhfkit.packing import VARLEN_ATTENTION, pack_rollouts
+from rlhfkit.types import PackedBatch
+torch.manual_seed(0)
+lengths = [37, 61, 20]
+ids = torch.randint(0, 200, (sum(lengths),))
+cu = torch.tensor([0] + lengths).cumsum(0).to(torch.int32)
+pos = torch.cat([torch.arange(n) for n in lengths])
+batch = PackedBatch(input_ids=ids, position_ids=pos, cu_seqlens=cu, loss_mask=pos > 5).to("cuda")
+results = []
+for kernels in (None, "liger"):  # transformers' modules first: Liger patches the process from then on
+    model = load_hf_model(sys.argv[1], role="actor", bf16=False, attn_implementation=VARLEN_ATTENTION,
+                          value_head_init_std=None, fused_kernels=kernels).cuda()
+    logprobs = model_logprobs(model, batch)
+    logprobs[batch.loss_mask].sum().backward()
+    results.append((logprobs.detach(), model.model.layers[0].mlp.gate_proj.weight.grad.clone(),
+                    model.model.norm._get_name()))
+(lp0, g0, norm0), (lp1, g1, norm1) = results
+assert (norm0, norm1) == ("LlamaRMSNorm", "LigerRMSNorm"), (norm0, norm1)
+assert (lp0 - lp1).abs().max() < 1e-4, (lp0 - lp1).abs().max()
+assert torch.allclose(g0, g1, rtol=1e-3, atol=1e-5), (g0 - g1).abs().max()
+print("ok", norm1, float((lp0 - lp1).abs().max()))
+"""
+
+
+@pytest.mark.gpu
+def test_gpu_liger_kernels_give_transformers_log_probs_and_gradients(tiny_llama_path):
+    """On CUDA with Liger-Kernel: the patched model's packed log-probs and gradients equal transformers' (fp32)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    pytest.importorskip("liger_kernel")
+    result = subprocess.run([sys.executable, "-c", _LIGER_CHECK, str(tiny_llama_path)], capture_output=True, text=True,
+                            timeout=300, check=False)
+    assert result.returncode == 0 and "ok Liger" in result.stdout, result.stdout[-2000:] + result.stderr[-4000:]

@@ -193,6 +193,11 @@ def test_hybrid_start_refuses_before_ray_starts(tiny_llama_path):
     assert not ray.is_initialized()
     with pytest.raises(ValueError, match="HybridConfig.gpu_memory_gib=0"):
         HybridConfig(model=str(tiny_llama_path), gpu_memory_gib=0)
+    liger = DeepSpeedEngineConfig(zero_stage=1, bf16=False, optimizer="torch_adamw", fused_kernels="liger")
+    with pytest.raises(ValueError, match=r"trainers\['reference'\].deepspeed.fused_kernels='liger' needs CUDA"):
+        Hybrid.start(dataclasses.replace(config, gpu_memory_gib=None), {"actor": TrainerConfig(deepspeed=deepspeed),
+                                                                        "reference": TrainerConfig(deepspeed=liger)})
+    assert not ray.is_initialized()
 
 
 def test_sglang_engine_share_is_checked_too(qwen7b):

@@ -20,6 +20,7 @@ _EXTRA_OF_PACKAGE = {
     "deepspeed": "deepspeed",
     "vllm": "vllm",
     "peft": "lora",
+    "liger_kernel": "liger",
     "pyarrow": "data",
     "datasets": "data",
     "tqdm": "examples",

@@ -129,7 +129,8 @@ class DeepSpeedEngine:
         if role not in ROLES:
             raise ValueError(f"role={role!r}; expected one of {ROLES}")
         model = load_hf_model(path, role=role, bf16=config.bf16, attn_implementation=config.attn_implementation,
-                              value_head_init_std=config.value_head_init_std, trust_remote_code=trust_remote_code)
+                              value_head_init_std=config.value_head_init_std, trust_remote_code=trust_remote_code,
+                              fused_kernels=config.fused_kernels)
         return cls(model, role=role, config=config, name=name, ds_config_overrides=ds_config_overrides, lora=lora)
 
     # ------------------------------------------------------------------ properties

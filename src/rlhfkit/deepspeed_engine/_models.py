@@ -69,9 +69,11 @@ def as_value_model(model: torch.nn.Module) -> ValueModel:
 
 
 def load_hf_model(path: str | Path, *, role: str, bf16: bool, attn_implementation: str | None,
-                  value_head_init_std: float | None, trust_remote_code: bool = False) -> torch.nn.Module:
+                  value_head_init_std: float | None, trust_remote_code: bool = False,
+                  fused_kernels: str | None = None) -> torch.nn.Module:
     """Load the model of ``role`` from an HF folder: a causal LM (actor, reference) or a value model (critic,
-    reward: ``AutoModelForSequenceClassification`` with ``num_labels=1``; a causal-LM checkpoint gets a fresh head)."""
+    reward: ``AutoModelForSequenceClassification`` with ``num_labels=1``; a causal-LM checkpoint gets a fresh head).
+    ``fused_kernels="liger"``: see :func:`apply_fused_kernels`."""
     transformers = require("transformers", user="rlhfkit.deepspeed_engine")
     kwargs = {"dtype": torch.bfloat16 if bf16 else torch.float32, "trust_remote_code": trust_remote_code}
     if attn_implementation is not None:
@@ -79,8 +81,13 @@ def load_hf_model(path: str | Path, *, role: str, bf16: bool, attn_implementatio
             register_varlen_attention()
         kwargs["attn_implementation"] = attn_implementation
     if role in ("actor", "reference"):
-        return transformers.AutoModelForCausalLM.from_pretrained(str(path), **kwargs)
+        model = transformers.AutoModelForCausalLM.from_pretrained(str(path), **kwargs)
+        if fused_kernels is not None:
+            apply_fused_kernels(model, fused_kernels)
+        return model
     model = transformers.AutoModelForSequenceClassification.from_pretrained(str(path), num_labels=1, **kwargs)
+    if fused_kernels is not None:
+        apply_fused_kernels(model, fused_kernels)
     value_model = as_value_model(model)
     if value_head_init_std is not None:
         with torch.no_grad():
@@ -107,3 +114,21 @@ def token_aligned_values(raw: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
 def sequence_scores(raw: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
     """``[N]`` head output at the last token of each sequence (a reward model's score of the whole sequence)."""
     return raw[batch.cu_seqlens[1:].long() - 1]
+
+
+def apply_fused_kernels(model: torch.nn.Module, kind: str) -> None:
+    """Swap ``model``'s RMSNorm, rotary embedding and SwiGLU MLP for Liger-Kernel's Triton kernels (``kind="liger"``;
+    no fused cross-entropy: rlhfkit computes the log-probs). Raises before touching the model when CUDA is missing,
+    Liger-Kernel is not installed (naming ``rlhfkit[liger]``), or Liger has no patch for the architecture."""
+    if kind != "liger":
+        raise ValueError(f"fused_kernels={kind!r}; expected 'liger'")
+    if not torch.cuda.is_available():
+        raise RuntimeError("fused_kernels='liger' needs CUDA (Liger-Kernel's kernels are Triton GPU kernels); "
+                           "leave DeepSpeedEngineConfig.fused_kernels None on CPU")
+    patches = require("liger_kernel.transformers.monkey_patch", extra="liger", user="rlhfkit.deepspeed_engine")
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    apply = patches.MODEL_TYPE_TO_APPLY_LIGER_FN.get(model_type)
+    if apply is None:
+        raise ValueError(f"fused_kernels='liger': Liger-Kernel has no kernels for model_type={model_type!r} "
+                         f"(it patches {sorted(patches.MODEL_TYPE_TO_APPLY_LIGER_FN)}); leave fused_kernels None")
+    apply(rope=True, rms_norm=True, swiglu=True, cross_entropy=False, fused_linear_cross_entropy=False, model=model)

@@ -285,6 +285,9 @@ class Hybrid:
                 raise ValueError(f"trainer role {role!r}; expected actor, critic, reference or reward")
             if not isinstance(trainer, TrainerConfig):
                 raise TypeError(f"trainers[{role!r}] must be a TrainerConfig, got {type(trainer).__name__}")
+            if trainer.deepspeed.fused_kernels is not None and config.device != "cuda":
+                raise ValueError(f"trainers[{role!r}].deepspeed.fused_kernels={trainer.deepspeed.fused_kernels!r} "
+                                 f"needs CUDA (Triton kernels); HybridConfig.device={config.device!r}")
         from rlhfkit.hybrid._fit import engines_may_build_during_loads, hybrid_kv_cache_bytes, model_shape
         from rlhfkit.lora import meta_model
 
