@@ -56,6 +56,7 @@ def summarize(rows: list[dict], launch_to_first_step_s: float | None = None) -> 
             if "engine_vs_trainer/mean_abs_logprob_diff" in row]
     return {"steps": len(rows), "step_s": median.get("time/step_s"), "median": median,
             "step_s_windows": step_windows([row["time/step_s"] for row in rows if "time/step_s" in row]),
+            "step_times": [row["time/step_s"] for row in rows if "time/step_s" in row],
             "phase_switch_fraction": median.get("time/phase_switch_fraction"),
             # bytes the switches copied and their pinned-copy floor (issue 18; floor keys only on a GPU)
             "switch": {key.removeprefix("switch/"): value for key, value in median.items()
@@ -227,10 +228,16 @@ def ratios(ours: dict, peer: dict) -> dict:
     def ratio(a, b):
         return a / b if a is not None and b else None
 
-    windows = ours.get("step_s_windows") or {}
-    return {"step_time": ratio(ours.get("step_s"), peer.get("step_s")),
-            "step_time_windows": {name: ratio(value, (peer.get("step_s_windows") or {}).get(name))
-                                  for name, value in windows.items()},
+    windows, peer_windows = ours.get("step_s_windows") or {}, peer.get("step_s_windows") or {}
+    ours_times = ours.get("step_times")
+    peer_times = [row["time/step_s"] for row in peer.get("rows", []) if "time/step_s" in row]
+    equal = {}
+    if ours_times and peer_times and len(ours_times) != len(peer_times):  # the windows over the steps both ran
+        steps = min(len(ours_times), len(peer_times))
+        windows, peer_windows = step_windows(ours_times[:steps]), step_windows(peer_times[:steps])
+        equal = {"equal_steps": steps}
+    return {"step_time": ratio(ours.get("step_s"), peer.get("step_s")), **equal,
+            "step_time_windows": {name: ratio(value, peer_windows.get(name)) for name, value in windows.items()},
             "peak_memory": ratio(ours.get("peak_memory_gib"), (peer.get("peak_memory_gib") or {}).get("device")
                                  if isinstance(peer.get("peak_memory_gib"), dict) else peer.get("peak_memory_gib")),
             "launch_to_first_step": ratio(ours.get("launch_to_first_step_s"), peer.get("launch_to_first_step_s"))}

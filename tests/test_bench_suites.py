@@ -193,6 +193,13 @@ def test_hybrid_bench_compares_equal_windows_of_two_runs(tmp_path):
                    str(tmp_path / "ratio.json")])
     assert result["ratio_vs_trl"]["step_time_windows"] == {"from_1": 0.5, "from_10": 0.5, "from_20": 0.5}
     assert json.loads((tmp_path / "ratio.json").read_text())["ratio_vs_trl"]["step_time"] == 0.5
+    # a longer run of ours (100 steps, the must-show curve) is compared over the 40 steps both sides ran
+    longer = {"rlhfkit": summarize([{"time/step_s": t, "reward/mean": 0.0} for t in ours_times + [5.0] * 60])}
+    (tmp_path / "ours100.json").write_text(json.dumps(longer))
+    result = main(["--compare", str(tmp_path / "ours100.json"), str(tmp_path / "trl.json"), "--out",
+                   str(tmp_path / "ratio100.json")])
+    assert result["ratio_vs_trl"]["equal_steps"] == 40
+    assert result["ratio_vs_trl"]["step_time_windows"] == {"from_1": 0.5, "from_10": 0.5, "from_20": 0.5}
 
 
 def test_peer_trl_deepspeed_configs_for_large_models(monkeypatch, tmp_path):
