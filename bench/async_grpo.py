@@ -10,7 +10,9 @@ one after the other, and their ratio (issue 21).
 Workload: the example's defaults (16 prompts x 8 samples of the arithmetic task, 64 new tokens). For each mode:
 samples/s over the run and over the steps after the first, the reward after each step against the samples
 trained on so far (the curve the issue compares at equal samples), the staleness histogram (rollouts and tokens)
-and the mismatch KL per step. Writes the JSON to ``--out`` and the reward curves and staleness to ``--out`` with
+and the mismatch KL per step. ``speedup_ceiling`` is what overlapping can give at most, from the sync run of the same
+command: its step over its step less its wait for rollouts (generation hidden entirely behind training; a bound for
+the separated layout, where generation and training do not share a GPU). Writes the JSON to ``--out`` and the reward curves and staleness to ``--out`` with
 ``.png`` (when matplotlib is installed). ``--tiny`` runs the example's CPU smoke run (HF engine, logical GPUs).
 """
 
@@ -59,12 +61,20 @@ def summarize(rows: list[dict]) -> dict:
     }
 
 
+def overlap_ceiling(sync: dict) -> float | None:
+    """The most an asynchronous loop can gain over ``sync`` (a :func:`summarize` result): ``step / (step - wait)``,
+    generation (the wait for rollouts) hidden entirely behind the rest of the step."""
+    step, wait = sync.get("step_s_median"), sync.get("wait_rollouts_s_median")
+    return step / (step - wait) if step and wait is not None and step > wait else None
+
+
 def run_mode(args, mode: str, out: Path) -> dict:
     command = [sys.executable, str(REPO / "examples/grpo_async.py"), "--out", str(out), "--mode", mode,
                "--max-staleness", str(args.max_staleness), "--correction", args.correction]
     command += ["--device", "cpu", "--tiny", "true"] if args.tiny else ["--model", args.model, "--steps",
                                                                         str(args.steps)]
     command += ["--num-gpus", str(args.num_gpus), "--engine-gpus", str(args.engine_gpus)]
+    command += ["--max-new-tokens", str(args.max_new_tokens)] if args.max_new_tokens else []
     out.mkdir(parents=True, exist_ok=True)
     log = out / "run.log"
     code, wall = run_logged(command, log, args.timeout)
@@ -116,6 +126,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--timeout", type=float, default=1500.0, help="limit of each mode's run (s)")
     parser.add_argument("--num-gpus", type=int, default=1)
     parser.add_argument("--engine-gpus", type=int, default=0, help="> 0: the engines on GPUs of their own")
+    parser.add_argument("--max-new-tokens", type=int, help="the example's --max-new-tokens (default: its own, 64)")
     args = parser.parse_args(argv)
     if not args.tiny and not args.model:
         parser.error("--model is required (or --tiny)")
@@ -125,6 +136,7 @@ def main(argv=None) -> dict:
               "async": run_mode(args, "async", work / "async")}
     sync, fast = result["sync"].get("samples_per_s_after_first"), result["async"].get("samples_per_s_after_first")
     result["speedup"] = fast / sync if sync and fast else None
+    result["speedup_ceiling"] = overlap_ceiling(result["sync"])
     result["plot"] = str(args.out.with_suffix(".png")) if plot(result, args.out.with_suffix(".png")) else None
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps({k: v for k, v in result.items() if k not in ("sync", "async")}, indent=2))

@@ -122,7 +122,18 @@ def test_async_bench_runs_tiny_on_cpu(tmp_path):
         assert result[mode]["curve"]["samples"] == [16.0, 32.0, 48.0]
     assert result["sync"]["staleness_hist"] == {"0": 48.0}
     assert result["async"]["staleness_hist"].get("1", 0) > 0 and result["speedup"] > 0
+    assert result["speedup_ceiling"] is None or result["speedup_ceiling"] >= 1.0
     assert (tmp_path / "async.png").stat().st_size > 0
+
+
+def test_async_bench_overlap_ceiling():
+    """Generation hidden entirely behind training: a 1.0 s sync step that waited 0.2 s for rollouts can at most
+    become 0.8 s (1.25x); no wait, or no step, gives no bound."""
+    from bench.async_grpo import overlap_ceiling
+
+    assert overlap_ceiling({"step_s_median": 1.0, "wait_rollouts_s_median": 0.2}) == pytest.approx(1.25)
+    assert overlap_ceiling({"step_s_median": 1.0, "wait_rollouts_s_median": 1.0}) is None
+    assert overlap_ceiling({"returncode": 1}) is None
 
 
 def test_lora_vllm_bench_tiny_on_cpu(tmp_path):
