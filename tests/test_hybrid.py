@@ -218,6 +218,9 @@ def crashing_loss(logprobs, micro, *, num_tokens, num_seqs):
 @pytest.mark.slow
 @pytest.mark.ray
 def test_primitives_train_push_and_match_the_engine(hybrid):
+    startup = hybrid.startup  # the timed parts, and outside them the checks and the time before start()
+    assert {"total_s", "ray_s", "processes_s", "models_s", "checks_s", "before_start_s"} <= set(startup)
+    assert 0 < startup["ray_s"] < startup["total_s"] and startup["checks_s"] > 0 and startup["before_start_s"] > 0
     actor = hybrid.trainers["actor"]
     experience = _experience(hybrid)
     trained = actor.forward(experience.batch, sleep_after=False)  # the same weights the engine sampled with

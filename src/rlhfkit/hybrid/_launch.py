@@ -253,7 +253,9 @@ class Hybrid:
     ``ray_s``; the engine and trainer processes start in parallel: ``<role>_process_s``, up to ``processes_s``;
     ``<role>_load_s`` one role after another, ``models_s`` in all; ``engines_s`` from the engines' start to their
     ready, which colocated engines reach after building their models behind the trainers' loads,
-    ``engines_after_models_s`` of it after the last load; ``weight_sync_s``; ``wake_s``)."""
+    ``engines_after_models_s`` of it after the last load; ``weight_sync_s``; ``wake_s``; and outside ``total_s``:
+    ``checks_s``, the LoRA and memory-fit checks before anything starts, and ``before_start_s``, how long the process
+    ran before ``start`` was called: interpreter, imports, the script)."""
 
     def __init__(self, config: HybridConfig) -> None:
         self.config = config
@@ -291,6 +293,7 @@ class Hybrid:
         from rlhfkit.hybrid._fit import engines_may_build_during_loads, hybrid_kv_cache_bytes, model_shape
         from rlhfkit.lora import meta_model
 
+        checking = time.perf_counter()
         built = functools.cache(meta_model)  # each model built on the meta device once, for both checks
         _check_lora(config, trainers, meta_model=built)
         estimate = check_fit(config, trainers, meta_model=built)
@@ -298,6 +301,9 @@ class Hybrid:
         if config.engine_kv_tokens is not None:
             run._kv_cache_bytes = hybrid_kv_cache_bytes(config, model_shape(config.model, model=built(config.model)))
         run._build_during_loads = run._kv_cache_bytes is not None and engines_may_build_during_loads(config, estimate)
+        # before the timed start: the checks, and how long the process ran before start() (imports, the script)
+        run.startup["checks_s"] = started - checking
+        run.startup["before_start_s"] = _process_age_s() - (time.perf_counter() - checking)
         try:
             run._start(dict(trainers), started)
         except BaseException:
@@ -603,6 +609,16 @@ def plan_gpus(config: HybridConfig, roles: tuple[str, ...]) -> Any:
     return plan_layout(num_nodes=config.num_nodes, gpus_per_node=config.num_gpus, colocate=config.colocate,
                        engine_gpus=None if config.colocate else config.engine_gpus,
                        tensor_parallel_size=config.tensor_parallel_size, trainer_roles=tuple(roles))
+
+
+def _process_age_s() -> float:
+    """Seconds since this process started (psutil, which Ray installs); 0.0 when it cannot be read."""
+    try:
+        import psutil
+
+        return max(0.0, time.time() - psutil.Process().create_time())
+    except Exception:  # noqa: BLE001 - a missing or failing psutil only loses this number
+        return 0.0
 
 
 def check_fit(config: HybridConfig, trainers: Mapping[str, TrainerConfig], *,
