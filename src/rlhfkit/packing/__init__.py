@@ -28,7 +28,7 @@ from typing import Literal
 
 import torch
 
-from rlhfkit.packing._attention import VARLEN_ATTENTION, register_varlen_attention
+from rlhfkit.packing._attention import PADDED_INDEX_KWARG, VARLEN_ATTENTION, padded_index, register_varlen_attention
 from rlhfkit._cu_seqlens import check_cu_seqlens
 from rlhfkit.packing._padded import pack_padded, unpack_to_padded
 from rlhfkit.packing._partition import global_counts, partition_by_token_budget
@@ -275,6 +275,8 @@ def packed_inputs(model: torch.nn.Module, batch: PackedBatch) -> dict:
                       "smaller micro-batches (rlhfkit.packing.partition_by_token_budget)", UserWarning,
                       stacklevel=3)
     extra = _varlen_kwargs(batch) if attn in _VARLEN_IMPLEMENTATIONS else {}
+    if attn == VARLEN_ATTENTION:  # each token's place in the padded batch, once per forward instead of per layer
+        extra[PADDED_INDEX_KWARG] = padded_index(extra["cu_seq_lens_q"], batch.num_tokens)
     return {"input_ids": batch.input_ids[None], "position_ids": batch.position_ids[None], "attention_mask": None,
             "use_cache": False, **extra}
 

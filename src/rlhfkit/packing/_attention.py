@@ -26,7 +26,10 @@ __all__ = ["VARLEN_ATTENTION", "register_varlen_attention"]
 VARLEN_ATTENTION = "rlhfkit_varlen_sdpa"
 
 
-def _padded_index(cu: torch.Tensor, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+PADDED_INDEX_KWARG = "rlhfkit_padded_index"  # packed_inputs passes padded_index() under it: one per forward
+
+
+def padded_index(cu: torch.Tensor, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(row, column)`` of every packed token in the right-padded batch, computed on ``cu``'s device (no sync)."""
     positions = torch.arange(num_tokens, device=cu.device)
     row = torch.searchsorted(cu[1:].to(torch.int64), positions, right=True)
@@ -52,7 +55,8 @@ def _varlen_sdpa_forward(module, query, key, value, attention_mask, dropout=0.0,
         if cu[0].item() != 0 or sum(lengths) != num_tokens or min(lengths, default=0) < 0:
             raise ValueError(f"cu_seq_lens_q={cu.tolist()} must rise from 0 to the {num_tokens} packed tokens")
         max_length = max(lengths, default=0)
-    row, column = _padded_index(cu, num_tokens)
+    index = kwargs.get(PADDED_INDEX_KWARG)  # from packed_inputs: the same boundaries, computed once per forward
+    row, column = index if index is not None and index[0].numel() == num_tokens else padded_index(cu, num_tokens)
 
     def padded(x: torch.Tensor) -> torch.Tensor:  # [1, H, T, D] -> [N, H, L, D]
         tokens = x[0].transpose(0, 1)  # [T, H, D]
