@@ -70,12 +70,12 @@ class Options:
     empty_caches: bool = False  # True: asleep trainers return their cached GPU blocks (large models: more room)
     fused_kernels: str | None = None  # "liger": Liger-Kernel's RMSNorm, RoPE, SwiGLU in the trainers (rlhfkit[liger])
     lora_rank: int = 0  # > 0: train LoRA adapters (alpha = 2 * rank, attention + MLP projections) and push only them
-    engine_memory: float = 0.15  # vLLM's share of the GPU: what it needs free at start, all of it with no kv sizing
-    kv_tokens_per_seq: int | None = 256  # vLLM's KV cache per sequence of the batch (none: it fills --engine-memory)
+    engine_memory: float = 0.15  # vLLM's share of the GPU: free at its start; all of it with --kv-cache share
+    kv_cache: str = "batch"  # vLLM's KV cache: "batch" = (192 + --max-new-tokens) x batch, "share" = --engine-memory
     tiny: bool = False  # smoke run: 3 steps of a few short samples
 
 
-CLIP, MINIBATCHES, SEED = 0.2, 2, 0
+CLIP, MINIBATCHES, SEED, KV_PROMPT_TOKENS = 0.2, 2, 0, 192  # KV room per sequence for its prompt (chat template)
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -93,6 +93,8 @@ def grpo_loss(logprobs, micro, *, num_tokens, num_seqs, kl_coef):
 
 
 def start(options: Options) -> Hybrid:
+    if options.kv_cache not in ("batch", "share"):
+        raise ValueError(f"--kv-cache {options.kv_cache!r}; expected batch or share")
     cpu = options.device == "cpu"
     tiny = TinyModelConfig(hidden_size=64, num_layers=2, seed=SEED)  # CPU smoke runs: a tiny random Llama
     model = options.model or str(build_tiny_model(Path(options.out) / "tiny_model", tiny, exist_ok=True))
@@ -116,11 +118,12 @@ def start(options: Options) -> Hybrid:
                                                                             offload_optimizer_ratio=1.0),
                                               offload=offload)
     sleep_level = 0 if options.resident else (1 if lora else 2)  # LoRA pushes adapters only: keep the base weights
+    kv_per_seq = KV_PROMPT_TOKENS + options.max_new_tokens if options.kv_cache == "batch" else None  # None: the share
     config = HybridConfig(model=model, device=options.device, engine="hf" if cpu else options.engine, seed=SEED,
                           sglang_python=options.sglang_python, sglang_site=options.sglang_site,
                           num_gpus=options.num_gpus, engine_sleep_level=sleep_level, engine_memory=options.engine_memory,
                           dtype="bfloat16" if options.bf16 and not cpu else "float32",
-                          kv_tokens_per_seq=options.kv_tokens_per_seq,
+                          kv_tokens_per_seq=kv_per_seq,
                           max_num_seqs=-(-options.prompts_per_step * options.samples_per_prompt // options.num_gpus))
     return Hybrid.start(config, trainers)
 

@@ -123,6 +123,8 @@ def test_options_refuse_bad_values_before_anything_starts(capsys):
     with pytest.raises(SystemExit):
         grpo.main(["--steps", "many"])
     assert "--steps" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="--kv-cache 'some'; expected batch or share"):  # before Ray starts
+        grpo.start(grpo.Options(device="cpu", kv_cache="some"))
 
 
 def test_examples_are_single_files_of_at_most_250_lines():
