@@ -111,8 +111,11 @@ def ours_command(model: Path | None, mode: str, out: Path, *, steps: int, tiny: 
     if mode == "lora":
         return command + ["--zero-stage", "3", "--gradient-checkpointing", "true", "--lr", "1e-5",
                           "--empty-caches", "true"] + lora
-    if ARCHITECTURES[model_arch(model)]["hidden_size"] < LARGE_HIDDEN:
-        return command  # the example's defaults (ZeRO-1, every state offloaded while asleep) fit up to 3B
+    hidden = ARCHITECTURES[model_arch(model)]["hidden_size"]
+    if hidden < MID_HIDDEN:
+        return command  # the example's defaults (ZeRO-1, every state offloaded while asleep) fit 1.5B
+    if hidden < LARGE_HIDDEN:  # 3B: the defaults' training phase needs ~83 GiB by the plan's estimate; ~67 with this
+        return command + ["--gradient-checkpointing", "true"]
     large = [arg for arg in command if arg not in ("--offload-trainers", "false")]
     large[large.index("--engine-memory") + 1] = str(LARGE_FULL["engine_memory"])
     return large + ["--zero-stage", "3", "--gradient-checkpointing", "true", "--offload-optimizer", "true",
@@ -127,6 +130,7 @@ def ours_command(model: Path | None, mode: str, out: Path, *, steps: int, tiny: 
 # engine sleeps, a 0.25 engine share, and no reference model (GRPO without a KL term, as DAPO): the plan's estimate
 # (rlhfkit.hybrid._fit) gives Qwen2.5-7B ~73 GiB GPU / ~118 GiB host and Llama-3.1-8B ~78 / ~122.
 LARGE_HIDDEN = 3584
+MID_HIDDEN = 2048  # from this width (3B) the example's defaults need gradient checkpointing to fit 80 GB
 LARGE_FULL = {"offload_optimizer_ratio": 0.66, "sub_group_elements": 100_000_000, "engine_memory": 0.25}
 
 

@@ -325,6 +325,30 @@ def test_engines_build_during_the_loads_only_with_a_sized_cache_that_fits(tmp_pa
     assert not engines_may_build_during_loads(large, check_fit(large, resident))
 
 
+@pytest.mark.parametrize("arch", ["qwen2.5-1.5b", "qwen2.5-3b", "qwen2.5-7b"])
+def test_the_scale_bench_full_parameter_commands_fit_one_80_gb_gpu(tmp_path_factory, tmp_path, monkeypatch, arch):
+    """bench/scale.py's full-parameter command at each size, parsed by examples/grpo_hybrid.py exactly as it will run
+    (Hybrid.start stubbed), passes the plan's memory check on an H100: 3B needs gradient checkpointing (the defaults'
+    training phase is ~83 GiB), 7B its LARGE_FULL layout."""
+    from bench import scale
+
+    from conftest import load_example
+
+    grpo = load_example("grpo_hybrid")
+    path = _architecture(tmp_path_factory, arch)
+    monkeypatch.setattr(scale, "model_arch", lambda model: arch)
+    command = scale.ours_command(path, "full", tmp_path, steps=10, tiny=False, engine_memory=0.35, lora_rank=0)
+    started = {}
+    stub = staticmethod(lambda config, trainers: started.update(c=config, t=trainers))
+    monkeypatch.setattr(grpo.Hybrid, "start", stub)
+    grpo.start(grpo.parse_options(grpo.Options, command[2:]))
+    config = dataclasses.replace(started["c"], gpu_memory_gib=H100["gpu_memory_gib"],
+                                 host_memory_gib=H100["host_memory_gib"])
+    estimate = check_fit(config, started["t"])
+    assert max(estimate.per_gpu[(0, 0)].values()) < H100["gpu_memory_gib"]
+    assert ("--gradient-checkpointing" in command) == (arch != "qwen2.5-1.5b")
+
+
 def test_trainers_that_keep_their_cached_blocks_hold_them_while_asleep(tmp_path_factory):
     """DeepSpeedEngineConfig(empty_cache_on_sleep=False): an asleep trainer keeps its activations' blocks, so every
     phase it sleeps through (generating, the reference's forward) holds them in the estimate; its own phase does
