@@ -121,14 +121,16 @@ def ours_command(model: Path | None, mode: str, out: Path, *, steps: int, tiny: 
     return large + ["--zero-stage", "3", "--gradient-checkpointing", "true", "--offload-optimizer", "true",
                     "--offload-optimizer-ratio", str(LARGE_FULL["offload_optimizer_ratio"]),
                     "--sub-group-elements", str(LARGE_FULL["sub_group_elements"]), "--offload-trainers", "false",
-                    "--reference", "false", "--kl-coef", "0", "--empty-caches", "true"]
+                    "--reference", "false", "--kl-coef", "0", "--empty-caches", "true", "--kv-cache", "share"]
 
 
 # from this width up (7B-8B) full-parameter training with fp32 master weights fits one 80 GB GPU and ~125 GiB of host
 # memory only as LARGE_FULL: 66% of the fp32 masters, fp32 gradients and Adam moments in host memory (ZeRO-3 partial
 # offload, placed by 1e8-element sub-groups), the rest and the bf16 weights on the GPU, trainers resident while the
-# engine sleeps, a 0.25 engine share, and no reference model (GRPO without a KL term, as DAPO): the plan's estimate
-# (rlhfkit.hybrid._fit) gives Qwen2.5-7B ~73 GiB GPU / ~118 GiB host and Llama-3.1-8B ~78 / ~122.
+# engine sleeps, a 0.25 engine share whose KV cache fills it (--kv-cache share: sized to the batch, the 8B engine
+# would need ~3 GiB more than its share and the generating phase ~80 GiB), and no reference model (GRPO without a KL
+# term, as DAPO): the plan's estimate (rlhfkit.hybrid._fit) gives Qwen2.5-7B ~73 GiB GPU / ~118 GiB host and
+# Llama-3.1-8B ~78 / ~122.
 LARGE_HIDDEN = 3584
 MID_HIDDEN = 2048  # from this width (3B) the example's defaults need gradient checkpointing to fit 80 GB
 LARGE_FULL = {"offload_optimizer_ratio": 0.66, "sub_group_elements": 100_000_000, "engine_memory": 0.25}

@@ -6,8 +6,9 @@
     python examples/grpo_hybrid.py --model /tmp/smollm2-hf --engine sglang --sglang-site /tmp/site/sglang  # SGLang
     python examples/grpo_hybrid.py --device cpu --tiny true                 # CPU: HF engine, logical GPUs
     python examples/grpo_hybrid.py --model M --bf16 true --zero-stage 3 --lora-rank 16   # LoRA: adapters only
-    python examples/grpo_hybrid.py --model M --bf16 true --zero-stage 3 --offload-optimizer true \
-        --offload-optimizer-ratio 0.7 --offload-trainers false --reference false --kl-coef 0 --empty-caches true  # 7B
+    python examples/grpo_hybrid.py --model M --bf16 true --zero-stage 3 --gradient-checkpointing true \
+        --offload-optimizer true --offload-optimizer-ratio 0.66 --sub-group-elements 100000000 --engine-memory 0.25 \
+        --kv-cache share --offload-trainers false --reference false --kl-coef 0 --empty-caches true  # 7B on one H100
 
 One step, in the order the GPU is handed around (the phase guard refuses any other):
 
