@@ -12,8 +12,9 @@ samples/s over the run and over the steps after the first, the reward after each
 trained on so far (the curve the issue compares at equal samples), the staleness histogram (rollouts and tokens)
 and the mismatch KL per step. ``speedup_ceiling`` is what overlapping can give at most, from the sync run of the same
 command: its step over its step less its wait for rollouts (generation hidden entirely behind training; a bound for
-the separated layout, where generation and training do not share a GPU). Writes the JSON to ``--out`` and the reward curves and staleness to ``--out`` with
-``.png`` (when matplotlib is installed). ``--tiny`` runs the example's CPU smoke run (HF engine, logical GPUs).
+the separated layout, where generation and training do not share a GPU). Writes the JSON to ``--out`` and the
+reward curves and staleness to ``--out`` with ``.png`` (when matplotlib is installed). ``--tiny`` runs the
+example's CPU smoke run (HF engine, logical GPUs).
 """
 
 from __future__ import annotations

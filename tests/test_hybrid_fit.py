@@ -325,28 +325,32 @@ def test_engines_build_during_the_loads_only_with_a_sized_cache_that_fits(tmp_pa
     assert not engines_may_build_during_loads(large, check_fit(large, resident))
 
 
-@pytest.mark.parametrize(("arch", "mode"), [("qwen2.5-1.5b", "full"), ("qwen2.5-3b", "full"), ("qwen2.5-7b", "full"),
-                                            ("qwen2.5-7b", "lora"), ("llama-3.1-8b", "full")])
-def test_the_scale_bench_commands_fit_one_80_gb_gpu(tmp_path_factory, tmp_path, monkeypatch, arch, mode):
-    """bench/scale.py's command at each size, parsed by examples/grpo_hybrid.py exactly as it will run (Hybrid.start
-    stubbed), passes the plan's memory check on an H100: 3B needs gradient checkpointing (the defaults' training
-    phase is ~83 GiB), 7B-8B full-parameter their LARGE_FULL layout."""
-    from bench import scale
-
+def _example_phases(argv: list[str], monkeypatch) -> dict[str, float]:
+    """examples/grpo_hybrid.py's plan for ``argv``, parsed and built exactly as it will run (Hybrid.start stubbed):
+    the per-phase GiB of GPU 0 on an H100 machine (check_fit raises when it does not fit)."""
     from conftest import load_example
 
     grpo = load_example("grpo_hybrid")
+    started = {}
+    monkeypatch.setattr(grpo.Hybrid, "start", staticmethod(lambda config, trainers: started.update(c=config,
+                                                                                                   t=trainers)))
+    grpo.start(grpo.parse_options(grpo.Options, argv))
+    config = dataclasses.replace(started["c"], gpu_memory_gib=H100["gpu_memory_gib"],
+                                 host_memory_gib=H100["host_memory_gib"])
+    return check_fit(config, started["t"]).per_gpu[(0, 0)]
+
+
+@pytest.mark.parametrize(("arch", "mode"), [("qwen2.5-1.5b", "full"), ("qwen2.5-3b", "full"), ("qwen2.5-7b", "full"),
+                                            ("qwen2.5-7b", "lora"), ("llama-3.1-8b", "full")])
+def test_the_scale_bench_commands_fit_one_80_gb_gpu(tmp_path_factory, tmp_path, monkeypatch, arch, mode):
+    """bench/scale.py's command at each size passes the plan's memory check on an H100: 3B needs gradient
+    checkpointing (the defaults' training phase is ~83 GiB), 7B-8B full-parameter their LARGE_FULL layout."""
+    from bench import scale
+
     path = _architecture(tmp_path_factory, arch)
     monkeypatch.setattr(scale, "model_arch", lambda model: arch)
     command = scale.ours_command(path, mode, tmp_path, steps=10, tiny=False, engine_memory=0.35, lora_rank=16)
-    started = {}
-    stub = staticmethod(lambda config, trainers: started.update(c=config, t=trainers))
-    monkeypatch.setattr(grpo.Hybrid, "start", stub)
-    grpo.start(grpo.parse_options(grpo.Options, command[2:]))
-    config = dataclasses.replace(started["c"], gpu_memory_gib=H100["gpu_memory_gib"],
-                                 host_memory_gib=H100["host_memory_gib"])
-    estimate = check_fit(config, started["t"])
-    assert max(estimate.per_gpu[(0, 0)].values()) < H100["gpu_memory_gib"]
+    assert max(_example_phases(command[2:], monkeypatch).values()) < H100["gpu_memory_gib"]
     assert ("--gradient-checkpointing" in command) == (arch != "qwen2.5-1.5b")
 
 
@@ -355,20 +359,11 @@ def test_the_examples_7b_command_fits_one_80_gb_gpu(qwen7b, monkeypatch):
     machine (the layout bench/scale.py measured)."""
     from conftest import load_example
 
-    grpo = load_example("grpo_hybrid")
-    lines = grpo.__doc__.splitlines()
-    last = next(i for i, line in enumerate(lines) if "# 7B on one H100" in line)
-    first = max(i for i in range(last + 1) if "python examples/grpo_hybrid.py" in lines[i])
-    text = " ".join(line.split("#")[0].replace("\\", " ") for line in lines[first:last + 1])
-    argv = text.split()[2:]
+    doc = load_example("grpo_hybrid").__doc__  # the backslash-continued command is one line of the docstring
+    line = next(line for line in doc.splitlines() if "# 7B on one H100" in line)
+    argv = line.split("#")[0].split()[2:]
     argv[argv.index("M")] = qwen7b
-    started = {}
-    stub = staticmethod(lambda config, trainers: started.update(c=config, t=trainers))
-    monkeypatch.setattr(grpo.Hybrid, "start", stub)
-    grpo.start(grpo.parse_options(grpo.Options, argv))
-    config = dataclasses.replace(started["c"], gpu_memory_gib=H100["gpu_memory_gib"],
-                                 host_memory_gib=H100["host_memory_gib"])
-    assert max(check_fit(config, started["t"]).per_gpu[(0, 0)].values()) < H100["gpu_memory_gib"]
+    assert max(_example_phases(argv, monkeypatch).values()) < H100["gpu_memory_gib"]
 
 
 def test_trainers_that_keep_their_cached_blocks_hold_them_while_asleep(tmp_path_factory):

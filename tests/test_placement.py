@@ -480,10 +480,10 @@ def test_host_estimate_matches_hand_computation():
 def test_master_ports_come_from_outside_the_ephemeral_range():
     """Regression (CI, session 5): MASTER_PORT was a bind(0) port, which the kernel may hand to another process's
     outgoing connection or bind(0) in the seconds before rank 0 listens on it (EADDRINUSE at init_process_group).
-    The probe now picks a free port outside the kernel's ephemeral range."""
+    The probe (and SGLang's server port) now pick a free port outside the kernel's ephemeral range."""
     import socket
 
-    from rlhfkit.placement._ray import _ephemeral_range, free_listen_port
+    from rlhfkit._ports import _ephemeral_range, free_listen_port
 
     low, high = _ephemeral_range()
     ports = {free_listen_port() for _ in range(20)}

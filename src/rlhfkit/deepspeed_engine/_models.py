@@ -80,14 +80,13 @@ def load_hf_model(path: str | Path, *, role: str, bf16: bool, attn_implementatio
         if attn_implementation == VARLEN_ATTENTION:
             register_varlen_attention()
         kwargs["attn_implementation"] = attn_implementation
-    if role in ("actor", "reference"):
-        model = transformers.AutoModelForCausalLM.from_pretrained(str(path), **kwargs)
-        if fused_kernels is not None:
-            apply_fused_kernels(model, fused_kernels)
-        return model
-    model = transformers.AutoModelForSequenceClassification.from_pretrained(str(path), num_labels=1, **kwargs)
+    causal = role in ("actor", "reference")
+    model = (transformers.AutoModelForCausalLM.from_pretrained(str(path), **kwargs) if causal else
+             transformers.AutoModelForSequenceClassification.from_pretrained(str(path), num_labels=1, **kwargs))
     if fused_kernels is not None:
         apply_fused_kernels(model, fused_kernels)
+    if causal:
+        return model
     value_model = as_value_model(model)
     if value_head_init_std is not None:
         with torch.no_grad():

@@ -9,8 +9,9 @@ guess from the micro-batch token budget (layer inputs kept by gradient checkpoin
 without it, plus float32 logits): the estimate is a floor, so a run it refuses cannot fit, and one it passes may
 still run out of memory. An engine share (vLLM, SGLang) that the engine's weights fill, leaving no KV cache, is
 refused by the same estimate (:meth:`rlhfkit.placement.MemoryEstimate.check_fit`); with a sized KV cache
-(``HybridConfig.engine_kv_tokens``) a vLLM engine is counted as what it holds instead (:func:`engine_awake_gib`). An asleep vLLM / SGLang engine keeps
-``ENGINE_ASLEEP_GIB`` on its GPU; a trainer with ``empty_cache_on_sleep=False`` keeps its activations' blocks.
+(``HybridConfig.engine_kv_tokens``) a vLLM engine is counted as what it holds instead (:func:`engine_awake_gib`). An
+asleep vLLM / SGLang engine keeps ``ENGINE_ASLEEP_GIB`` on its GPU; a trainer with ``empty_cache_on_sleep=False``
+keeps its activations' blocks.
 
 Host memory (with a node size): what DeepSpeed's optimizer offload keeps there (``offload_optimizer_ratio`` of the
 fp32 masters, fp32 gradients and Adam moments, placed by whole sub-groups as DeepSpeed does; ZeRO-3's bf16 gradient
@@ -174,9 +175,9 @@ def hybrid_kv_cache_bytes(config: Any, shape: ModelShape) -> int | None:
 
 
 def engine_awake_gib(config: Any, shape: ModelShape) -> float | None:
-    """GiB one GPU of an awake vLLM engine holds with a sized KV cache (``HybridConfig.engine_kv_tokens``): its weights (``1 /
-    tensor_parallel_size``), the KV cache, its working memory and what stays outside the sleep pool (CUDA graphs).
-    None when the cache fills ``engine_memory`` (the share is the footprint)."""
+    """GiB one GPU of an awake vLLM engine holds with a sized KV cache (``HybridConfig.engine_kv_tokens``): its
+    weights (``1 / tensor_parallel_size``), the KV cache, its working memory and what stays outside the sleep pool
+    (CUDA graphs). None when the cache fills ``engine_memory`` (the share is the footprint)."""
     kv = hybrid_kv_cache_bytes(config, shape)
     if kv is None:
         return None
@@ -238,8 +239,9 @@ def estimate_hybrid_memory(config: Any, trainers: Mapping[str, Any], *, plan: An
 def engines_may_build_during_loads(config: Any, estimate: Any) -> bool:
     """Whether colocated vLLM engines may build their models while the trainers load (no start gate): only with
     a sized KV cache (``HybridConfig.engine_kv_tokens``; vLLM then skips the memory profile that another
-    process's allocations would spoil) and when every role's largest footprint in the plan's estimate (``estimate``, from ``check_fit``) fits each GPU
-    at once — the engines' counted as at least their ``engine_memory`` share, which vLLM wants free at start-up."""
+    process's allocations would spoil) and when every role's largest footprint in the plan's estimate (``estimate``,
+    from ``check_fit``) fits each GPU at once — the engines' counted as at least their ``engine_memory`` share, which
+    vLLM wants free at start-up."""
     if not (config.colocate and config.engine_kv_tokens is not None) or estimate is None:
         return False
     share = config.engine_memory_fraction * estimate.gpu_memory_gib

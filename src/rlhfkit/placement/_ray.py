@@ -116,42 +116,11 @@ def shortfall_report(
     return "\n  ".join(["cluster shortfall:", *lines])
 
 
-def _ephemeral_range() -> tuple[int, int]:
-    """The ports the kernel hands out to ``bind(0)`` and outgoing connections (Linux; 32768-60999 elsewhere)."""
-    from pathlib import Path
-
-    try:
-        low, high = (int(value) for value in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
-    except (OSError, ValueError):
-        return 32768, 60999
-    return low, high
-
-
-def free_listen_port(*, attempts: int = 64) -> int:
-    """A TCP port that is free now and lies outside the kernel's ephemeral range, so that no outgoing connection or
-    ``bind(0)`` of another process takes it before its user binds it (seconds later for a MASTER_PORT); a random
-    one of 20,000-32,767 (or above the range), else an ephemeral one."""
-    import random
-    import socket
-
-    low, high = _ephemeral_range()
-    candidates = [port for port in range(20000, 32768) if not low <= port <= high] or \
-                 [port for port in range(high + 1, 65536)]
-    for port in random.sample(candidates, min(attempts, len(candidates))):
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-            try:
-                sock.bind(("", port))
-            except OSError:
-                continue
-            return port
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("", 0))
-        return int(sock.getsockname()[1])
-
-
 def _probe(want_port: bool) -> tuple[str, str, int | None]:
-    """Runs on a node inside a bundle: that node's id, IP and optionally a free TCP port (:func:`free_listen_port`)."""
+    """Runs on a node inside a bundle: that node's id, IP and optionally a free TCP port (:func:`rlhfkit._ports.free_listen_port`)."""
     import ray
+
+    from rlhfkit._ports import free_listen_port
 
     port = None
     if want_port:

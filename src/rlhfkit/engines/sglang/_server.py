@@ -11,16 +11,16 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import socket
 import subprocess
 import tempfile
 import time
 from pathlib import Path
 
+from rlhfkit._ports import free_listen_port
 from rlhfkit.engines.sglang._config import SGLANG_VERSION, SGLangEngineConfig, server_command
 from rlhfkit.engines.sglang._http import SGLangClient, SGLangServerError, SGLangStartError
 
-__all__ = ["SGLangNotInstalledError", "SGLangServer", "free_port", "log_tail"]
+__all__ = ["SGLangNotInstalledError", "SGLangServer", "log_tail"]
 
 logger = logging.getLogger(__name__)
 _TAIL_LINES = 30
@@ -28,12 +28,6 @@ _TAIL_LINES = 30
 
 class SGLangNotInstalledError(ImportError):
     """The configured interpreter does not exist or cannot import ``sglang``."""
-
-
-def free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind((host, 0))
-        return int(probe.getsockname()[1])
 
 
 def log_tail(path: str | Path | None, lines: int = _TAIL_LINES) -> str:
@@ -72,7 +66,7 @@ class SGLangServer:
         """Start the server and wait (``startup_timeout_s``) until ``/health`` answers 200."""
         env = os.environ | dict(config.env)
         cls._check_installed(config, env, engine_index)
-        port = config.port or free_port(config.host)
+        port = config.port or free_listen_port(host=config.host)
         if config.log_path is not None:
             log_path = config.log_path
         else:
