@@ -155,6 +155,8 @@ SHARED_PRIVATE: dict[str, frozenset[str] | None] = {
     "rlhfkit._calls": frozenset({"rlhfkit.multiturn", "rlhfkit.rewards"}),
     # the weight-version / sleep-tag / weight-validity bookkeeping of the server-backed engines
     "rlhfkit.engines._state": frozenset({"rlhfkit.engines.vllm", "rlhfkit.engines.sglang"}),
+    # free TCP ports outside the ephemeral range, for ports bound seconds later (MASTER_PORT, SGLang's server)
+    "rlhfkit._ports": frozenset({"rlhfkit.placement", "rlhfkit.engines.sglang"}),
 }
 # Blocks that must import (at module level) nothing beyond the standard library, torch, einops and each other.
 CORE_BLOCKS = ("rlhfkit", "rlhfkit.types", "rlhfkit.packing", "rlhfkit.advantages", "rlhfkit.losses",
