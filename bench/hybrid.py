@@ -236,11 +236,22 @@ def ratios(ours: dict, peer: dict) -> dict:
         steps = min(len(ours_times), len(peer_times))
         windows, peer_windows = step_windows(ours_times[:steps]), step_windows(peer_times[:steps])
         equal = {"equal_steps": steps}
-    return {"step_time": ratio(ours.get("step_s"), peer.get("step_s")), **equal,
+    step_time = ratio(ours.get("step_s"), peer.get("step_s"))
+    if equal:  # the median over the steps both ran (step 0 excluded, as in step_s)
+        step_time = ratio(windows.get("from_1"), peer_windows.get("from_1"))
+    return {"step_time": step_time, **equal,
             "step_time_windows": {name: ratio(value, peer_windows.get(name)) for name, value in windows.items()},
-            "peak_memory": ratio(ours.get("peak_memory_gib"), (peer.get("peak_memory_gib") or {}).get("device")
-                                 if isinstance(peer.get("peak_memory_gib"), dict) else peer.get("peak_memory_gib")),
+            "peak_memory": ratio(_device_peak_gib(ours), _device_peak_gib(peer)),
             "launch_to_first_step": ratio(ours.get("launch_to_first_step_s"), peer.get("launch_to_first_step_s"))}
+
+
+def _device_peak_gib(run: dict) -> float | None:
+    """The device-wide peak GPU memory (NVML, sampled by this bench for every side alike), else the run's own."""
+    sampled = (run.get("process_memory") or {}).get("device_peak_gib")
+    if sampled is not None:
+        return sampled
+    own = run.get("peak_memory_gib")
+    return own.get("device") if isinstance(own, dict) else own
 
 
 def plot_run(rows: list[dict], path: Path, title: str) -> bool:

@@ -211,6 +211,16 @@ def test_hybrid_bench_compares_equal_windows_of_two_runs(tmp_path):
                    str(tmp_path / "ratio100.json")])
     assert result["ratio_vs_trl"]["equal_steps"] == 40
     assert result["ratio_vs_trl"]["step_time_windows"] == {"from_1": 0.5, "from_10": 0.5, "from_20": 0.5}
+    assert result["ratio_vs_trl"]["step_time"] == 0.5  # over the equal steps too, not the 100 against the 40
+    # peak memory: the device-wide NVML peak the bench sampled for each side alike (TRL's own peaks are a dict of
+    # its phases without a "device" entry)
+    longer["rlhfkit"]["process_memory"] = {"device_peak_gib": 15.0}
+    peer["trl"] |= {"process_memory": {"device_peak_gib": 20.0}, "peak_memory_gib": {"step_peak_gib": 19.0}}
+    (tmp_path / "ours100.json").write_text(json.dumps(longer))
+    (tmp_path / "trl.json").write_text(json.dumps(peer))
+    result = main(["--compare", str(tmp_path / "ours100.json"), str(tmp_path / "trl.json"), "--out",
+                   str(tmp_path / "ratio100.json")])
+    assert result["ratio_vs_trl"]["peak_memory"] == 0.75
 
 
 def test_peer_trl_deepspeed_configs_for_large_models(monkeypatch, tmp_path):
