@@ -692,3 +692,69 @@ def test_a_long_packed_row_under_a_dense_mask_attention_warns_with_the_fix(tiny_
         assert "register_varlen_attention" in messages[0]
     else:
         assert not messages
+
+
+def test_a_batch_moved_to_a_device_reads_its_boundaries_from_the_host():
+    """Every read of a GPU tensor's values (a boundary, a count, a bound) waits for all queued kernels. A batch moved
+    with ``PackedBatch.to`` is not checked again on the device, and its moved tensors keep their host copies, which
+    the boundaries, counts and shapes are read from. The meta device stands in for the GPU here: it holds no values,
+    so any read of one raises."""
+    from rlhfkit._cu_seqlens import attach_host_copy, check_cu_seqlens, cu_end, host_copy
+    from rlhfkit.losses._aggregate import reduce_tokens
+    from rlhfkit.packing import _varlen_kwargs
+
+    batch = pack_sequences([torch.arange(1, 4), torch.arange(1, 6), torch.arange(1, 3)], pad_to_multiple_of=4,
+                           loss_masks=[torch.tensor([0, 1, 1]).bool(), torch.tensor([0, 0, 1, 1, 1]).bool(),
+                                       torch.tensor([0, 1]).bool()])
+    moved = batch.to("meta")  # no re-check: each would read the device
+    assert moved.input_ids.device.type == "meta" and host_copy(moved.cu_seqlens) is batch.cu_seqlens
+    assert moved.num_padding_tokens == batch.num_padding_tokens == 2 and cu_end(moved.cu_seqlens) == 10
+    assert moved.seq_ids.device.type == "meta"
+    assert _varlen_kwargs(moved)["max_length_q"] == _varlen_kwargs(batch)["max_length_q"] == 5
+    cu = check_cu_seqlens(moved.cu_seqlens, moved.num_tokens)
+    assert cu.dtype == torch.int64 and host_copy(cu).tolist() == batch.cu_seqlens.tolist()
+    per_token = torch.randn(batch.num_tokens, device="meta")
+    for mode in ("token_mean", "seq_mean_token_mean"):  # the count checks read the host copies of mask and cu
+        reduce_tokens(per_token, moved.loss_mask, cu, mode=mode, num_tokens=6.0, num_seqs=3.0)
+    with pytest.raises(ValueError, match="less than the 6 loss tokens"):
+        reduce_tokens(per_token, moved.loss_mask, cu, mode="token_mean", num_tokens=5.0, num_seqs=None)
+    with pytest.raises(ValueError, match="less than the 3 sequences"):
+        reduce_tokens(per_token, moved.loss_mask, cu, mode="seq_mean_token_mean", num_tokens=None, num_seqs=2.0)
+    bad = attach_host_copy(torch.empty(4, dtype=torch.int32, device="meta"), torch.tensor([0, 3, 3, 5]))
+    with pytest.raises(ValueError, match="sequence 1 has length 0"):  # the checks still hold, on the host copy
+        check_cu_seqlens(bad, 5)
+    # A copy is valid until either side changes in place; then the values are read from the device again.
+    stale = batch.to("meta")
+    stale.cu_seqlens.add_(0)
+    assert host_copy(stale.cu_seqlens) is None
+    with pytest.raises(RuntimeError, match="meta"):
+        cu_end(stale.cu_seqlens)
+    source = batch.loss_mask.clone()
+    copy = attach_host_copy(torch.empty(source.shape, dtype=torch.bool, device="meta"), source)
+    source[0] = True
+    assert host_copy(copy) is None
+
+
+@pytest.mark.gpu
+def test_a_batch_moved_to_the_gpu_is_checked_and_shaped_without_a_sync():
+    """The same as the meta-device test above, on a GPU: with CUDA's sync debug mode set to "error", moving a batch
+    and reading its boundaries, its padding, its longest sequence and the loss's count checks never synchronise."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from rlhfkit._cu_seqlens import check_cu_seqlens
+    from rlhfkit.losses._aggregate import reduce_tokens
+    from rlhfkit.packing import _varlen_kwargs
+
+    batch = pack_sequences([torch.arange(1, 4), torch.arange(1, 6)], pad_to_multiple_of=4,
+                           loss_masks=[torch.tensor([0, 1, 1]).bool(), torch.tensor([0, 0, 1, 1, 1]).bool()])
+    per_token = torch.randn(batch.num_tokens, device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        moved = batch.to("cuda")
+        cu = check_cu_seqlens(moved.cu_seqlens, moved.num_tokens)
+        assert moved.num_padding_tokens == 0 or moved.num_padding_tokens == batch.num_padding_tokens
+        assert _varlen_kwargs(moved)["max_length_q"] == 5
+        reduce_tokens(per_token, moved.loss_mask, cu, mode="seq_mean_token_mean", num_tokens=5.0, num_seqs=2.0)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")

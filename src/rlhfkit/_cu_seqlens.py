@@ -4,32 +4,75 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["check_cu_seqlens", "token_shape_hint", "check_logprob_values", "CONVENTION", "LOGPROB_TOLERANCE"]
+__all__ = ["check_cu_seqlens", "token_shape_hint", "check_logprob_values", "CONVENTION", "LOGPROB_TOLERANCE",
+           "attach_host_copy", "host_copy", "host_values", "cu_end"]
 
 # Log-probs are <= 0; rounding in a float32 log_softmax can give a hair above 0, never more than this.
 LOGPROB_TOLERANCE = 1e-3
 
 
+# Host copies of device tensors. A batch moved to the GPU (``PackedBatch.to`` / ``Experience.to``) keeps the host
+# tensor it came from on each moved tensor, so the checks and shapes that need values (sequence boundaries, the
+# loss-token positions, token-id bounds) read them there instead of waiting for the GPU: every such read of a device
+# tensor is a synchronisation that stalls the host until all queued kernels have run.
+_HOST_ATTR = "_rlhfkit_host_copy"
+
+
+def attach_host_copy(tensor: torch.Tensor, host: torch.Tensor) -> torch.Tensor:
+    """Record ``host`` (same values, on the CPU) as the host copy of ``tensor``; returns ``tensor``. Valid until
+    either is modified in place (its version counter moves on)."""
+    if tensor.device.type != "cpu":
+        setattr(tensor, _HOST_ATTR, (host, host._version, tensor._version))
+    return tensor
+
+
+def host_copy(tensor: torch.Tensor) -> torch.Tensor | None:
+    """``tensor``'s values on the CPU without a device synchronisation, or None when not known: the tensor itself on
+    the CPU, else the copy recorded by :func:`attach_host_copy` if the tensor was not modified since."""
+    if tensor.device.type == "cpu":
+        return tensor
+    recorded = getattr(tensor, _HOST_ATTR, None)
+    if recorded is not None and recorded[1] == recorded[0]._version and recorded[2] == tensor._version:
+        return recorded[0]
+    return None
+
+
+def host_values(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``'s values on the CPU: :func:`host_copy` when known, else one copy from the device."""
+    host = host_copy(tensor)
+    return host if host is not None else tensor.detach().cpu()
+
+
+def cu_end(cu_seqlens: torch.Tensor) -> int:
+    """``cu_seqlens[-1]`` (the real tokens of a packed stream), read from the host copy when there is one."""
+    host = host_copy(cu_seqlens)
+    return int(host[-1]) if host is not None else int(cu_seqlens[-1])
+
+
 def check_cu_seqlens(cu_seqlens: object, num_tokens: int | None, *, name: str = "cu_seqlens") -> torch.Tensor:
-    """Validate ``cu_seqlens`` ([N + 1] int, from 0, strictly increasing, ends <= num_tokens); return it as int64."""
+    """Validate ``cu_seqlens`` ([N + 1] int, from 0, strictly increasing, ends <= num_tokens); return it as int64
+    (a device tensor keeps its host copy: see :func:`host_copy`). Reads the values once, from the host copy when
+    there is one."""
     if not isinstance(cu_seqlens, torch.Tensor):
         raise TypeError(f"{name} must be a 1-D integer torch.Tensor of sequence boundaries, got "
                         f"{type(cu_seqlens).__name__}")
     if cu_seqlens.ndim != 1 or cu_seqlens.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"{name} must be a 1-D int32/int64 tensor, got shape {tuple(cu_seqlens.shape)} dtype "
                          f"{cu_seqlens.dtype}")
-    if cu_seqlens.numel() < 2:
-        raise ValueError(f"{name}={cu_seqlens.tolist()} describes no sequence; an empty batch is invalid")
-    cu = cu_seqlens.long()
-    if int(cu[0]) != 0:
-        raise ValueError(f"{name} must start at 0, got {name}[0]={int(cu[0])}")
-    lengths = cu[1:] - cu[:-1]
-    if bool((lengths <= 0).any()):
-        bad = int(torch.nonzero(lengths <= 0)[0])
+    values = host_values(cu_seqlens).tolist()
+    if len(values) < 2:
+        raise ValueError(f"{name}={values} describes no sequence; an empty batch is invalid")
+    if values[0] != 0:
+        raise ValueError(f"{name} must start at 0, got {name}[0]={values[0]}")
+    bad = next((i for i in range(len(values) - 1) if values[i + 1] <= values[i]), None)
+    if bad is not None:
         raise ValueError(f"{name} must be strictly increasing (no empty sequences); sequence {bad} has length "
-                         f"{int(lengths[bad])}")
-    if num_tokens is not None and int(cu[-1]) > num_tokens:
-        raise ValueError(f"{name}[-1]={int(cu[-1])} exceeds the {num_tokens} tokens of the packed stream")
+                         f"{values[bad + 1] - values[bad]}")
+    if num_tokens is not None and values[-1] > num_tokens:
+        raise ValueError(f"{name}[-1]={values[-1]} exceeds the {num_tokens} tokens of the packed stream")
+    cu = cu_seqlens.long()
+    if cu.device.type != "cpu" and host_copy(cu) is None:  # the next reads of these boundaries need no wait
+        attach_host_copy(cu, torch.tensor(values, dtype=torch.long))
     return cu
 
 

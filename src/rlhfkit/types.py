@@ -16,12 +16,26 @@ from typing import Literal
 
 import torch
 
-from rlhfkit._cu_seqlens import check_logprob_values
+from rlhfkit._cu_seqlens import attach_host_copy, check_logprob_values, cu_end, host_copy
 
 __all__ = ["Rollout", "PackedBatch", "PaddedBatch", "Experience"]
 
 FinishReason = Literal["stop", "length", "abort"]
 _FINISH_REASONS = ("stop", "length", "abort")
+
+
+def _moved(tensor: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """``tensor.to(device)``, carrying its host copy along (see :func:`rlhfkit._cu_seqlens.host_copy`). From pageable
+    host memory to a GPU the copy does not wait for the GPU's queued work (CUDA stages the bytes before returning, so
+    the source may change right after); from pinned memory it stays a blocking copy."""
+    device = torch.device(device)
+    staged = device.type == "cuda" and tensor.device.type == "cpu" and not tensor.is_pinned()
+    moved = tensor.to(device, non_blocking=staged)
+    if moved is not tensor:
+        host = host_copy(tensor)
+        if host is not None:
+            attach_host_copy(moved, host)
+    return moved
 
 
 def _check_tensor(owner: str, name: str, value: object, *, ndim: int, dtypes: tuple[torch.dtype, ...]) -> None:
@@ -232,7 +246,7 @@ class PackedBatch:
 
     @property
     def num_padding_tokens(self) -> int:
-        return self.num_tokens - int(self.cu_seqlens[-1])
+        return self.num_tokens - cu_end(self.cu_seqlens)
 
     @property
     def seq_lens(self) -> torch.Tensor:
@@ -243,13 +257,22 @@ class PackedBatch:
     def seq_ids(self) -> torch.Tensor:
         """``[T]`` int64: the sequence each token belongs to; padding tokens get ``N``."""
         ids = torch.full((self.num_tokens,), self.num_seqs, dtype=torch.long, device=self.input_ids.device)
-        ids[: int(self.cu_seqlens[-1])] = torch.repeat_interleave(
-            torch.arange(self.num_seqs, device=self.input_ids.device), self.seq_lens
-        )
+        end = cu_end(self.cu_seqlens)
+        ids[:end] = torch.repeat_interleave(torch.arange(self.num_seqs, device=self.input_ids.device), self.seq_lens,
+                                            output_size=end)
         return ids
 
     def to(self, device: torch.device | str) -> PackedBatch:
-        return replace(self, **{f.name: getattr(self, f.name).to(device) for f in fields(self)})
+        """The batch on ``device``. Its values were checked when it was built, so they are not checked again there
+        (each check of a GPU tensor would wait for the GPU); each moved tensor keeps its host copy, which
+        boundaries, loss-token positions and token-id bounds are read from (:func:`rlhfkit._cu_seqlens.host_copy`)."""
+        moved = {f.name: _moved(getattr(self, f.name), device) for f in fields(self)}
+        if all(moved[name] is getattr(self, name) for name in moved):
+            return self
+        batch = object.__new__(PackedBatch)
+        for name, value in moved.items():
+            object.__setattr__(batch, name, value)
+        return batch
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -354,6 +377,8 @@ class Experience:
         return self.batch.num_tokens
 
     def to(self, device: torch.device | str) -> Experience:
+        """The experience on ``device``; each moved tensor keeps its host copy (see :meth:`PackedBatch.to`)."""
         moved = {f.name: getattr(self, f.name) for f in fields(self)}
-        moved = {k: (v.to(device) if v is not None else None) for k, v in moved.items()}
+        moved = {k: (v.to(device) if k == "batch" else _moved(v, device) if v is not None else None)
+                 for k, v in moved.items()}
         return replace(self, **moved)

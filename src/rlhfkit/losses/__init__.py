@@ -29,6 +29,7 @@ from typing import Literal
 
 import torch
 
+from rlhfkit._cu_seqlens import attach_host_copy, cu_end, host_copy
 from rlhfkit.advantages import kl_estimate
 from rlhfkit.losses._aggregate import (
     AGGREGATIONS,
@@ -91,7 +92,7 @@ def shift_to_tokens(per_row: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
     out = torch.cat([per_row.new_zeros(1), per_row[:-1]])
     valid = torch.ones_like(batch.loss_mask)
     valid[batch.cu_seqlens[:-1].long()] = False
-    valid[int(batch.cu_seqlens[-1]):] = False
+    valid[cu_end(batch.cu_seqlens):] = False
     return torch.where(valid, out, torch.zeros((), dtype=out.dtype, device=out.device))
 
 
@@ -155,9 +156,17 @@ def _loss_token_logprobs(model, batch: PackedBatch, temperature: float, chunk_si
                          return_entropy: bool) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     if not isinstance(batch, PackedBatch):
         raise TypeError(f"batch must be a PackedBatch, got {type(batch).__name__}")
-    tokens = torch.nonzero(batch.loss_mask).squeeze(1)  # never a sequence's first token (PackedBatch checks it)
+    device = batch.input_ids.device
+    host_mask, host_ids = host_copy(batch.loss_mask), host_copy(batch.input_ids)
+    if host_mask is not None and host_ids is not None:  # the positions and labels from the host: no device wait
+        host_tokens = torch.nonzero(host_mask).squeeze(1)  # never a sequence's first token (PackedBatch checks it)
+        tokens = host_tokens.to(device, non_blocking=True)
+        labels = attach_host_copy(batch.input_ids[tokens], host_ids[host_tokens])
+    else:
+        tokens = torch.nonzero(batch.loss_mask).squeeze(1)
+        labels = batch.input_ids[tokens]
     logits = packed_logits(model, batch, rows=tokens - 1)  # row t - 1 predicts token t
-    values = token_logprobs(logits, batch.input_ids[tokens], temperature=temperature, chunk_size=chunk_size,
+    values = token_logprobs(logits, labels, temperature=temperature, chunk_size=chunk_size,
                             inplace_backward=not return_entropy)
     logprobs = values.new_zeros(batch.num_tokens).index_copy(0, tokens, values)
     if not return_entropy:

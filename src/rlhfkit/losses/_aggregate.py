@@ -7,7 +7,7 @@ from typing import Literal
 
 import torch
 
-from rlhfkit._cu_seqlens import CONVENTION, LOGPROB_TOLERANCE, check_cu_seqlens, token_shape_hint
+from rlhfkit._cu_seqlens import CONVENTION, LOGPROB_TOLERANCE, check_cu_seqlens, cu_end, host_copy, token_shape_hint
 
 __all__ = [
     "AGGREGATIONS",
@@ -41,7 +41,7 @@ def check_token_inputs(mask: object, cu_seqlens: object, *, logprob_names: tuple
                          f"{getattr(mask, 'shape', type(mask).__name__)} {getattr(mask, 'dtype', '')}.{hint}")
     num_tokens = mask.shape[0]
     cu = check_cu_seqlens(cu_seqlens, num_tokens).to(mask.device)
-    num_seqs, num_real = cu.numel() - 1, int(cu[-1])
+    num_seqs, num_real = cu.numel() - 1, cu_end(cu)
     for name, value in tensors.items():
         if value is None:
             continue
@@ -96,8 +96,9 @@ def check_count(name: str, value: float | None) -> float | None:
 
 def segment_sum(values: torch.Tensor, cu: torch.Tensor) -> torch.Tensor:
     """``[N]`` sums of ``values[cu[i]:cu[i+1]]`` (differentiable); entries after ``cu[-1]`` are ignored."""
-    end = int(cu[-1])
-    seq_ids = torch.repeat_interleave(torch.arange(cu.numel() - 1, device=values.device), cu[1:] - cu[:-1])
+    end = cu_end(cu)
+    seq_ids = torch.repeat_interleave(torch.arange(cu.numel() - 1, device=values.device), cu[1:] - cu[:-1],
+                                      output_size=end)
     return values.new_zeros(cu.numel() - 1).index_add(0, seq_ids, values[:end])
 
 
@@ -141,11 +142,14 @@ def reduce_tokens(per_token: torch.Tensor, mask: torch.Tensor, cu: torch.Tensor,
     num_tokens, num_seqs = check_count("num_tokens", num_tokens), check_count("num_seqs", num_seqs)
     dtype = torch.promote_types(per_token.dtype, torch.float32)
     values = torch.where(mask, per_token.to(dtype), torch.zeros((), dtype=dtype, device=per_token.device))
+    host_mask = host_copy(mask)
     if mode == "token_mean":
         local = mask.sum()
-        if num_tokens is not None and num_tokens < int(local):
-            raise ValueError(f"num_tokens={num_tokens} is less than the {int(local)} loss tokens of this batch alone; "
-                             "pass the global count (rlhfkit.packing.global_counts)")
+        if num_tokens is not None:  # the check reads the host copy of the mask when there is one (no device wait)
+            count = int(host_mask.sum()) if host_mask is not None else int(local)
+            if num_tokens < count:
+                raise ValueError(f"num_tokens={num_tokens} is less than the {count} loss tokens of this batch alone; "
+                                 "pass the global count (rlhfkit.packing.global_counts)")
         denominator = num_tokens if num_tokens is not None else local.clamp(min=1).to(dtype)
         return values.sum() / denominator
     seq_totals = segment_sum(values, cu)
@@ -153,9 +157,15 @@ def reduce_tokens(per_token: torch.Tensor, mask: torch.Tensor, cu: torch.Tensor,
     if mode == "seq_mean_token_mean":
         seq_totals = seq_totals / seq_tokens.clamp(min=1)
     local = (seq_tokens > 0).sum()
-    if num_seqs is not None and num_seqs < int(local):
-        raise ValueError(f"num_seqs={num_seqs} is less than the {int(local)} sequences with loss tokens in this batch "
-                         "alone; pass the global count (rlhfkit.packing.global_counts)")
+    if num_seqs is not None:
+        host_cu = host_copy(cu)
+        if host_mask is not None and host_cu is not None:
+            count = int((segment_sum(host_mask.long(), host_cu.long()) > 0).sum())
+        else:
+            count = int(local)
+        if num_seqs < count:
+            raise ValueError(f"num_seqs={num_seqs} is less than the {count} sequences with loss tokens in this batch "
+                             "alone; pass the global count (rlhfkit.packing.global_counts)")
     denominator = num_seqs if num_seqs is not None else local.clamp(min=1).to(dtype)
     return seq_totals.sum() / denominator
 
@@ -168,8 +178,8 @@ def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 def broadcast_seq(per_seq: torch.Tensor, cu: torch.Tensor, num_tokens: int) -> torch.Tensor:
     """``[N]`` → ``[T]``: every token gets its sequence's value; the padding tail gets 0."""
     out = per_seq.new_zeros(num_tokens)
-    end = int(cu[-1])
-    out[:end] = torch.repeat_interleave(per_seq, cu[1:] - cu[:-1])
+    end = cu_end(cu)
+    out[:end] = torch.repeat_interleave(per_seq, cu[1:] - cu[:-1], output_size=end)
     return out
 
 

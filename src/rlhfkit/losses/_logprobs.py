@@ -14,6 +14,8 @@ import math
 
 import torch
 
+from rlhfkit._cu_seqlens import host_copy
+
 __all__ = ["token_logprobs", "entropy_from_logits", "DEFAULT_CHUNK_ELEMENTS"]
 
 # Rows per chunk default to about this many logits. On CPU a float32 chunk of 2 MiB stays in L2 cache, so the
@@ -145,7 +147,8 @@ def token_logprobs(logits: torch.Tensor, labels: torch.Tensor, *, temperature: f
     if labels.shape[0] != logits.shape[0]:
         raise ValueError(f"labels has {labels.shape[0]} entries but logits has {logits.shape[0]} rows; they must match")
     if labels.numel():
-        low, high = (int(value) for value in torch.aminmax(labels))  # one device sync for both bounds
+        host = host_copy(labels)  # the bounds from the host copy when there is one, else one device sync for both
+        low, high = (int(value) for value in torch.aminmax(host if host is not None else labels))
         if low < 0 or high >= logits.shape[1]:
             raise ValueError(f"labels must be token ids in [0, {logits.shape[1]}) (the vocabulary of logits), got "
                              f"range [{low}, {high}]")

@@ -29,7 +29,7 @@ from typing import Literal
 import torch
 
 from rlhfkit.packing._attention import PADDED_INDEX_KWARG, VARLEN_ATTENTION, padded_index, register_varlen_attention
-from rlhfkit._cu_seqlens import check_cu_seqlens
+from rlhfkit._cu_seqlens import check_cu_seqlens, host_copy
 from rlhfkit.packing._padded import pack_padded, unpack_to_padded
 from rlhfkit.packing._partition import global_counts, partition_by_token_budget
 from rlhfkit.types import PackedBatch, Rollout
@@ -242,9 +242,11 @@ def select_sequences(batch: PackedBatch, indices: Sequence[int] | torch.Tensor) 
 def _varlen_kwargs(batch: PackedBatch) -> dict:
     """flash-attention style boundaries covering all T rows (the padding tail is a segment of its own)."""
     cu = batch.cu_seqlens.to(torch.int32)
-    if batch.num_padding_tokens:
+    padding = batch.num_padding_tokens
+    if padding:
         cu = torch.cat([cu, cu.new_tensor([batch.num_tokens])])
-    max_length = int((cu[1:] - cu[:-1]).max())
+    host = host_copy(batch.cu_seqlens)  # the longest segment from the host copy when there is one (no device wait)
+    max_length = max(int((host[1:] - host[:-1]).max()), padding) if host is not None else int((cu[1:] - cu[:-1]).max())
     return {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": max_length, "max_length_k": max_length}
 
 
