@@ -5,7 +5,8 @@
     python examples/grpo_hybrid.py --model /tmp/smollm2-hf --resident true  # memory is plentiful: nothing sleeps
     python examples/grpo_hybrid.py --model /tmp/smollm2-hf --engine sglang --sglang-site /tmp/site/sglang  # SGLang
     python examples/grpo_hybrid.py --device cpu --tiny true                 # CPU: HF engine, logical GPUs
-    python examples/grpo_hybrid.py --model M --bf16 true --zero-stage 3 --lora-rank 16   # LoRA: adapters only
+    python examples/grpo_hybrid.py --model M --bf16 true --zero-stage 3 --lora-rank 16   # LoRA: adapters only, the
+                                                                     # reference is the actor with adapters off
     python examples/grpo_hybrid.py --model M --bf16 true --zero-stage 3 --gradient-checkpointing true \
         --offload-optimizer true --offload-optimizer-ratio 0.66 --sub-group-elements 100000000 --engine-memory 0.25 \
         --kv-cache share --offload-trainers false --reference false --kl-coef 0 --empty-caches true  # 7B on one H100
@@ -114,7 +115,7 @@ def start(options: Options) -> Hybrid:
         raise ValueError(f"--reference false with --kl-coef {options.kl_coef}: the KL term needs the reference; "
                          "pass --kl-coef 0")
     trainers = {"actor": TrainerConfig(deepspeed=deepspeed, offload=offload, lora=lora)}
-    if options.reference:
+    if options.reference and not lora:  # with LoRA the reference is the actor's base (its adapters switched off)
         trainers["reference"] = TrainerConfig(deepspeed=dataclasses.replace(deepspeed, offload_optimizer=False,
                                                                             offload_optimizer_ratio=1.0),
                                               offload=offload)
@@ -163,17 +164,19 @@ def main(argv=None) -> list[dict]:
                                                               tokenizer=tokenizer)
                     scores, _ = apply_reward_function(arithmetic_reward, texts, responses, answers)
                 batch = pack_rollouts(rollouts)
-                # 2. The reference wakes, computes its log-probs on every rank, and sleeps.
+                # 2. The reference wakes, computes its log-probs on every rank, and sleeps (LoRA: the actor wakes
+                #    and stays awake to train; its base model, adapters off, is the reference).
                 ref_logprobs = None
-                if reference is not None:
+                if options.reference:
                     with timer.phase("forward_reference"):
-                        ref_logprobs = reference.forward(batch)
+                        ref_logprobs = (reference.forward(batch) if reference is not None else
+                                        actor.forward(batch, adapters=False, sleep_after=False))
                 # 3. GRPO advantages; the engine's log-probs are the behaviour policy's.
                 with timer.phase("experience"):
                     experience, stats = make_experience(
                         rollouts, torch.tensor(scores), config=config,
                         policy_logprobs_fn=lambda b: engine_token_logprobs(rollouts, b),
-                        ref_logprobs_fn=None if reference is None else lambda b: ref_logprobs)
+                        ref_logprobs_fn=None if ref_logprobs is None else lambda b: ref_logprobs)
                     stats = {k: v for k, v in stats.items() if not k.startswith("time/")}  # timer has the phases
                 # 4. The actor wakes and trains over minibatches; then it keeps only its weights for the push.
                 with timer.phase("train_actor"):

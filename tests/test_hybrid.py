@@ -23,10 +23,16 @@ def test_phase_timer_moves_worker_switch_time_to_sleep_wake():
     with timer.phase("train"):
         time.sleep(0.05)
         timer.count_switch(0.02)  # the workers' own wake/sleep inside the call
+        timer.count_worker(0.025, cpu_s=0.01)  # the workers' own time inside the call, less that
+    timer.count_worker(1.0)  # outside any phase: not counted
     with timer.phase("weight_sync"):
         time.sleep(0.01)
     row = timer.end_step()
     assert row["time/train_s"] == pytest.approx(0.03, abs=0.015)
+    assert row["worker/train_s"] == 0.025 and row["worker/train_cpu_s"] == 0.01
+    assert [k for k in row if k.startswith("worker/")] == ["worker/train_s", "worker/train_cpu_s"]
+    with pytest.raises(ValueError, match="count_worker"):
+        timer.count_worker(-1.0)
     assert row["time/sleep_wake_s"] == pytest.approx(0.02, abs=1e-9)
     assert row["time/phase_switch_s"] == pytest.approx(row["time/sleep_wake_s"] + row["time/weight_sync_s"])
     assert 0 < row["time/phase_switch_fraction"] < 1
@@ -211,6 +217,15 @@ def nan_loss(logprobs, micro, *, num_tokens, num_seqs):
     return logprobs.sum() * float("nan")
 
 
+def bad_stats_loss(logprobs, micro, *, num_tokens, num_seqs):
+    return logprobs.sum(), {"ratio": logprobs.detach()}  # a per-token tensor is no stat
+
+
+def tensor_stats_loss(logprobs, micro, *, num_tokens, num_seqs):
+    loss, _ = pg_loss(logprobs, micro, num_tokens=num_tokens, num_seqs=num_seqs)
+    return loss, {"as_tensor": logprobs.new_tensor(2.0), "as_float": 3.0}
+
+
 def crashing_loss(logprobs, micro, *, num_tokens, num_seqs):
     raise KeyError("the user's loss has a bug")
 
@@ -256,8 +271,11 @@ def test_trainer_sleeps_and_wakes_report_the_bytes_they_copied(hybrid, tiny_llam
     experience = _experience(hybrid)  # the engines generated and went back to sleep
 
     timer.start_step()
-    hybrid.trainers["reference"].forward(experience.batch)  # wake, forward, sleep
+    with timer.phase("forward_reference"):
+        hybrid.trainers["reference"].forward(experience.batch)  # wake, forward, sleep
     row = timer.end_step()
+    assert 0 < row["worker/forward_reference_s"] <= row["time/forward_reference_s"], row  # the rest: round trip
+    assert row["worker/forward_reference_cpu_s"] > 0, row
     assert row["switch/bytes_h2d"] == row["switch/bytes_d2h"], row
     assert param_bytes <= row["switch/bytes_d2h"] < param_bytes + padding, row
     assert "switch/floor_s" not in row  # CPU: no copy rates, no floor
@@ -283,7 +301,22 @@ def test_trainer_sleeps_and_wakes_report_the_bytes_they_copied(hybrid, tiny_llam
 
 @pytest.mark.slow
 @pytest.mark.ray
-@pytest.mark.parametrize("loss, match", [(vector_loss, r"returned \(\d+,\)"), (nan_loss, "returned nan")])
+def test_loss_stats_may_be_tensors_read_once_per_call(hybrid):
+    """A loss may return its stats as one-element tensors: the worker reads them all in one wait at the end of the
+    call (a float() per stat would wait for each micro-batch's backward), averaged over the micro-batches like
+    floats."""
+    actor = hybrid.trainers["actor"]
+    stats = actor.forward_backward(_experience(hybrid, step=2), tensor_stats_loss)
+    assert stats["actor/as_tensor"] == pytest.approx(2.0) and stats["actor/as_float"] == pytest.approx(3.0)
+    actor.optim_step(sleep_after="keep_weights")
+    hybrid.push_weights()  # the step moved the actor a version ahead: later tests generate without a push
+    hybrid.engines.sleep(level=1)
+
+
+@pytest.mark.slow
+@pytest.mark.ray
+@pytest.mark.parametrize("loss, match", [(vector_loss, r"returned \(\d+,\)"), (nan_loss, "returned nan"),
+                                         (bad_stats_loss, r"returned stats\['ratio'\] = \(\d+,\)")])
 def test_bad_loss_functions_name_role_rank_and_phase_and_leave_nothing_awake(hybrid, loss, match):
     from rlhfkit.workers import WorkerError
 

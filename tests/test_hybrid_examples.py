@@ -82,6 +82,9 @@ def test_grpo_hybrid_with_lora_on_cpu(ray_not_started, tiny_llama_path, tmp_path
     # r * (in + out) per module: q 64+64, k 64+32, v 64+32, o 64+64, gate 64+128, up 64+128, down 128+64
     adapter = 2 * 4 * 4 * 1024  # 2 layers, rank 4, fp32
     assert all(row["sync/bytes"] == adapter for row in rows)
+    # no reference model: the KL is to the actor's base, its adapters switched off for that forward
+    assert all("time/forward_reference_s" in row and row["kl/mean"] >= 0 for row in rows)
+    assert "reference" not in {role for _, role in replay_guard(tmp_path / "phases.jsonl")["node0/gpu0"]}
 
 
 @pytest.mark.slow

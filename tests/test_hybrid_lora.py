@@ -80,6 +80,11 @@ def test_hybrid_grpo_with_lora_trains_adapters_and_pushes_only_them(tiny_llama_p
         mask = batch.loss_mask
         assert (trainer[mask] - engine[mask]).abs().max() < 1e-4
         assert (trainer[mask] - reference[mask]).abs().max() > 1e-3  # the adapters trained: not the base policy
+        # the actor with its adapters switched off is the reference policy: a LoRA run needs no reference model
+        base = run.trainers["actor"].forward(batch, adapters=False)
+        assert (base[mask] - reference[mask]).abs().max() < 1e-5
+        with pytest.raises(ValueError, match=r"adapters=False.*only a LoRA role"):
+            run.trainers["reference"].forward(batch, adapters=False)
     finally:
         run.close()
 

@@ -175,14 +175,23 @@ class DeepSpeedEngine:
                                f"in {roles}")
 
     # ------------------------------------------------------------------ forward / backward / step
-    def forward_logprobs(self, batch: PackedBatch, *, temperature: float = 1.0,
-                         loss_tokens_only: bool = False) -> torch.Tensor:
+    def forward_logprobs(self, batch: PackedBatch, *, temperature: float = 1.0, loss_tokens_only: bool = False,
+                         adapters: bool = True) -> torch.Tensor:
         """``[T]`` float32 token-aligned log-probs (see :func:`rlhfkit.losses.model_logprobs`; ``loss_tokens_only``:
         only of the loss-mask tokens, 0 elsewhere, with the LM head on those rows only). Differentiable on the
-        actor when grad is enabled; the reference model always runs without grad."""
+        actor when grad is enabled; the reference model always runs without grad. ``adapters=False`` (a LoRA actor
+        only): the base model's log-probs, adapters switched off for this forward and without grad — the reference
+        policy of a LoRA run, with no second copy of the model."""
         self._require_awake("forward_logprobs")
         self._require_role("forward_logprobs", ("actor", "reference"))
-        with torch.set_grad_enabled(torch.is_grad_enabled() and self.has_optimizer):
+        if adapters:
+            with torch.set_grad_enabled(torch.is_grad_enabled() and self.has_optimizer):
+                return model_logprobs(self.ds_engine, batch.to(self.device), temperature=temperature,
+                                      loss_tokens_only=loss_tokens_only)
+        if self.lora is None:
+            raise ValueError(f"forward_logprobs(adapters=False) on '{self.name}', which has no LoRA adapters; only a "
+                             "LoRA actor has a base model to fall back to")
+        with torch.no_grad(), self.ds_engine.module.disable_adapter():
             return model_logprobs(self.ds_engine, batch.to(self.device), temperature=temperature,
                                   loss_tokens_only=loss_tokens_only)
 

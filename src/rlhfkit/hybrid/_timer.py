@@ -120,6 +120,12 @@ class PhaseTimer:
     ``copy_rates`` set (:class:`~rlhfkit.hybrid.CopyRates`, measured on the device): ``switch/floor_s`` =
     ``bytes_d2h / d2h rate + bytes_h2d / h2d rate + bytes_sync / d2d rate`` (the copies alone),
     ``switch/over_floor`` = ``time/phase_switch_s / switch/floor_s`` and the rates (``switch/{h2d,d2h,d2d}_gb_per_s``).
+
+    ``worker/<phase>_s`` (given to :meth:`count_worker`): the time the trainer workers spent inside their calls in
+    that phase, the slowest rank's, less their sleeps and wakes. The rest of ``time/<phase>_s`` is the caller's own
+    work and the calls' round trips (arguments and results on their way). ``worker/<phase>_cpu_s``: the CPU time of
+    the threads that ran those calls; well below ``worker/<phase>_s`` when they waited (for the GPU, or for a core
+    other processes held).
     """
 
     def __init__(self, sampler: GpuMemorySampler | None = None, *, copy_rates: Any = None) -> None:
@@ -128,11 +134,13 @@ class PhaseTimer:
         self._bytes: dict[str, float] = defaultdict(float)
         self.times: dict[str, float] = defaultdict(float)
         self._moved: dict[str, float] = defaultdict(float)
+        self._worker: dict[str, float] = defaultdict(float)
         self._current: str | None = None
         self._started: float | None = None
 
     def start_step(self) -> None:
         self.times, self._moved, self._bytes = defaultdict(float), defaultdict(float), defaultdict(float)
+        self._worker = defaultdict(float)
         self._started = time.perf_counter()
         if self.sampler is not None:
             self.sampler.take()
@@ -171,6 +179,18 @@ class PhaseTimer:
         elif source not in SWITCH_PHASES:
             self._moved[source] += seconds
 
+    def count_worker(self, seconds: float, *, cpu_s: float = 0.0, phase: str | None = None) -> None:
+        """Count ``seconds`` that workers spent inside a call of ``phase`` (default: the phase running now) as
+        ``worker/<phase>_s``, and ``cpu_s`` of their threads' CPU time as ``worker/<phase>_cpu_s``; nothing outside
+        a phase."""
+        for name, value in (("seconds", seconds), ("cpu_s", cpu_s)):
+            if not value >= 0:
+                raise ValueError(f"count_worker({name}={value!r}); give a duration >= 0")
+        source = phase or self._current
+        if source is not None and seconds > 0:
+            self._worker[f"{source}_s"] += seconds
+            self._worker[f"{source}_cpu_s"] += cpu_s
+
     def count_sync_bytes(self, num_bytes: float) -> None:
         """Count ``num_bytes`` a weight sync moved into the engines in this step."""
         if not num_bytes >= 0:
@@ -201,6 +221,7 @@ class PhaseTimer:
             self.times["sleep_wake"] += seconds
         self._moved.clear()
         row = {f"time/{name}_s": seconds for name, seconds in self.times.items()} | {"time/step_s": step}
+        row |= {f"worker/{name}": seconds for name, seconds in self._worker.items()}
         switch = sum(self.times.get(name, 0.0) for name in SWITCH_PHASES)
         row |= {"time/phase_switch_s": switch, "time/phase_switch_fraction": switch / step if step > 0 else 0.0}
         row |= self._switch_bytes(switch)

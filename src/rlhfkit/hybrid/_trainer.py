@@ -163,17 +163,25 @@ class TrainerGroup:
             self.timer.count_switch(max(result.get("switch_s", 0.0) for result in results),
                                     bytes_d2h=max(result.get("bytes_d2h", 0.0) for result in results),
                                     bytes_h2d=max(result.get("bytes_h2d", 0.0) for result in results))
+            slowest = max(results, key=lambda result: result.get("worker_s", 0.0))
+            self.timer.count_worker(slowest.get("worker_s", 0.0), cpu_s=slowest.get("worker_cpu_s", 0.0))
         self.peak_gib = max([self.peak_gib] + [result.get("peak_gib", 0.0) for result in results])
 
     def forward(self, batch: PackedBatch, *, output: str = "logprobs", temperature: float = 1.0, wake: bool = True,
-                sleep_after: bool | str = True, phase: str | None = None) -> torch.Tensor:
+                sleep_after: bool | str = True, phase: str | None = None, adapters: bool = True) -> torch.Tensor:
         """No-grad forward of ``batch`` on every rank: ``[T]`` log-probs (token aligned, 0 off the loss mask) or
-        values, or ``[N]`` rewards (``output="rewards"``). ``sleep_after``: True, False, or ``"keep_weights"``."""
+        values, or ``[N]`` rewards (``output="rewards"``). ``sleep_after``: True, False, or ``"keep_weights"``.
+        ``adapters=False`` (a LoRA actor): the base model's log-probs with the adapters switched off, the reference
+        policy of a LoRA run without a reference role (phase ``forward_reference`` unless ``phase`` is given)."""
         if output not in OUTPUTS:
             raise ValueError(f"output={output!r}; expected one of {OUTPUTS}")
+        if not adapters and (self.config.lora is None or output != "logprobs"):
+            raise ValueError(f"'{self.role}'.forward(adapters=False, output={output!r}): only a LoRA role's "
+                             "log-probs have a base model to fall back to (TrainerConfig.lora is "
+                             f"{self.config.lora!r})")
         if not isinstance(batch, PackedBatch):
             raise TypeError(f"batch must be a PackedBatch (rlhfkit.packing.pack_rollouts), got {type(batch).__name__}")
-        phase = phase or f"forward_{self.role}"
+        phase = phase or (f"forward_{self.role}" if adapters else "forward_reference")
         shards = self._shards(batch.seq_lens.tolist())
         items, places = [], []
         for shard in shards:
@@ -181,7 +189,7 @@ class TrainerGroup:
             items.append([sub for sub, _ in micro])
             places.append(shard if output == "rewards" else [index for _, index in micro])
         results = self.workers.call_scattered("forward", items, output=output, temperature=temperature, phase=phase,
-                                              wake=wake, sleep_after=sleep_after)
+                                              wake=wake, sleep_after=sleep_after, adapters=adapters)
         self._account(results)
         out = torch.zeros(batch.num_seqs if output == "rewards" else batch.num_tokens)
         for result, rank_places in zip(results, places, strict=True):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import importlib
+import math
 import os
 import time
 from collections import defaultdict
@@ -53,6 +54,17 @@ class _Resident:
 
     def wake_up(self, **kwargs: Any) -> None:
         pass
+
+
+def _clocks() -> tuple[float, float]:
+    return time.perf_counter(), time.thread_time()
+
+
+def _since(started: tuple[float, float], switch: float) -> dict[str, float]:
+    """A call's own time (``worker_s``: wall, less its sleeps and wakes) and the CPU time of the thread that ran
+    it (``worker_cpu_s``): far below ``worker_s`` when the thread waited (for the GPU, or for a core)."""
+    return {"worker_s": max(0.0, time.perf_counter() - started[0] - switch),
+            "worker_cpu_s": time.thread_time() - started[1]}
 
 
 @contextlib.contextmanager
@@ -202,20 +214,22 @@ class TrainerWorker(Worker):
 
     # ------------------------------------------------------------------ primitives
     def forward(self, batches: list, *, output: str, temperature: float, phase: str, wake: bool,
-                sleep_after: bool | str) -> dict[str, Any]:
+                sleep_after: bool | str, adapters: bool = True) -> dict[str, Any]:
         """No-grad forwards over this rank's micro-batches: ``[T]`` log-probs or values, or ``[N]`` rewards each."""
+        started = _clocks()
         switch = self._begin("forward", phase, wake)
         with self._guarded_call(phase):
             _reset_peak()
             run = {"logprobs": lambda b: self.model.forward_logprobs(b, temperature=temperature,
-                                                                     loss_tokens_only=True),
+                                                                     loss_tokens_only=True, adapters=adapters),
                    "values": self.model.forward_values, "rewards": self.model.forward_rewards}[output]
             with torch.no_grad(), _tf32(self.config.tf32_frozen_forward and not self.trains):
                 outputs = [run(batch).float() for batch in batches]  # queued back to back; one wait for them all
             outputs = [output.cpu() for output in outputs]
             peak = _peak_gib()
             switch += self._end(phase, sleep_after)
-        return {"outputs": outputs, "switch_s": switch, "peak_gib": peak, **self._take_moved()}
+        return {"outputs": outputs, "switch_s": switch, "peak_gib": peak, **_since(started, switch),
+                **self._take_moved()}
 
     def forward_backward(self, micro_batches: list, loss_fn: Any, *, output: str, temperature: float,
                          num_tokens: float, num_seqs: float, phase: str, wake: bool) -> dict[str, Any]:
@@ -225,9 +239,11 @@ class TrainerWorker(Worker):
                                   "optim_step() in between; pass the whole minibatch to one forward_backward() (it "
                                   "is split into micro-batches) and call optim_step() after it", role=self.role,
                                   rank=self.rank, phase=phase)
+        started = _clocks()
         loss_fn = self._loss_function(loss_fn)
         switch = self._begin("forward_backward", phase, wake)
         sums: dict[str, float] = defaultdict(float)
+        tensors: list[tuple[str, torch.Tensor]] = []  # stats the loss gave as tensors: read in one wait at the end
         with self._guarded_call(phase):
             _reset_peak()
             device = self.model.device
@@ -238,16 +254,24 @@ class TrainerWorker(Worker):
                                                           loss_tokens_only=True)
                 else:
                     outputs = self.model.forward_values(micro.batch)
-                loss, stats = self._call_loss(loss_fn, outputs, micro, num_tokens, num_seqs, index, phase)
+                loss, stats, value = self._call_loss(loss_fn, outputs, micro, num_tokens, num_seqs, index, phase)
                 with _tf32(self.config.tf32_backward):
-                    self.model.backward(loss)
-                sums["loss"] += float(loss.detach())
-                for key, value in stats.items():
-                    sums[key] += float(value) / len(micro_batches)
+                    self.model.backward(loss)  # queued: nothing here waits for it (the next wait is the next
+                sums["loss"] += value           # micro-batch's loss value, or the end of the call)
+                for key, stat in stats.items():
+                    if isinstance(stat, torch.Tensor):
+                        tensors.append((key, stat.detach().reshape(()).double()))
+                    else:
+                        sums[key] += float(stat) / len(micro_batches)
+            if tensors:
+                for (key, _), stat in zip(tensors, torch.stack([t.to(device) for _, t in tensors]).tolist(),
+                                          strict=True):
+                    sums[key] += stat / len(micro_batches)
             self.model._pending_losses.clear()  # optim_step reports the loss; the wrapper's list is not used
             self._pending_backward = True
         return {"stats": dict(sums), "switch_s": switch, "peak_gib": _peak_gib(),
-                "peak_reserved_gib": _peak_gib(reserved=True), **self._take_moved()}
+                "peak_reserved_gib": _peak_gib(reserved=True), **_since(started, switch),
+                **self._take_moved()}
 
     def _loss_function(self, shipped: Any) -> Any:
         """The caller's loss function, sent pickled; unpickled once while the same bytes keep coming."""
@@ -260,7 +284,9 @@ class TrainerWorker(Worker):
         return self._loss_fn
 
     def _call_loss(self, loss_fn: Any, outputs: torch.Tensor, micro: Any, num_tokens: float, num_seqs: float,
-                   index: int, phase: str) -> tuple[torch.Tensor, dict[str, Any]]:
+                   index: int, phase: str) -> tuple[torch.Tensor, dict[str, Any], float]:
+        """The loss, its stats and its value (read once: the one wait for the GPU per micro-batch, before the
+        backward is queued), checked."""
         where = f"'{self.role}' rank {self.rank}, phase '{phase}', micro-batch {index}"
         result = loss_fn(outputs, micro, num_tokens=num_tokens, num_seqs=num_seqs)
         loss, stats = result if isinstance(result, tuple) and len(result) == 2 else (result, {})
@@ -269,8 +295,9 @@ class TrainerWorker(Worker):
             raise LossFunctionError(f"the loss function {_name(loss_fn)} returned {shape} on {where}; it must "
                                     "return a scalar tensor (or (scalar tensor, dict of floats))", role=self.role,
                                     rank=self.rank, phase=phase)
-        if not bool(torch.isfinite(loss.detach())):
-            raise LossFunctionError(f"the loss function {_name(loss_fn)} returned {float(loss.detach())} on {where}; "
+        value = float(loss.detach())
+        if not math.isfinite(value):
+            raise LossFunctionError(f"the loss function {_name(loss_fn)} returned {value} on {where}; "
                                     "check its inputs (advantages, log-ratios) for overflow", role=self.role,
                                     rank=self.rank, phase=phase)
         if not loss.requires_grad:
@@ -281,7 +308,15 @@ class TrainerWorker(Worker):
             raise LossFunctionError(f"the loss function {_name(loss_fn)} returned stats of type "
                                     f"{type(stats).__name__} on {where}; expected a dict of floats", role=self.role,
                                     rank=self.rank, phase=phase)
-        return loss, stats
+        for key, stat in stats.items():
+            if isinstance(stat, torch.Tensor) and stat.numel() == 1:
+                continue
+            if not isinstance(stat, (int, float)):
+                shape = tuple(stat.shape) if isinstance(stat, torch.Tensor) else type(stat).__name__
+                raise LossFunctionError(f"the loss function {_name(loss_fn)} returned stats[{key!r}] = {shape} on "
+                                        f"{where}; each stat must be a number or a one-element tensor",
+                                        role=self.role, rank=self.rank, phase=phase)
+        return loss, stats, value
 
     def optim_step(self, *, phase: str, sleep_after: bool | str) -> dict[str, Any]:
         """One optimizer step over the gradients of the last ``forward_backward`` (the accumulation boundary)."""
@@ -291,6 +326,7 @@ class TrainerWorker(Worker):
         if not self.awake:
             raise RoleAsleepError(f"optim_step() called while '{self.role}' rank {self.rank} is asleep (phase "
                                   f"'{phase}')", role=self.role, rank=self.rank, phase=phase)
+        started = _clocks()
         with self._guarded_call(phase):
             lr = float(self.model.ds_engine.get_lr()[0])
             norm = self.model.optimizer_step()
@@ -298,7 +334,7 @@ class TrainerWorker(Worker):
             stats = {"lr": lr, "grad_norm": float("nan") if norm is None else float(norm),
                      "global_step": float(self.model.global_step)}
             switch = self._end(phase, sleep_after)
-        return {"stats": stats, "switch_s": switch, **self._take_moved()}
+        return {"stats": stats, "switch_s": switch, **_since(started, switch), **self._take_moved()}
 
     def save(self, root: str, *, phase: str) -> dict[str, Any]:
         switch = self._begin("save", phase, True)
