@@ -6,7 +6,8 @@ what DeepSpeed adds, and against plain torch on right-padded rows with an attent
 layout TRL trains on).
 
     python bench/train_step.py --out train_step.json                       # SmolLM2-135M shape, random weights
-    python bench/train_step.py --model /tmp/smollm2-hf --out train_step.json
+    python bench/train_step.py --arch qwen2.5-1.5b --configs zero1_bf16_varlen torch_bf16_varlen \
+        --prompt-len 45 --response-len 128 --profile --out ts15.json     # the 1.5B scale run's default trainer
 
 Each configuration runs in a fresh process (ZeRO-3 leaves hooks and partitioned parameters behind). Per
 configuration: median wall time of one optimizer step (2 micro-batches: packed forward, token-mean loss on the
@@ -28,6 +29,7 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # bench.scale's architectures
 CONFIGS = {  # name -> (kind, zero stage, dtype, attention)
     "torch_fp32_sdpa": ("torch", None, "float32", "sdpa"),
     "torch_fp32_varlen": ("torch", None, "float32", "varlen"),
@@ -44,7 +46,32 @@ CONFIGS = {  # name -> (kind, zero stage, dtype, attention)
     "zero2_bf16_varlen": ("deepspeed", 2, "bfloat16", "varlen"),
     "zero1_tf32_varlen": ("deepspeed", 1, "tf32", "varlen"),
     "zero0_tf32_varlen": ("deepspeed", 0, "tf32", "varlen"),
+    "zero1_bf16_varlen": ("deepspeed", 1, "bfloat16", "varlen"),  # grpo_hybrid.py --bf16 true (1.5B and up)
+    "torch_bf16_varlen": ("torch", None, "bfloat16", "varlen"),
 }
+
+
+def build_model(arch: str, dtype: torch.dtype, attn: str, device: torch.device):
+    """A random-weight model of ``arch`` ("smollm2", or one of ``bench/scale.py``'s architectures), built on
+    ``device``."""
+    if arch == "smollm2":
+        return smollm2_shaped(dtype, attn).to(device)
+    import transformers
+
+    from bench.scale import ARCHITECTURES
+
+    config = transformers.AutoConfig.for_model(**ARCHITECTURES[arch])
+    torch.manual_seed(0)
+    with torch.device(device):
+        return transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attn, dtype=dtype)
+
+
+def vocab_size(arch: str) -> int:
+    if arch == "smollm2":
+        return 49152
+    from bench.scale import ARCHITECTURES
+
+    return ARCHITECTURES[arch]["vocab_size"]
 
 
 def smollm2_shaped(dtype: torch.dtype, attn: str):
@@ -66,7 +93,7 @@ def make_batches(args, device):
     for _ in range(args.seqs):
         prompt = args.prompt_len + int(torch.randint(-8, 9, (1,), generator=gen))
         response = max(2, args.response_len + int(torch.randint(-6, 7, (1,), generator=gen)))
-        seqs.append(torch.randint(0, 49152, (prompt + response,), generator=gen))
+        seqs.append(torch.randint(0, min(49152, vocab_size(args.arch)), (prompt + response,), generator=gen))
         masks.append(torch.cat([torch.zeros(prompt, dtype=torch.bool), torch.ones(response, dtype=torch.bool)]))
     per = args.seqs // args.micro
     micro = [pack_sequences(seqs[i * per:(i + 1) * per], loss_masks=masks[i * per:(i + 1) * per]).to(device)
@@ -123,9 +150,8 @@ def run_one(name: str, args) -> dict:
     if device.type == "cuda":
         torch.cuda.set_device(0)
     micro, whole = make_batches(args, device)
-    model = smollm2_shaped(dtype, attn_impl)
+    model = build_model(args.arch, dtype, attn_impl, device)
     if kind == "torch":
-        model = model.to(device)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6, fused=True)
 
         def logprobs(batch):
@@ -205,6 +231,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--configs", nargs="*", default=list(CONFIGS), choices=list(CONFIGS))
+    parser.add_argument("--arch", default="smollm2", help="smollm2 (135M) or one of bench/scale.py's architectures "
+                        "(qwen2.5-1.5b, qwen2.5-3b, qwen2.5-7b, llama-3.1-8b; toy on CPU), random weights")
     parser.add_argument("--seqs", type=int, default=128)
     parser.add_argument("--prompt-len", type=int, default=50)
     parser.add_argument("--response-len", type=int, default=12)
@@ -225,7 +253,7 @@ def main() -> None:
         part = args.out.with_suffix(f".{name}.json")
         argv = [sys.executable, __file__, "--one", name, "--out", str(part)] + [
             f"--{k.replace('_', '-')}={getattr(args, k)}" for k in ("seqs", "prompt_len", "response_len", "micro",
-                                                                     "repeats", "warmup")] + (
+                                                                     "repeats", "warmup", "arch")] + (
             ["--profile"] if args.profile else [])
         start = time.perf_counter()
         try:

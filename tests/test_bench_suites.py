@@ -253,3 +253,16 @@ def test_peer_trl_deepspeed_configs_for_large_models(monkeypatch, tmp_path):
     small, large = commands
     assert "--deepspeed" not in small
     assert large[large.index("--deepspeed") + 1] == "zero3-offload" and large[large.index("--kl-coef") + 1] == "0"
+
+
+def test_train_step_builds_scale_architectures(tmp_path):
+    """bench/train_step.py --arch: the actor's optimizer step of a scale run's shape (here the CPU toy of
+    bench/scale.py's architectures; plain torch, the only configuration that runs on CPU), in a fresh process per
+    configuration like the GPU runs."""
+    out = tmp_path / "ts.json"
+    subprocess.run([sys.executable, str(ROOT / "bench" / "train_step.py"), "--arch", "toy", "--configs",
+                    "torch_fp32_varlen", "--seqs", "4", "--prompt-len", "12", "--response-len", "6", "--repeats", "1",
+                    "--warmup", "0", "--out", str(out)], check=True, timeout=300, capture_output=True)
+    result = json.loads(out.read_text())
+    run = result["runs"]["torch_fp32_varlen"]
+    assert result["args"]["arch"] == "toy" and run["optimizer_step_s"] > 0 and run["tokens"] > 4 * 12, run
