@@ -184,7 +184,10 @@ def _response_values_to_tokens(rollouts: Sequence[Rollout], batch: PackedBatch,
     if len(rollouts) != batch.num_seqs:
         raise ValueError(f"{len(rollouts)} rollouts for a batch of {batch.num_seqs} sequences; pass the rollouts the "
                          "batch was packed from")
-    values = torch.cat([values_of(r).cpu()[r.loss_mask.cpu()] for r in rollouts])
+    if all(r.response_loss_mask is None for r in rollouts):  # every response token is a loss token (one turn)
+        values = torch.cat([values_of(r).cpu() for r in rollouts])
+    else:
+        values = torch.cat([values_of(r).cpu()[r.loss_mask.cpu()] for r in rollouts])
     out = torch.zeros(batch.num_tokens, dtype=dtype, device=batch.input_ids.device)
     out[batch.loss_mask] = values.to(out.device, dtype)
     return out

@@ -10,6 +10,7 @@ import contextlib
 import gc
 import importlib
 import math
+import numbers
 import os
 import time
 from collections import defaultdict
@@ -311,7 +312,7 @@ class TrainerWorker(Worker):
         for key, stat in stats.items():
             if isinstance(stat, torch.Tensor) and stat.numel() == 1:
                 continue
-            if not isinstance(stat, (int, float)):
+            if not isinstance(stat, numbers.Real):  # int, float, bool, numpy scalars
                 shape = tuple(stat.shape) if isinstance(stat, torch.Tensor) else type(stat).__name__
                 raise LossFunctionError(f"the loss function {_name(loss_fn)} returned stats[{key!r}] = {shape} on "
                                         f"{where}; each stat must be a number or a one-element tensor",
