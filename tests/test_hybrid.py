@@ -301,6 +301,33 @@ def test_trainer_sleeps_and_wakes_report_the_bytes_they_copied(hybrid, tiny_llam
 
 @pytest.mark.slow
 @pytest.mark.ray
+def test_a_sleep_that_would_do_nothing_makes_no_call(hybrid, monkeypatch):
+    """Every call reports the state it leaves the ranks in, so a sleep the ranks would ignore (the push's
+    sleep(keep_weights=True) right after optim_step(sleep_after="keep_weights")) costs no round trip; a sleep that
+    moves something, or one after a call whose outcome is unknown, is still made."""
+    actor = hybrid.trainers["actor"]
+    calls = []
+    real = actor.workers.call
+    monkeypatch.setattr(actor.workers, "call", lambda method, *a, **k: (calls.append(method), real(method, *a, **k))[1])
+    actor.forward_backward(_experience(hybrid, step=3), pg_loss)
+    actor.optim_step(sleep_after="keep_weights")
+    actor.sleep(keep_weights=True)  # asleep but for the weights already: skipped
+    assert calls == ["optim_step"], calls
+    actor.sleep()  # the weights go too: made
+    actor.sleep()  # asleep already: skipped
+    actor.sleep(keep_weights=True)  # nothing would come back: skipped
+    assert calls == ["optim_step", "sleep"], calls
+    actor._state = None  # e.g. after a failed call: the next sleep is made
+    actor.sleep()
+    assert calls == ["optim_step", "sleep", "sleep"], calls
+    actor.wake()
+    actor.sleep(keep_weights=True)
+    hybrid.push_weights()  # the step moved the actor a version ahead: later tests generate without a push
+    hybrid.engines.sleep(level=1)
+
+
+@pytest.mark.slow
+@pytest.mark.ray
 def test_loss_stats_may_be_tensors_read_once_per_call(hybrid):
     """A loss may return its stats as one-element tensors: the worker reads them all in one wait at the end of the
     call (a float() per stat would wait for each micro-batch's backward), averaged over the micro-batches like

@@ -521,6 +521,7 @@ class Hybrid:
         if colocated:
             engines.wake(["weights"], phase="sync")
         receiving = [handle.receive_weights.remote() for handle in self._handles]
+        trainer._state = None  # the calls below change it outside the group's methods
         sending = trainer.workers.submit("send_weights", phase="sync")
         sleeping = trainer.workers.submit("sleep", "sync", False)
         try:

@@ -157,6 +157,12 @@ class TrainerWorker(Worker):
         self.events.append(transition_record(transition, rank=self.rank))
         return transition.seconds
 
+    def _report(self) -> dict[str, Any]:
+        """What every call returns besides its own results: the bytes its sleeps and wakes copied, and the state it
+        leaves the role in (``awake``; ``weights_only``: asleep but for the weights), so the caller can skip calls
+        that would do nothing."""
+        return {**self._take_moved(), "awake": self.awake, "weights_only": self._weights_only}
+
     def _take_moved(self) -> dict[str, float]:
         """The bytes sleeps and wakes copied since the last call (reported with its ``switch_s``)."""
         moved, self._moved = self._moved, {"bytes_d2h": 0.0, "bytes_h2d": 0.0}
@@ -165,7 +171,7 @@ class TrainerWorker(Worker):
     def wake(self, phase: str = "wake") -> dict[str, float]:
         """Wake the role (if asleep); returns ``switch_s`` and the bytes moved (``bytes_d2h``, ``bytes_h2d``)."""
         seconds = 0.0 if self.awake else self._transition("wake", phase)
-        return {"switch_s": seconds, **self._take_moved()}
+        return {"switch_s": seconds, **self._report()}
 
     @property
     def _weights_only(self) -> bool:
@@ -178,7 +184,7 @@ class TrainerWorker(Worker):
         seconds = 0.0
         if self.awake or (self._weights_only and not keep_weights):
             seconds = self._transition("sleep", phase, keep_weights=keep_weights and self.config.offload)
-        return {"switch_s": seconds, **self._take_moved()}
+        return {"switch_s": seconds, **self._report()}
 
     def guard_events(self) -> list[dict[str, Any]]:
         events, self.events = self.events, []
@@ -230,7 +236,7 @@ class TrainerWorker(Worker):
             peak = _peak_gib()
             switch += self._end(phase, sleep_after)
         return {"outputs": outputs, "switch_s": switch, "peak_gib": peak, **_since(started, switch),
-                **self._take_moved()}
+                **self._report()}
 
     def forward_backward(self, micro_batches: list, loss_fn: Any, *, output: str, temperature: float,
                          num_tokens: float, num_seqs: float, phase: str, wake: bool) -> dict[str, Any]:
@@ -272,7 +278,7 @@ class TrainerWorker(Worker):
             self._pending_backward = True
         return {"stats": dict(sums), "switch_s": switch, "peak_gib": _peak_gib(),
                 "peak_reserved_gib": _peak_gib(reserved=True), **_since(started, switch),
-                **self._take_moved()}
+                **self._report()}
 
     def _loss_function(self, shipped: Any) -> Any:
         """The caller's loss function, sent pickled; unpickled once while the same bytes keep coming."""
@@ -335,19 +341,19 @@ class TrainerWorker(Worker):
             stats = {"lr": lr, "grad_norm": float("nan") if norm is None else float(norm),
                      "global_step": float(self.model.global_step)}
             switch = self._end(phase, sleep_after)
-        return {"stats": stats, "switch_s": switch, **_since(started, switch), **self._take_moved()}
+        return {"stats": stats, "switch_s": switch, **_since(started, switch), **self._report()}
 
     def save(self, root: str, *, phase: str) -> dict[str, Any]:
         switch = self._begin("save", phase, True)
         with self._guarded_call(phase):
             path = self.model.save_checkpoint(root, export_hf=True)
-        return {"path": str(path), "switch_s": switch, **self._take_moved()}
+        return {"path": str(path), "switch_s": switch, **self._report()}
 
     def load_checkpoint(self, path: str, *, phase: str) -> dict[str, Any]:
         switch = self._begin("load_checkpoint", phase, True)
         with self._guarded_call(phase):
             client_state = self.model.load_checkpoint(path)
-        return {"client_state": client_state, "switch_s": switch, **self._take_moved()}
+        return {"client_state": client_state, "switch_s": switch, **self._report()}
 
     # ------------------------------------------------------------------ weights out
     def open_weight_sync(self, sender: bool, *, config: Any, world_size: int, group_name: str) -> Any:
