@@ -59,6 +59,11 @@ def summarize(rows: list[dict]) -> dict:
         "token_staleness_per_step": [row["staleness/token_mean"] for row in rows],
         "mismatch_kl_per_step": [row["mismatch/kl"] for row in rows],
         "dropped_groups": rows[-1].get("buffer/dropped_groups", 0.0),
+        # the medians of each phase (time/*) next to the trainer workers' own time in it (worker/*: wall, and the
+        # CPU time of the threads that ran the calls): where an async step's extra time goes
+        "phases_median": {key: statistics.median(row[key] for row in later if key in row)
+                          for key in sorted({k for row in later for k in row
+                                             if k.startswith(("time/", "worker/")) and k.endswith("_s")})},
     }
 
 

@@ -124,6 +124,8 @@ def test_async_bench_runs_tiny_on_cpu(tmp_path):
     assert result["async"]["staleness_hist"].get("1", 0) > 0 and result["speedup"] > 0
     assert result["speedup_ceiling"] is None or result["speedup_ceiling"] >= 1.0
     assert (tmp_path / "async.png").stat().st_size > 0
+    phases = result["async"]["phases_median"]  # each phase next to the trainer workers' own time in it
+    assert phases["time/step_s"] > 0 and 0 < phases["worker/train_actor_s"] and "worker/forward_cpu_s" in phases
 
 
 def test_async_bench_overlap_ceiling():
