@@ -81,6 +81,7 @@ def run_mode(args, mode: str, out: Path) -> dict:
                                                                         str(args.steps)]
     command += ["--num-gpus", str(args.num_gpus), "--engine-gpus", str(args.engine_gpus)]
     command += ["--max-new-tokens", str(args.max_new_tokens)] if args.max_new_tokens else []
+    command += ["--ignore-eos", "true"] if args.ignore_eos else []
     out.mkdir(parents=True, exist_ok=True)
     log = out / "run.log"
     code, wall = run_logged(command, log, args.timeout)
@@ -133,6 +134,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--num-gpus", type=int, default=1)
     parser.add_argument("--engine-gpus", type=int, default=0, help="> 0: the engines on GPUs of their own")
     parser.add_argument("--max-new-tokens", type=int, help="the example's --max-new-tokens (default: its own, 64)")
+    parser.add_argument("--ignore-eos", action="store_true", help="every sample runs to --max-new-tokens: generation "
+                        "grows with it, so the overlap has more to hide (the example's --ignore-eos true)")
     args = parser.parse_args(argv)
     if not args.tiny and not args.model:
         parser.error("--model is required (or --tiny)")

@@ -4,6 +4,7 @@
     python examples/grpo_async.py --model /tmp/smollm2-hf --max-staleness 2 --correction token_mask
     python examples/grpo_async.py --model /tmp/smollm2-hf --mode sync            # the same loop, synchronous
     python examples/grpo_async.py --model /tmp/smollm2-hf --num-gpus 2 --engine-gpus 1  # engine on its own GPU
+    python examples/grpo_async.py --model /tmp/smollm2-hf --max-new-tokens 256 --ignore-eos true  # long samples
     python examples/grpo_async.py --device cpu --tiny true                       # CPU: HF engine, logical GPUs
 
 The engines stay resident beside the awake actor (``HybridConfig(overlap=True)``: outside the phase guard, with their
@@ -59,6 +60,7 @@ class Options:
     prompts_per_step: int = 16
     samples_per_prompt: int = 8
     max_new_tokens: int = 64
+    ignore_eos: bool = False  # True: every sample runs to --max-new-tokens (a long-generation workload)
     lr: float = 5e-6
     kl_coef: float = 0.001
     engine_memory: float = 0.3  # the engine's resident share of the GPU (weights + KV cache), when colocated
@@ -125,7 +127,7 @@ def make_generate(hybrid: Hybrid, options: Options, made: dict):
         index = next(counter)
         batch = made.pop(index)
         sampling = SamplingConfig(n=options.samples_per_prompt, max_new_tokens=options.max_new_tokens,
-                                  seed=SEED * 1_000_003 + index)
+                                  ignore_eos=options.ignore_eos, seed=SEED * 1_000_003 + index)
         rollouts = hybrid.engines.generate(prompts, sampling)
         base = index * len(batch.token_ids)
         return [dataclasses.replace(r, prompt_index=base + r.prompt_index, prompt_text=batch.texts[r.prompt_index],

@@ -100,3 +100,14 @@ def test_the_engine_on_a_gpu_of_its_own_runs_the_same_loop(ray_not_started, tiny
     assert [row["sync/version"] for row in lagged] == [1.0, 2.0, 3.0]
     assert all(row["staleness/max"] <= 1 for row in lagged) and lagged[-1]["buffer/dropped_groups"] == 0
     assert not _producer_threads()
+
+
+@pytest.mark.slow
+@pytest.mark.ray
+def test_ignore_eos_runs_every_sample_to_the_length_limit(ray_not_started, tiny_llama_path, tmp_path):
+    """--ignore-eos true: the long-generation workload of the throughput runs (generation grows with
+    --max-new-tokens, so the overlap has more to hide); every sample is the tiny run's 8 tokens long."""
+    rows = _run(load_example("grpo_async"), tiny_llama_path, tmp_path / "long", "--ignore-eos", "true")
+    assert [row["response_length/mean"] for row in rows] == [8.0, 8.0, 8.0]
+    assert all(row["truncation_rate"] == 1.0 for row in rows)
+    assert not _producer_threads()
