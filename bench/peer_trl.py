@@ -49,12 +49,30 @@ def parse_args(argv=None) -> argparse.Namespace:
     a("--work-dir", type=Path, default=None, help="TRL's output_dir (default: a temporary folder)")
     a("--deepspeed", choices=DEEPSPEED_MODES, default="none",
       help="DeepSpeed through TRL's trainer: ZeRO-3, optionally with the optimizer in host memory (large models)")
+    a("--lora-rank", type=int, default=0,
+      help="> 0: train peft LoRA adapters of this rank (alpha 2 x rank) on the attention and MLP projections, with "
+           "gradient checkpointing, as grpo_hybrid.py --lora-rank; TRL's reference is then the base model with the "
+           "adapters disabled, as ours")
     args = parser.parse_args(argv)
     check_workload(parser, args)
     return args
 
 
 DEEPSPEED_MODES = ("none", "zero3", "zero3-offload")
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # grpo_hybrid.py's
+
+
+def peft_config(args):
+    """The peft ``LoraConfig`` TRL's trainer takes as ``peft_config=`` for ``--lora-rank`` > 0 (None: full-parameter
+    training)."""
+    if args.lora_rank < 0:
+        raise ValueError(f"--lora-rank {args.lora_rank}; give 0 (full parameters) or a rank > 0")
+    if args.lora_rank == 0:
+        return None
+    from peft import LoraConfig
+
+    return LoraConfig(r=args.lora_rank, lora_alpha=2 * args.lora_rank, lora_dropout=0.0,
+                      target_modules=list(LORA_TARGETS), task_type="CAUSAL_LM")
 
 
 def deepspeed_config(mode: str) -> dict | None:
@@ -122,6 +140,7 @@ def grpo_config(args, work_dir: Path):
         vllm_gpu_memory_utilization=args.gpu_memory_utilization, vllm_max_model_length=args.max_model_len,
         vllm_importance_sampling_correction=False,  # grpo_hybrid.py applies no engine/trainer IS correction
         deepspeed=deepspeed_config(getattr(args, "deepspeed", "none")),
+        **({"gradient_checkpointing": True} if getattr(args, "lora_rank", 0) else {}),
     )
 
 
@@ -373,7 +392,7 @@ def main(argv=None) -> dict:
     config = grpo_config(args, work_dir)
     started = time.perf_counter()
     trainer = GRPOTrainer(model=args.model, reward_funcs=make_reward(recorder), args=config,
-                          train_dataset=arithmetic_dataset(args),
+                          train_dataset=arithmetic_dataset(args), peft_config=peft_config(args),
                           callbacks=[make_callback(recorder, args.minibatches)])
     startup_s = time.perf_counter() - started
     trainer.train()

@@ -3,6 +3,8 @@ optionally next to TRL's GRPOTrainer, with per-phase time and peak memory.
 
     python bench/scale.py --tokenizer /tmp/smollm2-hf --archs qwen2.5-1.5b qwen2.5-7b --steps 10 --out scale.json
     python bench/scale.py --tokenizer /tmp/smollm2-hf --archs qwen2.5-1.5b --peer trl --out scale.json
+    python bench/scale.py --tokenizer /tmp/smollm2-hf --archs qwen2.5-7b --modes lora --peer trl --peer-modes lora \
+        --out lora7b.json                                        # LoRA against TRL + peft
     python bench/scale.py --tiny --out scale-tiny.json          # CPU: a toy Qwen2 shape, 2 steps (CI)
 
 Models: the architectures' configs written out by hand (the GPU machine has no network), random bf16 weights
@@ -17,7 +19,8 @@ resident while only the engine sleeps, a 0.25 engine share and no reference mode
 only fp32-master layout the memory estimate fits in 80 GB + 125 GiB of host memory) and ``lora`` (rank ``--lora-rank`` adapters on the attention and MLP projections; the
 adapters alone are pushed; engine sleep level 1). ``--peer trl`` runs bench/peer_trl.py (full-parameter, bf16,
 vLLM colocate with sleep mode; 7B-8B: ZeRO-3 with the optimizer in host memory and no reference, TRL's equivalent of
-``LARGE_FULL``) on the same model and workload. A run that fails keeps its exit code, the
+``LARGE_FULL``) on the same model and workload; ``--peer-modes lora`` runs it with peft adapters of the same rank and
+targets (its reference is the base model with the adapters disabled, as ours). A run that fails keeps its exit code, the
 plan's memory estimate error if that is what stopped it, and its log's tail. Writes a JSON with, per architecture
 and mode: median step time, median time of each phase, peak memory per phase, the sync time and bytes, startup.
 """
@@ -163,14 +166,18 @@ def run_ours(args, model: Path, mode: str, out: Path) -> dict:
     return result
 
 
-def run_trl(args, model: Path, out: Path) -> dict:
+def run_trl(args, model: Path, out: Path, mode: str = "full") -> dict:
+    """bench/peer_trl.py on ``model``: ``mode`` "full" (at 7B-8B ZeRO-3 with the optimizer in host memory and no
+    reference, our LARGE_FULL's equivalent) or "lora" (peft adapters of ``--lora-rank``, the reference = the base)."""
     workload = TINY_WORKLOAD if args.tiny else WORKLOAD
     command = [sys.executable, str(REPO / "bench/peer_trl.py"), "--model", str(model), "--out", str(out),
                "--steps", str(args.steps), "--rollout-batch", str(workload["prompts_per_step"]),
                "--samples-per-prompt", str(workload["samples_per_prompt"]), "--max-new-tokens",
                str(workload["max_new_tokens"]), "--minibatches", "2", "--grad-accum", "1", "--dtype", "bfloat16",
                "--gpu-memory-utilization", str(args.engine_memory)]
-    if not args.tiny and ARCHITECTURES[model_arch(model)]["hidden_size"] >= LARGE_HIDDEN:
+    if mode == "lora":
+        command += ["--lora-rank", str(args.lora_rank)]
+    elif not args.tiny and ARCHITECTURES[model_arch(model)]["hidden_size"] >= LARGE_HIDDEN:
         # TRL's equivalent of LARGE_FULL: ZeRO-3 with the optimizer in host memory, and no reference (beta 0)
         command += ["--deepspeed", "zero3-offload", "--kl-coef", "0"]
     code, wall = run_logged(command, out.with_suffix(".log"), args.timeout)
@@ -191,6 +198,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--lora-rank", type=int, default=16)
     parser.add_argument("--engine-memory", type=float, default=0.35, help="vLLM's share of the GPU (both sides)")
     parser.add_argument("--peer", choices=("trl",), default=None)
+    parser.add_argument("--peer-modes", nargs="+", choices=MODES, default=["full"],
+                        help="the peer's runs per size: full parameters, LoRA (peft, --lora-rank) or both")
     parser.add_argument("--timeout", type=float, default=900.0, help="limit of each run (s)")
     parser.add_argument("--work-dir", type=Path, default=Path("/tmp/rlhfkit-scale"))
     parser.add_argument("--keep", action="store_true", help="keep the built models")
@@ -214,9 +223,10 @@ def main(argv=None) -> dict:
             runs[mode] = run_ours(args, folder, mode, args.work_dir / "runs" / f"{arch}-{mode}")
             print(f"{arch} {mode}: exit {runs[mode]['returncode']}, step {runs[mode].get('step_s')} s, peak "
                   f"{runs[mode].get('peak_memory_gib')} GiB", flush=True)
-        if args.peer == "trl":
-            runs["trl"] = run_trl(args, folder, args.work_dir / "runs" / f"{arch}-trl.json")
-            print(f"{arch} trl: exit {runs['trl']['returncode']}, step {runs['trl'].get('step_s')} s", flush=True)
+        for mode in args.peer_modes if args.peer == "trl" else ():
+            key = "trl" if mode == "full" else f"trl-{mode}"
+            runs[key] = run_trl(args, folder, args.work_dir / "runs" / f"{arch}-{key}.json", mode)
+            print(f"{arch} {key}: exit {runs[key]['returncode']}, step {runs[key].get('step_s')} s", flush=True)
         result["runs"][arch] = runs
         args.out.write_text(json.dumps(result, indent=2) + "\n")  # after each size: a later crash keeps these
         if not args.keep:

@@ -255,6 +255,18 @@ def test_peer_trl_deepspeed_configs_for_large_models(monkeypatch, tmp_path):
     small, large = commands
     assert "--deepspeed" not in small
     assert large[large.index("--deepspeed") + 1] == "zero3-offload" and large[large.index("--kl-coef") + 1] == "0"
+    # LoRA against TRL + peft: the same rank and targets as ours, no DeepSpeed offload and the KL kept (the
+    # reference is the base model with the adapters off) even at 7B
+    args.lora_rank = 16
+    scale.run_trl(args, tmp_path / "qwen2.5-7b", tmp_path / "lora.json", "lora")
+    lora = commands[-1]
+    assert lora[lora.index("--lora-rank") + 1] == "16" and "--deepspeed" not in lora and "--kl-coef" not in lora
+    config = peer.peft_config(peer.parse_args(["--model", "M", "--out", "o.json", "--lora-rank", "16"]))
+    assert (config.r, config.lora_alpha, sorted(config.target_modules)) == (16, 32, sorted(peer.LORA_TARGETS))
+    from conftest import load_example
+
+    assert peer.LORA_TARGETS == load_example("grpo_hybrid").LORA_TARGETS  # the same modules on both sides
+    assert peer.peft_config(peer.parse_args(["--model", "M", "--out", "o.json"])) is None
 
 
 def test_train_step_builds_scale_architectures(tmp_path):
