@@ -34,7 +34,6 @@ import argparse
 import gc
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -55,10 +54,10 @@ def _setup_env(cpu: bool) -> None:
     os.environ.setdefault("LOCAL_RANK", "0")
     os.environ.setdefault("WORLD_SIZE", "1")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    if "MASTER_PORT" not in os.environ:
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            os.environ["MASTER_PORT"] = str(sock.getsockname()[1])
+    if "MASTER_PORT" not in os.environ:  # outside the ephemeral range: nothing takes it before rank 0 binds it
+        from rlhfkit._ports import free_listen_port
+
+        os.environ["MASTER_PORT"] = str(free_listen_port(host="127.0.0.1"))
     if cpu:
         os.environ["DS_ACCELERATOR"] = "cpu"
         return

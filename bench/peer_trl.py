@@ -102,15 +102,13 @@ def prepare_environment(args) -> None:
                        "DO_NOT_TRACK": "1", "VLLM_USE_FLASHINFER_SAMPLER": "0", "TOKENIZERS_PARALLELISM": "false",
                        "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}.items():
         os.environ.setdefault(key, value)
-    if "MASTER_PORT" not in os.environ:
-        import socket
+    sys.path.insert(0, str(REPO / "src"))
+    if "MASTER_PORT" not in os.environ:  # outside the ephemeral range: nothing takes it before vLLM binds it
+        from rlhfkit._ports import free_listen_port
 
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            os.environ["MASTER_PORT"] = str(sock.getsockname()[1])
+        os.environ["MASTER_PORT"] = str(free_listen_port(host="127.0.0.1"))
     if args.device == "cpu":
         os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
-    sys.path.insert(0, str(REPO / "src"))
 
 
 def grpo_config(args, work_dir: Path):

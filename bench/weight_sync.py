@@ -509,11 +509,10 @@ def run_nccl(args, out) -> None:
 
 
 def _free_port() -> int:
-    import socket
+    """A port outside the ephemeral range (nothing takes it before the group's rank 0 binds it)."""
+    from rlhfkit._ports import free_listen_port
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    return free_listen_port(host="127.0.0.1")
 
 
 def run_floor(args, out) -> None:

@@ -159,10 +159,19 @@ class TrainerGroup:
             out.append([[shard[i] for i in part] for part in parts])
         return out
 
+    def _call(self, method: str, *args: Any, scattered: bool = False, **kwargs: Any) -> list[dict[str, Any]]:
+        """Call ``method`` on every rank (``scattered``: ``args[0]`` holds each rank's share) and note the state the
+        call left the ranks in; while it runs, and if it fails, that state is unknown."""
+        self._state = None
+        results = (self.workers.call_scattered if scattered else self.workers.call)(method, *args, **kwargs)
+        known = all("awake" in result for result in results)
+        self._state = ((any(r["awake"] for r in results), any(r["weights_only"] for r in results)) if known
+                       else None)
+        return results
+
     def _account(self, results: list[dict[str, Any]]) -> None:
         """Report the ranks' sleep/wake time and bytes to the timer: the slowest rank's time and the largest rank's
-        bytes (the ranks copy in parallel, each on its own GPU); note the state the call left the ranks in."""
-        self._note_state(results)
+        bytes (the ranks copy in parallel, each on its own GPU)."""
         if self.timer is not None:
             self.timer.count_switch(max(result.get("switch_s", 0.0) for result in results),
                                     bytes_d2h=max(result.get("bytes_d2h", 0.0) for result in results),
@@ -170,11 +179,6 @@ class TrainerGroup:
             slowest = max(results, key=lambda result: result.get("worker_s", 0.0))
             self.timer.count_worker(slowest.get("worker_s", 0.0), cpu_s=slowest.get("worker_cpu_s", 0.0))
         self.peak_gib = max([self.peak_gib] + [result.get("peak_gib", 0.0) for result in results])
-
-    def _note_state(self, results: list[dict[str, Any]]) -> None:
-        known = all("awake" in result for result in results)
-        self._state = ((any(r["awake"] for r in results), any(r["weights_only"] for r in results)) if known
-                       else None)
 
     def forward(self, batch: PackedBatch, *, output: str = "logprobs", temperature: float = 1.0, wake: bool = True,
                 sleep_after: bool | str = True, phase: str | None = None, adapters: bool = True) -> torch.Tensor:
@@ -191,15 +195,14 @@ class TrainerGroup:
         if not isinstance(batch, PackedBatch):
             raise TypeError(f"batch must be a PackedBatch (rlhfkit.packing.pack_rollouts), got {type(batch).__name__}")
         phase = phase or (f"forward_{self.role}" if adapters else "forward_reference")
-        self._state = None
         shards = self._shards(batch.seq_lens.tolist())
         items, places = [], []
         for shard in shards:
             micro = [select_sequences(batch, indices) for indices in shard]
             items.append([sub for sub, _ in micro])
             places.append(shard if output == "rewards" else [index for _, index in micro])
-        results = self.workers.call_scattered("forward", items, output=output, temperature=temperature, phase=phase,
-                                              wake=wake, sleep_after=sleep_after, adapters=adapters)
+        results = self._call("forward", items, scattered=True, output=output, temperature=temperature, phase=phase,
+                             wake=wake, sleep_after=sleep_after, adapters=adapters)
         self._account(results)
         out = torch.zeros(batch.num_seqs if output == "rewards" else batch.num_tokens)
         for result, rank_places in zip(results, places, strict=True):
@@ -228,12 +231,10 @@ class TrainerGroup:
         phase = phase or f"train_{self.role}"
         num_tokens = float(minibatch.batch.loss_mask.sum())
         num_seqs = float(minibatch.batch.num_seqs)
-        self._state = None
         shards = self._shards(minibatch.batch.seq_lens.tolist())
         items = [[select_experience(minibatch, indices) for indices in shard] for shard in shards]
-        results = self.workers.call_scattered("forward_backward", items, loss_fn=shipped, output=output,
-                                              temperature=temperature, num_tokens=num_tokens, num_seqs=num_seqs,
-                                              phase=phase, wake=wake)
+        results = self._call("forward_backward", items, scattered=True, loss_fn=shipped, output=output,
+                             temperature=temperature, num_tokens=num_tokens, num_seqs=num_seqs, phase=phase, wake=wake)
         self._account(results)
         stats: dict[str, float] = {}
         for key in results[0]["stats"]:
@@ -246,8 +247,7 @@ class TrainerGroup:
         """The optimizer step; returns ``{role}/lr``, ``{role}/grad_norm`` (pre-clip, global) and
         ``{role}/global_step``. ``sleep_after="keep_weights"`` keeps only the weights for a weight push."""
         phase = phase or f"train_{self.role}"
-        self._state = None
-        results = self.workers.call("optim_step", phase=phase, sleep_after=sleep_after)
+        results = self._call("optim_step", phase=phase, sleep_after=sleep_after)
         self.steps_since_push += 1
         self._account(results)
         return {f"{self.role}/{key}": value for key, value in results[0]["stats"].items()}
@@ -257,25 +257,19 @@ class TrainerGroup:
         call left every rank where this one would (e.g. ``optim_step(sleep_after="keep_weights")`` before a push)."""
         if self._state is not None and not self._state[0] and (keep_weights or not self._state[1]):
             return
-        self._state = None
-        self._account(self.workers.call("sleep", phase, keep_weights))
+        self._account(self._call("sleep", phase, keep_weights))
 
     def wake(self, *, phase: str = "wake") -> None:
-        self._state = None
-        self._account(self.workers.call("wake", phase))
+        self._account(self._call("wake", phase))
 
     def save(self, root: str | Path) -> Path:
         """A DeepSpeed checkpoint (+ HF export) under ``root/step-<global step>``, atomically; the role stays awake."""
-        self._state = None
-        results = self.workers.call("save", str(root), phase=f"save_{self.role}")
-        self._note_state(results)
+        results = self._call("save", str(root), phase=f"save_{self.role}")
         return Path(results[0]["path"])
 
     def load(self, path: str | Path) -> dict[str, Any]:
         """Restore weights, optimizer and schedule from a checkpoint directory; returns its client state."""
-        self._state = None
-        results = self.workers.call("load_checkpoint", str(path), phase=f"load_{self.role}")
-        self._note_state(results)
+        results = self._call("load_checkpoint", str(path), phase=f"load_{self.role}")
         return results[0]["client_state"]
 
     def guard_events(self) -> list[dict[str, Any]]:
