@@ -513,3 +513,32 @@ def test_hybrid_config_accepts_sglang_on_cuda_only():
         HybridConfig(model="m", engine="sglang", colocate=False, num_gpus=4, engine_gpus=2, tensor_parallel_size=2)
     with pytest.raises(ValueError, match="HybridConfig.engine='tgi'"):
         HybridConfig(model="m", engine="tgi")
+
+
+def test_driver_threads_are_set_for_the_run_and_restored_after_it(monkeypatch, tiny_llama_path):
+    """start() runs the driver on ``driver_threads`` torch threads (its small ops stay off an OpenMP team) and
+    close() restores the setting, also when the start fails half way; None leaves it alone."""
+    pytest.importorskip("ray")
+    from rlhfkit.deepspeed_engine import DeepSpeedEngineConfig
+    from rlhfkit.hybrid import Hybrid, HybridConfig, TrainerConfig
+
+    with pytest.raises(ValueError, match="driver_threads=0"):
+        HybridConfig(model="m", driver_threads=0)
+    seen = []
+
+    def failing_start(self, trainers, started):
+        seen.append(torch.get_num_threads())
+        raise RuntimeError("the start failed")
+
+    monkeypatch.setattr(Hybrid, "_start", failing_start)
+    trainers = {"actor": TrainerConfig(deepspeed=DeepSpeedEngineConfig(zero_stage=0, optimizer="torch_adamw"))}
+    before = torch.get_num_threads()
+    torch.set_num_threads(3)
+    try:
+        for threads, during in ((1, 1), (2, 2), (None, 3)):
+            config = HybridConfig(model=str(tiny_llama_path), device="cpu", engine="hf", driver_threads=threads)
+            with pytest.raises(RuntimeError, match="the start failed"):
+                Hybrid.start(config, trainers)
+            assert seen.pop() == during and torch.get_num_threads() == 3
+    finally:
+        torch.set_num_threads(before)

@@ -147,9 +147,10 @@ SHARED_PRIVATE: dict[str, frozenset[str] | None] = {
     "rlhfkit._optional": None,  # the "pip install 'rlhfkit[extra]'" helper
     "rlhfkit._checks": frozenset({"rlhfkit.advantages", "rlhfkit.experience", "rlhfkit.dynamic_sampling",
                                   "rlhfkit.rollouts", "rlhfkit.losses"}),
-    # the packed-layout checks and their messages (cu_seqlens, log-prob alignment) every core block shares
+    # the packed-layout checks and their messages (cu_seqlens, log-prob alignment) every core block shares, and the
+    # per-sequence repeat (repeat_counts) that keeps the driver's small CPU ops off torch's OpenMP team
     "rlhfkit._cu_seqlens": frozenset({"rlhfkit.packing", "rlhfkit.losses", "rlhfkit.types", "rlhfkit.experience",
-                                      "rlhfkit._checks"}),
+                                      "rlhfkit._checks", "rlhfkit.advantages", "rlhfkit.rollouts"}),
     "rlhfkit._arithmetic": frozenset({"rlhfkit.data"}),
     # user calls in daemon threads bounded by a timeout (environment steps, tool calls, reward functions)
     "rlhfkit._calls": frozenset({"rlhfkit.multiturn", "rlhfkit.rewards"}),

@@ -758,3 +758,40 @@ def test_a_batch_moved_to_the_gpu_is_checked_and_shaped_without_a_sync():
         reduce_tokens(per_token, moved.loss_mask, cu, mode="seq_mean_token_mean", num_tokens=5.0, num_seqs=2.0)
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+# --- the per-sequence repeat of the packing helpers ----------------------------------------------------------------
+@pytest.mark.parametrize("values", [torch.tensor([4, 7, 1, 9]), torch.tensor([0.5, -1.0, 2.0, 3.5]),
+                                    torch.tensor([True, False, True, True]), torch.tensor([4, 7, 1, 9],
+                                                                                          dtype=torch.int32)])
+@pytest.mark.parametrize("numpy", [True, False])
+def test_repeat_counts_equals_repeat_interleave_with_and_without_numpy(values, numpy, monkeypatch):
+    from rlhfkit import _cu_seqlens
+
+    if not numpy:
+        monkeypatch.setattr(_cu_seqlens, "_numpy", lambda: None)
+    counts = torch.tensor([2, 0, 3, 1])
+    out = _cu_seqlens.repeat_counts(values, counts, total=6)
+    assert out.dtype == values.dtype and torch.equal(out, torch.repeat_interleave(values, counts))
+    assert torch.equal(_cu_seqlens.segment_ids(torch.tensor([0, 2, 2, 5, 6], dtype=torch.int32)),
+                       torch.tensor([0, 0, 2, 2, 2, 3]))
+
+
+def test_repeat_counts_keeps_gradients_and_the_cpu_helpers_avoid_torchs_kernel(monkeypatch):
+    """Values that need gradients take torch's kernel (autograd); the packing helpers on CPU tensors do not call it
+    (its OpenMP team waited milliseconds per call on a busy machine)."""
+    from rlhfkit._cu_seqlens import repeat_counts
+
+    per_seq = torch.tensor([1.0, 2.0], requires_grad=True)
+    repeat_counts(per_seq, torch.tensor([2, 3])).sum().backward()
+    assert per_seq.grad.tolist() == [2.0, 3.0]
+
+    batch = pack_sequences([torch.arange(1, 4), torch.arange(1, 6), torch.arange(1, 3)])
+
+    def refused(*args, **kwargs):
+        raise AssertionError("torch.repeat_interleave called on CPU tensors")
+
+    monkeypatch.setattr(torch, "repeat_interleave", refused)
+    selected, index = select_sequences(batch, [2, 0])
+    assert selected.input_ids.tolist() == [1, 2, 1, 2, 3] and index.tolist() == [8, 9, 0, 1, 2]
+    assert batch.seq_ids.tolist() == [0, 0, 0, 1, 1, 1, 1, 1, 2, 2]

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 __all__ = ["check_cu_seqlens", "token_shape_hint", "check_logprob_values", "CONVENTION", "LOGPROB_TOLERANCE",
-           "attach_host_copy", "host_copy", "host_values", "cu_end"]
+           "attach_host_copy", "host_copy", "host_values", "cu_end", "repeat_counts", "segment_ids"]
 
 # Log-probs are <= 0; rounding in a float32 log_softmax can give a hair above 0, never more than this.
 LOGPROB_TOLERANCE = 1e-3
@@ -16,6 +18,38 @@ LOGPROB_TOLERANCE = 1e-3
 # loss-token positions, token-id bounds) read them there instead of waiting for the GPU: every such read of a device
 # tensor is a synchronisation that stalls the host until all queued kernels have run.
 _HOST_ATTR = "_rlhfkit_host_copy"
+
+
+def repeat_counts(values: torch.Tensor, counts: torch.Tensor, *, total: int | None = None) -> torch.Tensor:
+    """``torch.repeat_interleave(values, counts)`` for 1-D tensors (``total``: the output's length, when known).
+
+    On the CPU it goes through NumPy's ``repeat``, which runs on the calling thread: torch's CPU kernel starts an
+    OpenMP team whatever the size, and on a machine whose cores the engines and trainers keep busy each call waited
+    milliseconds for it (the packing helpers call it per micro-batch in the driver). Tensors that need gradients,
+    devices other than the CPU, and a process without NumPy take torch's kernel.
+    """
+    if values.device.type == "cpu" and counts.device.type == "cpu" and not values.requires_grad:
+        np = _numpy()
+        if np is not None and values.dtype in _NUMPY_DTYPES:
+            return torch.from_numpy(np.repeat(values.numpy(), counts.numpy()))
+    return torch.repeat_interleave(values, counts, output_size=total)
+
+
+def segment_ids(cu_seqlens: torch.Tensor, *, total: int | None = None) -> torch.Tensor:
+    """``[cu[-1]]`` int64: the sequence of each token of the packed stream ``cu_seqlens`` describes."""
+    cu = cu_seqlens.long()
+    return repeat_counts(torch.arange(cu.numel() - 1, device=cu.device), cu[1:] - cu[:-1], total=total)
+
+
+_NUMPY_DTYPES = (torch.int64, torch.int32, torch.float32, torch.float64, torch.bool)
+
+
+def _numpy() -> Any:  # the numpy module, or None: rlhfkit's core needs torch only
+    try:
+        import numpy
+    except ImportError:
+        return None
+    return numpy
 
 
 def attach_host_copy(tensor: torch.Tensor, host: torch.Tensor) -> torch.Tensor:

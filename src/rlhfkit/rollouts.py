@@ -34,6 +34,7 @@ from typing import Any, Literal
 import torch
 
 from rlhfkit._checks import version_lag
+from rlhfkit._cu_seqlens import repeat_counts
 from rlhfkit.types import Rollout
 
 __all__ = ["RolloutBuffer", "RolloutBufferClosedError", "RolloutBufferConfig", "RolloutProducer",
@@ -388,8 +389,8 @@ class RolloutBuffer:
         groups = [group.rollouts for group in handed]
         # A group's rollouts all carry its stamp, which _drop_stale checked against trainer_version: each rollout's
         # staleness is its group's, and only the tokens (a version each) go through token_staleness.
-        ages = torch.repeat_interleave(torch.tensor([trainer_version - group.weight_version for group in handed]),
-                                       torch.tensor([len(group.rollouts) for group in handed]))
+        ages = repeat_counts(torch.tensor([trainer_version - group.weight_version for group in handed]),
+                             torch.tensor([len(group.rollouts) for group in handed]))
         assert 0 <= int(ages.min()) and int(ages.max()) <= self.config.max_staleness
         self._histogram += torch.bincount(ages, minlength=self.config.max_staleness + 1)
         token_ages = token_staleness([r for group in groups for r in group], trainer_version)

@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 
 from rlhfkit._checks import check_cu_seqlens, check_finite, check_float_vector, check_mask, check_overflow
+from rlhfkit._cu_seqlens import repeat_counts
 from rlhfkit.advantages._group import grpo_advantages, reinforce_baseline_advantages, rloo_advantages
 from rlhfkit.advantages._kl import (
     AdaptiveKLController,
@@ -115,7 +116,7 @@ def broadcast_to_tokens(seq_values: torch.Tensor, mask: torch.Tensor, cu_seqlens
         raise ValueError(f"seq_values has {seq_values.numel()} entries but cu_seqlens describes {cu.numel() - 1} "
                          "sequences")
     lengths = cu[1:] - cu[:-1]
-    per_token = torch.repeat_interleave(seq_values, lengths)
+    per_token = repeat_counts(seq_values, lengths)
     out = torch.zeros(mask.shape, dtype=seq_values.dtype, device=seq_values.device)
     out[: per_token.numel()] = per_token
     return torch.where(mask, out, torch.zeros((), dtype=out.dtype, device=out.device))

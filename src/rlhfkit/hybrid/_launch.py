@@ -21,6 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from rlhfkit.hybrid._engines import (
     HFEngineActor,
     RolloutEngines,
@@ -99,6 +101,13 @@ class HybridConfig:
             offload, trainers asleep in host memory, the engine's level-1 backup, process footprints, each model's
             host copy while it loads). None: this machine's physical memory times Ray's memory-kill threshold
             (``RAY_memory_usage_threshold``, 0.95: Ray kills workers past it) when ``device="cuda"``, else no check.
+        driver_threads: torch's intra-op threads in this process (the driver) while the run is open: set by
+            :meth:`Hybrid.start`, restored by :meth:`Hybrid.close`. The driver only keeps books on small CPU tensors
+            (packing, selecting micro-batches, advantages); under torch's default of one thread per core, many of
+            those small ops (``repeat_interleave``, indexing, ``expm1``) start an OpenMP team whose threads wait on
+            cores the engines and trainers keep busy, and the asynchronous loop's driver work took 3.4x longer
+            while an engine generated (docs/benchmarks.md). 1 (default) runs them on the calling thread; None
+            leaves torch's setting alone (a script that does heavy CPU work of its own in this process).
     """
 
     model: str
@@ -129,6 +138,7 @@ class HybridConfig:
     sync_timeout_s: float = 300.0
     gpu_memory_gib: float | None = None
     host_memory_gib: float | None = None
+    driver_threads: int | None = 1
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -172,6 +182,9 @@ class HybridConfig:
             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
                                       or not value > 0):
                 raise ValueError(f"HybridConfig.{name}={value!r}; GiB of {what} (> 0) or None")
+        if self.driver_threads is not None and (isinstance(self.driver_threads, bool)
+                                                or not isinstance(self.driver_threads, int) or self.driver_threads < 1):
+            raise ValueError(f"HybridConfig.driver_threads={self.driver_threads!r}; must be None or a positive int")
         if self.device == "cpu" and self.engine in ("vllm", "sglang"):
             raise ValueError(f"HybridConfig(device='cpu') needs engine='hf' (engine={self.engine!r} is CUDA-only)")
         total, tp = self.num_gpus * self.num_nodes, self.tensor_parallel_size
@@ -271,6 +284,7 @@ class Hybrid:
         self._build_during_loads = False
         self._started_ray = False
         self._pushed_version = 0
+        self._threads_before: int | None = None  # torch's intra-op threads before start (driver_threads)
 
     # ------------------------------------------------------------------ start
     @classmethod
@@ -304,6 +318,9 @@ class Hybrid:
         # before the timed start: the checks, and how long the process ran before start() (imports, the script)
         run.startup["checks_s"] = started - checking
         run.startup["before_start_s"] = _process_age_s() - (time.perf_counter() - checking)
+        if config.driver_threads is not None:
+            run._threads_before = torch.get_num_threads()
+            torch.set_num_threads(config.driver_threads)
         try:
             run._start(dict(trainers), started)
         except BaseException:
@@ -575,6 +592,9 @@ class Hybrid:
             self.timer.sampler.close()
         if self._started_ray:
             ray.shutdown()
+        if self._threads_before is not None:
+            torch.set_num_threads(self._threads_before)
+            self._threads_before = None
 
     def __enter__(self) -> Hybrid:
         return self

@@ -7,7 +7,16 @@ from typing import Literal
 
 import torch
 
-from rlhfkit._cu_seqlens import CONVENTION, LOGPROB_TOLERANCE, check_cu_seqlens, cu_end, host_copy, token_shape_hint
+from rlhfkit._cu_seqlens import (
+    CONVENTION,
+    LOGPROB_TOLERANCE,
+    check_cu_seqlens,
+    cu_end,
+    host_copy,
+    repeat_counts,
+    segment_ids,
+    token_shape_hint,
+)
 
 __all__ = [
     "AGGREGATIONS",
@@ -97,8 +106,7 @@ def check_count(name: str, value: float | None) -> float | None:
 def segment_sum(values: torch.Tensor, cu: torch.Tensor) -> torch.Tensor:
     """``[N]`` sums of ``values[cu[i]:cu[i+1]]`` (differentiable); entries after ``cu[-1]`` are ignored."""
     end = cu_end(cu)
-    seq_ids = torch.repeat_interleave(torch.arange(cu.numel() - 1, device=values.device), cu[1:] - cu[:-1],
-                                      output_size=end)
+    seq_ids = segment_ids(cu.to(values.device), total=end)
     return values.new_zeros(cu.numel() - 1).index_add(0, seq_ids, values[:end])
 
 
@@ -179,7 +187,7 @@ def broadcast_seq(per_seq: torch.Tensor, cu: torch.Tensor, num_tokens: int) -> t
     """``[N]`` → ``[T]``: every token gets its sequence's value; the padding tail gets 0."""
     out = per_seq.new_zeros(num_tokens)
     end = cu_end(cu)
-    out[:end] = torch.repeat_interleave(per_seq, cu[1:] - cu[:-1], output_size=end)
+    out[:end] = repeat_counts(per_seq, cu[1:] - cu[:-1], total=end)
     return out
 
 

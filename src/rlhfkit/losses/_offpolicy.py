@@ -26,6 +26,7 @@ from typing import Literal
 import torch
 
 from rlhfkit._checks import version_lag
+from rlhfkit._cu_seqlens import segment_ids
 from rlhfkit.losses._aggregate import (
     broadcast_seq,
     check_token_inputs,
@@ -182,7 +183,7 @@ def _sequence_mismatch_specs(log_ratio: torch.Tensor, mask: torch.Tensor, cu: to
                              threshold: float) -> dict[str, tuple[str, torch.Tensor]]:
     ratio = torch.exp(log_ratio)
     abs_log_ratio = log_ratio.abs()  # 0 outside the mask
-    seq_ids = torch.repeat_interleave(torch.arange(cu.numel() - 1, device=cu.device), cu[1:] - cu[:-1])
+    seq_ids = segment_ids(cu)
     end = int(cu[-1])
     seq_max = abs_log_ratio.new_zeros(cu.numel() - 1).scatter_reduce(0, seq_ids, abs_log_ratio[:end], "amax")
     has_loss = segment_sum(mask.to(log_ratio.dtype), cu) > 0

@@ -29,7 +29,7 @@ from typing import Literal
 import torch
 
 from rlhfkit.packing._attention import PADDED_INDEX_KWARG, VARLEN_ATTENTION, padded_index, register_varlen_attention
-from rlhfkit._cu_seqlens import check_cu_seqlens, host_copy
+from rlhfkit._cu_seqlens import check_cu_seqlens, host_copy, repeat_counts
 from rlhfkit.packing._padded import pack_padded, unpack_to_padded
 from rlhfkit.packing._partition import global_counts, partition_by_token_budget
 from rlhfkit.types import PackedBatch, Rollout
@@ -80,7 +80,7 @@ def _restarting_positions(lengths: torch.Tensor) -> torch.Tensor:
     """``[sum(lengths)]`` int64 positions 0..len-1 for each length, vectorised."""
     total = int(lengths.sum())
     starts = torch.cumsum(lengths, 0) - lengths
-    return torch.arange(total, device=lengths.device) - torch.repeat_interleave(starts, lengths)
+    return torch.arange(total, device=lengths.device) - repeat_counts(starts, lengths, total=total)
 
 
 def pack_sequences(
@@ -166,7 +166,7 @@ def _pad_index(cu: torch.Tensor, *, side: Side) -> tuple[torch.Tensor, torch.Ten
     """Row and column of every real token of a packed stream in the padded ``[N, max_len]`` layout."""
     lengths = cu[1:] - cu[:-1]
     max_len = int(lengths.max())
-    rows = torch.repeat_interleave(torch.arange(lengths.numel(), device=cu.device), lengths)
+    rows = repeat_counts(torch.arange(lengths.numel(), device=cu.device), lengths)
     cols = _restarting_positions(lengths)
     if side == "left":
         cols = cols + (max_len - lengths)[rows]
@@ -232,7 +232,7 @@ def select_sequences(batch: PackedBatch, indices: Sequence[int] | torch.Tensor) 
                          "selected once (a duplicate would count its tokens twice in the loss)")
     cu = batch.cu_seqlens.long()
     lengths = (cu[1:] - cu[:-1])[idx]
-    token_index = torch.repeat_interleave(cu[:-1][idx], lengths) + _restarting_positions(lengths)
+    token_index = repeat_counts(cu[:-1][idx], lengths) + _restarting_positions(lengths)
     new_cu = torch.cat([lengths.new_zeros(1), torch.cumsum(lengths, 0)]).to(torch.int32)
     selected = PackedBatch(input_ids=batch.input_ids[token_index], position_ids=batch.position_ids[token_index],
                            cu_seqlens=new_cu, loss_mask=batch.loss_mask[token_index])

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 import torch
 
-from rlhfkit._cu_seqlens import check_cu_seqlens
+from rlhfkit._cu_seqlens import check_cu_seqlens, segment_ids
 from rlhfkit.types import PackedBatch
 
 __all__ = ["partition_by_token_budget", "global_counts"]
@@ -141,7 +141,7 @@ def global_counts(batch_or_mask: PackedBatch | torch.Tensor, cu_seqlens: torch.T
     end = int(cu[-1])
     if bool(mask[end:].any()):
         raise ValueError(f"batch_or_mask is True after cu_seqlens[-1]={end} (padding); padding is never in the loss")
-    seq_ids = torch.repeat_interleave(torch.arange(cu.numel() - 1, device=mask.device), cu[1:] - cu[:-1])
+    seq_ids = segment_ids(cu, total=end)
     per_seq = torch.zeros(cu.numel() - 1, dtype=torch.float64, device=mask.device)
     per_seq.index_add_(0, seq_ids, mask[:end].double())
     counts = torch.stack([per_seq.sum(), (per_seq > 0).double().sum()])
