@@ -6,6 +6,7 @@ one after the other, and their ratio (issue 21).
     python bench/async_grpo.py --model /tmp/smollm2-hf --steps 30 --max-staleness 2 --out async2.json
     python bench/async_grpo.py --model /tmp/smollm2-hf --num-gpus 2 --engine-gpus 1 --out async_2gpu.json
     python bench/async_grpo.py --tiny --out /tmp/async.json                                  # CPU smoke run
+    python bench/async_grpo.py --model /tmp/smollm2-hf --num-gpus 2 --engine-gpus 1 --profile-driver --out p.json
 
 Workload: the example's defaults (16 prompts x 8 samples of the arithmetic task, 64 new tokens). For each mode:
 samples/s over the run and over the steps after the first, the reward after each step against the samples
@@ -74,8 +75,20 @@ def overlap_ceiling(sync: dict) -> float | None:
     return step / (step - wait) if step and wait is not None and step > wait else None
 
 
+def driver_summary(path: Path, steps: int, *, top: int = 15) -> dict[str, float]:
+    """The driver's main thread from a ``bench/driver_profile.py`` profile: seconds per step on the stack of each of
+    its ``top`` most frequent functions (wall time there, running or waiting)."""
+    profile = json.loads(path.read_text())
+    main = profile["threads"].get("MainThread", {"inclusive": []})["inclusive"]
+    main = [(function, count) for function, count in main  # not the frames that run the script
+            if not function.startswith(("driver_profile.py:", "<frozen runpy>:"))]
+    return {function: count * profile["interval_s"] / max(1, steps) for function, count in main[:top]}
+
+
 def run_mode(args, mode: str, out: Path) -> dict:
-    command = [sys.executable, str(REPO / "examples/grpo_async.py"), "--out", str(out), "--mode", mode,
+    profile = ([str(REPO / "bench/driver_profile.py"), "--json", str(out / "driver_profile.json")]
+               if args.profile_driver else [])
+    command = [sys.executable, *profile, str(REPO / "examples/grpo_async.py"), "--out", str(out), "--mode", mode,
                "--max-staleness", str(args.max_staleness), "--correction", args.correction]
     command += ["--device", "cpu", "--tiny", "true"] if args.tiny else ["--model", args.model, "--steps",
                                                                         str(args.steps)]
@@ -89,6 +102,8 @@ def run_mode(args, mode: str, out: Path) -> dict:
     result = {"command": " ".join(command), "returncode": code, "wall_s": wall}
     if code != 0:
         result["log_tail"] = log.read_text()[-2000:]
+    if args.profile_driver and (out / "driver_profile.json").exists():
+        result["driver_profile_s_per_step"] = driver_summary(out / "driver_profile.json", len(rows))
     return result | (summarize(rows) if rows else {})
 
 
@@ -136,6 +151,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--max-new-tokens", type=int, help="the example's --max-new-tokens (default: its own, 64)")
     parser.add_argument("--ignore-eos", action="store_true", help="every sample runs to --max-new-tokens: generation "
                         "grows with it, so the overlap has more to hide (the example's --ignore-eos true)")
+    parser.add_argument("--profile-driver", action="store_true", help="run each mode under bench/driver_profile.py "
+                        "(a stack sampler of the driver's threads; slows the steps) and report where its main "
+                        "thread spends each step")
     args = parser.parse_args(argv)
     if not args.tiny and not args.model:
         parser.error("--model is required (or --tiny)")

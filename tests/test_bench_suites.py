@@ -109,12 +109,13 @@ def test_scale_bench_tiny_runs_full_and_lora_on_cpu(tmp_path):
     assert 0 < runs["lora"]["sync_bytes"] < runs["full"]["sync_bytes"] / 4
     assert not (tmp_path / "work" / "toy").exists()  # the model is deleted after its runs (no --keep)
 def test_async_bench_runs_tiny_on_cpu(tmp_path):
-    """bench/async_grpo.py --tiny: both modes of examples/grpo_async.py run, the JSON has the throughput, curves and
-    staleness the lead reads on the GPU, and the PNG is written."""
+    """bench/async_grpo.py --tiny --profile-driver: both modes of examples/grpo_async.py run under the driver's stack
+    sampler, the JSON has the throughput, curves and staleness the lead reads on the GPU and where the driver's main
+    thread spent its steps, and the PNG is written."""
     pytest.importorskip("deepspeed")
     out = tmp_path / "async.json"
-    completed = subprocess.run([sys.executable, str(ROOT / "bench" / "async_grpo.py"), "--tiny", "--out", str(out)],
-                               capture_output=True, text=True, timeout=600, check=False)
+    completed = subprocess.run([sys.executable, str(ROOT / "bench" / "async_grpo.py"), "--tiny", "--profile-driver",
+                                "--out", str(out)], capture_output=True, text=True, timeout=600, check=False)
     assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
     result = json.loads(out.read_text())
     for mode in ("sync", "async"):
@@ -126,6 +127,9 @@ def test_async_bench_runs_tiny_on_cpu(tmp_path):
     assert (tmp_path / "async.png").stat().st_size > 0
     phases = result["async"]["phases_median"]  # each phase next to the trainer workers' own time in it
     assert phases["time/step_s"] > 0 and 0 < phases["worker/train_actor_s"] and "worker/forward_cpu_s" in phases
+    for mode in ("sync", "async"):  # sampled from the first train_step on: the step's functions are on the stack
+        driver = result[mode]["driver_profile_s_per_step"]
+        assert driver.get("grpo_async.py:train_step", 0) > 0 and "grpo_async.py:start" not in driver
 
 
 def test_async_bench_overlap_ceiling():
