@@ -95,6 +95,7 @@ def run_mode(args, mode: str, out: Path) -> dict:
     command += ["--num-gpus", str(args.num_gpus), "--engine-gpus", str(args.engine_gpus)]
     command += ["--max-new-tokens", str(args.max_new_tokens)] if args.max_new_tokens else []
     command += ["--ignore-eos", "true"] if args.ignore_eos else []
+    command += ["--pause-engines", "false"] if args.no_pause else []
     out.mkdir(parents=True, exist_ok=True)
     log = out / "run.log"
     code, wall = run_logged(command, log, args.timeout)
@@ -151,6 +152,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--max-new-tokens", type=int, help="the example's --max-new-tokens (default: its own, 64)")
     parser.add_argument("--ignore-eos", action="store_true", help="every sample runs to --max-new-tokens: generation "
                         "grows with it, so the overlap has more to hide (the example's --ignore-eos true)")
+    parser.add_argument("--no-pause", action="store_true", help="the example's --pause-engines false: a push waits "
+                        "for the engines' calls in flight instead of parking them mid-generation")
     parser.add_argument("--profile-driver", action="store_true", help="run each mode under bench/driver_profile.py "
                         "(a stack sampler of the driver's threads; slows the steps) and report where its main "
                         "thread spends each step")

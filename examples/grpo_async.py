@@ -68,6 +68,7 @@ class Options:
     engine_gpus: int = 0  # > 0: the engines get GPUs of their own (0.85 of each), the trainers the other ones
     tiny: bool = False  # smoke run: 3 steps of a few short samples
     timeout_s: float = 600.0  # longest wait for a batch, a push or an engine call
+    pause_engines: bool = True  # a push parks the engines mid-generation and they go on (False: they finish first)
 
 
 CLIP, MINIBATCHES, SEED = 0.2, 2, 0
@@ -101,7 +102,7 @@ def start(options: Options) -> Hybrid:
                           engine_sleep_level=0, engine_memory=None if separated else options.engine_memory,
                           max_num_seqs=-(-options.prompts_per_step * options.samples_per_prompt // engines),
                           max_weight_lag=1, seed=SEED, call_timeout_s=options.timeout_s,
-                          sync_timeout_s=options.timeout_s)
+                          sync_timeout_s=options.timeout_s, pause_engines=options.pause_engines)
     return Hybrid.start(config, trainers)
 
 

@@ -250,9 +250,83 @@ def main(out_dir: str) -> None:
         record("sleep_refused", refused=False)
     except RuntimeError as error:
         record("sleep_refused", refused=True, message=str(error))
+    check_pausable(engine, hf_a, hf_b, prompts, sampled)
     with open(os.path.join(out_dir, "results.json"), "w") as handle:
         json.dump(RESULTS, handle, indent=1, default=str)
 
+
+def check_pausable(engine, hf_a, hf_b, prompts, sampled) -> None:
+    """VLLMEngineConfig(pausable=True) on the same LLM: stepping the engine gives the samples LLM.generate gives (the
+    same seeds), and a pause mid-generation lets weights load while the requests wait; they go on under the new
+    weights (their KV cache kept), each token stamped with its version. Loading without a pause is refused."""
+    import dataclasses
+    import threading
+
+    from rlhfkit.engines.protocol import SamplingConfig
+    from rlhfkit.engines.router import unpack_generate_result
+    from rlhfkit.engines.vllm import VLLMEngine
+
+    engine.load_weights(hf_a.state_dict().items(), version=20)
+    stepped = VLLMEngine(dataclasses.replace(engine.config, pausable=True), llm=engine.llm)
+    stepped.load_weights(hf_a.state_dict().items(), version=21)  # the workers hold 20 (shared with `engine`)
+    regular, mine = engine.generate(prompts, sampled), stepped.generate(prompts, sampled)
+    packed = unpack_generate_result(stepped.generate_packed(prompts, sampled), prompts, list(range(len(prompts))))
+    record("pausable_equal", tokens_equal=all(torch.equal(a.response_token_ids, b.response_token_ids)
+                                              for a, b in zip(regular, mine, strict=True)),
+           max_abs_logprob_delta=max(abs(x - y) for a, b in zip(regular, mine)
+                                     for x, y in zip(a.response_logprobs.tolist(), b.response_logprobs.tolist())),
+           packed_equal=all(torch.equal(a.response_token_ids, b.response_token_ids) for a, b in zip(mine, packed)),
+           versions=sorted({r.weight_version for r in mine}),
+           spans=[r.response_weight_versions is not None for r in mine])
+
+    steps, step = {"n": 0}, stepped.llm.llm_engine.step
+
+    def counted_step():
+        steps["n"] += 1
+        return step()
+
+    def wait_steps(count: int) -> None:
+        deadline = time.time() + 60
+        while steps["n"] < count and time.time() < deadline:
+            time.sleep(0.001)
+
+    stepped.llm.llm_engine.step = counted_step
+    out, greedy = {}, SamplingConfig(n=1, max_new_tokens=48, temperature=0.0, ignore_eos=True)
+    worker = threading.Thread(target=lambda: out.update(rollouts=stepped.generate(prompts[1:], greedy)))
+    worker.start()
+    wait_steps(8)
+    parked = stepped.pause_generation(timeout_s=30)
+    paused_at = steps["n"]
+    stepped.load_weights(hf_b.state_dict().items(), version=22)
+    time.sleep(0.05)
+    held = steps["n"] == paused_at  # nothing stepped while paused
+    stepped.resume_generation()
+    worker.join(120)
+    rollouts = out["rollouts"]
+    cuts = [int((r.response_weight_versions == 22).nonzero()[0]) if r.response_weight_versions is not None else None
+            for r in rollouts]
+    before_is_a, after_differs = [], []
+    for prompt, rollout, cut in zip(prompts[1:], rollouts, cuts):
+        tokens, a_tokens = rollout.response_token_ids.tolist(), hf_greedy(hf_a, prompt, 48)[0]
+        before_is_a.append(cut is not None and tokens[:cut] == a_tokens[:cut])
+        after_differs.append(cut is not None and tokens[cut:] != a_tokens[cut:])
+    record("pausable_inflight", parked=parked, paused_at=paused_at, held=held, cuts=cuts, before_is_a=before_is_a,
+           after_differs=after_differs, lengths=[len(r.response_token_ids) for r in rollouts],
+           first_versions=[r.weight_version for r in rollouts], version=stepped.weight_version)
+
+    start = steps["n"]
+    long = dataclasses.replace(greedy, max_new_tokens=200)
+    worker = threading.Thread(target=lambda: out.update(second=stepped.generate(prompts[1:], long)))
+    worker.start()
+    wait_steps(start + 3)
+    try:
+        stepped.load_weights(hf_a.state_dict().items(), version=23)
+        record("pausable_unpaused_load", refused=False)
+    except RuntimeError as error:
+        record("pausable_unpaused_load", refused=True, message=str(error))
+    worker.join(120)
+    stepped.llm.llm_engine.step = step
+    record("pausable_after", finished=len(out.get("second", [])), version=stepped.weight_version)
 
 if __name__ == "__main__":
     main(sys.argv[1])

@@ -113,6 +113,54 @@ def fake_logprob(token, position):
     return -0.25 * (token % 7) - 0.01 * position
 
 
+class FakeLLMEngine:
+    """vLLM's ``LLMEngine`` as a pausable engine steps it: ``add_request`` (n=1, delta outputs), ``step`` (one
+    ``fake_tokens`` token per running request), ``has_unfinished_requests``, ``abort_request``; ``on_step`` runs
+    inside each step (a test's hook), ``fail_at`` makes that step raise."""
+
+    def __init__(self) -> None:
+        self.requests: dict = {}
+        self.aborted: list = []
+        self.steps = 0
+        self.on_step = None
+        self.fail_at = None
+
+    def add_request(self, request_id, prompt, params, **kwargs):
+        assert params.n == 1 and params.output_kind == "delta"
+        tokens = fake_tokens(prompt["prompt_token_ids"], 0, params.seed, params.max_tokens)
+        stops = [k for k, t in enumerate(tokens) if t in params.stop_token_ids]
+        self.requests[request_id] = {"tokens": tokens[:stops[0] + 1] if stops else tokens, "position": 0,
+                                     "stopped": bool(stops), "params": params}
+
+    def has_unfinished_requests(self):
+        return bool(self.requests)
+
+    def step(self):
+        self.steps += 1
+        if self.on_step is not None:
+            self.on_step(self.steps)
+        if self.fail_at == self.steps:
+            raise RuntimeError("the engine step failed")
+        outputs = []
+        for request_id, request in list(self.requests.items()):
+            position, token = request["position"], request["tokens"][request["position"]]
+            request["position"] += 1
+            finished = request["position"] == len(request["tokens"])
+            logprobs = ([{token: SimpleNamespace(logprob=fake_logprob(token, position))}]
+                        if request["params"].logprobs is not None else None)
+            reason = ("stop" if request["stopped"] else "length") if finished else None
+            outputs.append(SimpleNamespace(request_id=request_id, finished=finished, outputs=[SimpleNamespace(
+                index=0, token_ids=[token], finish_reason=reason, logprobs=logprobs)]))
+            if finished:
+                del self.requests[request_id]
+        return outputs
+
+    def abort_request(self, request_ids):
+        self.aborted += list(request_ids)
+        for request_id in request_ids:
+            self.requests.pop(request_id, None)
+
+
 class FakeLLM:
     """Generates ``fake_tokens`` (stopping at stop tokens), returns samples in reverse index order (the engine must
     sort them), and runs collective_rpc on FakeWorkers that carry the real WeightSyncExtension."""
@@ -121,6 +169,7 @@ class FakeLLM:
         self.kwargs = kwargs
         self.workers = [FakeWorker(rank) for rank in range(kwargs.get("tensor_parallel_size", 1))]
         self.calls: list = []
+        self.llm_engine = FakeLLMEngine()
 
     def generate(self, prompts, params, use_tqdm=True):
         params = params if isinstance(params, list) else [params] * len(prompts)
@@ -170,7 +219,8 @@ class FakeLLM:
 def fake_vllm(**overrides):
     namespace = dict(__version__="0.99.0+fake", LLM=FakeLLM, SamplingParams=FakeSamplingParams,
                      TokensPrompt=lambda prompt_token_ids: {"prompt_token_ids": prompt_token_ids},
-                     EngineArgs=FakeEngineArgs)
+                     EngineArgs=FakeEngineArgs,
+                     sampling_params=SimpleNamespace(RequestOutputKind=SimpleNamespace(DELTA="delta")))
     namespace.update(overrides)
     return SimpleNamespace(**namespace)
 
@@ -332,6 +382,57 @@ def test_generate_packed_matches_generate():
         assert (a.finish_reason, a.prompt_index, a.sample_index) == (b.finish_reason, b.prompt_index, b.sample_index)
     assert "stop" in [r.finish_reason for r in got]
     assert engine.generate_packed([[1]], dataclasses.replace(sampling, logprobs=False))["logprobs"] is None
+
+
+def test_a_pausable_engine_steps_requests_and_stamps_the_versions_of_an_in_flight_update():
+    """pausable=True: each sample is a request of its own (seed = its prompt's + its index, as vLLM seeds the samples
+    of an n > 1 request), stepped here; a pause from another thread parks the call between two steps, the weights
+    load, and the requests go on: their tokens carry the version that sampled them (packed results too)."""
+    import threading
+
+    from rlhfkit.engines.router import unpack_generate_result
+    from rlhfkit.engines.vllm._compat import request_seed
+
+    engine = make_engine(pausable=True)
+    prompts, sampling = [[1, 2, 3], [4, 5]], SamplingConfig(n=2, max_new_tokens=5, seed=4)
+    rollouts = engine.generate(prompts, sampling, prompt_indices=[7, 8])
+    for rollout in rollouts:
+        seed = request_seed(4, rollout.prompt_index) + rollout.sample_index
+        expected = fake_tokens(prompts[rollout.prompt_index - 7], 0, seed, 5)
+        assert rollout.response_token_ids.tolist() == expected and rollout.finish_reason == "length"
+        assert rollout.response_logprobs.tolist() == pytest.approx([fake_logprob(t, k) for k, t in enumerate(expected)])
+        assert rollout.weight_version == 0 and rollout.response_weight_versions is None
+    assert "versions" not in engine.generate_packed(prompts, sampling)  # no update during the call: no stamps
+
+    fake = engine.llm.llm_engine
+    pauser = threading.Thread(target=lambda: (engine.pause_generation(timeout_s=10), engine.load_weights(
+        [("embed", torch.ones(4, 3)), ("head", torch.ones(3))]), engine.resume_generation()))
+    start = fake.steps
+    fake.on_step = lambda step: (pauser.start(), time.sleep(0.3)) if step == start + 2 else None
+    packed = engine.generate_packed(prompts, sampling)
+    pauser.join(10)
+    rebuilt = unpack_generate_result(packed, prompts, [0, 1])
+    assert engine.weight_version == 1 and packed["versions"].tolist() == [0, 0, 1, 1, 1] * 4
+    for rollout in rebuilt:  # two tokens of version 0 (the steps before the pause), then version 1
+        assert rollout.weight_version == 0 and rollout.response_weight_versions.tolist() == [0, 0, 1, 1, 1]
+        assert len(rollout.response_token_ids) == 5
+
+
+def test_a_pausable_engine_checks_its_config_aborts_on_failure_and_refuses_pauses_it_cannot_keep():
+    with pytest.raises(ValueError, match="pausable=True steps vLLM's engine core in this process"):
+        VLLMEngineConfig(model="/m", pausable=True, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="in_process=False"):
+        VLLMEngineConfig(model="/m", pausable=True, in_process=False)
+    with pytest.raises(RuntimeError, match=r"needs VLLMEngineConfig\(pausable=True\)"):
+        make_engine().pause_generation()
+    engine = make_engine(pausable=True)
+    engine.llm.llm_engine.fail_at = engine.llm.llm_engine.steps + 2
+    with pytest.raises(RuntimeError, match="the engine step failed"):
+        engine.generate([[1, 2], [3]], SamplingConfig(n=2, max_new_tokens=4))
+    assert len(engine.llm.llm_engine.aborted) == 4 and not engine.llm.llm_engine.requests  # nothing left running
+    assert engine.pause_generation(timeout_s=1) == 0  # nothing running: the pause holds the next call
+    engine.resume_generation()
+    assert len(engine.generate([[1]], SamplingConfig(n=1, max_new_tokens=3))[0].response_token_ids) == 3
 
 
 def test_seeded_requests_are_seeded_per_prompt_and_shard_independent():
@@ -746,6 +847,18 @@ def test_real_vllm_cpu_generate_and_weight_updates(tmp_path):
     assert plan["planned"] == plan["tensors"] == 21 and plan["unplanned"] == []
     assert "model.embed_tokens.weight" in plan["fills"] and plan["restored"]
     assert plan["written"] == plan["replayed"] == plan["parameters"]
+    # pausable=True: stepping the engine gives LLM.generate's samples (same seeds, same log-probs) ...
+    equal = checks["pausable_equal"]
+    assert equal["tokens_equal"] and equal["packed_equal"] and equal["max_abs_logprob_delta"] < 1e-6
+    assert not any(equal["spans"])
+    # ... and a pause after 8 steps holds the engine while new weights load; the requests go on under them
+    inflight = checks["pausable_inflight"]
+    assert inflight["parked"] == 1 and inflight["held"] and inflight["lengths"] == [48, 48, 48]
+    assert inflight["cuts"] == [inflight["paused_at"]] * 3 and inflight["first_versions"] == [21, 21, 21]
+    assert all(inflight["before_is_a"]) and all(inflight["after_differs"]) and inflight["version"] == 22
+    assert checks["pausable_unpaused_load"]["refused"]  # loading beside a running call: pause first
+    assert "pause_generation() first" in checks["pausable_unpaused_load"]["message"]
+    assert checks["pausable_after"] == {**checks["pausable_after"], "finished": 3, "version": 22}
 
 
 # --- GPU (vLLM 0.22 on the GPU machine) -------------------------------------------------------------------------------

@@ -542,3 +542,18 @@ def test_driver_threads_are_set_for_the_run_and_restored_after_it(monkeypatch, t
             assert seen.pop() == during and torch.get_num_threads() == 3
     finally:
         torch.set_num_threads(before)
+
+
+def test_single_gpu_vllm_engines_pause_for_in_flight_updates_unless_told_not_to():
+    """Overlap mode: single-GPU vLLM engines are started pausable (a push parks them between decode steps);
+    tensor-parallel ones, pause_engines=False and synchronous runs keep LLM.generate (a push waits)."""
+    from rlhfkit.hybrid import Hybrid, HybridConfig
+
+    overlap = {"overlap": True, "engine_sleep_level": 0, "max_weight_lag": 1}
+    assert Hybrid(HybridConfig(model="m", **overlap))._pausable_vllm
+    assert not Hybrid(HybridConfig(model="m", **overlap, pause_engines=False))._pausable_vllm
+    assert not Hybrid(HybridConfig(model="m", **overlap, tensor_parallel_size=2, colocate=False, num_gpus=3,
+                                   engine_gpus=2))._pausable_vllm
+    assert not Hybrid(HybridConfig(model="m"))._pausable_vllm
+    with pytest.raises(TypeError, match="pause_engines=1"):
+        HybridConfig(model="m", pause_engines=1)

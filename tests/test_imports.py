@@ -156,6 +156,8 @@ SHARED_PRIVATE: dict[str, frozenset[str] | None] = {
     "rlhfkit._calls": frozenset({"rlhfkit.multiturn", "rlhfkit.rewards"}),
     # the weight-version / sleep-tag / weight-validity bookkeeping of the server-backed engines
     "rlhfkit.engines._state": frozenset({"rlhfkit.engines.vllm", "rlhfkit.engines.sglang"}),
+    # the pause gate of in-flight weight updates (generate parks between decode steps while weights load)
+    "rlhfkit.engines._pause": frozenset({"rlhfkit.engines.hf", "rlhfkit.engines.vllm"}),
     # free TCP ports outside the ephemeral range, for ports bound seconds later (MASTER_PORT, SGLang's server)
     "rlhfkit._ports": frozenset({"rlhfkit.placement", "rlhfkit.engines.sglang"}),
 }

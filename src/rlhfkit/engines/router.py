@@ -47,7 +47,8 @@ PACKED_FINISH_REASONS = ("stop", "length", "abort")
 
 
 def pack_generate_result(responses: Sequence[Sequence[int]], logprobs: Sequence[Sequence[float]] | None,
-                         finish_reasons: Sequence[str], *, n: int, weight_version: int) -> dict[str, Any]:
+                         finish_reasons: Sequence[str], *, n: int, weight_version: int,
+                         versions: Sequence[Sequence[int]] | None = None) -> dict[str, Any]:
     """The compact form of one engine's ``generate`` result that Ray actors return (``generate_packed``): numpy arrays
     instead of one :class:`~rlhfkit.types.Rollout` (three tensors) per sample, which Ray would pickle one by one.
     Prompts are not sent back: the caller has them.
@@ -58,10 +59,13 @@ def pack_generate_result(responses: Sequence[Sequence[int]], logprobs: Sequence[
         finish_reasons: per sample, one of :data:`PACKED_FINISH_REASONS`.
         n: samples per prompt.
         weight_version: the engine's weight version.
+        versions: per sample, the weight version of each response token, when weights changed during the call
+            (an in-flight update of a pausable engine); None: every token is of ``weight_version``.
 
     Returns:
         ``{"tokens": int64 [sum R], "logprobs": float32 [sum R] or None, "lengths": int64 [N], "finish": uint8 [N]
-        (index into PACKED_FINISH_REASONS), "n": n, "weight_version": weight_version}``.
+        (index into PACKED_FINISH_REASONS), "n": n, "weight_version": weight_version}``, and ``"versions"``: int64
+        [sum R] when ``versions`` is given.
     """
     import numpy as np
 
@@ -75,8 +79,14 @@ def pack_generate_result(responses: Sequence[Sequence[int]], logprobs: Sequence[
         raise ValueError(f"finish_reasons contains {bad}; each must be one of {PACKED_FINISH_REASONS}")
     finish = np.fromiter((PACKED_FINISH_REASONS.index(f) for f in finish_reasons), dtype=np.uint8,
                          count=len(finish_reasons))
-    return {"tokens": tokens, "logprobs": values, "lengths": lengths, "finish": finish, "n": int(n),
-            "weight_version": int(weight_version)}
+    packed = {"tokens": tokens, "logprobs": values, "lengths": lengths, "finish": finish, "n": int(n),
+              "weight_version": int(weight_version)}
+    if versions is not None:
+        if [len(v) for v in versions] != lengths.tolist():
+            raise ValueError("versions must hold one weight version per response token of each sample")
+        packed["versions"] = np.fromiter((int(v) for sample in versions for v in sample), dtype=np.int64,
+                                         count=int(lengths.sum()))
+    return packed
 
 
 def unpack_generate_result(packed: dict[str, Any], prompts: Sequence[Sequence[int]],
@@ -98,17 +108,23 @@ def unpack_generate_result(packed: dict[str, Any], prompts: Sequence[Sequence[in
     tokens = torch.from_numpy(np.array(packed["tokens"], dtype=np.int64))
     values = packed.get("logprobs")
     values = None if values is None else torch.from_numpy(np.array(values, dtype=np.float32))
+    versions = packed.get("versions")
+    versions = None if versions is None else torch.from_numpy(np.array(versions, dtype=np.int64))
     rollouts = []
     for position, (prompt, global_index) in enumerate(zip(prompts, prompt_indices)):
         prompt_tensor = torch.tensor(list(prompt), dtype=torch.int64)
         for sample in range(n):
             k = position * n + sample
             start, stop = bounds[k], bounds[k + 1]
+            stamps = None if versions is None or stop == start else versions[start:stop]
+            spans = stamps is not None and int(stamps[0]) != int(stamps[-1])
             rollouts.append(Rollout(
                 prompt_token_ids=prompt_tensor, response_token_ids=tokens[start:stop].clone(),
                 response_logprobs=None if values is None else values[start:stop].clone(),
                 finish_reason=PACKED_FINISH_REASONS[int(packed["finish"][k])],  # type: ignore[arg-type]
-                prompt_index=int(global_index), sample_index=sample, weight_version=int(packed["weight_version"])))
+                prompt_index=int(global_index), sample_index=sample,
+                weight_version=int(stamps[0]) if stamps is not None else int(packed["weight_version"]),
+                response_weight_versions=stamps.clone() if spans else None))
     return rollouts
 
 

@@ -263,9 +263,10 @@ class RolloutEngines:
     @contextlib.contextmanager
     def in_flight_update(self) -> Iterator[None]:
         """Bracket a weight push while the engines generate (overlap mode). New ``generate`` calls wait for the
-        block to end. Pausable engines (HF) park their running requests for the block and then resubmit the
-        unfinished part under the new weights (each token stamped with its version); other engines first finish
-        the calls in flight, waited for at most ``update_timeout_s`` (:class:`EnginesBusyError` names them)."""
+        block to end. Pausable engines park their running requests for the block: HF engines then resubmit the
+        unfinished part under the new weights, single-GPU vLLM engines go on stepping the same requests (their KV
+        cache kept); each token is stamped with its version. Other engines first finish the calls in flight, waited
+        for at most ``update_timeout_s`` (:class:`EnginesBusyError` names them)."""
         if not self.overlap:
             raise RuntimeError("in_flight_update() is for engines in overlap mode (HybridConfig(overlap=True)); "
                                "otherwise push weights between generate calls")

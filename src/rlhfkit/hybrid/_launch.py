@@ -85,8 +85,10 @@ class HybridConfig:
             :class:`~rlhfkit.rollouts.RolloutProducer` can generate while the actor trains (asynchronous RL; on one
             GPU the engines keep their ``engine_memory`` share the whole run). :meth:`Hybrid.push_weights` then
             updates weights in flight: HF engines pause their running requests, take the weights and resubmit the
-            unfinished part under them (tokens stamped per version); other engines finish the requests in flight
-            first (new ones wait for the push). Needs ``engine_sleep_level=0`` when colocated and
+            unfinished part under them; single-GPU vLLM engines (``VLLMEngineConfig.pausable``) stop stepping
+            between two decode steps, take the weights and go on with the same requests and their KV cache (tokens
+            stamped per version either way); other engines (SGLang, tensor-parallel vLLM) finish the requests in
+            flight first (new ones wait for the push). Needs ``engine_sleep_level=0`` when colocated and
             ``max_weight_lag >= 1`` (the actor steps while the engines generate).
         max_weight_lag: how many weight versions rollouts may lag the actor (0: on-policy). The actor is one version
             ahead of the engines from its first ``optim_step`` after a push until the next push; generating past the
@@ -101,6 +103,11 @@ class HybridConfig:
             offload, trainers asleep in host memory, the engine's level-1 backup, process footprints, each model's
             host copy while it loads). None: this machine's physical memory times Ray's memory-kill threshold
             (``RAY_memory_usage_threshold``, 0.95: Ray kills workers past it) when ``device="cuda"``, else no check.
+        pause_engines: overlap mode, single-GPU vLLM engines: a push parks the generate calls in flight between two
+            decode steps and they go on under the new weights (``VLLMEngineConfig.pausable``: the engine is stepped
+            one decode step at a time, a per-step output that cost +20% of the generate time on the CPU backend;
+            not yet measured on a GPU). False: a push waits for the calls in flight to finish (the HF engine always
+            pauses; SGLang and tensor-parallel vLLM engines always wait).
         driver_threads: torch's intra-op threads in this process (the driver) while the run is open: set by
             :meth:`Hybrid.start`, restored by :meth:`Hybrid.close`. The driver only keeps books on small CPU tensors
             (packing, selecting micro-batches, advantages); under torch's default of one thread per core, many of
@@ -138,6 +145,7 @@ class HybridConfig:
     sync_timeout_s: float = 300.0
     gpu_memory_gib: float | None = None
     host_memory_gib: float | None = None
+    pause_engines: bool = True
     driver_threads: int | None = 1
 
     def __post_init__(self) -> None:
@@ -182,6 +190,8 @@ class HybridConfig:
             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
                                       or not value > 0):
                 raise ValueError(f"HybridConfig.{name}={value!r}; GiB of {what} (> 0) or None")
+        if not isinstance(self.pause_engines, bool):
+            raise TypeError(f"HybridConfig.pause_engines={self.pause_engines!r}; must be True or False")
         if self.driver_threads is not None and (isinstance(self.driver_threads, bool)
                                                 or not isinstance(self.driver_threads, int) or self.driver_threads < 1):
             raise ValueError(f"HybridConfig.driver_threads={self.driver_threads!r}; must be None or a positive int")
@@ -424,7 +434,8 @@ class Hybrid:
                 max_num_seqs=config.max_num_seqs, kv_cache_memory_bytes=self._kv_cache_bytes,
                 dtype=config.engine_dtype, env=env, startup_timeout_s=config.start_timeout_s,
                 control_timeout_s=config.call_timeout_s,
-                enable_lora=lora is not None, max_lora_rank=lora.rank if lora is not None else 16)
+                enable_lora=lora is not None, max_lora_rank=lora.rank if lora is not None else 16,
+                pausable=self._pausable_vllm, pause_timeout_s=config.sync_timeout_s)
             self._handles = create_engines(engine_config, placement=placed, role="rollout",
                                            engine_cls=guarded_vllm_engine_class(self._store, gpus,
                                                                                 start_gate=self._start_gate))
@@ -448,7 +459,16 @@ class Hybrid:
         self.engines = RolloutEngines(self._group, self._handles, colocated=config.colocate,
                                       sleep_level=config.engine_sleep_level, timer=self.timer,
                                       trainer_version=self.actor_version, overlap=config.overlap,
-                                      pausable=config.engine == "hf", update_timeout_s=config.sync_timeout_s)
+                                      pausable=config.engine == "hf" or self._pausable_vllm,
+                                      update_timeout_s=config.sync_timeout_s)
+
+    @property
+    def _pausable_vllm(self) -> bool:
+        """Overlap with single-GPU vLLM engines: they step their in-process engine core and pause between two
+        steps for an in-flight update (``VLLMEngineConfig.pausable``); tensor-parallel ones finish their requests
+        first."""
+        config = self.config
+        return config.engine == "vllm" and config.overlap and config.pause_engines and config.tensor_parallel_size == 1
 
     def _start_sglang_engines(self, gpus: list[list[str]], env: dict[str, str]) -> list[Any]:
         """One Ray actor per engine, each starting its SGLang server on the actor's GPU(s)."""

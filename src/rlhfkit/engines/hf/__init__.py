@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from rlhfkit._optional import require
-from rlhfkit.engines.hf._pause import GenerationPause, GenerationPausedTimeout
+from rlhfkit.engines._pause import GenerationPause, GenerationPausedTimeout
 from rlhfkit.engines.hf._sampling import make_generators, sample_next_tokens
 from rlhfkit.engines.hf._state import EngineWeightState
 from rlhfkit.engines.protocol import WAKE_TAGS, SamplingConfig, next_weight_version

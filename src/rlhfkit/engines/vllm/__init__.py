@@ -34,14 +34,18 @@ the actor helpers); nothing is imported at module import.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import itertools
 import logging
 import os
+import threading
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
 
 from rlhfkit._optional import require
+from rlhfkit.engines._pause import GenerationPause, GenerationPausedTimeout
 from rlhfkit.engines._state import EngineState
 from rlhfkit.weight_sync import ArmedSyncStillReceiving, ManifestMismatchError, WeightSyncVersionError
 from rlhfkit.engines.vllm._compat import (
@@ -63,7 +67,7 @@ from rlhfkit.engines.router import pack_generate_result
 from rlhfkit.types import Rollout
 
 __all__ = ["VLLMEngineConfig", "VLLMEngine", "VLLMEngineActor", "create_engines",
-           "create_engine_group", "plan_launches", "kill_engines", "VLLMFeatureError"]
+           "create_engine_group", "plan_launches", "kill_engines", "VLLMFeatureError", "GenerationPausedTimeout"]
 
 logger = logging.getLogger(__name__)
 
@@ -86,8 +90,28 @@ def _logprob_values(completion: Any, token_ids: list[int]) -> list[float]:
     return [float(positions[t][token].logprob) for t, token in enumerate(token_ids)]
 
 
-def _rollout_logprobs(completion: Any, token_ids: list[int]) -> torch.Tensor:
-    return torch.tensor(_logprob_values(completion, token_ids), dtype=torch.float32)
+def _completion_logprobs(completion: Any, token_ids: list[int]) -> list[float]:
+    """The sampled tokens' log-probs: read from vLLM's output, or accumulated by a stepwise call (``_Stepped``)."""
+    return completion.values if isinstance(completion, _Stepped) else _logprob_values(completion, token_ids)
+
+
+@dataclasses.dataclass
+class _Stepped:
+    """One sample of a stepwise (pausable) generate call: its tokens, their log-probs and the weight version that
+    sampled each token, accumulated from vLLM's per-step (delta) outputs."""
+
+    index: int
+    token_ids: list[int] = dataclasses.field(default_factory=list)
+    values: list[float] = dataclasses.field(default_factory=list)
+    versions: list[int] = dataclasses.field(default_factory=list)
+    finish_reason: str | None = None
+
+
+@dataclasses.dataclass
+class _StepOutput:
+    """A stepwise call's result for one prompt, shaped like vLLM's ``RequestOutput`` (its samples in ``outputs``)."""
+
+    outputs: list[_Stepped]
 
 
 class VLLMEngine(EngineState):
@@ -126,6 +150,9 @@ class VLLMEngine(EngineState):
         self._prefix_cache_stale = False
         self._armed = False  # a sync armed in the workers (arm_weight_sync), not settled yet
         self._adapters: AdapterSlots | None = None  # set by init_weight_sync(lora=...): syncs carry LoRA adapters
+        self._pause = GenerationPause(config.pause_timeout_s)  # pausable: generate parks between engine steps
+        self._stepping = threading.Lock()  # pausable: one generate call steps the engine at a time
+        self._request_ids = itertools.count()
 
     # --- protocol: state ----------------------------------------------------------------------------------------------
     @property
@@ -169,20 +196,32 @@ class VLLMEngine(EngineState):
         no prompts): what an engine actor returns to an :class:`~rlhfkit.engines.router.EngineGroup`, which rebuilds
         the rollouts on its side (:func:`~rlhfkit.engines.router.unpack_generate_result`)."""
         _, _, outputs = self._run(prompt_token_ids, sampling, prompt_indices)
-        responses, logprobs, finish = [], [] if sampling.logprobs else None, []
+        responses, logprobs, finish, versions = [], [] if sampling.logprobs else None, [], []
         for output in outputs:
             for completion in self._completions(output, sampling):
                 token_ids = list(completion.token_ids)
                 responses.append(token_ids)
                 finish.append(_FINISH.get(str(completion.finish_reason), "abort"))
+                versions.append(completion.versions if isinstance(completion, _Stepped) else None)
                 if logprobs is not None:
-                    logprobs.append(_logprob_values(completion, token_ids))
-        return pack_generate_result(responses, logprobs, finish, n=sampling.n, weight_version=self._version)
+                    logprobs.append(_completion_logprobs(completion, token_ids))
+        spans = any(v and v[-1] != v[0] for v in versions)
+        return pack_generate_result(
+            responses, logprobs, finish, n=sampling.n, weight_version=self._version,
+            versions=[v or [self._version] * len(r) for v, r in zip(versions, responses)] if spans else None)
 
     def _run(self, prompt_token_ids: Sequence[Sequence[int]], sampling: SamplingConfig,
              prompt_indices: Sequence[int] | None) -> tuple[list[list[int]], list[int], list[Any]]:
         if not isinstance(sampling, SamplingConfig):
             raise TypeError(f"sampling must be a SamplingConfig, got {type(sampling).__name__}")
+        if self.config.pausable:
+            with self._stepping, self._pause.running():
+                self._pause.park()  # a call that arrives during a pause starts with the new weights
+                return self._run_requests(prompt_token_ids, sampling, prompt_indices)
+        return self._run_requests(prompt_token_ids, sampling, prompt_indices)
+
+    def _run_requests(self, prompt_token_ids: Sequence[Sequence[int]], sampling: SamplingConfig,
+                      prompt_indices: Sequence[int] | None) -> tuple[list[list[int]], list[int], list[Any]]:
         self.settle_weight_sync()
         self._check_ready("generate")
         prompts, indices = prompt_lists(prompt_token_ids, prompt_indices)
@@ -198,14 +237,92 @@ class VLLMEngine(EngineState):
         try:
             extra = {} if adapter_id is None else {"lora_request": lora_request_class(self._vllm)(
                 lora_name=f"rlhfkit-v{adapter_id}", lora_int_id=adapter_id, lora_path=adapter_path(adapter_id))}
-            outputs = self._llm.generate(requests, params, use_tqdm=False, **extra)
-        finally:  # LLM.generate is synchronous: this call's requests have finished (or failed)
+            if self.config.pausable:
+                outputs = self._step_requests(requests, indices, sampling, extra)
+            else:
+                outputs = self._llm.generate(requests, params, use_tqdm=False, **extra)
+        finally:  # both paths return once this call's requests have finished (or failed)
             if self._adapters is not None:
                 self._remove_adapters(self._adapters.release(adapter_id))
         if len(outputs) != len(prompts):
             raise RuntimeError(f"engine {self.engine_index}: vLLM returned {len(outputs)} outputs for "
                                f"{len(prompts)} prompts")
         return prompts, indices, outputs
+
+    def _step_requests(self, requests: list[Any], indices: list[int], sampling: SamplingConfig,
+                       extra: dict[str, Any]) -> list[Any]:
+        """``pausable``: add every sample as a request of its own to vLLM's engine and step it here, parking between
+        two steps while a pause is requested (weights may then change; the requests keep their KV cache and go on).
+        Each sample's tokens are stamped with the version of the step that sampled them. A sample's seed is its
+        prompt's seed + its sample index, as vLLM seeds the samples of one ``n > 1`` request."""
+        engine = self._llm.llm_engine
+        delta = self._vllm.sampling_params.RequestOutputKind.DELTA
+        call = next(self._request_ids)
+        outputs, samples = [], {}
+        for position, (request, index) in enumerate(zip(requests, indices)):
+            group = []
+            for sample_index in range(sampling.n):
+                seed = None if sampling.seed is None else request_seed(sampling.seed, index) + sample_index
+                params = make_sampling_params(dataclasses.replace(sampling, n=1), seed=seed, features=self.features,
+                                              sampling_params_cls=self._vllm.SamplingParams)
+                params.output_kind = delta  # each step returns the new tokens only
+                request_id = f"rlhfkit-{self.engine_index}-{call}-{position}-{sample_index}"
+                samples[request_id] = _Stepped(index=sample_index)
+                group.append(samples[request_id])
+                engine.add_request(request_id, request, params, **extra)
+            outputs.append(_StepOutput(outputs=group))
+        running = set(samples)
+        try:
+            while running:
+                if self._pause.park():
+                    self._check_ready("generate")
+                version = self._version  # weights change only while this call is parked
+                for output in engine.step():
+                    sample = samples.get(output.request_id)
+                    if sample is None:
+                        continue
+                    for completion in output.outputs:
+                        tokens = [int(t) for t in completion.token_ids]
+                        sample.token_ids += tokens
+                        sample.versions += [version] * len(tokens)
+                        if sampling.logprobs and tokens:
+                            sample.values += _logprob_values(completion, tokens)
+                        if completion.finish_reason is not None:
+                            sample.finish_reason = str(completion.finish_reason)
+                    if output.finished:
+                        running.discard(output.request_id)
+                if running and not engine.has_unfinished_requests():
+                    raise RuntimeError(f"engine {self.engine_index}: vLLM finished stepping with {len(running)} "
+                                       "request(s) of this generate call unanswered")
+        except BaseException:
+            if running:
+                with contextlib.suppress(Exception):
+                    engine.abort_request(sorted(running))
+            raise
+        return outputs
+
+    # --- in-flight weight updates (pausable) --------------------------------------------------------------------------
+    def pause_generation(self, *, timeout_s: float = 60.0) -> int:
+        """``pausable`` engines: stop running :meth:`generate` calls after their current engine step and hold new
+        ones, so that weights can be loaded (from another thread) mid-generation; returns how many calls are parked.
+        Bounded: raises :class:`GenerationPausedTimeout` (and withdraws the pause) if a call does not reach the end
+        of a step within ``timeout_s``. Call :meth:`resume_generation` after the load."""
+        if not self.config.pausable:
+            raise RuntimeError(f"engine {self.engine_index}: pause_generation() needs VLLMEngineConfig(pausable=True)")
+        return self._pause.pause(timeout_s)
+
+    def resume_generation(self) -> None:
+        """Let paused :meth:`generate` calls go on stepping, under the weights loaded meanwhile."""
+        self._pause.resume()
+
+    @property
+    def generation_paused(self) -> bool:
+        return self._pause.requested
+
+    def _check_quiet(self, what: str) -> None:
+        """``pausable``: refuse to touch the weights or memory while a generate call is stepping the engine."""
+        if self.config.pausable:
+            self._pause.check_quiet(f"engine {self.engine_index}: {what}")
 
     def _completions(self, output: Any, sampling: SamplingConfig) -> list[Any]:
         completions = sorted(output.outputs, key=lambda c: c.index)
@@ -219,12 +336,17 @@ class VLLMEngine(EngineState):
         prompt_tensor = torch.tensor(prompt, dtype=torch.int64)
         for sample_index, completion in enumerate(completions):
             token_ids = [int(t) for t in completion.token_ids]
+            versions = completion.versions if isinstance(completion, _Stepped) else None
+            spans = bool(versions) and versions[-1] != versions[0]
             yield Rollout(
                 prompt_token_ids=prompt_tensor,
                 response_token_ids=torch.tensor(token_ids, dtype=torch.int64),
-                response_logprobs=_rollout_logprobs(completion, token_ids) if sampling.logprobs else None,
+                response_logprobs=(torch.tensor(_completion_logprobs(completion, token_ids), dtype=torch.float32)
+                                   if sampling.logprobs else None),
                 finish_reason=_FINISH.get(str(completion.finish_reason), "abort"),  # type: ignore[arg-type]
-                prompt_index=index, sample_index=sample_index, weight_version=self._version,
+                prompt_index=index, sample_index=sample_index,
+                weight_version=versions[0] if versions else self._version,
+                response_weight_versions=torch.tensor(versions, dtype=torch.int64) if spans else None,
             )
 
     # --- protocol: sleep / wake ---------------------------------------------------------------------------------------
@@ -237,6 +359,7 @@ class VLLMEngine(EngineState):
         if level == 2 and self._adapters is not None:
             raise ValueError(f"engine {self.engine_index}: sleep(level=2) would discard the base weights (and vLLM's "
                              "adapter buffers), which LoRA adapter syncs never rewrite; use level=1")
+        self._check_quiet("sleep()")
         self._check_sleep(level)
         self.settle_weight_sync()
         moved = self._weight_bytes() if level == 1 else 0
@@ -260,6 +383,7 @@ class VLLMEngine(EngineState):
         wanted = self._tags_to_wake(tags)
         if not wanted:
             return {"bytes_moved": 0.0}
+        self._check_quiet("wake_up()")
         moved = self._weight_bytes() if "weights" in wanted and self._sleep_level == 1 else 0
         self.settle_weight_sync()
         if self.features.sleep_tags:
@@ -309,6 +433,7 @@ class VLLMEngine(EngineState):
         """Load HF-named tensors into every worker in one update session (buckets of ``config.load_bucket_bytes``
         through ``collective_rpc``); returns how many tensors were loaded. ``version`` defaults to the current + 1.
         A failure part-way marks the weights invalid (generation is refused until a complete load)."""
+        self._check_quiet("load_weights()")
         self.settle_weight_sync()
         self._check_weights_awake("load_weights")
         new_version = next_weight_version(f"engine {self.engine_index}", self._version, version)
@@ -408,6 +533,7 @@ class VLLMEngine(EngineState):
 
     def receive_weights(self, *, version: int | None = None) -> list[dict[str, Any]]:
         """Receive one sync in every worker (blocks until the sender has sent it); returns the workers' reports."""
+        self._check_quiet("receive_weights()")
         self.settle_weight_sync()
         self._check_weights_awake("receive_weights")
         if self._adapters is not None:
@@ -427,6 +553,7 @@ class VLLMEngine(EngineState):
         (:meth:`settle_weight_sync`), so nothing touches the weights while they load; arm only when the sync will
         come before the engine's next operation: one that comes first calls the sync off, and the sender's ``send``
         then fails at once, naming the engine."""
+        self._check_quiet("arm_weight_sync()")
         self.settle_weight_sync()
         self._check_weights_awake("arm_weight_sync")
         if self._adapters is not None:

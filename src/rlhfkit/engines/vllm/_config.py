@@ -89,6 +89,13 @@ class VLLMEngineConfig:
             32, 64, ...), which sizes vLLM's adapter buffers.
         max_loras: adapters one batch may use (vLLM's GPU slots). vLLM keeps ``max_loras + 1`` registered, so the
             previous adapter can stay while the generate calls that use it finish.
+        pausable: :meth:`VLLMEngine.generate` steps vLLM's engine itself (its in-process core: ``in_process=True``
+            and ``tensor_parallel_size=1``), one decode step at a time, so that another thread can
+            :meth:`~VLLMEngine.pause_generation` it between two steps, load weights, and
+            :meth:`~VLLMEngine.resume_generation`: the running requests go on under the new weights with the KV cache
+            they have (an in-flight update), each token stamped with the version that sampled it. Engine actors
+            then run calls concurrently (Ray ``max_concurrency``). One generate call steps the engine at a time.
+        pause_timeout_s: the longest a paused generate call waits for :meth:`~VLLMEngine.resume_generation`.
     """
 
     model: str
@@ -118,6 +125,8 @@ class VLLMEngineConfig:
     enable_lora: bool = False
     max_lora_rank: int = 16
     max_loras: int = 1
+    pausable: bool = False
+    pause_timeout_s: float = 300.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -152,6 +161,16 @@ class VLLMEngineConfig:
                 raise ValueError(f"VLLMEngineConfig.{name}={value!r}; must be a number of seconds > 0")
         if not isinstance(self.in_process, bool):
             raise TypeError(f"VLLMEngineConfig.in_process={self.in_process!r}; must be True or False")
+        if not isinstance(self.pausable, bool):
+            raise TypeError(f"VLLMEngineConfig.pausable={self.pausable!r}; must be True or False")
+        if self.pausable and not (self.in_process and self.tensor_parallel_size == 1):
+            raise ValueError(f"VLLMEngineConfig.pausable=True steps vLLM's engine core in this process; it needs "
+                             f"in_process=True and tensor_parallel_size=1 (got in_process={self.in_process}, "
+                             f"tensor_parallel_size={self.tensor_parallel_size})")
+        if not isinstance(self.pause_timeout_s, (int, float)) or isinstance(self.pause_timeout_s, bool) \
+                or not self.pause_timeout_s > 0:
+            raise ValueError(f"VLLMEngineConfig.pause_timeout_s={self.pause_timeout_s!r}; must be a number of "
+                             "seconds > 0")
         extra = _freeze_pairs("VLLMEngineConfig", "extra_kwargs", self.extra_kwargs)
         clash = [key for key, _ in extra if key in _OWN_KWARGS]
         if clash:

@@ -143,7 +143,10 @@ def create_engines(config: Any, *, placement: Any = None, role: str = "rollout",
     handles = []
     for launch in launches:
         logger.info("starting engine %s", launch)
-        handles.append(remote_cls.options(**_actor_options(launch)).remote(
+        options = _actor_options(launch)
+        if config.pausable:  # pause_generation, the weight load and resume_generation run beside a generate call
+            options["max_concurrency"] = 4
+        handles.append(remote_cls.options(**options).remote(
             config, engine_index=launch.engine_index, distributed_executor_backend=backend))
     if wait:
         try:

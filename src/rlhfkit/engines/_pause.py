@@ -1,5 +1,7 @@
-"""The ``hf`` engine's pause gate: another thread stops running ``generate`` calls at their next decode step, loads
-weights while they are parked, and resumes them (they then resubmit their unfinished part).
+"""The engines' pause gate (the ``hf`` engine, and the ``vllm`` engine with ``VLLMEngineConfig(pausable=True)``):
+another thread stops running ``generate`` calls at their next decode step, loads weights while they are parked, and
+resumes them (the ``hf`` engine then resubmits their unfinished part; the ``vllm`` engine goes on stepping the same
+requests, their KV cache kept).
 
 What it does: counts the ``generate`` calls running and parked; :meth:`GenerationPause.pause` returns once every
 running call is parked (no forward pass in flight, so the weights may change), bounded by a timeout that names how
@@ -80,6 +82,14 @@ class GenerationPause:
                     f"not reach a decode step within {timeout_s:g} s (a forward pass that does not return?); the "
                     "pause was withdrawn")
             return self._active
+
+    def check_quiet(self, what: str) -> None:
+        """Raise ``RuntimeError`` naming ``what`` when a ``generate`` call is running and not parked (a weight change
+        now would race its forward passes)."""
+        with self._cond:
+            if self._active > self._parked:
+                raise RuntimeError(f"{what} while {self._active - self._parked} generate() call(s) are running; call "
+                                   "pause_generation() first (and resume_generation() after)")
 
     def resume(self) -> None:
         """Let parked calls go on (and new ones start); a no-op when not paused."""
