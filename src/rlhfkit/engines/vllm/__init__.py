@@ -133,6 +133,10 @@ class VLLMEngine(EngineState):
         self.engine_index = engine_index
         self._vllm = vllm if vllm is not None else require("vllm", user="rlhfkit.engines.vllm")
         self.features = detect_features(self._vllm)
+        self._pause = GenerationPause(config.pause_timeout_s)  # pausable: generate parks between engine steps
+        self._stepping = threading.Lock()  # pausable: one generate call steps the engine at a time
+        self._stepper: int | None = None  # the thread that steps it now
+        self._request_ids = itertools.count()
         if llm is None:
             if config.in_process and config.tensor_parallel_size == 1:
                 # vLLM decides this when the LLM is built; its own engine-core process would also receive
@@ -150,9 +154,6 @@ class VLLMEngine(EngineState):
         self._prefix_cache_stale = False
         self._armed = False  # a sync armed in the workers (arm_weight_sync), not settled yet
         self._adapters: AdapterSlots | None = None  # set by init_weight_sync(lora=...): syncs carry LoRA adapters
-        self._pause = GenerationPause(config.pause_timeout_s)  # pausable: generate parks between engine steps
-        self._stepping = threading.Lock()  # pausable: one generate call steps the engine at a time
-        self._request_ids = itertools.count()
 
     # --- protocol: state ----------------------------------------------------------------------------------------------
     @property
@@ -173,6 +174,8 @@ class VLLMEngine(EngineState):
         return None if self._adapters is None else self._adapters.current
 
     def _rpc(self, method: str, *args: Any, timeout: float | None = None) -> list[Any]:
+        if self._stepper not in (None, threading.get_ident()):  # another thread steps the engine (pausable)
+            self._check_quiet(f"{method}()")
         if self.features.collective_rpc_timeout and timeout is not None:
             return self._llm.collective_rpc(method, timeout=timeout, args=args)
         return self._llm.collective_rpc(method, args=args)
@@ -216,8 +219,12 @@ class VLLMEngine(EngineState):
             raise TypeError(f"sampling must be a SamplingConfig, got {type(sampling).__name__}")
         if self.config.pausable:
             with self._stepping, self._pause.running():
-                self._pause.park()  # a call that arrives during a pause starts with the new weights
-                return self._run_requests(prompt_token_ids, sampling, prompt_indices)
+                self._stepper = threading.get_ident()
+                try:
+                    self._pause.park()  # a call that arrives during a pause starts with the new weights
+                    return self._run_requests(prompt_token_ids, sampling, prompt_indices)
+                finally:
+                    self._stepper = None
         return self._run_requests(prompt_token_ids, sampling, prompt_indices)
 
     def _run_requests(self, prompt_token_ids: Sequence[Sequence[int]], sampling: SamplingConfig,
