@@ -430,7 +430,8 @@ def test_a_pausable_engine_checks_its_config_aborts_on_failure_and_refuses_pause
     with pytest.raises(RuntimeError, match="the engine step failed"):
         engine.generate([[1, 2], [3]], SamplingConfig(n=2, max_new_tokens=4))
     assert len(engine.llm.llm_engine.aborted) == 4 and not engine.llm.llm_engine.requests  # nothing left running
-    assert engine.pause_generation(timeout_s=1) == 0  # nothing running: the pause holds the next call
+    assert engine.pause_generation(1.0) == 0  # nothing running: the pause holds the next call (positional: how
+    # RolloutEngines.in_flight_update calls it through an engine group)
     engine.resume_generation()
     assert len(engine.generate([[1]], SamplingConfig(n=1, max_new_tokens=3))[0].response_token_ids) == 3
 

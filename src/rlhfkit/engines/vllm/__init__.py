@@ -309,7 +309,7 @@ class VLLMEngine(EngineState):
         return outputs
 
     # --- in-flight weight updates (pausable) --------------------------------------------------------------------------
-    def pause_generation(self, *, timeout_s: float = 60.0) -> int:
+    def pause_generation(self, timeout_s: float = 60.0) -> int:
         """``pausable`` engines: stop running :meth:`generate` calls after their current engine step and hold new
         ones, so that weights can be loaded (from another thread) mid-generation; returns how many calls are parked.
         Bounded: raises :class:`GenerationPausedTimeout` (and withdraws the pause) if a call does not reach the end
