@@ -15,7 +15,7 @@ import contextlib
 import threading
 from collections.abc import Iterator
 
-__all__ = ["GenerationPause", "GenerationPausedTimeout"]
+__all__ = ["GenerationPause", "GenerationPausedTimeout", "PausableGeneration"]
 
 
 class GenerationPausedTimeout(TimeoutError):
@@ -96,3 +96,30 @@ class GenerationPause:
         with self._cond:
             self._requested = False
             self._cond.notify_all()
+
+
+class PausableGeneration:
+    """The engines' in-flight update surface over ``self._pause`` (a :class:`GenerationPause`):
+    ``pause_generation`` / ``resume_generation`` / ``generation_paused``. ``_check_pausable`` may refuse."""
+
+    _pause: GenerationPause
+
+    def _check_pausable(self) -> None:
+        """Raise when this engine cannot pause (a configuration without it); pausable by default."""
+
+    def pause_generation(self, timeout_s: float = 60.0) -> int:
+        """Stop running ``generate`` calls at their next decode step and hold new ones, so that weights can be loaded
+        mid-generation (from another thread); returns how many calls are parked. Bounded: raises
+        :class:`GenerationPausedTimeout` (and withdraws the pause) if a call does not reach a decode step within
+        ``timeout_s``. Call :meth:`resume_generation` after the load."""
+        self._check_pausable()
+        return self._pause.pause(timeout_s)
+
+    def resume_generation(self) -> None:
+        """Let paused ``generate`` calls go on under the weights loaded meanwhile (the HF engine resubmits their
+        unfinished samples; a pausable vLLM engine steps the same requests again)."""
+        self._pause.resume()
+
+    @property
+    def generation_paused(self) -> bool:
+        return self._pause.requested

@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from rlhfkit._optional import require
-from rlhfkit.engines._pause import GenerationPause, GenerationPausedTimeout
+from rlhfkit.engines._pause import GenerationPause, GenerationPausedTimeout, PausableGeneration
 from rlhfkit.engines.hf._sampling import make_generators, sample_next_tokens
 from rlhfkit.engines.hf._state import EngineWeightState
 from rlhfkit.engines.protocol import WAKE_TAGS, SamplingConfig, next_weight_version
@@ -108,7 +108,7 @@ class _Sample:
     finish_reason: str | None = None
 
 
-class HFEngine:
+class HFEngine(PausableGeneration):
     """A transformers causal LM as a rollout engine. Build with ``HFEngine(HFEngineConfig(...))`` or
     :meth:`from_model`. Implements :class:`~rlhfkit.engines.protocol.RolloutEngine`."""
 
@@ -304,22 +304,7 @@ class HFEngine:
                     outputs[index] = out
         return outputs  # type: ignore[return-value]
 
-    # ------------------------------------------------------------------ in-flight weight updates
-    def pause_generation(self, *, timeout_s: float = 60.0) -> int:
-        """Stop running :meth:`generate` calls at their next decode step and hold new ones, so that weights can be
-        loaded mid-generation (from another thread); returns how many calls are parked. Bounded: raises
-        :class:`GenerationPausedTimeout` (and withdraws the pause) if a call does not reach a decode step within
-        ``timeout_s``. Call :meth:`resume_generation` after the load."""
-        return self._pause.pause(timeout_s)
-
-    def resume_generation(self) -> None:
-        """Let paused :meth:`generate` calls resubmit their unfinished samples under the current weights."""
-        self._pause.resume()
-
-    @property
-    def generation_paused(self) -> bool:
-        return self._pause.requested
-
+    # ------------------------------------------------------------------ in-flight weight updates: PausableGeneration
     def _check_can_generate(self) -> None:
         if not self._state.awake:
             raise RuntimeError("generate() called while the engine's weights are asleep; call wake_up() first")

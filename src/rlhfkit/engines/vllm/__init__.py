@@ -45,7 +45,7 @@ from typing import Any
 import torch
 
 from rlhfkit._optional import require
-from rlhfkit.engines._pause import GenerationPause, GenerationPausedTimeout
+from rlhfkit.engines._pause import GenerationPause, GenerationPausedTimeout, PausableGeneration
 from rlhfkit.engines._state import EngineState
 from rlhfkit.weight_sync import ArmedSyncStillReceiving, ManifestMismatchError, WeightSyncVersionError
 from rlhfkit.engines.vllm._compat import (
@@ -114,7 +114,7 @@ class _StepOutput:
     outputs: list[_Stepped]
 
 
-class VLLMEngine(EngineState):
+class VLLMEngine(PausableGeneration, EngineState):
     """One vLLM engine (``vllm.LLM``) behind the rollout-engine protocol; see the module docstring.
 
     Args:
@@ -309,22 +309,9 @@ class VLLMEngine(EngineState):
         return outputs
 
     # --- in-flight weight updates (pausable) --------------------------------------------------------------------------
-    def pause_generation(self, timeout_s: float = 60.0) -> int:
-        """``pausable`` engines: stop running :meth:`generate` calls after their current engine step and hold new
-        ones, so that weights can be loaded (from another thread) mid-generation; returns how many calls are parked.
-        Bounded: raises :class:`GenerationPausedTimeout` (and withdraws the pause) if a call does not reach the end
-        of a step within ``timeout_s``. Call :meth:`resume_generation` after the load."""
+    def _check_pausable(self) -> None:
         if not self.config.pausable:
             raise RuntimeError(f"engine {self.engine_index}: pause_generation() needs VLLMEngineConfig(pausable=True)")
-        return self._pause.pause(timeout_s)
-
-    def resume_generation(self) -> None:
-        """Let paused :meth:`generate` calls go on stepping, under the weights loaded meanwhile."""
-        self._pause.resume()
-
-    @property
-    def generation_paused(self) -> bool:
-        return self._pause.requested
 
     def _check_quiet(self, what: str) -> None:
         """``pausable``: refuse to touch the weights or memory while a generate call is stepping the engine."""
