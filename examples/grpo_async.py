@@ -15,8 +15,9 @@ what would be thrown away). Each step:
 
     take a batch from the buffer -> reference log-probs -> the actor's log-probs of the same tokens (the proximal
     policy of decoupled PPO) -> GRPO advantages -> PPO-clip + k3 KL, corrected for the engine's (behaviour) log-probs
-    (``--correction``) -> push the weights in flight (the engines pause, take them, and continue the unfinished
-    samples with them; each token is stamped with its version).
+    (``--correction``) -> push the weights in flight (the engines pause between two decode steps, take them, and
+    continue the unfinished samples with them; each token is stamped with its version; ``--pause-engines false``:
+    the push waits for the samples in flight instead).
 
 ``--mode sync`` generates each batch after the previous push instead (the same step otherwise); with
 ``--max-staleness 0`` the asynchronous schedule is the synchronous one, loss for loss. Task: the built-in arithmetic
