@@ -58,6 +58,7 @@ def summarize(rows: list[dict]) -> dict:
         "staleness_hist": hist,
         "staleness_per_step": [row["staleness/mean"] for row in rows],
         "token_staleness_per_step": [row["staleness/token_mean"] for row in rows],
+        "spanning_per_step": [row.get("staleness/spanning", 0.0) for row in rows],  # updated mid-generation
         "mismatch_kl_per_step": [row["mismatch/kl"] for row in rows],
         "dropped_groups": rows[-1].get("buffer/dropped_groups", 0.0),
         # the medians of each phase (time/*) next to the trainer workers' own time in it (worker/*: wall, and the

@@ -158,6 +158,8 @@ def train_step(hybrid, rollouts, version, tokenizer, loss_fn, step) -> dict:
               "staleness/token_mean": float(token_ages.float().mean()), "accuracy": arithmetic_accuracy(responses,
                                                                                                          answers)}
     stats |= {f"staleness/hist_{k}": float(c) for k, c in enumerate(torch.bincount(ages).tolist())}
+    # samples a push reached mid-generation (their tokens span two weight versions)
+    stats["staleness/spanning"] = sum(r.response_weight_versions is not None for r in rollouts) / len(rollouts)
     stats = {k: v for k, v in stats.items() if not k.startswith("time/")}
     with timer.phase("train_actor"):
         for minibatch in iterate_minibatches(experience, num_minibatches=MINIBATCHES, seed=step):

@@ -122,6 +122,7 @@ def test_async_bench_runs_tiny_on_cpu(tmp_path):
         assert result[mode]["steps"] == 3 and result[mode]["samples_per_s_after_first"] > 0
         assert result[mode]["curve"]["samples"] == [16.0, 32.0, 48.0]
     assert result["sync"]["staleness_hist"] == {"0": 48.0}
+    assert len(result["async"]["spanning_per_step"]) == 3 and not any(result["sync"]["spanning_per_step"])
     assert result["async"]["staleness_hist"].get("1", 0) > 0 and result["speedup"] > 0
     assert result["speedup_ceiling"] is None or result["speedup_ceiling"] >= 1.0
     assert (tmp_path / "async.png").stat().st_size > 0
