@@ -25,6 +25,22 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+def kill_and_wait(ray, actor, *, timeout_s: float = 30.0) -> None:
+    """``ray.kill(actor)`` and wait until the actor answers as dead: the kill is asynchronous, and a call submitted
+    right after it can still run (the race that made test_killed_worker_surfaces_within_timeout flaky)."""
+    import time
+
+    ray.kill(actor, no_restart=True)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            ray.get(actor.__ray_ready__.remote(), timeout=max(0.1, deadline - time.monotonic()))
+        except ray.exceptions.RayActorError:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"actor {actor} still answers {timeout_s:g} s after ray.kill")
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

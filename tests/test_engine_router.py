@@ -9,6 +9,7 @@ import time
 
 import pytest
 import torch
+from conftest import kill_and_wait
 
 from rlhfkit.engines.protocol import SamplingConfig, WeightLagError, WeightVersionError, check_weight_lag
 from rlhfkit.engines.router import (
@@ -300,7 +301,7 @@ def test_ray_actor_engines_order_die_and_hang(ray_cluster):
         assert group.weight_versions() == [7, 7]
         assert [r.weight_version for r in group.generate(prompts, sampling)] == [7] * 15
 
-        ray.kill(engines[1])
+        kill_and_wait(ray, engines[1])
         start = time.monotonic()
         with pytest.raises(EngineDiedError, match=r"engine 1 \(of 2\) died during generate") as info:
             group.generate(prompts, sampling)

@@ -13,6 +13,7 @@ import sys
 import time
 
 import pytest
+from conftest import kill_and_wait
 
 from rlhfkit.placement import (
     Inventory,
@@ -242,7 +243,7 @@ def pair(cluster):
 
 def test_killed_worker_surfaces_within_timeout(pair):
     with WorkerGroup(Probe, pair, WorkerGroupConfig(role="policy", start_timeout_s=WAIT_S, call_timeout_s=20)) as group:
-        ray.kill(group.actors[1])
+        kill_and_wait(ray, group.actors[1])
         start = time.monotonic()
         with pytest.raises(WorkerError, match=r"role 'policy' rank 1 \(.*pid \d+\) died during 'add'") as caught:
             group.call("add", 1)
