@@ -219,7 +219,7 @@ class FakeLLM:
 def fake_vllm(**overrides):
     namespace = dict(__version__="0.99.0+fake", LLM=FakeLLM, SamplingParams=FakeSamplingParams,
                      TokensPrompt=lambda prompt_token_ids: {"prompt_token_ids": prompt_token_ids},
-                     EngineArgs=FakeEngineArgs,
+                     EngineArgs=FakeEngineArgs, LLMEngine=FakeLLMEngine,
                      sampling_params=SimpleNamespace(RequestOutputKind=SimpleNamespace(DELTA="delta")))
     namespace.update(overrides)
     return SimpleNamespace(**namespace)
@@ -425,6 +425,10 @@ def test_a_pausable_engine_checks_its_config_aborts_on_failure_and_refuses_pause
         VLLMEngineConfig(model="/m", pausable=True, in_process=False)
     with pytest.raises(RuntimeError, match=r"needs VLLMEngineConfig\(pausable=True\)"):
         make_engine().pause_generation()
+    no_stepping = fake_vllm(LLMEngine=None)  # a vLLM whose engine cannot be stepped from outside: refused up front
+    assert compat.detect_features(fake_vllm()).stepwise and not compat.detect_features(no_stepping).stepwise
+    with pytest.raises(VLLMFeatureError, match="lacks feature 'stepwise'"):
+        VLLMEngine(VLLMEngineConfig(model="/m", pausable=True), vllm=no_stepping)
     engine = make_engine(pausable=True)
     engine.llm.llm_engine.fail_at = engine.llm.llm_engine.steps + 2
     with pytest.raises(RuntimeError, match="the engine step failed"):

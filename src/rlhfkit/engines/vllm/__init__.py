@@ -133,6 +133,8 @@ class VLLMEngine(PausableGeneration, EngineState):
         self.engine_index = engine_index
         self._vllm = vllm if vllm is not None else require("vllm", user="rlhfkit.engines.vllm")
         self.features = detect_features(self._vllm)
+        if config.pausable:  # before the LLM is built: no GPU work for an engine that could not pause
+            require_feature("stepwise", self.features, purpose="VLLMEngineConfig(pausable=True)")
         self._pause = GenerationPause(config.pause_timeout_s)  # pausable: generate parks between engine steps
         self._stepping = threading.Lock()  # pausable: one generate call steps the engine at a time
         self._stepper: int | None = None  # the thread that steps it now

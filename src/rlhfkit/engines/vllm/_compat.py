@@ -57,6 +57,8 @@ FEATURES = {
                               "update_weights / finish_weight_update)",
     "reset_prefix_cache": "LLM.reset_prefix_cache",
     "lora": "LoRA adapters (EngineArgs.enable_lora / max_lora_rank / max_loras, LLM.generate(lora_request=...))",
+    "stepwise": "stepping the engine from outside (vllm.LLMEngine.add_request / step / has_unfinished_requests / "
+                "abort_request, vllm.sampling_params.RequestOutputKind.DELTA): VLLMEngineConfig(pausable=True)",
 }
 _KNOWN_LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
 _WEIGHT_TRANSFER_METHODS = ("init_weight_transfer_engine", "start_weight_update", "update_weights",
@@ -92,6 +94,7 @@ class VLLMFeatures:
     top_k_disabled: int
     lora: bool = False
     lora_ranks: tuple[int, ...] = ()
+    stepwise: bool = False
 
     @property
     def logprobs_mode(self) -> bool:
@@ -143,7 +146,8 @@ def detect_features(vllm: ModuleType | None = None) -> VLLMFeatures:
     """Inspect ``vllm`` (default: import the installed one) and report what it offers.
 
     Only top-level names are read (``vllm.LLM``, ``vllm.SamplingParams``, ``vllm.TokensPrompt``, ``vllm.EngineArgs``,
-    ``vllm.__version__``), so any object with those attributes can stand in for the real module.
+    ``vllm.LLMEngine``, ``vllm.sampling_params``, ``vllm.__version__``), so any object with those attributes can stand
+    in for the real module.
     """
     if vllm is None:
         vllm = require("vllm", user="rlhfkit.engines.vllm")
@@ -169,6 +173,10 @@ def detect_features(vllm: ModuleType | None = None) -> VLLMFeatures:
         lora="enable_lora" in fields and "max_lora_rank" in fields
              and "lora_request" in _parameters(getattr(llm, "generate", None)),
         lora_ranks=_lora_ranks(fields.get("max_lora_rank")),
+        stepwise=all(callable(getattr(getattr(vllm, "LLMEngine", None), name, None))
+                     for name in ("add_request", "step", "has_unfinished_requests", "abort_request"))
+                 and getattr(getattr(getattr(vllm, "sampling_params", None), "RequestOutputKind", None), "DELTA",
+                             None) is not None,
     )
 
 
