@@ -558,9 +558,8 @@ class Hybrid:
         if colocated:
             engines.wake(["weights"], phase="sync")
         receiving = [handle.receive_weights.remote() for handle in self._handles]
-        trainer._state = None  # the calls below change it outside the group's methods
-        sending = trainer.workers.submit("send_weights", phase="sync")
-        sleeping = trainer.workers.submit("sleep", "sync", False)
+        sending = trainer._submit("send_weights", phase="sync")
+        sleeping = trainer._submit("sleep", "sync", False)
         try:
             sent = trainer.workers.gather(sending)
         except Exception:
@@ -569,7 +568,7 @@ class Hybrid:
                 ray.get(ref)  # an engine's own error says more than the sender's timeout
             raise
         received = ray.get(receiving, timeout=self.config.sync_timeout_s)
-        trainer._account(trainer.workers.gather(sleeping))
+        trainer._account(trainer._note(trainer.workers.gather(sleeping)))
         if colocated:
             engines.wake(["kv_cache"], phase="generate")
         report = next(item for item in sent if item)

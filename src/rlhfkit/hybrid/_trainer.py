@@ -163,8 +163,17 @@ class TrainerGroup:
         """Call ``method`` on every rank (``scattered``: ``args[0]`` holds each rank's share) and note the state the
         call left the ranks in; while it runs, and if it fails, that state is unknown."""
         self._state = None
-        results = (self.workers.call_scattered if scattered else self.workers.call)(method, *args, **kwargs)
-        known = all("awake" in result for result in results)
+        return self._note((self.workers.call_scattered if scattered else self.workers.call)(method, *args, **kwargs))
+
+    def _submit(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+        """Start ``method`` on every rank without waiting (gather the results with ``workers.gather`` and pass them
+        to :meth:`_note`); the ranks' state is unknown meanwhile."""
+        self._state = None
+        return self.workers.submit(method, *args, **kwargs)
+
+    def _note(self, results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Note the state the ranks report after a call (unknown when a result does not report it)."""
+        known = all(isinstance(result, dict) and "awake" in result for result in results)
         self._state = ((any(r["awake"] for r in results), any(r["weights_only"] for r in results)) if known
                        else None)
         return results
