@@ -178,8 +178,20 @@ def main(out_dir: str) -> None:
     cache = engine.llm.llm_engine.vllm_config.cache_config
     record("start", seconds=round(time.time() - t0, 1), version=features.version,
            features={k: getattr(features, k) for k in ("sleep_tags", "native_weight_transfer", "logprobs_modes",
-                                                         "collective_rpc_timeout", "top_k_disabled")},
+                                                         "collective_rpc_timeout", "top_k_disabled",
+                                                         "cudagraph_capture_cap")},
            kv_cache_bytes=kv_bytes, kv_cache_tokens=(cache.num_gpu_blocks or 0) * cache.block_size)
+
+    # the CUDA-graph cap build_llm_kwargs derives from max_num_seqs is a CompilationConfig this vLLM accepts
+    import dataclasses
+
+    from vllm.config import CompilationConfig
+
+    from rlhfkit.engines.vllm import build_llm_kwargs
+
+    capped = build_llm_kwargs(dataclasses.replace(engine.config, enforce_eager=False, max_num_seqs=8), features)
+    record("graph_cap", max_cudagraph_capture_size=CompilationConfig(
+        **capped["compilation_config"]).max_cudagraph_capture_size)
 
     prompts = [[1] + list(range(40, 79)), [1, 60, 61], [1, 70, 71, 72, 73, 74], [1, 80]]
     greedy = SamplingConfig(n=1, max_new_tokens=8, temperature=0.0, ignore_eos=True)

@@ -871,6 +871,8 @@ def test_real_vllm_cpu_generate_and_weight_updates(tmp_path):
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     checks = json.loads((tmp_path / "results.json").read_text())
     assert checks["start"]["version"] == "0.32.0"
+    assert checks["start"]["features"]["cudagraph_capture_cap"] and checks["graph_cap"] == {
+        "max_cudagraph_capture_size": 8}
     assert checks["start"]["kv_cache_tokens"] == 1024  # kv_cache_memory_bytes = rlhfkit's count for 1,024 tokens
     for name in ("greedy_a", "greedy_b_after_load", "greedy_b_after_receive", "greedy_a_after_gloo_sync"):
         assert checks[name]["tokens_equal"], name

@@ -151,6 +151,24 @@ def test_lora_feature_detection_and_llm_kwargs():
     assert lora_rank_slot(16, (1, 8, 16)) == 16 and lora_rank_slot(3, ()) == 3
 
 
+def test_max_num_seqs_caps_the_cuda_graph_capture_sizes():
+    """vLLM captures graphs up to twice max_num_seqs; the engine caps it at max_num_seqs (decode never exceeds it),
+    unless the vLLM lacks the setting, graphs are off (enforce_eager) or the user passes compilation_config."""
+    compilation = dataclasses.make_dataclass("CompilationConfig", [("max_cudagraph_capture_size", int, 0)])
+    features = detect_features(fake_vllm(config=SimpleNamespace(CompilationConfig=compilation)))
+    assert features.cudagraph_capture_cap and not detect_features(fake_vllm()).cudagraph_capture_cap
+    kwargs = build_llm_kwargs(VLLMEngineConfig(model="/m", max_num_seqs=128), features)
+    assert kwargs["max_num_seqs"] == 128 and kwargs["compilation_config"] == {"max_cudagraph_capture_size": 128}
+    assert build_llm_kwargs(VLLMEngineConfig(model="/m", max_num_seqs=2048), features)["compilation_config"] == {
+        "max_cudagraph_capture_size": 512}
+    for config in (VLLMEngineConfig(model="/m"), VLLMEngineConfig(model="/m", max_num_seqs=64, enforce_eager=True)):
+        assert "compilation_config" not in build_llm_kwargs(config, features)
+    assert "compilation_config" not in build_llm_kwargs(VLLMEngineConfig(model="/m", max_num_seqs=64),
+                                                        detect_features(fake_vllm()))
+    own = VLLMEngineConfig(model="/m", max_num_seqs=64, extra_kwargs={"compilation_config": {"mode": 0}})
+    assert build_llm_kwargs(own, features)["compilation_config"] == {"mode": 0}
+
+
 # --- names and bookkeeping --------------------------------------------------------------------------------------------
 def test_adapter_modules_maps_peft_names_to_vllm_modules():
     names = ["base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight",

@@ -59,6 +59,8 @@ FEATURES = {
     "lora": "LoRA adapters (EngineArgs.enable_lora / max_lora_rank / max_loras, LLM.generate(lora_request=...))",
     "stepwise": "stepping the engine from outside (vllm.LLMEngine.add_request / step / has_unfinished_requests / "
                 "abort_request, vllm.sampling_params.RequestOutputKind.DELTA): VLLMEngineConfig(pausable=True)",
+    "cudagraph_capture_cap": "vllm.config.CompilationConfig.max_cudagraph_capture_size (CUDA graphs captured only "
+                             "up to a batch size)",
 }
 _KNOWN_LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
 _WEIGHT_TRANSFER_METHODS = ("init_weight_transfer_engine", "start_weight_update", "update_weights",
@@ -79,6 +81,7 @@ class VLLMFeatures:
         top_k_disabled: the ``SamplingParams.top_k`` value that disables top-k (0 in current vLLM, -1 in old ones).
         lora_ranks: the values ``EngineArgs.max_lora_rank`` accepts (a ``Literal`` in vLLM 0.10-0.32: 1, 8, 16, 32,
             64, ...); empty when unknown (any rank is passed through).
+        cudagraph_capture_cap: ``compilation_config={"max_cudagraph_capture_size": n}`` is accepted (vLLM >= 0.11).
     """
 
     version: str
@@ -95,6 +98,7 @@ class VLLMFeatures:
     lora: bool = False
     lora_ranks: tuple[int, ...] = ()
     stepwise: bool = False
+    cudagraph_capture_cap: bool = False
 
     @property
     def logprobs_mode(self) -> bool:
@@ -146,8 +150,8 @@ def detect_features(vllm: ModuleType | None = None) -> VLLMFeatures:
     """Inspect ``vllm`` (default: import the installed one) and report what it offers.
 
     Only top-level names are read (``vllm.LLM``, ``vllm.SamplingParams``, ``vllm.TokensPrompt``, ``vllm.EngineArgs``,
-    ``vllm.LLMEngine``, ``vllm.sampling_params``, ``vllm.__version__``), so any object with those attributes can stand
-    in for the real module.
+    ``vllm.LLMEngine``, ``vllm.sampling_params``, ``vllm.config``, ``vllm.__version__``), so any object with those
+    attributes can stand in for the real module.
     """
     if vllm is None:
         vllm = require("vllm", user="rlhfkit.engines.vllm")
@@ -177,6 +181,8 @@ def detect_features(vllm: ModuleType | None = None) -> VLLMFeatures:
                      for name in ("add_request", "step", "has_unfinished_requests", "abort_request"))
                  and getattr(getattr(getattr(vllm, "sampling_params", None), "RequestOutputKind", None), "DELTA",
                              None) is not None,
+        cudagraph_capture_cap="max_cudagraph_capture_size" in _engine_arg_fields(
+            getattr(getattr(vllm, "config", None), "CompilationConfig", None)),
     )
 
 
