@@ -8,7 +8,8 @@ results (docs/benchmarks.md) and writes their JSON into a results folder.
 Suites: weight_sync (CUDA IPC and NCCL channel, copy-plan replay), vllm (engine, sleep, sync into vLLM), deepspeed
 (sleep/wake, the training step), training (log-probs, packing, GAE), hybrid (the GRPO example, 100 steps), scale
 (1.5B to 8B shapes, full-parameter and LoRA, next to TRL), async (asynchronous vs synchronous GRPO,
-bench/async_grpo.py), peers (TRL, OpenRLHF on the same workload). ``--dry-run`` prints each step's command and writes nothing.
+bench/async_grpo.py), sglang (the SGLang engine next to vLLM, and the GRPO example on it; SGLang's site directory
+from ``$RLHFKIT_SGLANG_SITE``), peers (TRL, OpenRLHF on the same workload). ``--dry-run`` prints each step's command and writes nothing.
 
 What each run leaves in ``DIR``: one JSON per step (named after the step), ``logs/STEP.log`` (stdout and stderr),
 ``SUITE.json`` (every step's command, exit code, seconds, and the environment: date, host, GPUs, package versions).
@@ -148,6 +149,16 @@ SUITES: dict[str, tuple[Step, ...]] = {
              needs_model=True, argv=_py("bench/async_grpo.py", "--model", "{model}", "--steps", "30", "--out",
                                         "{out}"), timeout_s=3000),
     ),
+    "sglang": (
+        Step(name="sglang_engine", what="SGLang engine: greedy and log-probs vs HF fp32, throughput vs raw SGLang and "
+             "the vLLM actor, sleep memory released, 1.5B weight sync vs vLLM", needs_model=True,
+             argv=_py("bench/sglang_engine.py", "--model", "{model}", "--sglang-site", "{sglang_site}",
+                      "--out", "{out}"), timeout_s=1800),
+        Step(name="hybrid_sglang", what="50 steps of the default grpo_hybrid.py with the SGLang engine",
+             needs_model=True, argv=_py("bench/hybrid.py", "--model", "{model}", "--steps", "50", "--no-peer",
+                                        "--ours-args=--engine sglang --sglang-site {sglang_site}",
+                                        "--out", "{out}"), timeout_s=900),
+    ),
     "peers": (
         Step(name="peer_trl_tf32", what="TRL GRPOTrainer (vLLM colocate, sleep), TF32 training matmuls",
              needs_model=True, argv=_py("bench/peer_trl.py", "--model", "{model}", *WORKLOAD, "--steps", "15",
@@ -201,7 +212,9 @@ def plan_suite(suite: str, *, num_gpus: int, only: list[str] | None, model_exist
 
 def expand(step: Step, *, python: str, results: Path, model: str, work: Path, num_gpus: int) -> list[str]:
     values = {"python": python, "results": str(results), "model": model, "work": str(work),
-              "out": str(results / f"{step.name}.json"), "kind": hybrid_kind(num_gpus)}
+              "out": str(results / f"{step.name}.json"), "kind": hybrid_kind(num_gpus),
+              # SGLang's own site directory (bench/peers/install-sglang.sh prints it; its default otherwise)
+              "sglang_site": os.environ.get("RLHFKIT_SGLANG_SITE", "/tmp/site/sglang")}
     return [arg.format(**values) for arg in step.argv]
 
 

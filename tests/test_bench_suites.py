@@ -54,7 +54,8 @@ def test_suite_steps_name_existing_scripts_and_flags(suite, tmp_path):
             continue
         script = ROOT / command[1]
         assert script.is_file(), f"{suite}/{step.name}: {command[1]} does not exist"
-        unknown = [a for a in command[2:] if a.startswith("--") and a not in _defined_flags(script)]
+        flags = _defined_flags(script)  # "--flag=value" names its flag before the "="
+        unknown = [a for a in command[2:] if a.startswith("--") and a.split("=", 1)[0] not in flags]
         assert not unknown, f"{suite}/{step.name}: {command[1]} defines no {unknown}"
 
 
@@ -118,6 +119,31 @@ def test_scale_lora_runs_take_the_examples_zero_stage():
     assert "--zero-stage" not in command
     assert command[command.index("--gradient-checkpointing") + 1] == "true"
     assert command[command.index("--lora-rank") + 1] == "16"
+
+
+@pytest.mark.slow
+@pytest.mark.ray
+def test_sglang_bench_runs_its_cpu_sections_against_the_test_server(tmp_path):
+    """bench/sglang_engine.py --fake (issue 23): the throughput section (an SGLang engine Ray actor and raw requests
+    to the same server: the same tokens) and the sync section (rlhfkit.weight_sync over gloo into the engine actor,
+    every sync a new version) run on CPU against tests/_fake_sglang, so the script's calls keep working between GPU
+    sessions."""
+    from bench import sglang_engine
+
+    out = tmp_path / "sglang.json"
+    result = sglang_engine.main(["--fake", "--num-prompts", "6", "--max-new-tokens", "5", "--repeats", "2",
+                                 "--warmup", "1", "--work", str(tmp_path / "work"), "--out", str(out)])
+    sections = json.loads(out.read_text())["sections"]
+    assert sections == result["sections"] and set(sections) == {"throughput", "sync"}
+    assert sections["throughput"]["ok"] and sections["throughput"]["same_tokens_as_raw"], sections["throughput"]
+    assert sections["throughput"]["tokens_per_run"] == 30 and len(sections["throughput"]["pair_ratios"]) == 2
+    sync = sections["sync"]
+    assert sync["ok"], sync
+    assert [s["version"] for s in sync["sglang"]["syncs"]] == [1, 2, 3] and sync["sglang"]["median_s"] > 0
+    with pytest.raises(SystemExit):
+        sglang_engine.parse_args(["--fake", "--only", "model"])  # needs a GPU
+    with pytest.raises(SystemExit):
+        sglang_engine.parse_args(["--out", "x.json"])  # --model or --fake
 
 
 def test_async_bench_runs_tiny_on_cpu(tmp_path):
