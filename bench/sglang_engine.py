@@ -134,7 +134,9 @@ def section_model(args) -> None:
     from rlhfkit.engines.sglang import SGLangEngine
 
     started = time.perf_counter()
-    engine = SGLangEngine(sglang_config(args.model, args, dtype="float32"))
+    # float32 needs SGLang's Triton attention (FlashAttention 3, its default on Hopper, has no fp32 kernels)
+    engine = SGLangEngine(sglang_config(args.model, args, dtype="float32",
+                                        extra_args=("--attention-backend", "triton")))
     start_s = time.perf_counter() - started
     try:
         tokenizer = AutoTokenizer.from_pretrained(args.model)
