@@ -81,7 +81,8 @@ class VLLMFeatures:
         top_k_disabled: the ``SamplingParams.top_k`` value that disables top-k (0 in current vLLM, -1 in old ones).
         lora_ranks: the values ``EngineArgs.max_lora_rank`` accepts (a ``Literal`` in vLLM 0.10-0.32: 1, 8, 16, 32,
             64, ...); empty when unknown (any rank is passed through).
-        cudagraph_capture_cap: ``compilation_config={"max_cudagraph_capture_size": n}`` is accepted (vLLM >= 0.11).
+        cudagraph_capture_cap: ``compilation_config={"max_cudagraph_capture_size": n}`` is accepted (vLLM 0.22 and 0.32
+            have it).
     """
 
     version: str
