@@ -321,7 +321,8 @@ def section_sync(args) -> None:
     sync_config = WeightSyncConfig(backend=backend, timeout_s=120)
     out = {"section": "sync", "params": sum(t.numel() for _, t in named), "bytes": model_bytes,
            "bucket_bytes": sync_config.bucket_bytes, "floor_s": None if floor_s is None else round(floor_s, 5)}
-    handle, _ = start_sglang_actor(sglang_config(path, args, mem_fraction_static=0.3), gpu_share=0 if args.fake else 0.5)
+    handle, _ = start_sglang_actor(sglang_config(path, args, mem_fraction_static=0.3),
+                                   gpu_share=0 if args.fake else 0.5)
     try:
         out["sglang"] = _syncs_into(handle, named, sync_config, device, args)
     finally:
@@ -389,7 +390,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--model", help="HF folder of a real model (SmolLM2-135M-Instruct); not with --fake")
     parser.add_argument("--out", help="JSON results path")
     parser.add_argument("--only", nargs="*", choices=sorted(SECTIONS), help="run only these sections")
-    parser.add_argument("--fake", action="store_true", help="CPU: the test server, sections " + ", ".join(FAKE_SECTIONS))
+    parser.add_argument("--fake", action="store_true",
+                        help="CPU: the test server, sections " + ", ".join(FAKE_SECTIONS))
     parser.add_argument("--sglang-python", default="python3", help="the interpreter that starts the SGLang server")
     parser.add_argument("--sglang-site", default=os.environ.get("RLHFKIT_SGLANG_SITE"),
                         help="SGLang's site directory, put on the server's PYTHONPATH (default: $RLHFKIT_SGLANG_SITE)")
@@ -422,7 +424,8 @@ def main(argv=None) -> dict:
         return {}
     names = args.only or (list(FAKE_SECTIONS) if args.fake else list(SECTIONS))
     argv_out = [*(["--model", args.model] if args.model else []), *(["--fake"] if args.fake else []),
-                "--sglang-python", args.sglang_python, *(["--sglang-site", args.sglang_site] if args.sglang_site else []),
+                "--sglang-python", args.sglang_python,
+                *(["--sglang-site", args.sglang_site] if args.sglang_site else []),
                 "--num-prompts", str(args.num_prompts), "--max-new-tokens", str(args.max_new_tokens),
                 "--repeats", str(args.repeats), "--warmup", str(args.warmup),
                 "--sleep-mem-fraction", str(args.sleep_mem_fraction), "--work", args.work]
