@@ -35,11 +35,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
-import threading
 import time
-import traceback
 
 HERE = os.path.abspath(__file__)
 BENCH = os.path.dirname(HERE)
@@ -53,20 +50,7 @@ if BENCH not in sys.path:
     sys.path.insert(0, BENCH)
 
 
-def emit(**values) -> None:
-    print("RESULT " + json.dumps(values, default=str), flush=True)
-
-
-def _median(values: list[float]) -> float:
-    ordered = sorted(values)
-    middle = len(ordered) // 2
-    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
-
-
-def _timed(call) -> float:
-    started = time.perf_counter()
-    call()
-    return time.perf_counter() - started
+from vllm_engine import _median, _timed, emit, run_in_this_process, run_section  # the vLLM bench's helpers
 
 
 def sglang_config(model: str, args, **overrides):
@@ -262,31 +246,15 @@ def section_sleep(args) -> None:
     emit(**out)
 
 
-def _sync_once(engine, sender, named) -> dict:
-    """One sync: the sender in a thread, the engine's receive through Ray; the wall time of both."""
-    import ray
-
-    result: dict = {}
-    thread = threading.Thread(target=lambda: result.update(report=sender.send(named)))
-    started = time.perf_counter()
-    thread.start()
-    reports = ray.get(engine.receive_weights.remote(), timeout=300)
-    thread.join(300)
-    if "report" not in result:
-        raise RuntimeError("the sender thread did not finish")
-    return {"seconds": time.perf_counter() - started, "sender_seconds": result["report"].seconds,
-            "version": result["report"].version, "bytes": result["report"].num_bytes,
-            "buckets": result["report"].num_buckets, "receiver_reports": len(reports or [])}
-
-
 def _syncs_into(engine, named, sync_config, device, args) -> dict:
     import ray
+    from ipc_to_vllm import sync_once
 
     from rlhfkit.weight_sync import SyncEndpoint, WeightSender
 
     with WeightSender(sync_config, SyncEndpoint(world_size=2, rank=0, port=0), device=device) as sender:
         ray.get(engine.init_weight_sync.remote(sync_config, sender.endpoint, first_rank=1), timeout=120)
-        syncs = [_sync_once(engine, sender, named) for _ in range(args.warmup + args.repeats)]
+        syncs = [sync_once(engine, sender, named, ray) for _ in range(args.warmup + args.repeats)]
         version = ray.get(engine.get_weight_version.remote(), timeout=60)
         ray.get(engine.close_weight_sync.remote(), timeout=60)
     timed = [s["seconds"] for s in syncs[args.warmup:]]
@@ -350,22 +318,6 @@ FAKE_SECTIONS = ("throughput", "sync")
 
 
 # ------------------------------------------------------------------------------------------------- driver
-def run_section(name: str, argv: list[str], timeout_s: float) -> dict:
-    started = time.perf_counter()
-    try:
-        proc = subprocess.run([sys.executable, HERE, "--section", name, *argv], capture_output=True, text=True,
-                              timeout=timeout_s)
-        output, code = proc.stdout + proc.stderr, proc.returncode
-    except subprocess.TimeoutExpired as error:
-        output = error.stdout.decode(errors="replace") if isinstance(error.stdout, bytes) else (error.stdout or "")
-        code = "timeout"
-    results = [json.loads(line[7:]) for line in output.splitlines() if line.startswith("RESULT ")]
-    result = results[-1] if results else {"section": name, "ok": False, "error": f"exit {code}",
-                                          "tail": output[-2500:]}
-    result["wall_s"] = round(time.perf_counter() - started, 1)
-    return result
-
-
 def summary(results: dict) -> str:
     keys = {"model": ("greedy_equal", "greedy_prompts", "engine_start_s"),
             "throughput": ("ratio_actor_over_raw", "actor_tok_per_s", "raw_tok_per_s", "vllm_actor_tok_per_s",
@@ -416,11 +368,7 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     os.makedirs(args.work, exist_ok=True)
     if args.section:
-        try:
-            SECTIONS[args.section](args)
-        except Exception as error:  # noqa: BLE001 - reported as the section's result
-            emit(section=args.section, ok=False, error=f"{type(error).__name__}: {error}",
-                 traceback=traceback.format_exc()[-2500:])
+        run_in_this_process(SECTIONS, args)
         return {}
     names = args.only or (list(FAKE_SECTIONS) if args.fake else list(SECTIONS))
     argv_out = [*(["--model", args.model] if args.model else []), *(["--fake"] if args.fake else []),
@@ -433,7 +381,7 @@ def main(argv=None) -> dict:
     results = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "command": " ".join(sys.argv), "fake": args.fake}
     sections = {}
     for name in names:
-        sections[name] = run_section(name, argv_out, timeout_s)
+        sections[name] = run_section(name, argv_out, timeout_s, script=HERE)
         print(f"{name}: {json.dumps(sections[name], default=str)[:600]}", flush=True)
         if args.out:
             with open(args.out, "w") as handle:

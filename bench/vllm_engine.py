@@ -530,10 +530,12 @@ SECTIONS = {"tiny": section_tiny, "model": section_model, "throughput": section_
 
 
 # ------------------------------------------------------------------------------------------------- driver
-def run_section(name: str, argv: list[str], timeout_s: float) -> dict:
+def run_section(name: str, argv: list[str], timeout_s: float, *, script: str = HERE) -> dict:
+    """``script --section name argv...`` in a subprocess; its last ``RESULT`` line (or the failure and the output's
+    tail), with ``wall_s``. bench/sglang_engine.py runs its sections through it too."""
     t0 = time.perf_counter()
     try:
-        proc = subprocess.run([sys.executable, HERE, "--section", name, *argv], capture_output=True, text=True,
+        proc = subprocess.run([sys.executable, script, "--section", name, *argv], capture_output=True, text=True,
                               timeout=timeout_s)
         output, code = proc.stdout + proc.stderr, proc.returncode
     except subprocess.TimeoutExpired as error:
@@ -545,6 +547,15 @@ def run_section(name: str, argv: list[str], timeout_s: float) -> dict:
                                           "tail": output[-2500:]}
     result["wall_s"] = round(time.perf_counter() - t0, 1)
     return result
+
+
+def run_in_this_process(sections: dict, args) -> None:
+    """The child side of :func:`run_section`: run ``sections[args.section]``; a failure is its ``RESULT``."""
+    try:
+        sections[args.section](args)
+    except Exception as error:  # noqa: BLE001 - reported as the section's result
+        emit(section=args.section, ok=False, error=f"{type(error).__name__}: {error}",
+             traceback=traceback.format_exc()[-2500:])
 
 
 def summary(results: dict) -> str:
@@ -586,11 +597,7 @@ def main() -> None:
     args = parser.parse_args()
     os.makedirs(WORK, exist_ok=True)
     if args.section:
-        try:
-            SECTIONS[args.section](args)
-        except Exception as error:  # noqa: BLE001 - reported as the section's result
-            emit(section=args.section, ok=False, error=f"{type(error).__name__}: {error}",
-                 traceback=traceback.format_exc()[-2500:])
+        run_in_this_process(SECTIONS, args)
         return
     import torch
 
