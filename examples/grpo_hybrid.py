@@ -74,6 +74,7 @@ class Options:
     lora_rank: int = 0  # > 0: train LoRA adapters (alpha = 2 * rank, attention + MLP projections) and push only them
     engine_memory: float = 0.15  # vLLM's share of the GPU: free at its start; all of it with --kv-cache share
     kv_cache: str = "batch"  # vLLM's KV cache: "batch" = (192 + --max-new-tokens) x batch, "share" = --engine-memory
+    overlap_switches: bool = False  # a role's sleep runs behind the next role's wake (needs room for all resident)
     tiny: bool = False  # smoke run: 3 steps of a few short samples
 
 
@@ -125,7 +126,7 @@ def start(options: Options) -> Hybrid:
                           sglang_python=options.sglang_python, sglang_site=options.sglang_site,
                           num_gpus=options.num_gpus, engine_sleep_level=sleep_level, engine_memory=options.engine_memory,
                           dtype="bfloat16" if options.bf16 and not cpu else "float32",
-                          kv_tokens_per_seq=kv_per_seq,
+                          kv_tokens_per_seq=kv_per_seq, overlap_switches=options.overlap_switches,
                           max_num_seqs=-(-options.prompts_per_step * options.samples_per_prompt // options.num_gpus))
     return Hybrid.start(config, trainers)
 

@@ -76,6 +76,56 @@ def test_guard_refuses_second_awake_model_naming_both_roles_and_gpu(store):
                    ("critic", "wake_up", {})]
 
 
+def test_store_swap_replaces_only_the_expected_claim(store):
+    assert store.swap("g0", "actor", "critic") is False and store.holder("g0") is None  # nothing to replace
+    store.claim("g0", "actor")
+    assert store.swap("g0", "reference", "critic") is False and store.holder("g0") == "actor"
+    assert store.swap("g0", "actor", "actor~") is True and store.holder("g0") == "actor~"
+    assert store.claim("g0", "critic") == "actor~" and store.release("g0", "actor") is False
+    assert store.release("g0", "actor~") is True and store.holder("g0") is None
+
+
+def test_a_wake_displaces_a_role_marked_releasing_only_when_asked(store):
+    """mark_releasing + wake(displace_releasing=True): the next role takes the GPU while the first one's sleep is
+    still to come; that sleep then leaves the new claim alone. Without the flag, or without the mark, it is refused."""
+    log: list = []
+    reference, actor = FakeModel("reference", log), FakeModel("actor", log)
+    guard = PhaseGuard(store, gpu="g0")
+    guard.wake("reference", reference)
+    with pytest.raises(PhaseConflictError, match="'reference' is awake there"):
+        guard.wake("actor", actor, displace_releasing=True)  # not marked: still refused
+    assert guard.mark_releasing("reference", reference) is True
+    assert guard.awake_role() == "reference"
+    with pytest.raises(PhaseConflictError, match="'reference' is going to sleep there"):
+        guard.wake("actor", actor)  # marked, but the waker did not ask to displace
+    transition = guard.wake("actor", actor, phase="train", displace_releasing=True)
+    assert transition.displaced == "reference" and guard.awake_role() == "actor"
+    guard.sleep("reference", reference)  # the displaced role's sleep: it must not release the actor's claim
+    assert guard.awake_role() == "actor"
+    assert guard.mark_releasing("reference", reference) is False  # holds nothing now
+    with pytest.raises(PhaseConflictError, match="'actor' is awake there"):
+        guard.wake("reference", reference, displace_releasing=True)
+    guard.sleep("actor", actor)
+    assert guard.awake_role() is None
+    # marked, and its sleep done before anyone came: the claim is gone as usual
+    guard.wake("reference", reference)
+    assert guard.mark_releasing("reference", reference)
+    guard.sleep("reference", reference)
+    assert guard.awake_role() is None and guard.wake("actor", actor, displace_releasing=True).displaced is None
+    assert [entry[:2] for entry in log] == [("reference", "wake_up"), ("actor", "wake_up"), ("reference", "sleep"),
+                                            ("actor", "sleep"), ("reference", "wake_up"), ("reference", "sleep"),
+                                            ("actor", "wake_up")]
+
+
+def test_a_role_cannot_displace_its_own_releasing_claim_under_another_model():
+    guard, log = PhaseGuard(LocalPhaseStore(), gpu="g0"), []
+    first, second = FakeModel("a", log), FakeModel("b", log)
+    guard.wake("actor", first)
+    guard.mark_releasing("actor", first)
+    with pytest.raises(PhaseConflictError, match="already awake there as another model"):
+        guard.wake("actor", second, displace_releasing=True)
+
+
 def test_guard_same_role_rewakes_with_kwargs_and_other_gpu_is_free():
     log: list = []
     engine, actor = FakeModel("rollout", log), FakeModel("actor", log)

@@ -17,6 +17,10 @@ releases the claim. A role that is partially asleep (an actor keeping its weight
 and reserved CUDA memory and the device's free memory (or, without a CUDA context in this process, none: the guard
 never creates one) and is kept in ``guard.history``.
 
+A role may hand over before its sleep is done: :meth:`PhaseGuard.mark_releasing` marks its claim as releasing, and a
+``wake(..., displace_releasing=True)`` of another role then takes the GPU at once, while the first one's sleep goes
+on (the caller vouches that both fit the GPU at that moment; the hybrid run checks it with its memory estimate).
+
 Stores: :class:`LocalPhaseStore` (one process, threads), :class:`FilePhaseStore` (processes of one node sharing a
 directory; ``fcntl`` locks, POSIX only), :class:`TCPPhaseStore` (any processes or nodes that reach one
 ``torch.distributed.TCPStore``; picklable, so a Ray driver can hand it to its actors). What the guard does not do:
@@ -57,6 +61,7 @@ class PhaseConflictError(RuntimeError):
 
 
 _OWNER_SEP = "\x1f"  # the store records "<role>\x1f<owner>": one role name may not cover two models on a GPU
+_RELEASING = "\x1freleasing"  # appended to a claim whose model is going to sleep (mark_releasing)
 
 
 def _owner(model: object) -> str:
@@ -66,7 +71,7 @@ def _owner(model: object) -> str:
 
 
 def _split_holder(holder: str) -> tuple[str, str]:
-    role, _, owner = holder.partition(_OWNER_SEP)
+    role, _, owner = holder.removesuffix(_RELEASING).partition(_OWNER_SEP)
     return role, owner
 
 
@@ -92,6 +97,11 @@ class PhaseStore(Protocol):
         ...
 
     def holder(self, gpu: str) -> str | None: ...
+
+    def swap(self, gpu: str, expected: str, desired: str) -> bool:
+        """Atomically replace the claim ``expected`` by ``desired``; False (nothing changed) when ``gpu`` holds
+        anything else. Only :meth:`PhaseGuard.mark_releasing` and displacing wakes use it."""
+        ...
 
 
 def gpu_key(device_index: int | None = None) -> str:
@@ -127,6 +137,13 @@ class LocalPhaseStore:
     def holder(self, gpu: str) -> str | None:
         with self._lock:
             return self._holders.get(gpu)
+
+    def swap(self, gpu: str, expected: str, desired: str) -> bool:
+        with self._lock:
+            if self._holders.get(gpu) != expected:
+                return False
+            self._holders[gpu] = desired
+            return True
 
 
 class FilePhaseStore:
@@ -169,6 +186,13 @@ class FilePhaseStore:
     def holder(self, gpu: str) -> str | None:
         with self._locked() as state:
             return state.get(gpu)
+
+    def swap(self, gpu: str, expected: str, desired: str) -> bool:
+        with self._locked() as state:
+            if state.get(gpu) != expected:
+                return False
+            state[gpu] = desired
+            return True
 
 
 def _read_state(path: Path) -> dict[str, str]:
@@ -237,6 +261,12 @@ class TCPPhaseStore:
             return None
         return store.get(self._key(gpu)).decode() or None
 
+    def swap(self, gpu: str, expected: str, desired: str) -> bool:
+        if not expected:
+            raise ValueError("swap() replaces a claim; use claim() on a free GPU")
+        # compare_set writes `desired` only if the key holds `expected`, and returns the key's value after it
+        return self._client().compare_set(self._key(gpu), expected, desired).decode() == desired
+
     def set_flag(self, name: str) -> None:
         """Raise the one-way flag ``name`` for every process that holds this store (e.g. a start-up gate: the
         engines build their models once the trainers have loaded theirs and gone to sleep)."""
@@ -257,7 +287,8 @@ class TCPPhaseStore:
 @dataclass(frozen=True, kw_only=True)
 class Transition:
     """One guarded transition. Memory fields are bytes of this process's view of the device (None without CUDA).
-    ``result``: what the model's ``sleep()``/``wake_up()`` returned (e.g. a DeepSpeed engine's stats), or None."""
+    ``result``: what the model's ``sleep()``/``wake_up()`` returned (e.g. a DeepSpeed engine's stats), or None.
+    ``displaced``: the role a ``wake(..., displace_releasing=True)`` took the GPU from while it went to sleep."""
 
     action: str
     role: str
@@ -268,6 +299,7 @@ class Transition:
     reserved: int | None
     free: int | None
     result: Any = None
+    displaced: str | None = None
 
 
 def _memory(device: torch.device | None) -> tuple[int | None, int | None, int | None]:
@@ -308,17 +340,30 @@ class PhaseGuard:
         return None if holder is None else _split_holder(holder)[0]
 
     def wake(self, role: str, model: Sleepable | None = None, *, gpu: str | None = None, phase: str | None = None,
-             **wake_kwargs: Any) -> Transition:
+             displace_releasing: bool = False, **wake_kwargs: Any) -> Transition:
         """Claim ``gpu`` for ``role`` and call ``model.wake_up(**wake_kwargs)``; PhaseConflictError if another role is
         awake there (the model is not touched). If ``wake_up`` raises, the claim is released.
 
         A claim belongs to ``role`` *and* ``model`` (object and process): waking a different model under a role name
-        that is already awake on the GPU raises :class:`PhaseConflictError` too, naming both models."""
+        that is already awake on the GPU raises :class:`PhaseConflictError` too, naming both models.
+
+        ``displace_releasing=True``: when the other role's claim is marked releasing (:meth:`mark_releasing`: its
+        model is going to sleep), take the GPU from it instead of failing; the other sleep goes on at the same time,
+        so both models' memory must fit. The transition's ``displaced`` names the role it took over from."""
         gpu = self._gpu(gpu)
         if not role or _OWNER_SEP in role:
             raise ValueError(f"role={role!r}; name the role being woken")
         owner = _owner(model)
-        other = self.store.claim(gpu, f"{role}{_OWNER_SEP}{owner}")
+        mine, displaced = f"{role}{_OWNER_SEP}{owner}", None
+        other = self.store.claim(gpu, mine)
+        for _ in range(8):  # each retry follows a change of the claim by another process: a few at most
+            if not (other is not None and displace_releasing and other.endswith(_RELEASING)
+                    and _split_holder(other)[0] != role):
+                break
+            if self._swap(gpu, other, mine):
+                other, displaced = None, _split_holder(other)[0]
+            else:  # the releasing role finished (or another claim came): try again from the start
+                other = self.store.claim(gpu, mine)
         if other is not None:
             where = f" for phase '{phase}'" if phase else ""
             other_role, other_owner = _split_holder(other)
@@ -327,8 +372,9 @@ class PhaseGuard:
                     f"cannot wake '{role}' ({owner}) on GPU {gpu}{where}: role '{role}' is already awake there as "
                     f"another model ({other_owner or 'unknown'}); two models under one role name would both be awake. "
                     f"Give each model its own role name, or sleep the other one first")
+            state = "going to sleep" if other.endswith(_RELEASING) else "awake"
             raise PhaseConflictError(
-                f"cannot wake '{role}' on GPU {gpu}{where}: '{other_role}' is awake there"
+                f"cannot wake '{role}' on GPU {gpu}{where}: '{other_role}' is {state} there"
                 f"{f' ({other_owner})' if other_owner else ''}; put '{other_role}' to sleep first "
                 f"(guard.sleep('{other_role}', ...))")
         start, result = time.perf_counter(), None
@@ -336,9 +382,25 @@ class PhaseGuard:
             if model is not None:
                 result = model.wake_up(**wake_kwargs)
         except BaseException:
-            self.store.release(gpu, f"{role}{_OWNER_SEP}{owner}")
+            self.store.release(gpu, mine)
             raise
-        return self._record("wake", role, gpu, phase, time.perf_counter() - start, result)
+        return self._record("wake", role, gpu, phase, time.perf_counter() - start, result, displaced=displaced)
+
+    def mark_releasing(self, role: str, model: Sleepable | None = None, *, gpu: str | None = None) -> bool:
+        """Mark ``role``'s claim on ``gpu`` (held for ``model``) as releasing: its model is about to go to sleep, and
+        a ``wake(..., displace_releasing=True)`` of another role may take the GPU before that sleep is done. Call
+        :meth:`sleep` after it as usual. Returns False when ``role`` holds no claim there for ``model``."""
+        gpu = self._gpu(gpu)
+        holder = f"{role}{_OWNER_SEP}{_owner(model)}"
+        return self._swap(gpu, holder, holder + _RELEASING)
+
+    def _swap(self, gpu: str, expected: str, desired: str) -> bool:
+        swap = getattr(self.store, "swap", None)
+        if swap is None:
+            raise TypeError(f"{type(self.store).__name__} has no swap(gpu, expected, desired); a releasing claim and "
+                            "a wake that displaces it need it (LocalPhaseStore, FilePhaseStore and TCPPhaseStore "
+                            "have it)")
+        return swap(gpu, expected, desired)
 
     def sleep(self, role: str, model: Sleepable | None = None, *, gpu: str | None = None, phase: str | None = None,
               **sleep_kwargs: Any) -> Transition:
@@ -350,7 +412,10 @@ class PhaseGuard:
         start, result = time.perf_counter(), None
         if model is not None:
             result = model.sleep(**sleep_kwargs)
-            self.store.release(gpu, f"{role}{_OWNER_SEP}{_owner(model)}")
+            holder = f"{role}{_OWNER_SEP}{_owner(model)}"
+            # marked releasing or not; a role that displaced this one holds the GPU now, and keeps it
+            if not self.store.release(gpu, holder):
+                self.store.release(gpu, holder + _RELEASING)
         else:
             holder = self.store.holder(gpu)
             if holder is not None and _split_holder(holder)[0] == role:
@@ -376,10 +441,10 @@ class PhaseGuard:
         return None if holder is None else _split_holder(holder)[0]
 
     def _record(self, action: str, role: str, gpu: str, phase: str | None, seconds: float,
-                result: Any = None) -> Transition:
+                result: Any = None, displaced: str | None = None) -> Transition:
         allocated, reserved, free = _memory(self.device)
         transition = Transition(action=action, role=role, gpu=gpu, phase=phase, seconds=seconds,
-                                allocated=allocated, reserved=reserved, free=free, result=result)
+                                allocated=allocated, reserved=reserved, free=free, result=result, displaced=displaced)
         self.history.append(transition)
         where = f" (phase {phase})" if phase else ""
         if allocated is None:

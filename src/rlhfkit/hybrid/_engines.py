@@ -51,13 +51,16 @@ class GuardedEngineMixin:
             moved += _bytes_moved(transition.result)
         return {"switch_s": seconds, "bytes_d2h": moved}
 
-    def guarded_wake(self, tags: Sequence[str] | None, phase: str) -> dict[str, float]:
+    def guarded_wake(self, tags: Sequence[str] | None, phase: str,
+                     displace_releasing: bool = False) -> dict[str, float]:
         """Claim every GPU of the engine, then wake ``tags`` (None: everything); returns ``switch_s`` and
-        ``bytes_h2d`` (what the engine's ``wake_up`` reports it copied back)."""
+        ``bytes_h2d`` (what the engine's ``wake_up`` reports it copied back). ``displace_releasing``: take a GPU
+        from a trainer role still going to sleep (``HybridConfig.overlap_switches``)."""
         seconds, moved = 0.0, 0.0
         for index, gpu in reversed(list(enumerate(self._gpus))):
             model, kwargs = (self, {"tags": tags}) if index == 0 and not self._resident else (None, {})
-            transition = self._guard.wake(self.role, model, gpu=gpu, phase=phase, **kwargs)
+            transition = self._guard.wake(self.role, model, gpu=gpu, phase=phase,
+                                          displace_releasing=displace_releasing, **kwargs)
             self._events.append(transition_record(transition, rank=self.engine_index))
             seconds += transition.seconds
             moved += _bytes_moved(transition.result)
@@ -189,8 +192,9 @@ class RolloutEngines:
 
     def __init__(self, group: Any, handles: Sequence[Any], *, colocated: bool, sleep_level: int,
                  timer: Any = None, trainer_version: Callable[[], int] | None = None, overlap: bool = False,
-                 pausable: bool = False, update_timeout_s: float = 300.0) -> None:
+                 pausable: bool = False, update_timeout_s: float = 300.0, displace_releasing: bool = False) -> None:
         self.group, self.handles = group, list(handles)
+        self.displace_releasing = displace_releasing  # wakes take the GPU from a trainer still going to sleep
         self.trainer_version = trainer_version  # checked against the rollouts' weight versions (max_weight_lag)
         self.colocated, self.sleep_level, self.timer = colocated, sleep_level, timer
         self.overlap, self.pausable, self.update_timeout_s = overlap, pausable, update_timeout_s
@@ -215,7 +219,7 @@ class RolloutEngines:
                                     bytes_h2d=max(result.get("bytes_h2d", 0.0) for result in results))
 
     def wake(self, tags: Sequence[str] | None = None, *, phase: str = "generate") -> None:
-        self._switch(self.group.call("guarded_wake", list(tags) if tags else None, phase))
+        self._switch(self.group.call("guarded_wake", list(tags) if tags else None, phase, self.displace_releasing))
         self.asleep = False
 
     def sleep(self, level: int | None = None, *, phase: str = "generate") -> None:

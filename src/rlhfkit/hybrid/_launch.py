@@ -9,6 +9,7 @@ engines with every wake and sleep it needs; :meth:`Hybrid.close` stops everythin
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import logging
@@ -115,6 +116,12 @@ class HybridConfig:
             cores the engines and trainers keep busy, and the asynchronous loop's driver work took 3.4x longer
             while an engine generated (docs/benchmarks.md). 1 (default) runs them on the calling thread; None
             leaves torch's setting alone (a script that does heavy CPU work of its own in this process).
+        overlap_switches: a trainer role's sleep runs in the background, behind the next role's wake (the phase
+            guard lets that wake take the GPU from a role marked as going to sleep): the reference's sleep behind
+            the actor's wake, the actor's sleeps behind the engines' wakes. Both models are on the GPU for a moment,
+            so :meth:`Hybrid.start` refuses it unless the plan's memory estimate fits the run with every role
+            resident. The background sleeps' seconds are ``time/overlapped_sleep_s``, outside the step's switch
+            time. Off by default (not yet measured on a GPU).
     """
 
     model: str
@@ -147,6 +154,7 @@ class HybridConfig:
     host_memory_gib: float | None = None
     pause_engines: bool = True
     driver_threads: int | None = 1
+    overlap_switches: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -192,6 +200,8 @@ class HybridConfig:
                 raise ValueError(f"HybridConfig.{name}={value!r}; GiB of {what} (> 0) or None")
         if not isinstance(self.pause_engines, bool):
             raise TypeError(f"HybridConfig.pause_engines={self.pause_engines!r}; must be True or False")
+        if not isinstance(self.overlap_switches, bool):
+            raise TypeError(f"HybridConfig.overlap_switches={self.overlap_switches!r}; must be True or False")
         if self.driver_threads is not None and (isinstance(self.driver_threads, bool)
                                                 or not isinstance(self.driver_threads, int) or self.driver_threads < 1):
             raise ValueError(f"HybridConfig.driver_threads={self.driver_threads!r}; must be None or a positive int")
@@ -321,6 +331,8 @@ class Hybrid:
         built = functools.cache(meta_model)  # each model built on the meta device once, for both checks
         _check_lora(config, trainers, meta_model=built)
         estimate = check_fit(config, trainers, meta_model=built)
+        if config.overlap_switches:
+            _check_overlap_fits(config, trainers, meta_model=built)
         run, started = cls(config), time.perf_counter()
         if config.engine_kv_tokens is not None:
             run._kv_cache_bytes = hybrid_kv_cache_bytes(config, model_shape(config.model, model=built(config.model)))
@@ -371,6 +383,7 @@ class Hybrid:
                     raise engines.exception()
                 # the actor's process measures its pinned copy rates (the floor of the switches) before its load
                 loaded = self._workers[role].call("load", trainer_config, measure_copy_rates=role == "actor",
+                                                  overlap_switches=self.config.overlap_switches,
                                                   timeout_s=self.config.start_timeout_s)
                 if role == "actor":
                     self.timer.copy_rates = loaded[0]["copy_rates"]
@@ -460,7 +473,8 @@ class Hybrid:
                                       sleep_level=config.engine_sleep_level, timer=self.timer,
                                       trainer_version=self.actor_version, overlap=config.overlap,
                                       pausable=config.engine == "hf" or self._pausable_vllm,
-                                      update_timeout_s=config.sync_timeout_s)
+                                      update_timeout_s=config.sync_timeout_s,
+                                      displace_releasing=config.overlap_switches)
 
     @property
     def _pausable_vllm(self) -> bool:
@@ -685,6 +699,21 @@ def check_fit(config: HybridConfig, trainers: Mapping[str, TrainerConfig], *,
                                       gpu_memory_gib=gpu_gib, host_memory_gib=host_gib, meta_model=meta_model)
     estimate.check_fit(what=f"the hybrid run of {config.model!r} on {config.total_gpus} GPU(s)")
     return estimate
+
+
+def _check_overlap_fits(config: HybridConfig, trainers: Mapping[str, TrainerConfig], *,
+                        meta_model: Callable[[str], Any] | None = None) -> None:
+    """``overlap_switches`` puts two roles on a GPU for a moment: refuse it (before anything starts) unless the
+    memory estimate fits the run with every role resident, the most two roles' states can take together."""
+    from rlhfkit.placement import MemoryFitError
+
+    resident = {role: dataclasses.replace(trainer, offload=False) for role, trainer in trainers.items()}
+    try:
+        check_fit(dataclasses.replace(config, engine_sleep_level=0), resident, meta_model=meta_model)
+    except MemoryFitError as error:
+        raise ValueError(f"HybridConfig.overlap_switches=True needs room for every role resident at once (two "
+                         f"roles share the GPU while one goes to sleep), and the memory estimate says: {error}. "
+                         "Turn overlap_switches off") from error
 
 
 def ray_memory_threshold() -> float:

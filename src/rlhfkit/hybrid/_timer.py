@@ -135,12 +135,13 @@ class PhaseTimer:
         self.times: dict[str, float] = defaultdict(float)
         self._moved: dict[str, float] = defaultdict(float)
         self._worker: dict[str, float] = defaultdict(float)
+        self._overlapped = 0.0  # background sleeps' seconds (count_overlapped)
         self._current: str | None = None
         self._started: float | None = None
 
     def start_step(self) -> None:
         self.times, self._moved, self._bytes = defaultdict(float), defaultdict(float), defaultdict(float)
-        self._worker = defaultdict(float)
+        self._worker, self._overlapped = defaultdict(float), 0.0
         self._started = time.perf_counter()
         if self.sampler is not None:
             self.sampler.take()
@@ -191,6 +192,14 @@ class PhaseTimer:
             self._worker[f"{source}_s"] += seconds
             self._worker[f"{source}_cpu_s"] += cpu_s
 
+    def count_overlapped(self, seconds: float) -> None:
+        """Count ``seconds`` of sleeps that ran in the background, behind another role's work
+        (``HybridConfig.overlap_switches``): ``time/overlapped_sleep_s``, not part of the step's switch time (their
+        bytes still count toward the switches' floor)."""
+        if not seconds >= 0:
+            raise ValueError(f"count_overlapped({seconds!r}); give a duration >= 0")
+        self._overlapped += seconds
+
     def count_sync_bytes(self, num_bytes: float) -> None:
         """Count ``num_bytes`` a weight sync moved into the engines in this step."""
         if not num_bytes >= 0:
@@ -222,6 +231,8 @@ class PhaseTimer:
         self._moved.clear()
         row = {f"time/{name}_s": seconds for name, seconds in self.times.items()} | {"time/step_s": step}
         row |= {f"worker/{name}": seconds for name, seconds in self._worker.items()}
+        if self._overlapped:
+            row["time/overlapped_sleep_s"] = self._overlapped
         switch = sum(self.times.get(name, 0.0) for name in SWITCH_PHASES)
         row |= {"time/phase_switch_s": switch, "time/phase_switch_fraction": switch / step if step > 0 else 0.0}
         row |= self._switch_bytes(switch)

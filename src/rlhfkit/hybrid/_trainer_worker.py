@@ -12,6 +12,7 @@ import importlib
 import math
 import numbers
 import os
+import threading
 import time
 from collections import defaultdict
 from typing import Any
@@ -24,6 +25,7 @@ from rlhfkit.workers import Worker
 
 _GIB = 1024**3
 OUTPUTS = ("logprobs", "values", "rewards")
+SETTLE_TIMEOUT_S = 600.0  # the longest a call waits for the background sleep of the call before it
 
 
 def plan_gpu_key(node: int, gpu: int) -> str:
@@ -38,6 +40,8 @@ def transition_record(transition: Any, **extra: Any) -> dict[str, Any]:
     for name in ("allocated", "reserved", "free"):
         value = getattr(transition, name)
         record[f"{name}_gib"] = None if value is None else value / _GIB
+    if getattr(transition, "displaced", None):  # a wake that took the GPU from a role still going to sleep
+        record["displaced"] = transition.displaced
     return record | extra
 
 
@@ -106,20 +110,26 @@ class TrainerWorker(Worker):
         self._pending_backward = False
         self._resident = _Resident()
         self._moved = {"bytes_d2h": 0.0, "bytes_h2d": 0.0}  # copied by sleeps / wakes since the last call's report
+        self.overlap = False  # HybridConfig.overlap_switches: sleeps run behind the next role's wake
+        self._background: tuple[threading.Thread, str, bool] | None = None  # a sleep still running: phase, keep
+        self._background_error: BaseException | None = None
+        self._overlapped_s = 0.0  # seconds of background sleeps since the last report
+        self._stats_lock = threading.Lock()  # the counters above: a background sleep adds while a call reports
 
     @property
     def trains(self) -> bool:
         return self.role in ("actor", "critic")
 
     # ------------------------------------------------------------------ lifecycle
-    def load(self, config: Any, *, measure_copy_rates: bool = False) -> dict[str, Any]:
+    def load(self, config: Any, *, measure_copy_rates: bool = False, overlap_switches: bool = False) -> dict[str, Any]:
         """Build the model while holding the GPU's claim, then put it to sleep. ``measure_copy_rates``: first time
         this process's pinned host<->device copies on the still empty GPU (:func:`rlhfkit.hybrid.
-        measure_copy_rates`; ``copy_rates`` is None on CPU)."""
+        measure_copy_rates`; ``copy_rates`` is None on CPU). ``overlap_switches``: later sleeps run in the
+        background, behind the next role's wake (``HybridConfig.overlap_switches``)."""
         from rlhfkit.deepspeed_engine import DeepSpeedEngine
         from rlhfkit.hybrid._copy_floor import measure_copy_rates as measure
 
-        self.config = config
+        self.config, self.overlap = config, bool(overlap_switches)
         self._resident = _Resident(empty_cache=config.deepspeed.empty_cache_on_sleep)
         self._transition("wake", "load")  # claim only: the model does not exist yet
         if self.device_kind == "cuda":
@@ -146,30 +156,79 @@ class TrainerWorker(Worker):
     def _transition(self, action: str, phase: str, **kwargs: Any) -> float:
         if action == "wake":
             transition = self.guard.wake(self.role, self._sleepable() if self.model is not None else None,
-                                         phase=phase, **kwargs)
+                                         phase=phase, displace_releasing=self.overlap, **kwargs)
             self.awake = True
         else:
             transition = self.guard.sleep(self.role, self._sleepable() if self.model is not None else None,
                                           phase=phase, **kwargs)
             self.awake = False
         if isinstance(transition.result, dict):  # a DeepSpeed engine's stats (the resident stand-in returns None)
-            self._moved["bytes_d2h" if action == "sleep" else "bytes_h2d"] += transition.result.get("bytes_moved", 0)
+            with self._stats_lock:
+                self._moved["bytes_d2h" if action == "sleep" else "bytes_h2d"] += transition.result.get("bytes_moved",
+                                                                                                       0)
         self.events.append(transition_record(transition, rank=self.rank))
         return transition.seconds
 
     def _report(self) -> dict[str, Any]:
         """What every call returns besides its own results: the bytes its sleeps and wakes copied, and the state it
         leaves the role in (``awake``; ``weights_only``: asleep but for the weights), so the caller can skip calls
-        that would do nothing."""
-        return {**self._take_moved(), "awake": self.awake, "weights_only": self._weights_only}
+        that would do nothing; ``overlapped_s``: seconds of background sleeps that finished since the last report
+        (their bytes are in the byte counts of the report after they finish)."""
+        weights_only = self._background[2] if self._background is not None else self._weights_only
+        with self._stats_lock:
+            overlapped, self._overlapped_s = self._overlapped_s, 0.0
+        return {**self._take_moved(), "awake": self.awake, "weights_only": weights_only, "overlapped_s": overlapped}
+
+    def _sleep(self, phase: str, *, keep_weights: bool = False) -> float:
+        """Put the model to sleep now; or, with ``overlap_switches``, mark its claim releasing (the next role may
+        wake at once) and sleep in a background thread, which every later call joins first. Returns the seconds
+        spent here."""
+        if not self.overlap:
+            return self._transition("sleep", phase, keep_weights=keep_weights)
+        self.guard.mark_releasing(self.role, self._sleepable() if self.model is not None else None)
+        self.awake = False  # going to sleep: no call runs before that sleep is over (_settle)
+
+        def sleep() -> None:
+            try:
+                if self.device_kind == "cuda":
+                    torch.cuda.set_device(self.device())
+                seconds = self._transition("sleep", phase, keep_weights=keep_weights)
+                with self._stats_lock:
+                    self._overlapped_s += seconds
+            except BaseException as error:  # noqa: BLE001 - raised by the next call (_settle), naming the phase
+                self._background_error = error
+
+        thread = threading.Thread(target=sleep, name=f"{self.role}-{self.rank}-sleep", daemon=True)
+        self._background = (thread, phase, keep_weights)
+        thread.start()
+        return 0.0
+
+    def _settle(self, method: str) -> None:
+        """Wait for a background sleep (``overlap_switches``) to finish; raise what it raised, naming the phase it
+        closed and the call that found out."""
+        if self._background is None:
+            return
+        thread, phase, _ = self._background
+        thread.join(SETTLE_TIMEOUT_S)
+        if thread.is_alive():
+            raise HybridCallError(f"{method}() on '{self.role}' rank {self.rank}: its sleep after phase '{phase}' did "
+                                  f"not finish within {SETTLE_TIMEOUT_S:g} s", role=self.role, rank=self.rank,
+                                  phase=phase)
+        self._background, error, self._background_error = None, self._background_error, None
+        if error is not None:
+            raise HybridCallError(f"'{self.role}' rank {self.rank}: its sleep after phase '{phase}' failed in the "
+                                  f"background ({type(error).__name__}: {error}); found by {method}()",
+                                  role=self.role, rank=self.rank, phase=phase) from error
 
     def _take_moved(self) -> dict[str, float]:
         """The bytes sleeps and wakes copied since the last call (reported with its ``switch_s``)."""
-        moved, self._moved = self._moved, {"bytes_d2h": 0.0, "bytes_h2d": 0.0}
+        with self._stats_lock:
+            moved, self._moved = self._moved, {"bytes_d2h": 0.0, "bytes_h2d": 0.0}
         return moved
 
     def wake(self, phase: str = "wake") -> dict[str, float]:
         """Wake the role (if asleep); returns ``switch_s`` and the bytes moved (``bytes_d2h``, ``bytes_h2d``)."""
+        self._settle("wake")
         seconds = 0.0 if self.awake else self._transition("wake", phase)
         return {"switch_s": seconds, **self._report()}
 
@@ -181,9 +240,10 @@ class TrainerWorker(Worker):
     def sleep(self, phase: str = "sleep", keep_weights: bool = False) -> dict[str, float]:
         """Put the role to sleep; when it kept only its weights, ``keep_weights=False`` moves those too. Returns
         ``switch_s`` and the bytes moved (``bytes_d2h``, ``bytes_h2d``)."""
+        self._settle("sleep")
         seconds = 0.0
         if self.awake or (self._weights_only and not keep_weights):
-            seconds = self._transition("sleep", phase, keep_weights=keep_weights and self.config.offload)
+            seconds = self._sleep(phase, keep_weights=keep_weights and self.config.offload)
         return {"switch_s": seconds, **self._report()}
 
     def guard_events(self) -> list[dict[str, Any]]:
@@ -191,6 +251,7 @@ class TrainerWorker(Worker):
         return events
 
     def _begin(self, method: str, phase: str, wake: bool) -> float:
+        self._settle(method)
         if self.model is None:
             raise HybridCallError(f"{method}() on '{self.role}' rank {self.rank} before load()", role=self.role,
                                   rank=self.rank, phase=phase)
@@ -217,7 +278,7 @@ class TrainerWorker(Worker):
     def _end(self, phase: str, sleep_after: bool | str) -> float:
         if sleep_after in (False, None):
             return 0.0
-        return self._transition("sleep", phase, keep_weights=sleep_after == "keep_weights" and self.config.offload)
+        return self._sleep(phase, keep_weights=sleep_after == "keep_weights" and self.config.offload)
 
     # ------------------------------------------------------------------ primitives
     def forward(self, batches: list, *, output: str, temperature: float, phase: str, wake: bool,
@@ -327,6 +388,7 @@ class TrainerWorker(Worker):
 
     def optim_step(self, *, phase: str, sleep_after: bool | str) -> dict[str, Any]:
         """One optimizer step over the gradients of the last ``forward_backward`` (the accumulation boundary)."""
+        self._settle("optim_step")
         if not self._pending_backward:
             raise HybridCallError(f"optim_step() on '{self.role}' rank {self.rank} with no forward_backward() "
                                   "before it", role=self.role, rank=self.rank, phase=phase)
@@ -362,6 +424,7 @@ class TrainerWorker(Worker):
 
         from rlhfkit.weight_sync import SyncEndpoint, WeightSender
 
+        self._settle("open_weight_sync")
         self.sync_config = config
         if not sender:
             return None
@@ -374,6 +437,7 @@ class TrainerWorker(Worker):
 
     def send_weights(self, *, phase: str) -> dict[str, Any]:
         """Stream the weights to the engines (every rank takes part in ZeRO-3's gathers; the sender ranks send)."""
+        self._settle("send_weights")
         if self.model.is_asleep and not self._weights_only:
             raise RoleAsleepError(f"push_weights: '{self.role}' rank {self.rank} is asleep without its weights; "
                                   "train with optim_step(sleep_after='keep_weights') or wake it", role=self.role,

@@ -1,0 +1,171 @@
+"""HybridConfig.overlap_switches: a trainer role's sleep runs in the background while the next role wakes.
+
+The worker's background sleep and the guard's hand-over are checked in this process (a real TrainerWorker over a
+stand-in model, a LocalPhaseStore); the whole loop on CPU with Ray, DeepSpeed and the HF engine, against the same
+loop without overlap.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from rlhfkit.hybrid import HybridCallError
+from rlhfkit.phase import LocalPhaseStore, PhaseConflictError, PhaseGuard
+
+
+class SlowModel:
+    """Sleeps as slowly as told, or fails; records whether it is asleep (what the worker's state reads)."""
+
+    def __init__(self, *, sleep_s: float = 0.0, fail: bool = False) -> None:
+        self.sleep_s, self.fail, self.is_asleep, self._weights_kept = sleep_s, fail, False, False
+        self.started = threading.Event()
+
+    def sleep(self, keep_weights: bool = False) -> dict:
+        self.started.set()
+        time.sleep(self.sleep_s)
+        if self.fail:
+            raise MemoryError("the host buffer could not be pinned")
+        self.is_asleep, self._weights_kept = True, keep_weights
+        return {"bytes_moved": 1000.0}
+
+    def wake_up(self) -> dict:
+        self.is_asleep = self._weights_kept = False
+        return {"bytes_moved": 1000.0}
+
+
+@pytest.fixture
+def worker(monkeypatch, tiny_llama_path):
+    """A TrainerWorker of role 'reference', rank 0, on GPU key node0/gpu0 of an in-process store."""
+    from rlhfkit.hybrid._trainer_worker import TrainerWorker
+
+    for name, value in {"RLHFKIT_ROLE": "reference", "RANK": "0", "RLHFKIT_BUNDLE_INDICES": "0",
+                        "RLHFKIT_PLAN_NODE": "0"}.items():
+        monkeypatch.setenv(name, value)
+    store = LocalPhaseStore()
+    worker = TrainerWorker(store, "cpu", str(tiny_llama_path))
+
+    class Config:
+        offload = True
+
+    worker.config, worker.overlap = Config(), True
+    return worker, store
+
+
+def test_a_background_sleep_lets_the_next_role_wake_and_is_joined_by_the_next_call(worker):
+    worker, store = worker
+    worker.model = SlowModel(sleep_s=0.5)
+    worker._transition("wake", "forward_reference")
+    assert worker._sleep("forward_reference") == 0.0  # returns at once; the model sleeps in the background
+    assert worker.model.started.wait(5) and not worker.model.is_asleep
+    report = worker._report()
+    assert report["awake"] is False and report["weights_only"] is False
+    actor, started = PhaseGuard(store, gpu="node0/gpu0"), time.perf_counter()
+    transition = actor.wake("actor", SlowModel(), phase="train_actor", displace_releasing=True)
+    assert transition.displaced == "reference" and time.perf_counter() - started < 0.4  # did not wait for it
+    # the reference's next call joins its sleep first, then finds the actor awake: refused, as without overlap
+    with pytest.raises(PhaseConflictError, match="'actor' is awake there"):
+        worker.wake(phase="forward_reference")
+    assert worker.model.is_asleep and worker._background is None
+    assert actor.awake_role() == "actor"  # the reference's finished sleep left the actor's claim alone
+    report = worker._report()
+    assert report["overlapped_s"] >= 0.5 and report["bytes_d2h"] == 1000.0
+    assert [e["action"] for e in worker.guard_events()] == ["wake", "sleep"]
+
+
+def test_a_failed_background_sleep_surfaces_on_the_next_call_naming_role_rank_and_phase(worker):
+    worker, _ = worker
+    worker.model = SlowModel(fail=True)
+    worker._transition("wake", "forward_reference")
+    worker._sleep("forward_reference", keep_weights=True)
+    assert worker._report()["weights_only"] is True  # what the sleep will leave: the caller skips a second sleep
+    with pytest.raises(HybridCallError, match=r"'reference' rank 0: its sleep after phase 'forward_reference' "
+                                              r"failed in the background \(MemoryError: the host buffer") as error:
+        worker.wake(phase="next")
+    assert error.value.phase == "forward_reference" and error.value.role == "reference"
+    worker._settle("again")  # reported once
+
+
+def test_without_overlap_the_sleep_is_done_when_the_call_returns(worker):
+    worker, store = worker
+    worker.overlap = False
+    worker.model = SlowModel(sleep_s=0.2)
+    worker._transition("wake", "forward_reference")
+    assert worker._sleep("forward_reference") >= 0.2 and worker.model.is_asleep
+    assert store.holder("node0/gpu0") is None
+
+
+def test_overlap_switches_needs_room_for_every_role_resident(tiny_llama_path):
+    pytest.importorskip("deepspeed")
+    from rlhfkit.deepspeed_engine import DeepSpeedEngineConfig
+    from rlhfkit.hybrid import HybridConfig, TrainerConfig
+    from rlhfkit.hybrid._launch import _check_overlap_fits
+
+    with pytest.raises(TypeError, match="overlap_switches='yes'"):
+        HybridConfig(model=str(tiny_llama_path), device="cpu", engine="hf", overlap_switches="yes")
+    trainers = {"actor": TrainerConfig(deepspeed=DeepSpeedEngineConfig(zero_stage=1, optimizer="torch_adamw"))}
+    config = HybridConfig(model=str(tiny_llama_path), device="cpu", engine="hf", overlap_switches=True)
+    _check_overlap_fits(config, trainers)  # no GPU size known on CPU: nothing to check
+    tiny_gpu = HybridConfig(model=str(tiny_llama_path), device="cpu", engine="hf", overlap_switches=True,
+                            gpu_memory_gib=0.001)
+    with pytest.raises(ValueError, match="overlap_switches=True needs room for every role resident"):
+        _check_overlap_fits(tiny_gpu, trainers)
+
+
+def _run(tiny_llama_path, overlap: bool, steps: int = 2) -> list[dict]:
+    from rlhfkit.deepspeed_engine import DeepSpeedEngineConfig
+    from rlhfkit.engines import SamplingConfig
+    from rlhfkit.experience import ExperienceConfig, engine_token_logprobs, make_experience
+    from rlhfkit.hybrid import Hybrid, HybridConfig, TrainerConfig
+    from rlhfkit.losses import policy_loss
+    from rlhfkit.packing import pack_rollouts
+
+    def loss_fn(logprobs, micro, *, num_tokens, num_seqs):
+        return policy_loss(logprobs, micro.old_logprobs, micro.advantages, micro.batch.loss_mask,
+                           micro.batch.cu_seqlens, num_tokens=num_tokens, num_seqs=num_seqs)
+
+    deepspeed = DeepSpeedEngineConfig(zero_stage=1, bf16=False, optimizer="torch_adamw", learning_rate=1e-3)
+    hybrid = Hybrid.start(HybridConfig(model=str(tiny_llama_path), device="cpu", engine="hf", call_timeout_s=120,
+                                       sync_timeout_s=60, overlap_switches=overlap),
+                          {"actor": TrainerConfig(deepspeed=deepspeed),
+                           "reference": TrainerConfig(deepspeed=deepspeed)})
+    rows = []
+    try:
+        actor, reference = hybrid.trainers["actor"], hybrid.trainers["reference"]
+        for step in range(steps):
+            hybrid.timer.start_step()
+            rollouts = hybrid.engines.generate([[5, 6, 7], [8, 9, 10, 11]],
+                                               SamplingConfig(n=4, max_new_tokens=6, seed=step))
+            ref = reference.forward(pack_rollouts(rollouts))
+            experience, _ = make_experience(rollouts, torch.arange(len(rollouts), dtype=torch.float32) % 3,
+                                            config=ExperienceConfig(estimator="grpo"),
+                                            policy_logprobs_fn=lambda b, r=rollouts: engine_token_logprobs(r, b),
+                                            ref_logprobs_fn=lambda b, ref=ref: ref)
+            stats = actor.forward_backward(experience, loss_fn)
+            stats |= actor.optim_step(sleep_after="keep_weights")
+            stats |= hybrid.push_weights()
+            rows.append(stats | hybrid.timer.end_step())
+        events = [event for group in (actor, reference) for event in group.guard_events()]
+    finally:
+        hybrid.close()
+    rows[-1]["events"] = events
+    return rows
+
+
+@pytest.mark.slow
+@pytest.mark.ray
+def test_the_loop_with_overlapped_switches_trains_exactly_as_without(tiny_llama_path):
+    pytest.importorskip("ray")
+    pytest.importorskip("deepspeed")
+    plain, overlapped = _run(tiny_llama_path, False), _run(tiny_llama_path, True)
+    for a, b in zip(plain, overlapped, strict=True):
+        assert a["actor/loss"] == b["actor/loss"] and a["actor/grad_norm"] == b["actor/grad_norm"]
+        assert a["engine/weight_version"] == b["engine/weight_version"]
+    assert "time/overlapped_sleep_s" not in plain[-1]
+    assert overlapped[-1]["time/overlapped_sleep_s"] > 0 and overlapped[-1]["switch/bytes_d2h"] > 0
+    # every sleep still happens (in the background): as many as without overlap, per role and phase
+    count = lambda rows: sorted((e["role"], e["action"], e["phase"]) for e in rows[-1]["events"])
+    assert count(plain) == count(overlapped)
