@@ -133,7 +133,8 @@ class TrainerWorker(Worker):
         self._resident = _Resident(empty_cache=config.deepspeed.empty_cache_on_sleep)
         self._transition("wake", "load")  # claim only: the model does not exist yet
         if self.device_kind == "cuda":
-            torch.cuda.set_device(self.device())
+            self._cuda_device = self.device()  # also for the background sleeps' threads (overlap_switches)
+            torch.cuda.set_device(self._cuda_device)
         rates = measure(self.device()) if measure_copy_rates and self.device_kind == "cuda" else None
         torch.manual_seed(config.seed)
         # trained roles own the accumulation boundary: backward accumulates, optim_step() is the boundary
@@ -191,7 +192,7 @@ class TrainerWorker(Worker):
         def sleep() -> None:
             try:
                 if self.device_kind == "cuda":
-                    torch.cuda.set_device(self.device())
+                    torch.cuda.set_device(self._cuda_device)
                 seconds = self._transition("sleep", phase, keep_weights=keep_weights)
                 with self._stats_lock:
                     self._overlapped_s += seconds
