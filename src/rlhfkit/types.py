@@ -16,7 +16,7 @@ from typing import Literal
 
 import torch
 
-from rlhfkit._cu_seqlens import attach_host_copy, check_logprob_values, cu_end, host_copy, repeat_counts
+from rlhfkit._cu_seqlens import attach_host_copy, check_logprob_values, cu_end, host_copy, segment_ids
 
 __all__ = ["Rollout", "PackedBatch", "PaddedBatch", "Experience"]
 
@@ -258,7 +258,7 @@ class PackedBatch:
         """``[T]`` int64: the sequence each token belongs to; padding tokens get ``N``."""
         ids = torch.full((self.num_tokens,), self.num_seqs, dtype=torch.long, device=self.input_ids.device)
         end = cu_end(self.cu_seqlens)
-        ids[:end] = repeat_counts(torch.arange(self.num_seqs, device=self.input_ids.device), self.seq_lens, total=end)
+        ids[:end] = segment_ids(self.cu_seqlens.to(ids.device), total=end)
         return ids
 
     def to(self, device: torch.device | str) -> PackedBatch:

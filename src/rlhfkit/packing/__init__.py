@@ -29,7 +29,7 @@ from typing import Literal
 import torch
 
 from rlhfkit.packing._attention import PADDED_INDEX_KWARG, VARLEN_ATTENTION, padded_index, register_varlen_attention
-from rlhfkit._cu_seqlens import check_cu_seqlens, host_copy, repeat_counts
+from rlhfkit._cu_seqlens import check_cu_seqlens, host_copy, repeat_counts, segment_ids
 from rlhfkit.packing._padded import pack_padded, unpack_to_padded
 from rlhfkit.packing._partition import global_counts, partition_by_token_budget
 from rlhfkit.types import PackedBatch, Rollout
@@ -166,7 +166,7 @@ def _pad_index(cu: torch.Tensor, *, side: Side) -> tuple[torch.Tensor, torch.Ten
     """Row and column of every real token of a packed stream in the padded ``[N, max_len]`` layout."""
     lengths = cu[1:] - cu[:-1]
     max_len = int(lengths.max())
-    rows = repeat_counts(torch.arange(lengths.numel(), device=cu.device), lengths)
+    rows = segment_ids(cu)
     cols = _restarting_positions(lengths)
     if side == "left":
         cols = cols + (max_len - lengths)[rows]
