@@ -69,18 +69,6 @@ def sglang_config(model: str, args, **overrides):
     return SGLangEngineConfig(**settings)
 
 
-def raw_payload(prompts: list[list[int]], sampling) -> dict:
-    """The ``/generate`` body the engine posts for ``prompts`` (one request per sample, prompt-major; no seeds:
-    ``sampling.seed`` is None here)."""
-    from rlhfkit.engines.sglang import sampling_params
-
-    if sampling.seed is not None:
-        raise ValueError("raw_payload builds unseeded requests; pass a SamplingConfig with seed=None")
-    params = sampling_params(sampling)
-    return {"input_ids": [p for p in prompts for _ in range(sampling.n)],
-            "sampling_params": [params] * (len(prompts) * sampling.n), "return_logprob": bool(sampling.logprobs)}
-
-
 def start_sglang_actor(config, *, gpu_share: float):
     """An SGLang engine Ray actor (its server on the actor's GPU) and its ``ready()`` answer."""
     import ray
@@ -149,6 +137,7 @@ def section_throughput(args) -> None:
 
     from rlhfkit.engines import SamplingConfig
     from rlhfkit.engines.router import EngineGroup, EngineGroupConfig
+    from rlhfkit.engines.sglang import generate_payload
     from rlhfkit.engines.sglang._http import SGLangClient
 
     _ray_init(args)
@@ -165,7 +154,9 @@ def section_throughput(args) -> None:
     start_s = time.perf_counter() - started
     group = EngineGroup([handle], forward_prompt_indices=True,
                         config=EngineGroupConfig(generate_timeout_s=300.0, control_timeout_s=300.0))
-    client, payload = SGLangClient(info["url"], engine_index=0), raw_payload(prompts, sampling)
+    # the very body the engine posts: the raw side differs only by the actor and the result's unpacking
+    client, payload = SGLangClient(info["url"], engine_index=0), generate_payload(prompts, range(len(prompts)),
+                                                                                  sampling)
     run_raw = lambda: client.request("/generate", payload, timeout_s=300.0)
     run_actor = lambda: group.generate(prompts, sampling)
     try:

@@ -94,6 +94,16 @@ def sampling_params(sampling: SamplingConfig) -> dict[str, Any]:
     return params
 
 
+def generate_payload(prompts: Sequence[Sequence[int]], indices: Sequence[int], sampling: SamplingConfig) -> dict:
+    """The ``/generate`` body for ``prompts`` (global indices ``indices``): one request per sample, prompt-major,
+    each seeded by :func:`sample_seed` when ``sampling.seed`` is set."""
+    base = sampling_params(sampling)
+    params = [base if sampling.seed is None else base | {"sampling_seed": sample_seed(sampling.seed, index, k)}
+              for index in indices for k in range(sampling.n)]
+    return {"input_ids": [prompt for prompt in prompts for _ in range(sampling.n)], "sampling_params": params,
+            "return_logprob": bool(sampling.logprobs)}
+
+
 class SGLangEngine(EngineState):
     """One SGLang server behind the rollout-engine protocol; see the module docstring.
 
@@ -170,17 +180,9 @@ class SGLangEngine(EngineState):
         self._check_ready("generate")
         if not prompts:
             return [], [], []
-        base = sampling_params(sampling)
-        params = []
-        for index in indices:
-            for sample_index in range(sampling.n):
-                seeded = base if sampling.seed is None else base | {
-                    "sampling_seed": sample_seed(sampling.seed, index, sample_index)}
-                params.append(seeded)
-        payload = {"input_ids": [prompt for prompt in prompts for _ in range(sampling.n)], "sampling_params": params,
-                   "return_logprob": bool(sampling.logprobs)}
+        payload = generate_payload(prompts, indices, sampling)
         answer = self._post("/generate", payload, self.config.generate_timeout_s)
-        return prompts, indices, self._parse_generate(answer, len(params), sampling.logprobs)
+        return prompts, indices, self._parse_generate(answer, len(payload["sampling_params"]), sampling.logprobs)
 
     def _parse_generate(self, answer: Any, expected: int, logprobs: bool) -> list[tuple]:
         def bad(what: str) -> SGLangProtocolError:
