@@ -78,12 +78,15 @@ def overlap_ceiling(sync: dict) -> float | None:
 
 def driver_summary(path: Path, steps: int, *, top: int = 15) -> dict[str, float]:
     """The driver's main thread from a ``bench/driver_profile.py`` profile: seconds per step on the stack of each of
-    its ``top`` most frequent functions (wall time there, running or waiting)."""
+    its ``top`` most frequent functions and of every function of the example itself, however rare (wall time there,
+    running or waiting). A short run's shutdown can outweigh its steps, so rank alone would drop the step's own
+    functions."""
     profile = json.loads(path.read_text())
     main = profile["threads"].get("MainThread", {"inclusive": []})["inclusive"]
     main = [(function, count) for function, count in main  # not the frames that run the script
             if not function.startswith(("driver_profile.py:", "<frozen runpy>:"))]
-    return {function: count * profile["interval_s"] / max(1, steps) for function, count in main[:top]}
+    kept = main[:top] + [(function, count) for function, count in main[top:] if function.startswith("grpo_async.py:")]
+    return {function: count * profile["interval_s"] / max(1, steps) for function, count in kept}
 
 
 def run_mode(args, mode: str, out: Path) -> dict:

@@ -4,7 +4,7 @@
 
 Runs the script in this process (``runpy``) with a daemon thread that reads every other thread's stack each
 ``--interval-ms`` (2 ms) once the main thread has entered ``--from-function`` (``train_step``: start-up is left out),
-and writes, per thread, the leaf lines and the functions on the stack (inclusive counts) most often seen, and the most
+and writes, per thread, the leaf lines most often seen, every function on the stack (inclusive counts), and the most
 frequent stacks. A count times the interval is wall time, whether the thread ran or waited there. The sampler takes
 the GIL for each sample, so it slows the script a little (about 1.4x the step at 2 ms); compare runs made with it.
 ``bench/async_grpo.py --profile-driver`` runs both of its modes under it: the async loop's extra driver time was
@@ -87,7 +87,7 @@ class StackSampler:
     def report(self, *, top: int = 40) -> dict:
         return {"samples": self.samples, "interval_s": self.interval_s, "start_in": self.start_in,
                 "threads": {name: {"leaf": self._leaf[name].most_common(top),
-                                   "inclusive": self._inclusive[name].most_common(top),
+                                   "inclusive": self._inclusive[name].most_common(),  # every function: few
                                    "stacks": self._stacks[name].most_common(top // 2)} for name in self._leaf}}
 
 
