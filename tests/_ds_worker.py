@@ -244,12 +244,19 @@ def check_lora(stage: int, ctx) -> dict:
     losses = [float(_nll(engine, batch))]
     _train_step(engine, batch)
     round_trip = _sleep_round_trip(engine, batch)
+    later = []  # the frozen base is not copied again (its pinned copy holds it); the adapters and Adam are
     for _ in range(2):
         losses.append(float(_nll(engine, batch)))
         _train_step(engine, batch)
+        later.append(engine.sleep())
+        engine.wake_up()
     frozen = sum(not p.requires_grad for p in engine.module.parameters())
+    frozen_bytes = sum(getattr(p, "ds_tensor", p).numel() * p.element_size()  # ZeRO-3: this rank's shard
+                       for p in engine.module.parameters() if not p.requires_grad)
     engine.destroy()
-    return {"round_trip": round_trip, "losses": losses, "ref_losses": ref_losses, "frozen": frozen}
+    return {"round_trip": round_trip, "losses": losses, "ref_losses": ref_losses, "frozen": frozen,
+            "frozen_bytes": frozen_bytes,
+            "later_sleeps": [{k: stats[k] for k in ("bytes_moved", "bytes_kept_on_host")} for stats in later]}
 
 
 def check_stream(stage: int, ctx, *, bf16: bool = False) -> dict:
@@ -281,7 +288,35 @@ def check_stream(stage: int, ctx, *, bf16: bool = False) -> dict:
     result["round_trip"] = _sleep_round_trip(engine, batch)
     with torch.no_grad():
         result["logprobs_identical_after_wake"] = bool(torch.equal(engine.forward_logprobs(batch).cpu(), logprobs))
+    result["fixed"] = _fixed_weight_cycles(engine, batch, logprobs)
     engine.destroy()
+    return result
+
+
+def _fixed_weight_cycles(engine, batch, logprobs) -> dict:
+    """A model without an optimizer: once its weights went to host and back, the next sleep copies nothing (the pinned
+    copy holds them) and the wake brings back the same log-probs; a write in place, or one said with
+    weights_changed(), makes the next sleep copy again, and the written values survive the round trip."""
+    param = next(engine.module.parameters())
+    target = param.ds_tensor if hasattr(param, "ds_tensor") else param
+    result = {"second": engine.sleep()}
+    engine.wake_up()
+    with torch.no_grad():
+        result["same_logprobs"] = bool(torch.equal(engine.forward_logprobs(batch).cpu(), logprobs))
+        target.add_(1.0)  # in place: the version counter says so
+    written = target.detach().cpu().clone()
+    result["after_inplace"] = engine.sleep()
+    engine.wake_up()
+    result["inplace_kept"] = bool(torch.equal(target.detach().cpu(), written))
+    target.data.add_(1.0)  # through .data: invisible to the version counter, so it is said
+    engine.weights_changed()
+    written = target.detach().cpu().clone()
+    result["after_said"] = engine.sleep()
+    engine.wake_up()
+    result["said_kept"] = bool(torch.equal(target.detach().cpu(), written))
+    result["after_clean"] = engine.sleep()
+    engine.wake_up()
+    result["clean_kept"] = bool(torch.equal(target.detach().cpu(), written))
     return result
 
 

@@ -429,6 +429,31 @@ def test_lora_actor_sleeps_and_trains_on_exactly(lora_results, stage):
     assert trip["resident_asleep"] == 0
     assert all(trip["moved"].values()), trip["moved"]  # ZeRO-1/2 too: the frozen base is not in DeepSpeed's buffers
     assert result["losses"] == result["ref_losses"]
+    # after the first round trip the frozen base stays on the host's pinned copy: later sleeps copy only what trains
+    first = trip["sleep_stats"]
+    assert first["bytes_moved"] > 0 and first["bytes_kept_on_host"] == 0
+    for later in result["later_sleeps"]:
+        assert 0 < later["bytes_moved"] < first["bytes_moved"] and later["bytes_kept_on_host"] > 0, later
+        # the base's bytes, in one buffer whose slots are 512-byte aligned
+        assert 0 <= later["bytes_kept_on_host"] - result["frozen_bytes"] < 512 * result["frozen"], later
+
+
+@pytest.mark.parametrize(("world_size", "stage"), STREAM_CASES)
+def test_reference_sleeps_without_copying_weights_it_already_holds_on_host(ds_results, world_size, stage):
+    """A model without an optimizer: the first sleep copies its weights to pinned host memory, later ones free the
+    device copy without copying (the host copy still holds them) and the wake brings back identical log-probs. A
+    write the engine can see (in place) or is told of (``weights_changed``) makes the next sleep copy again, and the
+    written values survive; without a write the sleep after it copies nothing again."""
+    result = _result(ds_results, world_size, f"stream{stage}")
+    first, fixed = result["round_trip"]["sleep_stats"], result["fixed"]
+    assert first["bytes_moved"] > 0 and first["bytes_kept_on_host"] == 0
+    kept = fixed["second"]["bytes_kept_on_host"]  # the weights, now in one buffer with 512-byte aligned slots
+    assert fixed["second"]["bytes_moved"] == 0 and 0 <= kept - first["bytes_moved"] < 512 * 32, fixed["second"]
+    assert fixed["same_logprobs"]
+    for after, written in (("after_inplace", "inplace_kept"), ("after_said", "said_kept")):
+        assert fixed[after]["bytes_moved"] == kept and fixed[after]["bytes_kept_on_host"] == 0, (after, fixed[after])
+        assert fixed[written], after
+    assert fixed["after_clean"]["bytes_moved"] == 0 and fixed["clean_kept"]
 
 
 @pytest.fixture(scope="module")

@@ -111,9 +111,11 @@ class DeepSpeedEngine:
         self._sleep_plan = sleeping.plan_sleep(
             self.ds_engine, zero_stage=config.zero_stage, has_optimizer=self.has_optimizer,
             offload_optimizer=config.offload_optimizer, offload_params=config.offload_params)
-        self._offloaders = {"own_master": sleeping.StorageOffloader(), "own_params": sleeping.StorageOffloader()}
+        self._offloaders = {name: sleeping.StorageOffloader() for name in ("own_master", "own_params", "own_fixed")}
         self._offloaded: set[str] = set()
-        self._offloaded_bytes = 0  # copied off the device by the sleeps since the last wake
+        self._offloaded_bytes = 0  # off the device since the last wake: copied, or already on the host
+        self._weight_writes = 0  # writes to the weights we know of (load_checkpoint, weights_changed())
+        self._writes_at_wake = -1  # _weight_writes at the last wake_up (-1: never woken)
         self._asleep = False
         self._weights_kept = False
         self._pending_losses: list[torch.Tensor] = []
@@ -271,7 +273,13 @@ class DeepSpeedEngine:
         weights (ZeRO-3: this rank's shards) on the device so that :meth:`named_parameters_for_sync` still works; a
         later ``sleep()`` moves them too. Returns timing/memory stats
         (seconds, and allocated/reserved bytes before and after on CUDA) and ``bytes_moved``: the bytes this call
-        copied device -> host (rlhfkit's copies plus the state storages DeepSpeed's ``offload_states`` moved)."""
+        copied device -> host (rlhfkit's copies plus the state storages DeepSpeed's ``offload_states`` moved).
+
+        Parameters no optimizer updates (a reference's or reward model's, the frozen base under LoRA) are copied to
+        host only when they may have changed since the last wake: otherwise the pinned copy of the last sleep still
+        holds them, their device memory is freed without a copy, and ``bytes_kept_on_host`` counts them. A write is
+        known from :meth:`load_checkpoint`, from an in-place op on the parameter (its version counter), or from
+        :meth:`weights_changed`, which code writing them another way (``param.data.copy_``) must call."""
         if self._asleep and (keep_weights or not self._weights_kept):
             return {}
         if self._sleep_plan.unsupported or (self.has_optimizer and self.config.zero_stage == 0 and self.config.bf16):
@@ -280,15 +288,17 @@ class DeepSpeedEngine:
                                          "bf16 wrapper keeps private flat buffers); use zero_stage >= 1"))
         before = sleeping.device_memory(self.device)
         start = time.perf_counter()
-        self._offloaded, moved = sleeping.offload_engine(self.ds_engine, self._sleep_plan, self._offloaders,
-                                                         zero_stage=self.config.zero_stage, keep_weights=keep_weights,
-                                                         done=self._offloaded,
-                                                         empty_cache=self.config.empty_cache_on_sleep)
+        self._offloaded, moved = sleeping.offload_engine(
+            self.ds_engine, self._sleep_plan, self._offloaders, zero_stage=self.config.zero_stage,
+            keep_weights=keep_weights, done=self._offloaded, empty_cache=self.config.empty_cache_on_sleep,
+            trains=self.has_optimizer, fixed_unchanged=self._weight_writes == self._writes_at_wake)
         seconds = time.perf_counter() - start
         self._asleep, self._weights_kept = True, keep_weights
-        self._offloaded_bytes += moved
+        kept = self._offloaders["own_fixed"].last_kept_bytes
+        self._offloaded_bytes += moved + kept
         stats = self._log_transition("asleep" + (" (weights kept)" if keep_weights else ""), before, seconds)
         stats["bytes_moved"] = float(moved)
+        stats["bytes_kept_on_host"] = float(kept)
         stats["pin_seconds"] = sum(offloader.last_pin_seconds for offloader in self._offloaders.values())
         stats["resident_state_bytes"] = float(self.resident_state_bytes(include_weights=not keep_weights))
         if stats["resident_state_bytes"] and not self.config.offload_params:
@@ -313,9 +323,15 @@ class DeepSpeedEngine:
         woke = self.wake_up()
         return {"sleep_seconds": slept.get("seconds", 0.0), "wake_seconds": woke.get("seconds", 0.0)}
 
+    def weights_changed(self) -> None:
+        """Say that this engine's parameters were written by code :meth:`sleep` cannot see (writes through
+        ``.data``, or into ZeRO-3 shards): the next sleep copies the parameters that do not train to host again
+        instead of trusting the pinned copy of the last one."""
+        self._weight_writes += 1
+
     def wake_up(self) -> dict[str, float]:
         """Bring back everything :meth:`sleep` moved (bit-identical); a no-op when awake. Returns timing/memory stats
-        and ``bytes_moved``: host -> device bytes, those the sleeps since the last wake moved off."""
+        and ``bytes_moved``: host -> device bytes, all that the sleeps since the last wake took off the device."""
         if not self._asleep:
             return {}
         before = sleeping.device_memory(self.device)
@@ -323,6 +339,7 @@ class DeepSpeedEngine:
         sleeping.reload_engine(self.ds_engine, self._offloaders, self._offloaded)
         seconds = time.perf_counter() - start
         self._offloaded, self._asleep, self._weights_kept = set(), False, False
+        self._writes_at_wake = self._weight_writes
         moved, self._offloaded_bytes = self._offloaded_bytes, 0
         return self._log_transition("awake", before, seconds) | {"bytes_moved": float(moved)}
 
@@ -403,6 +420,7 @@ class DeepSpeedEngine:
         """Restore DeepSpeed state (weights, optimizer, LR schedule, step) from a complete checkpoint directory;
         returns the ``client_state`` saved with it. Collective."""
         self._require_awake("load_checkpoint")
+        self._weight_writes += 1
         return ckpt.load_checkpoint(self.ds_engine, path, load_optimizer_states=load_optimizer_states)
 
     def destroy(self) -> None:

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 __all__ = ["StorageOffloader", "SleepPlan", "plan_sleep", "offload_engine", "reload_engine", "device_memory",
-           "resident_state_bytes"]
+           "resident_state_bytes", "split_fixed"]
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +49,11 @@ class StorageOffloader:
     :meth:`release_host_buffers` frees it. :meth:`reload` brings every slot back as a view of *one* device buffer, so
     from the second cycle on the tensors share one storage and each direction is a single copy (a model's hundreds
     of per-parameter optimizer states otherwise cost a copy and its launch each, both ways, every step).
+
+    Tensors that cannot have changed since the last :meth:`reload` need no copy back: the host buffer still holds
+    them. ``offload(..., unchanged=True)`` (the caller vouches that nothing it knows of wrote to them) then frees the
+    device buffer without a copy, provided the tensors are exactly those the last reload brought back, still views of
+    its buffer, and none of them was written in place since (each tensor's version counter); otherwise it copies.
     """
 
     ALIGN = 512  # bytes: slot offsets in the flat buffers (a multiple of every dtype's size)
@@ -57,17 +62,26 @@ class StorageOffloader:
         self._host: torch.Tensor | None = None  # one flat pinned buffer
         self._layout: list[int] = []  # the byte size of each slot of _host, in order
         self._moved: list[tuple[list[torch.Tensor], int, torch.device]] = []  # members, byte offset, device
+        # what the last reload() brought back, while the host buffer still mirrors it: the device buffer's storage
+        # pointer and size, and each member with its view geometry and version counter
+        self._mirror: tuple[int, int, list[tuple[torch.Tensor, tuple, int]]] | None = None
         self.last_pin_seconds = 0.0  # time the last offload() spent allocating pinned host buffers
         self.last_copies = 0  # device->host copies the last offload() issued
+        self.last_kept_bytes = 0  # bytes the last offload() did not copy: the host buffer still held them
 
     @property
     def active(self) -> bool:
         return bool(self._moved)
 
-    def offload(self, tensors: Iterable[torch.Tensor], *, device: torch.device, non_blocking: bool = True) -> int:
-        """Copy the storages of ``tensors`` that live on ``device`` to host memory; returns the bytes moved."""
+    def offload(self, tensors: Iterable[torch.Tensor], *, device: torch.device, non_blocking: bool = True,
+                unchanged: bool = False) -> int:
+        """Copy the storages of ``tensors`` that live on ``device`` to host memory; returns the bytes moved.
+        ``unchanged=True``: the caller knows of no write to them since the last :meth:`reload`; if the host buffer
+        provably still holds them (see the class), the device buffer is freed without a copy and 0 is returned
+        (:attr:`last_kept_bytes` says how many bytes stayed on the host)."""
         if self._moved:
             raise RuntimeError("StorageOffloader.offload() called twice without reload()")
+        mirror, self._mirror, self.last_kept_bytes = self._mirror, None, 0
         groups: dict[int, list[torch.Tensor]] = {}
         seen: set[int] = set()
         for tensor in tensors:
@@ -80,6 +94,12 @@ class StorageOffloader:
         layout = [members[0].untyped_storage().nbytes() for members in groups.values()]
         self.last_pin_seconds, self.last_copies = 0.0, 0
         if not groups:
+            return 0
+        if unchanged and mirror is not None and _still_mirrored(groups, mirror):
+            members = next(iter(groups.values()))  # one group: the reload's device buffer, at the host's offsets
+            _repoint(members, self._host)
+            self._moved.append((members, 0, device))
+            self.last_kept_bytes = mirror[1]
             return 0
         offsets = _offsets(layout, self.ALIGN)
         total = offsets[-1] + layout[-1]
@@ -112,13 +132,35 @@ class StorageOffloader:
         for members, _, _ in self._moved:  # their offsets in the host buffer are their offsets in this one
             _repoint(members, buffer)
         _synchronize(device)
+        storage = buffer.untyped_storage()
+        self._mirror = (storage.data_ptr(), storage.nbytes(),
+                        [(tensor, _geometry(tensor), tensor._version) for members, _, _ in self._moved
+                         for tensor in members])
         self._moved = []
         return sum(self._layout)
 
     def release_host_buffers(self) -> None:
         if self._moved:
             raise RuntimeError("release_host_buffers() while states are offloaded would lose them; reload() first")
-        self._host, self._layout = None, []
+        self._host, self._layout, self._mirror = None, [], None
+
+
+def _geometry(tensor: torch.Tensor) -> tuple:
+    return tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.size()), tensor.stride()
+
+
+def _still_mirrored(groups: Mapping[int, list[torch.Tensor]], mirror: tuple) -> bool:
+    """Whether ``groups`` (storage pointer -> tensors) is exactly what the last reload brought back, untouched: one
+    storage, the reload's buffer, the same tensors as views at the same places, none written in place since."""
+    pointer, nbytes, recorded = mirror
+    if len(groups) != 1 or pointer not in groups:
+        return False
+    members = groups[pointer]
+    if members[0].untyped_storage().nbytes() != nbytes or len(members) != len(recorded):
+        return False
+    now = {id(tensor): tensor for tensor in members}
+    return all(now.get(id(tensor)) is tensor and _geometry(tensor) == geometry and tensor._version == version
+               for tensor, geometry, version in recorded)
 
 
 def _offsets(layout: list[int], align: int) -> list[int]:
@@ -313,12 +355,31 @@ def resident_state_bytes(ds_engine, zero_stage: int, *, include_weights: bool = 
     return sum(_storages(state_tensors(ds_engine, zero_stage, include_weights=include_weights), "cuda").values())
 
 
+def split_fixed(tensors: list[torch.Tensor], fixed_params: list[torch.Tensor], zero_stage: int
+                ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """``tensors`` (a :func:`module_tensors` list) split into (the storages of ``fixed_params``: parameters no
+    optimizer updates, ZeRO-3: their shards; everything else). A fixed tensor that shares a storage with another
+    tensor stays with the others, so that no storage is moved by two offloaders."""
+    fixed_ids = {id(param.ds_tensor if zero_stage == 3 and hasattr(param, "ds_tensor") else param)
+                 for param in fixed_params}
+    fixed = [tensor for tensor in tensors if id(tensor) in fixed_ids]
+    rest = [tensor for tensor in tensors if id(tensor) not in fixed_ids]
+    shared = {tensor.untyped_storage().data_ptr() for tensor in rest}
+    return ([tensor for tensor in fixed if tensor.untyped_storage().data_ptr() not in shared],
+            rest + [tensor for tensor in fixed if tensor.untyped_storage().data_ptr() in shared])
+
+
 def offload_engine(ds_engine, plan: SleepPlan, offloaders: dict[str, StorageOffloader], *, zero_stage: int,
-                   keep_weights: bool, done: set[str], empty_cache: bool = True) -> tuple[set[str], int]:
+                   keep_weights: bool, done: set[str], empty_cache: bool = True, trains: bool = True,
+                   fixed_unchanged: bool = False) -> tuple[set[str], int]:
     """Move what ``plan`` says (skipping what is in ``done``); returns the names of the states now offloaded and the
     bytes copied off the device: :class:`StorageOffloader`'s count, plus, for DeepSpeed's ``offload_states``, the
     distinct state storages on the device before it that no state tensor uses after it. (On a CPU "device" DeepSpeed's
-    ZeRO-1/2 ``reload_states`` leaves its states in its host buffers, so later sleeps count only rlhfkit's part.)"""
+    ZeRO-1/2 ``reload_states`` leaves its states in its host buffers, so later sleeps count only rlhfkit's part.)
+
+    The parameters no optimizer updates (all of them when ``trains`` is False, else the frozen ones) that rlhfkit
+    moves go through ``offloaders["own_fixed"]``; ``fixed_unchanged=True`` (the caller knows of no write to them since
+    the last wake) lets it skip their copy when its host buffer still holds them (:class:`StorageOffloader`)."""
     device = ds_engine.device if isinstance(ds_engine.device, torch.device) else torch.device(ds_engine.device)
     now, moved = set(done), 0
     if hasattr(ds_engine, "empty_partition_cache") and zero_stage == 3:
@@ -340,14 +401,16 @@ def offload_engine(ds_engine, plan: SleepPlan, offloaders: dict[str, StorageOffl
     if plan.own_master_and_optimizer and "own_master" not in now:
         moved += offloaders["own_master"].offload(master_and_optimizer_tensors(ds_engine, zero_stage), device=device)
         now.add("own_master")
-    if plan.own_frozen_params and not keep_weights and "own_params" not in now:
-        frozen = [param for param in ds_engine.module.parameters() if not param.requires_grad]
-        moved += offloaders["own_params"].offload(frozen, device=device)
-        now.add("own_params")
+    fixed_params = [param for param in ds_engine.module.parameters() if not (trains and param.requires_grad)]
+    if plan.own_frozen_params and not keep_weights and "own_fixed" not in now:
+        moved += offloaders["own_fixed"].offload(fixed_params, device=device, unchanged=fixed_unchanged)
+        now.add("own_fixed")
     if plan.own_module_params and not keep_weights and "own_params" not in now:
         tensors = module_tensors(ds_engine, zero_stage, with_grads=plan.own_master_and_optimizer)
-        moved += offloaders["own_params"].offload(tensors, device=device)
-        now.add("own_params")
+        fixed, rest = split_fixed(tensors, fixed_params, zero_stage)
+        moved += offloaders["own_fixed"].offload(fixed, device=device, unchanged=fixed_unchanged)
+        moved += offloaders["own_params"].offload(rest, device=device)
+        now.update(("own_fixed", "own_params"))
     if device.type == "cuda" and empty_cache:
         release_cuda_caches()
     return now, moved
@@ -372,7 +435,7 @@ _ZERO12_PIN_BUFFERS = ("hp_params_pin_buffers", "lp_params_pin_buffers")
 def reload_engine(ds_engine, offloaders: dict[str, StorageOffloader], done: set[str]) -> None:
     """Bring back everything :func:`offload_engine` moved: ours first, so that DeepSpeed's ZeRO-1/2 re-linking of
     master-weight views to the optimizer states sees them on the device."""
-    for name in ("own_master", "own_params"):
+    for name in ("own_master", "own_params", "own_fixed"):
         if name in done:
             offloaders[name].reload()
     if any(name in done for name in (HP_PARAMS, LP_PARAMS, LP_GRADS, OPTIM_STATES, GRAD_BUFFER)):
