@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from rlhfkit.hybrid._errors import EnginesBusyError
+from rlhfkit.hybrid._timer import StartupClock
 from rlhfkit.hybrid._trainer_worker import transition_record
 from rlhfkit.phase import PhaseGuard
 
@@ -30,9 +31,16 @@ __all__ = [
 
 
 class GuardedEngineMixin:
-    """Adds guarded ``guarded_sleep``/``guarded_wake`` to an engine actor (``sleep``/``wake_up`` methods)."""
+    """Adds guarded ``guarded_sleep``/``guarded_wake`` to an engine actor (``sleep``/``wake_up`` methods), and
+    :meth:`startup_parts`."""
 
     role = "rollout"
+
+    def startup_parts(self) -> dict[str, float]:
+        """Where this engine's start went, in seconds: ``process_s`` (its process's age when the actor began: spawn,
+        Ray's worker set-up), ``import_s`` (the engine library), ``gate_wait_s`` (waiting for the trainers' loads,
+        colocated), ``build_s`` (the engine and its model)."""
+        return dict(getattr(self, "_startup", {}))
 
     def _guard_setup(self, store: Any, gpus: Sequence[str]) -> None:
         self._guard, self._gpus, self._events = PhaseGuard(store), tuple(gpus), []
@@ -84,12 +92,16 @@ class HFEngineActor(GuardedEngineMixin):
     def __init__(self, model_path: str, *, engine_index: int, seed: int, device: str, guard_store: Any,
                  gpus: Sequence[str], dtype: str = "float32", start_gate: str | None = None,
                  gate_timeout_s: float = 900.0) -> None:
+        clock = StartupClock()
         from rlhfkit.engines.hf import HFEngine, HFEngineConfig
 
+        clock.lap("import_s")
         if start_gate is not None:  # colocated: build once the trainers have loaded and gone to sleep
             guard_store.wait_flag(start_gate, timeout_s=gate_timeout_s)
+        clock.lap("gate_wait_s")
         self.engine_index = engine_index
         self.engine = HFEngine(HFEngineConfig(model=model_path, device=device, dtype=dtype, seed=seed + engine_index))
+        self._startup = clock.lap("build_s")
         self.receiver: Any = None
         self.lora: Any = None
         self._guard_setup(guard_store, gpus)
@@ -156,13 +168,17 @@ def guarded_vllm_engine_class(guard_store: Any, gpus_by_engine: Sequence[Sequenc
 
     class GuardedVLLMEngine(GuardedEngineMixin, VLLMEngineActor):
         def __init__(self, config: Any, *, engine_index: int = 0, distributed_executor_backend: Any = None) -> None:
-            if start_gate is not None:
-                import vllm  # noqa: F401 — the slow import runs while the trainers load
+            clock = StartupClock()
+            import vllm  # noqa: F401 — the slow import; gated, it runs while the trainers load
 
+            clock.lap("import_s")
+            if start_gate is not None:
                 guard_store.wait_flag(start_gate, timeout_s=config.startup_timeout_s)
+            clock.lap("gate_wait_s")
             super().__init__(config, engine_index=engine_index,
                              distributed_executor_backend=distributed_executor_backend)
             self._guard_setup(guard_store, gpus_by_engine[engine_index])
+            self._startup = clock.lap("build_s")
 
     return GuardedVLLMEngine
 
@@ -175,10 +191,14 @@ def guarded_sglang_engine_class(guard_store: Any, gpus_by_engine: Sequence[Seque
 
     class GuardedSGLangEngine(GuardedEngineMixin, SGLangEngineActor):
         def __init__(self, config: Any, *, engine_index: int = 0) -> None:
+            clock = StartupClock()  # the server is a process of its own: its imports are part of build_s
+            clock.lap("import_s")
             if start_gate is not None:
                 guard_store.wait_flag(start_gate, timeout_s=config.startup_timeout_s)
+            clock.lap("gate_wait_s")
             super().__init__(config, engine_index=engine_index)
             self._guard_setup(guard_store, gpus_by_engine[engine_index])
+            self._startup = clock.lap("build_s")
 
     return GuardedSGLangEngine
 

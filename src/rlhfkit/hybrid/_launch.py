@@ -30,7 +30,7 @@ from rlhfkit.hybrid._engines import (
     guarded_sglang_engine_class,
     guarded_vllm_engine_class,
 )
-from rlhfkit.hybrid._timer import GpuMemorySampler, PhaseTimer
+from rlhfkit.hybrid._timer import GpuMemorySampler, PhaseTimer, process_age_s
 from rlhfkit.hybrid._trainer import TrainerConfig, TrainerGroup
 from rlhfkit.hybrid._trainer_worker import TrainerWorker, plan_gpu_key
 
@@ -288,7 +288,11 @@ class Hybrid:
     ready, which colocated engines reach after building their models behind the trainers' loads,
     ``engines_after_models_s`` of it after the last load; ``weight_sync_s``; ``wake_s``; and outside ``total_s``:
     ``checks_s``, the LoRA and memory-fit checks before anything starts, and ``before_start_s``, how long the process
-    ran before ``start`` was called: interpreter, imports, the script)."""
+    ran before ``start`` was called: interpreter, imports, the script). Where each process's start went, the slowest
+    rank or engine of each: ``<role>/process_s`` (the process's age when its actor began: spawn, Ray's set-up),
+    ``<role>/import_s``, ``<role>/load_claim_s``, ``load_copy_rates_s``, ``load_model_s`` (the model read and
+    DeepSpeed's set-up), ``load_sleep_s``; ``engine/process_s``, ``engine/import_s``, ``engine/gate_wait_s``
+    (waiting for the trainers' loads), ``engine/build_s``)."""
 
     def __init__(self, config: HybridConfig) -> None:
         self.config = config
@@ -339,7 +343,7 @@ class Hybrid:
         run._build_during_loads = run._kv_cache_bytes is not None and engines_may_build_during_loads(config, estimate)
         # before the timed start: the checks, and how long the process ran before start() (imports, the script)
         run.startup["checks_s"] = started - checking
-        run.startup["before_start_s"] = _process_age_s() - (time.perf_counter() - checking)
+        run.startup["before_start_s"] = process_age_s() - (time.perf_counter() - checking)
         if config.driver_threads is not None:
             run._threads_before = torch.get_num_threads()
             torch.set_num_threads(config.driver_threads)
@@ -387,6 +391,7 @@ class Hybrid:
                                                   timeout_s=self.config.start_timeout_s)
                 if role == "actor":
                     self.timer.copy_rates = loaded[0]["copy_rates"]
+                self.startup.update(_slowest(role, [rank["startup_parts"] for rank in loaded]))
                 self.trainers[role] = TrainerGroup(self._workers[role], trainer_config, timer=self.timer)
                 self.startup[f"{role}_load_s"], mark = time.perf_counter() - mark, time.perf_counter()
             self.startup["models_s"] = time.perf_counter() - started - self.startup["processes_s"]
@@ -394,6 +399,7 @@ class Hybrid:
                 self._store.set_flag(self._start_gate)
             self.startup["engines_s"] = engines.result()[1]
             self.startup["engines_after_models_s"] = time.perf_counter() - mark
+            self.startup.update(_slowest("engine", self._group.call("startup_parts")))
         except BaseException:
             pool.shutdown(wait=False, cancel_futures=True)  # close() kills the actors an engine thread may wait on
             raise
@@ -665,14 +671,10 @@ def plan_gpus(config: HybridConfig, roles: tuple[str, ...]) -> Any:
                        tensor_parallel_size=config.tensor_parallel_size, trainer_roles=tuple(roles))
 
 
-def _process_age_s() -> float:
-    """Seconds since this process started (psutil, which Ray installs); 0.0 when it cannot be read."""
-    try:
-        import psutil
-
-        return max(0.0, time.time() - psutil.Process().create_time())
-    except Exception:  # noqa: BLE001 - a missing or failing psutil only loses this number
-        return 0.0
+def _slowest(who: str, parts: list[dict[str, float]]) -> dict[str, float]:
+    """``{"<who>/<part>": seconds}``: each part's largest value over the ranks or engines (they start in
+    parallel)."""
+    return {f"{who}/{name}": max(each.get(name, 0.0) for each in parts) for name in sorted(set().union(*parts))}
 
 
 def check_fit(config: HybridConfig, trainers: Mapping[str, TrainerConfig], *,

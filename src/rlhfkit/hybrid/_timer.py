@@ -295,3 +295,26 @@ class MetricsLogger:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def process_age_s() -> float:
+    """Seconds since this process started (psutil, which Ray installs); 0.0 when it cannot be read."""
+    try:
+        import psutil
+
+        return max(0.0, time.time() - psutil.Process().create_time())
+    except Exception:  # noqa: BLE001 - a missing or failing psutil only loses this number
+        return 0.0
+
+
+class StartupClock:
+    """Laps of an actor's start: ``process_s`` (the process's age when the clock started), then each :meth:`lap`."""
+
+    def __init__(self) -> None:
+        self.parts = {"process_s": process_age_s()}
+        self._mark = time.perf_counter()
+
+    def lap(self, name: str) -> dict[str, float]:
+        now = time.perf_counter()
+        self.parts[name], self._mark = now - self._mark, now
+        return self.parts

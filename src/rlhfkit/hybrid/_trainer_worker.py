@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from rlhfkit.hybrid._errors import HybridCallError, LossFunctionError, RoleAsleepError
+from rlhfkit.hybrid._timer import StartupClock
 from rlhfkit.phase import PhaseGuard
 from rlhfkit.workers import Worker
 
@@ -90,6 +91,7 @@ class TrainerWorker(Worker):
 
     def __init__(self, guard_store: Any, device_kind: str, model_path: str) -> None:
         # Only imports here (they are slow and run in parallel across roles); the GPU is not touched until load().
+        clock = StartupClock()
         if device_kind == "cpu":  # skip a ~50 s JIT build of a CPU collective DeepSpeed does not need here
             importlib.import_module("deepspeed.ops").__compatible_ops__["deepspeed_shm_comm"] = False
         import torch._dynamo  # noqa: F401 — DeepSpeed imports it lazily while checking the optimizer
@@ -98,6 +100,7 @@ class TrainerWorker(Worker):
         import rlhfkit.deepspeed_engine  # noqa: F401
 
         transformers.AutoConfig.from_pretrained(model_path)
+        self._startup = clock.lap("import_s")  # process_s, import_s; load() adds its own parts
         self.device_kind, self.model_path = device_kind, model_path
         bundle = int(os.environ["RLHFKIT_BUNDLE_INDICES"].split(",")[0])
         self.gpu = plan_gpu_key(int(os.environ["RLHFKIT_PLAN_NODE"]), bundle)
@@ -131,24 +134,30 @@ class TrainerWorker(Worker):
 
         self.config, self.overlap = config, bool(overlap_switches)
         self._resident = _Resident(empty_cache=config.deepspeed.empty_cache_on_sleep)
+        clock = StartupClock()
         self._transition("wake", "load")  # claim only: the model does not exist yet
+        clock.lap("claim_s")
         if self.device_kind == "cuda":
             self._cuda_device = self.device()  # also for the background sleeps' threads (overlap_switches)
             torch.cuda.set_device(self._cuda_device)
         rates = measure(self.device()) if measure_copy_rates and self.device_kind == "cuda" else None
+        clock.lap("copy_rates_s")
         torch.manual_seed(config.seed)
         # trained roles own the accumulation boundary: backward accumulates, optim_step() is the boundary
         overrides = {"managed_gradient_accumulation": False} if self.trains else None
         model = DeepSpeedEngine.from_pretrained(self.model_path, role=self.role, config=config.deepspeed,
                                                 ds_config_overrides=overrides, lora=config.lora)
+        clock.lap("model_s")
         gc.collect()
         gc.freeze()  # offload_states calls gc.collect(); frozen long-lived objects make that cheap
         (model if config.offload else self._resident).sleep()
         self._transition("sleep", "load")  # the claim was taken with no model: release it the same way
+        clock.lap("sleep_s")
         self.model = model
         self._take_moved()  # loading is not a phase switch of any step
+        parts = self._startup | {f"load_{name}": seconds for name, seconds in clock.parts.items() if name != "process_s"}
         return {"parameters": sum(getattr(p, "ds_numel", p.numel()) for p in self.model.module.parameters()),
-                "copy_rates": rates}
+                "copy_rates": rates, "startup_parts": parts}
 
     def _sleepable(self) -> Any:
         """What the guard wakes and puts to sleep (one object for the whole run: the guard's claim names it)."""
