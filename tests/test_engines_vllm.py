@@ -114,26 +114,50 @@ def fake_logprob(token, position):
 
 
 class FakeLLMEngine:
-    """vLLM's ``LLMEngine`` as a pausable engine steps it: ``add_request`` (n=1, delta outputs), ``step`` (one
-    ``fake_tokens`` token per running request), ``has_unfinished_requests``, ``abort_request``; ``on_step`` runs
-    inside each step (a test's hook), ``fail_at`` makes that step raise."""
+    """vLLM's ``LLMEngine`` as a pausable engine steps it: ``add_request`` (n = 1 with delta or final-only outputs, or
+    n > 1 final-only: sample k seeded with the request's seed + k), ``step`` (one ``fake_tokens`` token per running
+    sample; a final-only request answers once, when all its samples are finished, with all their tokens and
+    log-probs), ``has_unfinished_requests``, ``abort_request``, and ``output_processor.request_states`` (one per
+    sample under an internal id, with the request's ``external_req_id``, the sample's ``request_index`` and
+    ``detokenizer.num_output_tokens()``, as vLLM 0.22-0.32 keep them); ``on_step`` runs inside each step (a test's
+    hook), ``fail_at`` makes that step raise."""
 
     def __init__(self) -> None:
-        self.requests: dict = {}
+        self.requests: dict = {}  # request id -> {"samples": [...], "params": ...}
         self.aborted: list = []
+        self.added: list = []  # (request id, n, output kind) of every add_request
         self.steps = 0
         self.on_step = None
         self.fail_at = None
+        self.output_processor = SimpleNamespace(request_states={})
 
     def add_request(self, request_id, prompt, params, **kwargs):
-        assert params.n == 1 and params.output_kind == "delta"
-        tokens = fake_tokens(prompt["prompt_token_ids"], 0, params.seed, params.max_tokens)
-        stops = [k for k, t in enumerate(tokens) if t in params.stop_token_ids]
-        self.requests[request_id] = {"tokens": tokens[:stops[0] + 1] if stops else tokens, "position": 0,
-                                     "stopped": bool(stops), "params": params}
+        assert params.output_kind in ("delta", "final_only") and (params.n == 1 or params.output_kind == "final_only")
+        samples = []
+        for k in range(params.n):
+            seed = None if params.seed is None else params.seed + k
+            tokens = fake_tokens(prompt["prompt_token_ids"], 0, seed, params.max_tokens)
+            stops = [t for t, token in enumerate(tokens) if token in params.stop_token_ids]
+            sample = {"tokens": tokens[:stops[0] + 1] if stops else tokens, "position": 0, "stopped": bool(stops),
+                      "index": k}
+            samples.append(sample)
+            if isinstance(getattr(self, "output_processor", None), SimpleNamespace):
+                self.output_processor.request_states[f"{k}_internal-{request_id}"] = SimpleNamespace(
+                    external_req_id=request_id, request_index=k,
+                    detokenizer=SimpleNamespace(num_output_tokens=lambda sample=sample: sample["position"]))
+        self.requests[request_id] = {"samples": samples, "params": params}
+        self.added.append((request_id, params.n, params.output_kind))
 
     def has_unfinished_requests(self):
         return bool(self.requests)
+
+    def _completion(self, request, sample, positions):
+        tokens = [sample["tokens"][t] for t in positions]
+        logprobs = None if request["params"].logprobs is None else [
+            {token: SimpleNamespace(logprob=fake_logprob(token, t))} for t, token in zip(positions, tokens)]
+        finished = sample["position"] == len(sample["tokens"])
+        reason = ("stop" if sample["stopped"] else "length") if finished else None
+        return SimpleNamespace(index=sample["index"], token_ids=tokens, finish_reason=reason, logprobs=logprobs)
 
     def step(self):
         self.steps += 1
@@ -143,22 +167,35 @@ class FakeLLMEngine:
             raise RuntimeError("the engine step failed")
         outputs = []
         for request_id, request in list(self.requests.items()):
-            position, token = request["position"], request["tokens"][request["position"]]
-            request["position"] += 1
-            finished = request["position"] == len(request["tokens"])
-            logprobs = ([{token: SimpleNamespace(logprob=fake_logprob(token, position))}]
-                        if request["params"].logprobs is not None else None)
-            reason = ("stop" if request["stopped"] else "length") if finished else None
-            outputs.append(SimpleNamespace(request_id=request_id, finished=finished, outputs=[SimpleNamespace(
-                index=0, token_ids=[token], finish_reason=reason, logprobs=logprobs)]))
+            stepped = []
+            for sample in request["samples"]:
+                if sample["position"] < len(sample["tokens"]):
+                    sample["position"] += 1
+                    stepped.append(sample)
+            finished = all(sample["position"] == len(sample["tokens"]) for sample in request["samples"])
+            if request["params"].output_kind == "delta":
+                completions = [self._completion(request, sample, [sample["position"] - 1]) for sample in stepped]
+            elif finished:
+                completions = [self._completion(request, sample, range(sample["position"]))
+                               for sample in request["samples"]]
+            else:
+                continue
+            outputs.append(SimpleNamespace(request_id=request_id, finished=finished, outputs=completions))
             if finished:
-                del self.requests[request_id]
+                self._forget(request_id)
         return outputs
+
+    def _forget(self, request_id):
+        request = self.requests.pop(request_id, None)
+        states = getattr(getattr(self, "output_processor", None), "request_states", None)
+        if request is not None and isinstance(states, dict):
+            for k in range(len(request["samples"])):
+                states.pop(f"{k}_internal-{request_id}", None)
 
     def abort_request(self, request_ids):
         self.aborted += list(request_ids)
         for request_id in request_ids:
-            self.requests.pop(request_id, None)
+            self._forget(request_id)
 
 
 class FakeLLM:
@@ -220,7 +257,8 @@ def fake_vllm(**overrides):
     namespace = dict(__version__="0.99.0+fake", LLM=FakeLLM, SamplingParams=FakeSamplingParams,
                      TokensPrompt=lambda prompt_token_ids: {"prompt_token_ids": prompt_token_ids},
                      EngineArgs=FakeEngineArgs, LLMEngine=FakeLLMEngine,
-                     sampling_params=SimpleNamespace(RequestOutputKind=SimpleNamespace(DELTA="delta")))
+                     sampling_params=SimpleNamespace(RequestOutputKind=SimpleNamespace(DELTA="delta",
+                                                                                        FINAL_ONLY="final_only")))
     namespace.update(overrides)
     return SimpleNamespace(**namespace)
 
@@ -384,18 +422,32 @@ def test_generate_packed_matches_generate():
     assert engine.generate_packed([[1]], dataclasses.replace(sampling, logprobs=False))["logprobs"] is None
 
 
-def test_a_pausable_engine_steps_requests_and_stamps_the_versions_of_an_in_flight_update():
+@pytest.mark.parametrize("progress", ["readable", "absent", "unreadable"])
+def test_a_pausable_engine_steps_requests_and_stamps_the_versions_of_an_in_flight_update(progress):
     """pausable=True: each sample is a request of its own (seed = its prompt's + its index, as vLLM seeds the samples
     of an n > 1 request), stepped here; a pause from another thread parks the call between two steps, the weights
-    load, and the requests go on: their tokens carry the version that sampled them (packed results too)."""
+    load, and the requests go on: their tokens carry the version that sampled them (packed results too). Where vLLM
+    lets the engine read each request's progress, requests answer only when finished (no per-step output) and the
+    versions come from the progress read at the weight change; where it does not (no output processor, or states
+    without the fields: found at the first request, which is aborted and added again), each step returns the new
+    tokens. The results are the same."""
     import threading
 
     from rlhfkit.engines.router import unpack_generate_result
     from rlhfkit.engines.vllm._compat import request_seed
 
     engine = make_engine(pausable=True)
+    fake = engine.llm.llm_engine
+    if progress == "absent":
+        del fake.output_processor
+    elif progress == "unreadable":  # states the engine cannot find its requests in
+        fake.output_processor = type("OpaqueProcessor", (), {"request_states": {"internal-0": object()}})()
     prompts, sampling = [[1, 2, 3], [4, 5]], SamplingConfig(n=2, max_new_tokens=5, seed=4)
     rollouts = engine.generate(prompts, sampling, prompt_indices=[7, 8])
+    added = [(n, kind) for _, n, kind in fake.added]  # readable: a probe (aborted), then a request of n per prompt
+    assert added == {"readable": [(2, "final_only")] * 3, "absent": [(1, "delta")] * 4,
+                     "unreadable": [(2, "final_only")] + [(1, "delta")] * 4}[progress]
+    assert fake.aborted == ([] if progress == "absent" else ["rlhfkit-0-probe"])
     for rollout in rollouts:
         seed = request_seed(4, rollout.prompt_index) + rollout.sample_index
         expected = fake_tokens(prompts[rollout.prompt_index - 7], 0, seed, 5)
@@ -404,7 +456,6 @@ def test_a_pausable_engine_steps_requests_and_stamps_the_versions_of_an_in_fligh
         assert rollout.weight_version == 0 and rollout.response_weight_versions is None
     assert "versions" not in engine.generate_packed(prompts, sampling)  # no update during the call: no stamps
 
-    fake = engine.llm.llm_engine
     pauser = threading.Thread(target=lambda: (engine.pause_generation(timeout_s=10), engine.load_weights(
         [("embed", torch.ones(4, 3)), ("head", torch.ones(3))]), engine.resume_generation()))
     start = fake.steps
@@ -433,7 +484,8 @@ def test_a_pausable_engine_checks_its_config_aborts_on_failure_and_refuses_pause
     engine.llm.llm_engine.fail_at = engine.llm.llm_engine.steps + 2
     with pytest.raises(RuntimeError, match="the engine step failed"):
         engine.generate([[1, 2], [3]], SamplingConfig(n=2, max_new_tokens=4))
-    assert len(engine.llm.llm_engine.aborted) == 4 and not engine.llm.llm_engine.requests  # nothing left running
+    aborted = engine.llm.llm_engine.aborted  # the first call's probe, then the call's requests (one per prompt)
+    assert aborted == ["rlhfkit-0-probe", "rlhfkit-0-0-0", "rlhfkit-0-0-1"] and not engine.llm.llm_engine.requests
     assert engine.pause_generation(1.0) == 0  # nothing running: the pause holds the next call (positional: how
     # RolloutEngines.in_flight_update calls it through an engine group)
     engine.resume_generation()
@@ -906,14 +958,18 @@ def test_real_vllm_cpu_generate_and_weight_updates(tmp_path):
     equal = checks["pausable_equal"]
     assert equal["tokens_equal"] and equal["packed_equal"] and equal["max_abs_logprob_delta"] < 1e-6
     assert not any(equal["spans"])
-    # ... and a pause after 8 steps holds the engine while new weights load; the requests go on under them
-    inflight = checks["pausable_inflight"]
-    assert inflight["parked"] == 1 and inflight["held"] and inflight["lengths"] == [48, 48, 48]
-    assert inflight["cuts"] == [inflight["paused_at"]] * 3 and inflight["first_versions"] == [21, 21, 21]
-    assert all(inflight["before_is_a"]) and all(inflight["after_differs"]) and inflight["version"] == 22
+    # ... and a pause after 8 steps holds the engine while new weights load; the requests go on under them. With
+    # final outputs only (this vLLM's progress is readable) and with per-step outputs, the same cut
+    for name, first, version, final_only in (("pausable_inflight", 21, 22, True),
+                                             ("pausable_inflight_delta", 23, 24, False)):
+        inflight = checks[name]
+        assert inflight["final_only"] is final_only, name
+        assert inflight["parked"] == 1 and inflight["held"] and inflight["lengths"] == [48, 48, 48], name
+        assert inflight["cuts"] == [inflight["paused_at"]] * 3 and inflight["first_versions"] == [first] * 3, name
+        assert all(inflight["before_is_a"]) and all(inflight["after_differs"]) and inflight["version"] == version
     assert checks["pausable_unpaused_load"]["refused"]  # loading beside a running call: pause first
     assert "pause_generation() first" in checks["pausable_unpaused_load"]["message"]
-    assert checks["pausable_after"] == {**checks["pausable_after"], "finished": 3, "version": 22}
+    assert checks["pausable_after"] == {**checks["pausable_after"], "finished": 3, "version": 24}
 
 
 # --- GPU (vLLM 0.22 on the GPU machine) -------------------------------------------------------------------------------
