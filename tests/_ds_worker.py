@@ -248,7 +248,8 @@ def check_lora(stage: int, ctx) -> dict:
     for _ in range(2):
         losses.append(float(_nll(engine, batch)))
         _train_step(engine, batch)
-        later.append(engine.sleep())
+        first = engine.sleep(keep_weights=True)  # the weights stay for a push: the frozen base is not touched
+        later.append(engine.sleep() | {"keep_weights_kept": first["bytes_kept_on_host"]})
         engine.wake_up()
     frozen = sum(not p.requires_grad for p in engine.module.parameters())
     frozen_bytes = sum(getattr(p, "ds_tensor", p).numel() * p.element_size()  # ZeRO-3: this rank's shard
@@ -256,7 +257,8 @@ def check_lora(stage: int, ctx) -> dict:
     engine.destroy()
     return {"round_trip": round_trip, "losses": losses, "ref_losses": ref_losses, "frozen": frozen,
             "frozen_bytes": frozen_bytes,
-            "later_sleeps": [{k: stats[k] for k in ("bytes_moved", "bytes_kept_on_host")} for stats in later]}
+            "later_sleeps": [{k: stats[k] for k in ("bytes_moved", "bytes_kept_on_host", "keep_weights_kept")}
+                             for stats in later]}
 
 
 def check_stream(stage: int, ctx, *, bf16: bool = False) -> dict:

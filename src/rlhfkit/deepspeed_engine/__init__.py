@@ -288,13 +288,12 @@ class DeepSpeedEngine:
                                          "bf16 wrapper keeps private flat buffers); use zero_stage >= 1"))
         before = sleeping.device_memory(self.device)
         start = time.perf_counter()
-        self._offloaded, moved = sleeping.offload_engine(
+        self._offloaded, moved, kept = sleeping.offload_engine(
             self.ds_engine, self._sleep_plan, self._offloaders, zero_stage=self.config.zero_stage,
             keep_weights=keep_weights, done=self._offloaded, empty_cache=self.config.empty_cache_on_sleep,
             trains=self.has_optimizer, fixed_unchanged=self._weight_writes == self._writes_at_wake)
         seconds = time.perf_counter() - start
         self._asleep, self._weights_kept = True, keep_weights
-        kept = self._offloaders["own_fixed"].last_kept_bytes
         self._offloaded_bytes += moved + kept
         stats = self._log_transition("asleep" + (" (weights kept)" if keep_weights else ""), before, seconds)
         stats["bytes_moved"] = float(moved)

@@ -371,17 +371,18 @@ def split_fixed(tensors: list[torch.Tensor], fixed_params: list[torch.Tensor], z
 
 def offload_engine(ds_engine, plan: SleepPlan, offloaders: dict[str, StorageOffloader], *, zero_stage: int,
                    keep_weights: bool, done: set[str], empty_cache: bool = True, trains: bool = True,
-                   fixed_unchanged: bool = False) -> tuple[set[str], int]:
-    """Move what ``plan`` says (skipping what is in ``done``); returns the names of the states now offloaded and the
-    bytes copied off the device: :class:`StorageOffloader`'s count, plus, for DeepSpeed's ``offload_states``, the
-    distinct state storages on the device before it that no state tensor uses after it. (On a CPU "device" DeepSpeed's
-    ZeRO-1/2 ``reload_states`` leaves its states in its host buffers, so later sleeps count only rlhfkit's part.)
+                   fixed_unchanged: bool = False) -> tuple[set[str], int, int]:
+    """Move what ``plan`` says (skipping what is in ``done``); returns the names of the states now offloaded, the
+    bytes copied off the device, and the bytes not copied because the host still held them (see below). Copied:
+    :class:`StorageOffloader`'s count, plus, for DeepSpeed's ``offload_states``, the distinct state storages on the
+    device before it that no state tensor uses after it. (On a CPU "device" DeepSpeed's ZeRO-1/2 ``reload_states``
+    leaves its states in its host buffers, so later sleeps count only rlhfkit's part.)
 
     The parameters no optimizer updates (all of them when ``trains`` is False, else the frozen ones) that rlhfkit
     moves go through ``offloaders["own_fixed"]``; ``fixed_unchanged=True`` (the caller knows of no write to them since
     the last wake) lets it skip their copy when its host buffer still holds them (:class:`StorageOffloader`)."""
     device = ds_engine.device if isinstance(ds_engine.device, torch.device) else torch.device(ds_engine.device)
-    now, moved = set(done), 0
+    now, moved, kept = set(done), 0, 0
     if hasattr(ds_engine, "empty_partition_cache") and zero_stage == 3:
         ds_engine.empty_partition_cache()
     include = [s for s in plan.deepspeed_states if s not in now and not (keep_weights and s == LP_PARAMS)]
@@ -404,16 +405,18 @@ def offload_engine(ds_engine, plan: SleepPlan, offloaders: dict[str, StorageOffl
     fixed_params = [param for param in ds_engine.module.parameters() if not (trains and param.requires_grad)]
     if plan.own_frozen_params and not keep_weights and "own_fixed" not in now:
         moved += offloaders["own_fixed"].offload(fixed_params, device=device, unchanged=fixed_unchanged)
+        kept += offloaders["own_fixed"].last_kept_bytes
         now.add("own_fixed")
     if plan.own_module_params and not keep_weights and "own_params" not in now:
         tensors = module_tensors(ds_engine, zero_stage, with_grads=plan.own_master_and_optimizer)
         fixed, rest = split_fixed(tensors, fixed_params, zero_stage)
         moved += offloaders["own_fixed"].offload(fixed, device=device, unchanged=fixed_unchanged)
+        kept += offloaders["own_fixed"].last_kept_bytes
         moved += offloaders["own_params"].offload(rest, device=device)
         now.update(("own_fixed", "own_params"))
     if device.type == "cuda" and empty_cache:
         release_cuda_caches()
-    return now, moved
+    return now, moved, kept
 
 
 def release_cuda_caches() -> None:
