@@ -237,9 +237,10 @@ def test_primitives_train_push_and_match_the_engine(hybrid):
     assert {"total_s", "ray_s", "processes_s", "models_s", "checks_s", "before_start_s"} <= set(startup)
     assert 0 < startup["ray_s"] < startup["total_s"] and startup["checks_s"] > 0 and startup["before_start_s"] > 0
     for who in ("actor", "reference"):  # where each process's start went (the slowest rank)
-        parts = {name: startup[f"{who}/{name}"] for name in ("process_s", "import_s", "load_claim_s",
+        parts = {name: startup[f"{who}/{name}"] for name in ("process_s", "import_s", "read_s", "load_claim_s",
                                                               "load_copy_rates_s", "load_model_s", "load_sleep_s")}
-        assert parts["process_s"] > 0 and parts["import_s"] > 0 and parts["load_model_s"] > 0, (who, parts)
+        assert parts["process_s"] > 0 and parts["import_s"] > 0 and parts["read_s"] > 0, (who, parts)
+        assert parts["load_model_s"] > 0, (who, parts)
         assert sum(parts.values()) - parts["process_s"] < startup["total_s"], (who, parts)
     engine = {name: startup[f"engine/{name}"] for name in ("process_s", "import_s", "gate_wait_s", "build_s")}
     assert engine["build_s"] > 0 and all(seconds >= 0 for seconds in engine.values()), engine

@@ -127,13 +127,22 @@ class DeepSpeedEngine:
                         trust_remote_code: bool = False, ds_config_overrides: Mapping[str, Any] | None = None,
                         lora: Any = None) -> DeepSpeedEngine:
         """Load ``path`` (an HF folder) for ``role`` and wrap it; critics/rewards get ``num_labels=1`` value heads
-        (fresh when the folder holds a causal LM, initialised with ``config.value_head_init_std`` when set)."""
+        (fresh when the folder holds a causal LM, initialised with ``config.value_head_init_std`` when set).
+        The same as ``DeepSpeedEngine(DeepSpeedEngine.read_pretrained(path, role=role, config=config), ...)``."""
+        model = cls.read_pretrained(path, role=role, config=config, trust_remote_code=trust_remote_code)
+        return cls(model, role=role, config=config, name=name, ds_config_overrides=ds_config_overrides, lora=lora)
+
+    @staticmethod
+    def read_pretrained(path: str | Path, *, role: Role, config: DeepSpeedEngineConfig,
+                        trust_remote_code: bool = False) -> torch.nn.Module:
+        """The HF model of ``path`` for ``role`` as :meth:`from_pretrained` builds it (dtype, attention, value head,
+        fused kernels from ``config``), in host memory: the part of a load that needs no GPU, for doing it early or
+        beside other work (the hybrid's trainers read their models in parallel, then place them one at a time)."""
         if role not in ROLES:
             raise ValueError(f"role={role!r}; expected one of {ROLES}")
-        model = load_hf_model(path, role=role, bf16=config.bf16, attn_implementation=config.attn_implementation,
-                              value_head_init_std=config.value_head_init_std, trust_remote_code=trust_remote_code,
-                              fused_kernels=config.fused_kernels)
-        return cls(model, role=role, config=config, name=name, ds_config_overrides=ds_config_overrides, lora=lora)
+        return load_hf_model(path, role=role, bf16=config.bf16, attn_implementation=config.attn_implementation,
+                             value_head_init_std=config.value_head_init_std, trust_remote_code=trust_remote_code,
+                             fused_kernels=config.fused_kernels)
 
     # ------------------------------------------------------------------ properties
     @property

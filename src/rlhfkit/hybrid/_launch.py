@@ -1,8 +1,8 @@
 """Starting and stopping a hybrid run: :class:`HybridConfig` and :class:`Hybrid`.
 
 :meth:`Hybrid.start` starts (or joins) Ray, plans the GPUs (every role and the engines on the same GPUs when
-``colocate``), starts the engines and the trainer processes in parallel, loads the trainer models one role at a time
-(each holding the GPU's claim while it loads), and wires the weight sync (CUDA IPC between the processes sharing a GPU,
+``colocate``), starts the engines and the trainer processes in parallel, reads every trainer's model into host memory
+at once and places them on the GPU one role at a time (each holding the GPU's claim while it loads), and wires the weight sync (CUDA IPC between the processes sharing a GPU,
 NCCL to engines on GPUs of their own, gloo on CPU). :meth:`Hybrid.push_weights` moves the actor's weights into the
 engines with every wake and sleep it needs; :meth:`Hybrid.close` stops everything it started.
 """
@@ -290,9 +290,10 @@ class Hybrid:
     ``checks_s``, the LoRA and memory-fit checks before anything starts, and ``before_start_s``, how long the process
     ran before ``start`` was called: interpreter, imports, the script). Where each process's start went, the slowest
     rank or engine of each: ``<role>/process_s`` (the process's age when its actor began: spawn, Ray's set-up),
-    ``<role>/import_s``, ``<role>/load_claim_s``, ``load_copy_rates_s``, ``load_model_s`` (the model read and
-    DeepSpeed's set-up), ``load_sleep_s``; ``engine/process_s``, ``engine/import_s``, ``engine/gate_wait_s``
-    (waiting for the trainers' loads), ``engine/build_s``)."""
+    ``<role>/import_s``, ``<role>/read_s`` (the model read into host memory, every role at once), then one role
+    after another ``<role>/load_claim_s``, ``load_copy_rates_s``, ``load_model_s`` (DeepSpeed's set-up, the move to
+    the GPU), ``load_sleep_s``; ``engine/process_s``, ``engine/import_s``, ``engine/gate_wait_s`` (waiting for the
+    trainers' loads), ``engine/build_s``)."""
 
     def __init__(self, config: HybridConfig) -> None:
         self.config = config
@@ -382,9 +383,14 @@ class Hybrid:
                 self._workers[role], self.startup[f"{role}_process_s"] = future.result()
             mark = time.perf_counter()
             self.startup["processes_s"] = mark - started
-            for role, trainer_config in configs.items():  # one role at a time: each claims the GPU while it loads
+            # every role reads its model into host memory at once; then one role at a time claims the GPU and places it
+            reading = {role: self._workers[role].submit("prefetch", trainer_config)
+                       for role, trainer_config in configs.items()}
+            for role, trainer_config in configs.items():
                 if engines.done() and engines.exception() is not None:  # an engine failed while importing
                     raise engines.exception()
+                read = self._workers[role].gather(reading[role], timeout_s=self.config.start_timeout_s)
+                self.startup[f"{role}/read_s"] = max(rank["read_s"] for rank in read)
                 # the actor's process measures its pinned copy rates (the floor of the switches) before its load
                 loaded = self._workers[role].call("load", trainer_config, measure_copy_rates=role == "actor",
                                                   overlap_switches=self.config.overlap_switches,

@@ -108,6 +108,7 @@ class TrainerWorker(Worker):
         self.events: list[dict[str, Any]] = []
         self.model: Any = None
         self.config: Any = None
+        self._prefetched: tuple[Any, Any, torch.Tensor] | None = None  # (config, HF model in host memory, RNG state)
         self.awake = False
         self.sender: Any = None
         self._pending_backward = False
@@ -124,6 +125,17 @@ class TrainerWorker(Worker):
         return self.role in ("actor", "critic")
 
     # ------------------------------------------------------------------ lifecycle
+    def prefetch(self, config: Any) -> dict[str, float]:
+        """Read the model into host memory (no GPU, no claim: every role at once, while :meth:`load` places them one
+        at a time); the next :meth:`load` of the same ``config`` wraps it. Returns ``{"read_s"}``."""
+        from rlhfkit.deepspeed_engine import DeepSpeedEngine
+
+        started = time.perf_counter()
+        torch.manual_seed(config.seed)  # a fresh value head draws from it, and load() goes on from where it stops
+        model = DeepSpeedEngine.read_pretrained(self.model_path, role=self.role, config=config.deepspeed)
+        self._prefetched = (config, model, torch.get_rng_state())
+        return {"read_s": time.perf_counter() - started}
+
     def load(self, config: Any, *, measure_copy_rates: bool = False, overlap_switches: bool = False) -> dict[str, Any]:
         """Build the model while holding the GPU's claim, then put it to sleep. ``measure_copy_rates``: first time
         this process's pinned host<->device copies on the still empty GPU (:func:`rlhfkit.hybrid.
@@ -145,8 +157,16 @@ class TrainerWorker(Worker):
         torch.manual_seed(config.seed)
         # trained roles own the accumulation boundary: backward accumulates, optim_step() is the boundary
         overrides = {"managed_gradient_accumulation": False} if self.trains else None
-        model = DeepSpeedEngine.from_pretrained(self.model_path, role=self.role, config=config.deepspeed,
-                                                ds_config_overrides=overrides, lora=config.lora)
+        prefetched, self._prefetched = self._prefetched, None
+        if prefetched is not None and prefetched[0] == config:
+            _, hf_model, rng = prefetched
+            torch.set_rng_state(rng)  # as if read just now (the CUDA generator is seeded above, as it was)
+            model = DeepSpeedEngine(hf_model, role=self.role, config=config.deepspeed, ds_config_overrides=overrides,
+                                    lora=config.lora)
+        else:
+            model = DeepSpeedEngine.from_pretrained(self.model_path, role=self.role, config=config.deepspeed,
+                                                    ds_config_overrides=overrides, lora=config.lora)
+        del prefetched
         clock.lap("model_s")
         gc.collect()
         gc.freeze()  # offload_states calls gc.collect(); frozen long-lived objects make that cheap
