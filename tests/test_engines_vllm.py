@@ -422,7 +422,7 @@ def test_generate_packed_matches_generate():
     assert engine.generate_packed([[1]], dataclasses.replace(sampling, logprobs=False))["logprobs"] is None
 
 
-@pytest.mark.parametrize("progress", ["readable", "absent", "unreadable"])
+@pytest.mark.parametrize("progress", ["readable", "absent", "unreadable", "malformed"])
 def test_a_pausable_engine_steps_requests_and_stamps_the_versions_of_an_in_flight_update(progress):
     """pausable=True: each sample is a request of its own (seed = its prompt's + its index, as vLLM seeds the samples
     of an n > 1 request), stepped here; a pause from another thread parks the call between two steps, the weights
@@ -442,11 +442,15 @@ def test_a_pausable_engine_steps_requests_and_stamps_the_versions_of_an_in_fligh
         del fake.output_processor
     elif progress == "unreadable":  # states the engine cannot find its requests in
         fake.output_processor = type("OpaqueProcessor", (), {"request_states": {"internal-0": object()}})()
+    elif progress == "malformed":  # the probe's state, without a token count
+        state = SimpleNamespace(external_req_id="rlhfkit-0-probe", request_index=0)
+        fake.output_processor = type("OldProcessor", (), {"request_states": {"0_probe": state}})()
     prompts, sampling = [[1, 2, 3], [4, 5]], SamplingConfig(n=2, max_new_tokens=5, seed=4)
     rollouts = engine.generate(prompts, sampling, prompt_indices=[7, 8])
     added = [(n, kind) for _, n, kind in fake.added]  # readable: a probe (aborted), then a request of n per prompt
     assert added == {"readable": [(2, "final_only")] * 3, "absent": [(1, "delta")] * 4,
-                     "unreadable": [(2, "final_only")] + [(1, "delta")] * 4}[progress]
+                     "unreadable": [(2, "final_only")] + [(1, "delta")] * 4,
+                     "malformed": [(2, "final_only")] + [(1, "delta")] * 4}[progress]
     assert fake.aborted == ([] if progress == "absent" else ["rlhfkit-0-probe"])
     for rollout in rollouts:
         seed = request_seed(4, rollout.prompt_index) + rollout.sample_index

@@ -378,7 +378,7 @@ class VLLMEngine(PausableGeneration, EngineState):
         engine.add_request(probe, request, self._step_params(sampling, None, kinds.FINAL_ONLY), **extra)
         try:
             return progress({probe}) == {(probe, k): 0 for k in range(sampling.n)}
-        except Exception:  # noqa: BLE001 - states of another shape: this vLLM's progress cannot be read
+        except (AttributeError, TypeError, ValueError):  # states of another shape: the progress cannot be read
             return False
         finally:
             engine.abort_request([probe])
