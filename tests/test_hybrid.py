@@ -57,19 +57,23 @@ def test_phase_timer_reports_switch_bytes_and_their_copy_floor():
     row = timer.end_step()
     assert (row["switch/bytes_d2h"], row["switch/bytes_h2d"], row["switch/bytes_sync"]) == (2e9, 4e9, 4e9)
     assert "switch/floor_s" not in row and "switch/over_floor" not in row  # no rates, no floor
+    assert "switch/bytes_kept" not in row  # nothing freed without a copy: no column
 
     timer.copy_rates = CopyRates(h2d_bytes_per_s=50e9, d2h_bytes_per_s=40e9, d2d_bytes_per_s=1000e9, num_bytes=1,
                                  device="cuda:0")
     timer.start_step()
-    timer.count_switch(0.3, bytes_d2h=2e9, bytes_h2d=4e9)
+    timer.count_switch(0.3, bytes_d2h=2e9, bytes_h2d=4e9, bytes_kept=1e9)  # kept bytes are not in the floor
     timer.count_sync_bytes(4e9)
     row = timer.end_step()
+    assert row["switch/bytes_kept"] == 1e9
     floor = 2e9 / 40e9 + 4e9 / 50e9 + 4e9 / 1000e9
     assert row["switch/floor_s"] == pytest.approx(floor)
     assert row["switch/over_floor"] == pytest.approx(row["time/phase_switch_s"] / floor)
     assert row["switch/h2d_gb_per_s"] == pytest.approx(50.0)
     with pytest.raises(ValueError, match="bytes_d2h=-1"):
         timer.count_switch(0.1, bytes_d2h=-1)
+    with pytest.raises(ValueError, match="bytes_kept=-1"):
+        timer.count_switch(0.1, bytes_kept=-1)
     with pytest.raises(ValueError, match="d2h_bytes_per_s=0"):
         CopyRates(h2d_bytes_per_s=1.0, d2h_bytes_per_s=0, d2d_bytes_per_s=1.0, num_bytes=1, device="cuda:0")
 
@@ -287,7 +291,7 @@ def test_trainer_sleeps_and_wakes_report_the_bytes_they_copied(hybrid, tiny_llam
     assert row["worker/forward_reference_cpu_s"] > 0, row
     # the reference slept and woke before (start-up, earlier tests): its weights do not train, so the pinned copy of
     # that sleep still holds them and this sleep copies nothing; its wake copies them back
-    assert row["switch/bytes_d2h"] == 0, row
+    assert row["switch/bytes_d2h"] == 0 and row["switch/bytes_kept"] == row["switch/bytes_h2d"], row
     assert param_bytes <= row["switch/bytes_h2d"] < param_bytes + padding, row
     assert "switch/floor_s" not in row  # CPU: no copy rates, no floor
 

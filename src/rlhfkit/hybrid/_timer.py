@@ -116,7 +116,9 @@ class PhaseTimer:
     ``time/phase_switch_fraction`` and ``mem/<phase>_peak_gib`` (device-wide, GiB; per GPU too with several).
 
     Bytes moved (given to :meth:`count_switch` and :meth:`count_sync_bytes`): ``switch/bytes_d2h`` (device -> host,
-    sleeps), ``switch/bytes_h2d`` (host -> device, wakes) and ``switch/bytes_sync`` (the weight sync). With
+    sleeps), ``switch/bytes_h2d`` (host -> device, wakes) and ``switch/bytes_sync`` (the weight sync); and
+    ``switch/bytes_kept``, what sleeps freed on the device without a copy (weights that do not train, whose pinned
+    host copy was still current), when there was any. With
     ``copy_rates`` set (:class:`~rlhfkit.hybrid.CopyRates`, measured on the device): ``switch/floor_s`` =
     ``bytes_d2h / d2h rate + bytes_h2d / h2d rate + bytes_sync / d2d rate`` (the copies alone),
     ``switch/over_floor`` = ``time/phase_switch_s / switch/floor_s`` and the rates (``switch/{h2d,d2h,d2d}_gb_per_s``).
@@ -164,11 +166,12 @@ class PhaseTimer:
                 self.sampler.set_phase(None)
 
     def count_switch(self, seconds: float, *, phase: str | None = None, bytes_d2h: float = 0.0,
-                     bytes_h2d: float = 0.0) -> None:
+                     bytes_h2d: float = 0.0, bytes_kept: float = 0.0) -> None:
         """Count ``seconds`` of ``phase`` (default: the phase running now) as ``sleep_wake``: the workers' own
         sleep/wake time inside a call that also did other work. Outside any phase it is added to ``sleep_wake``.
-        ``bytes_d2h`` / ``bytes_h2d``: what those sleeps / wakes copied (per GPU: ranks copy in parallel)."""
-        for name, value in (("bytes_d2h", bytes_d2h), ("bytes_h2d", bytes_h2d)):
+        ``bytes_d2h`` / ``bytes_h2d``: what those sleeps / wakes copied (per GPU: ranks copy in parallel);
+        ``bytes_kept``: what those sleeps took off the device without a copy (the host still held it)."""
+        for name, value in (("bytes_d2h", bytes_d2h), ("bytes_h2d", bytes_h2d), ("bytes_kept", bytes_kept)):
             if not value >= 0:
                 raise ValueError(f"count_switch({name}={value!r}); give a byte count >= 0")
             self._bytes[name] += value
@@ -209,6 +212,8 @@ class PhaseTimer:
     def _switch_bytes(self, switch_s: float) -> dict[str, float]:
         moved = {name: self._bytes.get(name, 0.0) for name in ("bytes_d2h", "bytes_h2d", "bytes_sync")}
         row = {f"switch/{name}": value for name, value in moved.items()}
+        if self._bytes.get("bytes_kept"):
+            row["switch/bytes_kept"] = self._bytes["bytes_kept"]
         rates = self.copy_rates
         if rates is None:
             return row

@@ -184,7 +184,8 @@ class TrainerGroup:
         if self.timer is not None:
             self.timer.count_switch(max(result.get("switch_s", 0.0) for result in results),
                                     bytes_d2h=max(result.get("bytes_d2h", 0.0) for result in results),
-                                    bytes_h2d=max(result.get("bytes_h2d", 0.0) for result in results))
+                                    bytes_h2d=max(result.get("bytes_h2d", 0.0) for result in results),
+                                    bytes_kept=max(result.get("bytes_kept", 0.0) for result in results))
             slowest = max(results, key=lambda result: result.get("worker_s", 0.0))
             self.timer.count_worker(slowest.get("worker_s", 0.0), cpu_s=slowest.get("worker_cpu_s", 0.0))
             self.timer.count_overlapped(max(result.get("overlapped_s", 0.0) for result in results))

@@ -113,7 +113,8 @@ class TrainerWorker(Worker):
         self.sender: Any = None
         self._pending_backward = False
         self._resident = _Resident()
-        self._moved = {"bytes_d2h": 0.0, "bytes_h2d": 0.0}  # copied by sleeps / wakes since the last call's report
+        # copied by sleeps / wakes since the last call's report; kept: freed by sleeps without a copy
+        self._moved = {"bytes_d2h": 0.0, "bytes_h2d": 0.0, "bytes_kept": 0.0}
         self.overlap = False  # HybridConfig.overlap_switches: sleeps run behind the next role's wake
         self._background: tuple[threading.Thread, str, bool] | None = None  # a sleep still running: phase, keep
         self._background_error: BaseException | None = None
@@ -196,6 +197,7 @@ class TrainerWorker(Worker):
             with self._stats_lock:
                 self._moved["bytes_d2h" if action == "sleep" else "bytes_h2d"] += transition.result.get("bytes_moved",
                                                                                                        0)
+                self._moved["bytes_kept"] += transition.result.get("bytes_kept_on_host", 0)
         self.events.append(transition_record(transition, rank=self.rank))
         return transition.seconds
 
@@ -253,7 +255,7 @@ class TrainerWorker(Worker):
     def _take_moved(self) -> dict[str, float]:
         """The bytes sleeps and wakes copied since the last call (reported with its ``switch_s``)."""
         with self._stats_lock:
-            moved, self._moved = self._moved, {"bytes_d2h": 0.0, "bytes_h2d": 0.0}
+            moved, self._moved = self._moved, {"bytes_d2h": 0.0, "bytes_h2d": 0.0, "bytes_kept": 0.0}
         return moved
 
     def wake(self, phase: str = "wake") -> dict[str, float]:
