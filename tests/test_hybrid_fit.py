@@ -100,6 +100,29 @@ def test_full_offload_7b_is_refused_for_host_memory(qwen7b):
     assert steady.value.memory == "host" and steady.value.shortfall_gib > 20
 
 
+def test_roles_read_their_models_at_once_only_where_the_host_holds_the_copies(qwen7b):
+    """Hybrid.start has every trainer role read its model into host memory at once (then places them one at a time)
+    only where the host estimate with all those copies held together still fits: with 7B bf16 an actor and a
+    reference add 14.2 GiB to the actor's load; a host that fits them one after the other but not together reads
+    them in turn. One role, or no host size (CPU), needs no decision."""
+    from rlhfkit.hybrid._launch import _reads_ahead
+
+    trainers = {"actor": TrainerConfig(deepspeed=_trainers(gradient_checkpointing=True), lora=LoraConfig(rank=16),
+                                       offload=False),
+                "reference": TrainerConfig(deepspeed=_trainers(), offload=False)}  # resident: little host memory
+    roomy = HybridConfig(model=qwen7b, engine_memory=0.35, **(H100 | {"host_memory_gib": 1000.0}))
+    in_turn = check_fit(roomy, trainers).host_per_node[0]
+    ahead = check_fit(roomy, trainers, read_ahead=True).host_per_node[0]
+    assert ahead["load_actor"] - in_turn["load_actor"] == pytest.approx(7.62e9 * 2 / 1024**3, rel=0.01)
+    assert _reads_ahead(roomy, trainers)
+    tight = dataclasses.replace(roomy, host_memory_gib=(max(in_turn.values()) + ahead["load_actor"]) / 2)
+    assert max(in_turn.values()) < tight.host_memory_gib < ahead["load_actor"]
+    check_fit(tight, trainers)  # fits when the roles read in turn ...
+    assert not _reads_ahead(tight, trainers)  # ... so they do
+    assert not _reads_ahead(roomy, {"actor": trainers["actor"]})
+    assert _reads_ahead(HybridConfig(model=qwen7b, device="cpu", engine="hf"), trainers)
+
+
 def test_partial_offload_without_reference_fits_7b_and_8b(qwen7b, llama8b):
     """Issue 20: bench/scale.py's 7B-8B layout (LARGE_FULL) passes both budgets with fp32 masters; the same with a
     resident reference does not (GPU short), and with the trainers parked in host memory it is refused outright."""

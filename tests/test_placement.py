@@ -475,6 +475,12 @@ def test_host_estimate_matches_hand_computation():
         ModelMemory(num_params=1, offload_optimizer_ratio=1.5)
     with pytest.raises(ValueError, match=r"load_order names unknown roles \['critic'\]"):
         estimate_memory(plan, models, dataclasses.replace(config, load_order=("critic",)))
+    # read ahead: every role's host copy is read before the first is placed, so the actor's load holds both copies
+    ahead = estimate_memory(plan, models, dataclasses.replace(config, read_ahead=True))
+    assert ahead.host_per_node[0]["load_actor"] == pytest.approx(2 * params * 2 / GIB + 1.5 + 10.0)
+    assert ahead.host_per_node[0]["load_reference"] == estimate.host_per_node[0]["load_reference"]
+    with pytest.raises(TypeError, match="MemoryConfig.read_ahead='yes'"):
+        MemoryConfig(read_ahead="yes")
 
 
 def test_master_ports_come_from_outside_the_ephemeral_range():

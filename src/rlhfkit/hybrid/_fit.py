@@ -211,9 +211,10 @@ def _engine_memory(config: Any, shape: ModelShape) -> Any:
 
 def estimate_hybrid_memory(config: Any, trainers: Mapping[str, Any], *, plan: Any, gpu_memory_gib: float,
                            host_memory_gib: float | None = None,
-                           meta_model: Callable[[str], torch.nn.Module] | None = None) -> Any:
+                           meta_model: Callable[[str], torch.nn.Module] | None = None, read_ahead: bool = False) -> Any:
     """The per-GPU, per-phase :class:`~rlhfkit.placement.MemoryEstimate` of a hybrid run (see the module docs), with
-    host memory per node when ``host_memory_gib`` is given (load phases in the order of ``trainers``);
+    host memory per node when ``host_memory_gib`` is given (load phases in the order of ``trainers``; ``read_ahead``:
+    every role has read its model into host memory before the first places its own, ``MemoryConfig.read_ahead``);
     ``meta_model``: path -> the model built on the meta device (default :func:`rlhfkit.lora.meta_model`), called
     once per distinct path."""
     from rlhfkit.lora import meta_model as build_meta_model
@@ -233,7 +234,7 @@ def estimate_hybrid_memory(config: Any, trainers: Mapping[str, Any], *, plan: An
     return estimate_memory(plan, models, MemoryConfig(gpu_memory_gib=gpu_memory_gib,
                                                       engine_memory_fraction=config.engine_memory_fraction,
                                                       phases=phases, host_memory_gib=host_memory_gib,
-                                                      load_order=tuple(trainers)))
+                                                      load_order=tuple(trainers), read_ahead=read_ahead))
 
 
 def engines_may_build_during_loads(config: Any, estimate: Any) -> bool:

@@ -307,6 +307,7 @@ class Hybrid:
         self._start_gate: str | None = None
         self._kv_cache_bytes: int | None = None
         self._build_during_loads = False
+        self._read_ahead = False  # every trainer role reads its model into host memory at once (start)
         self._started_ray = False
         self._pushed_version = 0
         self._threads_before: int | None = None  # torch's intra-op threads before start (driver_threads)
@@ -338,7 +339,9 @@ class Hybrid:
         estimate = check_fit(config, trainers, meta_model=built)
         if config.overlap_switches:
             _check_overlap_fits(config, trainers, meta_model=built)
+        read_ahead = _reads_ahead(config, trainers, meta_model=built)
         run, started = cls(config), time.perf_counter()
+        run._read_ahead = read_ahead
         if config.engine_kv_tokens is not None:
             run._kv_cache_bytes = hybrid_kv_cache_bytes(config, model_shape(config.model, model=built(config.model)))
         run._build_during_loads = run._kv_cache_bytes is not None and engines_may_build_during_loads(config, estimate)
@@ -383,13 +386,15 @@ class Hybrid:
                 self._workers[role], self.startup[f"{role}_process_s"] = future.result()
             mark = time.perf_counter()
             self.startup["processes_s"] = mark - started
-            # every role reads its model into host memory at once; then one role at a time claims the GPU and places it
+            # Every role reads its model into host memory at once when the host holds all those copies together (the
+            # estimate says so), else each right before its turn; one role at a time claims the GPU and places it.
             reading = {role: self._workers[role].submit("prefetch", trainer_config)
-                       for role, trainer_config in configs.items()}
+                       for role, trainer_config in configs.items()} if self._read_ahead else {}
             for role, trainer_config in configs.items():
                 if engines.done() and engines.exception() is not None:  # an engine failed while importing
                     raise engines.exception()
-                read = self._workers[role].gather(reading[role], timeout_s=self.config.start_timeout_s)
+                pending = reading.get(role) or self._workers[role].submit("prefetch", trainer_config)
+                read = self._workers[role].gather(pending, timeout_s=self.config.start_timeout_s)
                 self.startup[f"{role}/read_s"] = max(rank["read_s"] for rank in read)
                 # the actor's process measures its pinned copy rates (the floor of the switches) before its load
                 loaded = self._workers[role].call("load", trainer_config, measure_copy_rates=role == "actor",
@@ -684,12 +689,12 @@ def _slowest(who: str, parts: list[dict[str, float]]) -> dict[str, float]:
 
 
 def check_fit(config: HybridConfig, trainers: Mapping[str, TrainerConfig], *,
-              meta_model: Callable[[str], Any] | None = None) -> Any:
+              meta_model: Callable[[str], Any] | None = None, read_ahead: bool = False) -> Any:
     """Raise :class:`~rlhfkit.placement.MemoryFitError` when the plan's memory estimate says a phase cannot fit one
     GPU of ``config.gpu_memory_gib`` or one node's ``config.host_memory_gib`` of host memory (``error.memory`` says
     which), or the engines' share leaves no room for a KV cache (see :mod:`rlhfkit.hybrid._fit`); returns the
-    :class:`~rlhfkit.placement.MemoryEstimate` (None when the GPU size is unknown: no check). ``meta_model``: as
-    for :func:`~rlhfkit.hybrid._fit.estimate_hybrid_memory`."""
+    :class:`~rlhfkit.placement.MemoryEstimate` (None when the GPU size is unknown: no check). ``meta_model`` and
+    ``read_ahead``: as for :func:`~rlhfkit.hybrid._fit.estimate_hybrid_memory`."""
     from rlhfkit.hybrid._fit import estimate_hybrid_memory
 
     gpu_gib, host_gib = config.gpu_memory_gib, config.host_memory_gib
@@ -704,9 +709,25 @@ def check_fit(config: HybridConfig, trainers: Mapping[str, TrainerConfig], *,
     if gpu_gib is None:
         return None
     estimate = estimate_hybrid_memory(config, trainers, plan=plan_gpus(config, tuple(trainers)),
-                                      gpu_memory_gib=gpu_gib, host_memory_gib=host_gib, meta_model=meta_model)
+                                      gpu_memory_gib=gpu_gib, host_memory_gib=host_gib, meta_model=meta_model,
+                                      read_ahead=read_ahead)
     estimate.check_fit(what=f"the hybrid run of {config.model!r} on {config.total_gpus} GPU(s)")
     return estimate
+
+
+def _reads_ahead(config: HybridConfig, trainers: Mapping[str, TrainerConfig], *,
+                 meta_model: Callable[[str], Any] | None = None) -> bool:
+    """Whether every trainer role may read its model into host memory at once (before the first places its own on
+    the GPU): with more than one role, when the memory estimate with those copies held together still fits."""
+    from rlhfkit.placement import MemoryFitError
+
+    if len(trainers) < 2:
+        return False
+    try:
+        check_fit(config, trainers, meta_model=meta_model, read_ahead=True)
+    except MemoryFitError:
+        return False
+    return True
 
 
 def _check_overlap_fits(config: HybridConfig, trainers: Mapping[str, TrainerConfig], *,

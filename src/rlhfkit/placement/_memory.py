@@ -141,6 +141,8 @@ class MemoryConfig:
             then DeepSpeed moves it to the GPU): adds a host-only phase ``load_<role>`` per role, where the roles
             loaded before hold their host states, later ones nothing yet, and roles not listed (engines) all of
             theirs. None: no load phases.
+        read_ahead: with ``load_order``, every role reads its host copy before the first one moves its model to the
+            GPU (they read in parallel), so in ``load_<role>`` the roles after it hold their whole copies too.
     """
 
     gpu_memory_gib: float = 80.0
@@ -151,6 +153,7 @@ class MemoryConfig:
     host_process_gib: float = 3.0
     host_reserved_gib: float = 8.0
     load_order: tuple[str, ...] | None = None
+    read_ahead: bool = False
 
     def __post_init__(self) -> None:
         if not _check_real("MemoryConfig", "gpu_memory_gib", self.gpu_memory_gib) > 0:
@@ -173,6 +176,8 @@ class MemoryConfig:
             for role in self.load_order:
                 _check_name("MemoryConfig.load_order: each role name", role, example="actor")
             object.__setattr__(self, "load_order", tuple(self.load_order))
+        if not isinstance(self.read_ahead, bool):
+            raise TypeError(f"MemoryConfig.read_ahead={self.read_ahead!r}; must be True or False")
 
 
 def _checked_phases(phases: object) -> dict[str, tuple[str, ...]]:
@@ -408,7 +413,8 @@ def _gpu_estimate(plan: PlacementPlan, models: Mapping[str, ModelMemory], config
 def _host_estimate(plan: PlacementPlan, models: Mapping[str, ModelMemory], config: MemoryConfig,
                    phases: tuple[str, ...]) -> tuple[dict, dict, list[str]]:
     """Host GiB per node: in every GPU phase each role holds its host states; in ``load_<role>`` the roles loaded
-    before hold theirs, the loading one a whole copy of its weights, later ones nothing."""
+    before hold theirs, the loading one a whole copy of its weights, later ones nothing (``read_ahead``: their whole
+    copies as well)."""
     assert config.host_memory_gib is not None
     order = config.load_order or ()
     per_node: dict[int, dict[str, float]] = {}
@@ -420,9 +426,9 @@ def _host_estimate(plan: PlacementPlan, models: Mapping[str, ModelMemory], confi
         held = dict(steady)
         if loading is not None:
             for role in order[order.index(loading):]:
-                held[role] = 0.0
-            model = models.get(loading)
-            held[loading] = model.num_params * model.bytes_per_param / _GIB if model is not None else 0.0
+                model = models.get(role)
+                copy = model.num_params * model.bytes_per_param / _GIB if model is not None else 0.0
+                held[role] = copy if role == loading or config.read_ahead else 0.0
         for node in range(len(plan.bundles_per_node())):
             parts: dict[str, float] = {}
             processes = 0
