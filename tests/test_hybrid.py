@@ -533,7 +533,7 @@ def test_hybrid_config_accepts_sglang_on_cuda_only():
 def test_hybrid_config_weight_loading_defaults_to_the_recorded_plan():
     """The vLLM engines replay the first push's copies (``weight_loading="planned"``) unless told otherwise; a value
     vLLM engines do not know is refused naming the field and the choices."""
-    from rlhfkit.engines.vllm._config import WEIGHT_LOADINGS
+    from rlhfkit.engines.vllm import WEIGHT_LOADINGS
     from rlhfkit.hybrid import HybridConfig
 
     assert HybridConfig(model="m").weight_loading == "planned"

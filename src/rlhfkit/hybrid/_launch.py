@@ -213,7 +213,7 @@ class HybridConfig:
         if self.driver_threads is not None and (isinstance(self.driver_threads, bool)
                                                 or not isinstance(self.driver_threads, int) or self.driver_threads < 1):
             raise ValueError(f"HybridConfig.driver_threads={self.driver_threads!r}; must be None or a positive int")
-        from rlhfkit.engines.vllm._config import WEIGHT_LOADINGS
+        from rlhfkit.engines.vllm import WEIGHT_LOADINGS
 
         if self.weight_loading not in WEIGHT_LOADINGS:
             raise ValueError(f"HybridConfig.weight_loading={self.weight_loading!r}; expected one of {WEIGHT_LOADINGS}")

@@ -58,7 +58,7 @@ from rlhfkit.engines.vllm._compat import (
     request_seed,
     require_feature,
 )
-from rlhfkit.engines.vllm._config import WORKER_EXTENSION, VLLMEngineConfig, build_llm_kwargs
+from rlhfkit.engines.vllm._config import WEIGHT_LOADINGS, WORKER_EXTENSION, VLLMEngineConfig, build_llm_kwargs
 from rlhfkit.engines.vllm._lora import AdapterSlots, adapter_path
 from rlhfkit.engines.vllm._ray import create_engine_group, create_engines, kill_engines, plan_launches, wait_ready
 from rlhfkit.engines.protocol import (WAKE_TAGS, SamplingConfig, WeightVersionError, next_weight_version,
@@ -67,7 +67,8 @@ from rlhfkit.engines.router import pack_generate_result
 from rlhfkit.types import Rollout
 
 __all__ = ["VLLMEngineConfig", "VLLMEngine", "VLLMEngineActor", "create_engines",
-           "create_engine_group", "plan_launches", "kill_engines", "VLLMFeatureError", "GenerationPausedTimeout"]
+           "create_engine_group", "plan_launches", "kill_engines", "VLLMFeatureError", "GenerationPausedTimeout",
+           "WEIGHT_LOADINGS"]
 
 logger = logging.getLogger(__name__)
 
