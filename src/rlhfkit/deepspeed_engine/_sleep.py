@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 __all__ = ["StorageOffloader", "SleepPlan", "plan_sleep", "offload_engine", "reload_engine", "device_memory",
-           "resident_state_bytes", "split_fixed"]
+           "resident_state_bytes"]
 
 logger = logging.getLogger(__name__)
 

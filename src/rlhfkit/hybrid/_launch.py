@@ -2,8 +2,9 @@
 
 :meth:`Hybrid.start` starts (or joins) Ray, plans the GPUs (every role and the engines on the same GPUs when
 ``colocate``), starts the engines and the trainer processes in parallel, reads every trainer's model into host memory
-at once and places them on the GPU one role at a time (each holding the GPU's claim while it loads), and wires the weight sync (CUDA IPC between the processes sharing a GPU,
-NCCL to engines on GPUs of their own, gloo on CPU). :meth:`Hybrid.push_weights` moves the actor's weights into the
+(at once where the host holds the copies) and places them on the GPU one role at a time (each holding the GPU's claim
+while it loads), and wires the weight sync (CUDA IPC between the processes sharing a GPU, NCCL to engines on GPUs of
+their own, gloo on CPU). :meth:`Hybrid.push_weights` moves the actor's weights into the
 engines with every wake and sleep it needs; :meth:`Hybrid.close` stops everything it started.
 """
 

@@ -129,13 +129,18 @@ class TrainerWorker(Worker):
     def prefetch(self, config: Any) -> dict[str, float]:
         """Read the model into host memory (no GPU, no claim: every role at once, while :meth:`load` places them one
         at a time); the next :meth:`load` of the same ``config`` wraps it. Returns ``{"read_s"}``."""
+        started = time.perf_counter()
+        self._prefetched = self._read(config)
+        return {"read_s": time.perf_counter() - started}
+
+    def _read(self, config: Any) -> tuple[Any, Any, torch.Tensor]:
+        """``(config, the HF model in host memory, the RNG state after reading it)``: seeded, since a fresh value
+        head draws from the generator, and :meth:`load` goes on from where the read left it."""
         from rlhfkit.deepspeed_engine import DeepSpeedEngine
 
-        started = time.perf_counter()
-        torch.manual_seed(config.seed)  # a fresh value head draws from it, and load() goes on from where it stops
+        torch.manual_seed(config.seed)
         model = DeepSpeedEngine.read_pretrained(self.model_path, role=self.role, config=config.deepspeed)
-        self._prefetched = (config, model, torch.get_rng_state())
-        return {"read_s": time.perf_counter() - started}
+        return config, model, torch.get_rng_state()
 
     def load(self, config: Any, *, measure_copy_rates: bool = False, overlap_switches: bool = False) -> dict[str, Any]:
         """Build the model while holding the GPU's claim, then put it to sleep. ``measure_copy_rates``: first time
@@ -155,19 +160,18 @@ class TrainerWorker(Worker):
             torch.cuda.set_device(self._cuda_device)
         rates = measure(self.device()) if measure_copy_rates and self.device_kind == "cuda" else None
         clock.lap("copy_rates_s")
-        torch.manual_seed(config.seed)
+        prefetched, self._prefetched = self._prefetched, None
+        if prefetched is None or prefetched[0] != config:
+            prefetched = self._read(config)
+        _, hf_model, rng = prefetched
+        del prefetched
+        torch.manual_seed(config.seed)  # the CUDA generator, seeded as before the read; the CPU one goes on from it
+        torch.set_rng_state(rng)
         # trained roles own the accumulation boundary: backward accumulates, optim_step() is the boundary
         overrides = {"managed_gradient_accumulation": False} if self.trains else None
-        prefetched, self._prefetched = self._prefetched, None
-        if prefetched is not None and prefetched[0] == config:
-            _, hf_model, rng = prefetched
-            torch.set_rng_state(rng)  # as if read just now (the CUDA generator is seeded above, as it was)
-            model = DeepSpeedEngine(hf_model, role=self.role, config=config.deepspeed, ds_config_overrides=overrides,
-                                    lora=config.lora)
-        else:
-            model = DeepSpeedEngine.from_pretrained(self.model_path, role=self.role, config=config.deepspeed,
-                                                    ds_config_overrides=overrides, lora=config.lora)
-        del prefetched
+        model = DeepSpeedEngine(hf_model, role=self.role, config=config.deepspeed, ds_config_overrides=overrides,
+                                lora=config.lora)
+        del hf_model
         clock.lap("model_s")
         gc.collect()
         gc.freeze()  # offload_states calls gc.collect(); frozen long-lived objects make that cheap
