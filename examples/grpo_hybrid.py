@@ -74,7 +74,7 @@ class Options:
     lora_rank: int = 0  # > 0: train LoRA adapters (alpha = 2 * rank, attention + MLP projections) and push only them
     engine_memory: float = 0.15  # vLLM's share of the GPU: free at its start; all of it with --kv-cache share
     kv_cache: str = "batch"  # vLLM's KV cache: "batch" = (192 + --max-new-tokens) x batch, "share" = --engine-memory
-    overlap_switches: bool = False  # a role's sleep runs behind the next role's wake (needs room for all resident)
+    overlap_switches: bool | None = None  # a role's sleep behind the next one's wake; None: on where all fit resident
     tiny: bool = False  # smoke run: 3 steps of a few short samples
 
 

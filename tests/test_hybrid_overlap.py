@@ -115,6 +115,26 @@ def test_overlap_switches_needs_room_for_every_role_resident(tiny_llama_path):
         _check_overlap_fits(tiny_gpu, trainers)
 
 
+def test_overlap_switches_default_is_on_only_where_every_role_fits_resident(tiny_llama_path):
+    pytest.importorskip("deepspeed")
+    from rlhfkit.deepspeed_engine import DeepSpeedEngineConfig
+    from rlhfkit.hybrid import HybridConfig, TrainerConfig
+    from rlhfkit.hybrid._launch import _overlap_fits
+
+    trainers = {"actor": TrainerConfig(deepspeed=DeepSpeedEngineConfig(zero_stage=1, optimizer="torch_adamw")),
+                "reference": TrainerConfig(deepspeed=DeepSpeedEngineConfig(zero_stage=0, optimizer="torch_adamw"))}
+    assert HybridConfig(model=str(tiny_llama_path), device="cpu", engine="hf").overlap_switches is None
+    # CPU: nothing to overlap (no copies between device and host)
+    assert not _overlap_fits(HybridConfig(model=str(tiny_llama_path), device="cpu", engine="hf",
+                                          gpu_memory_gib=80.0), trainers)
+    roomy = HybridConfig(model=str(tiny_llama_path), device="cuda", engine="hf", gpu_memory_gib=80.0,
+                         host_memory_gib=64.0)
+    assert _overlap_fits(roomy, trainers)
+    tight = HybridConfig(model=str(tiny_llama_path), device="cuda", engine="hf", gpu_memory_gib=0.001,
+                         host_memory_gib=64.0)
+    assert not _overlap_fits(tight, trainers)  # the same estimate that makes True refuse turns None off
+
+
 def _run(tiny_llama_path, overlap: bool, steps: int = 2) -> list[dict]:
     from rlhfkit.deepspeed_engine import DeepSpeedEngineConfig
     from rlhfkit.engines import SamplingConfig

@@ -127,9 +127,10 @@ class HybridConfig:
         overlap_switches: a trainer role's sleep runs in the background, behind the next role's wake (the phase
             guard lets that wake take the GPU from a role marked as going to sleep): the reference's sleep behind
             the actor's wake, the actor's sleeps behind the engines' wakes. Both models are on the GPU for a moment,
-            so :meth:`Hybrid.start` refuses it unless the plan's memory estimate fits the run with every role
-            resident. The background sleeps' seconds are ``time/overlapped_sleep_s``, outside the step's switch
-            time. Off by default (not yet measured on a GPU).
+            so it needs room for every role resident at once in the plan's memory estimate. None (default): on
+            when that estimate fits on a GPU run (:meth:`Hybrid.start` decides; ``hybrid.config`` then holds the
+            choice), off otherwise; True: on, and :meth:`Hybrid.start` refuses a run that does not fit; False: off.
+            The background sleeps' seconds are ``time/overlapped_sleep_s``, outside the step's switch time.
     """
 
     model: str
@@ -163,7 +164,7 @@ class HybridConfig:
     host_memory_gib: float | None = None
     pause_engines: bool = True
     driver_threads: int | None = 1
-    overlap_switches: bool = False
+    overlap_switches: bool | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -209,8 +210,9 @@ class HybridConfig:
                 raise ValueError(f"HybridConfig.{name}={value!r}; GiB of {what} (> 0) or None")
         if not isinstance(self.pause_engines, bool):
             raise TypeError(f"HybridConfig.pause_engines={self.pause_engines!r}; must be True or False")
-        if not isinstance(self.overlap_switches, bool):
-            raise TypeError(f"HybridConfig.overlap_switches={self.overlap_switches!r}; must be True or False")
+        if self.overlap_switches is not None and not isinstance(self.overlap_switches, bool):
+            raise TypeError(f"HybridConfig.overlap_switches={self.overlap_switches!r}; must be None (on where the "
+                            "memory estimate fits every role resident), True or False")
         if self.driver_threads is not None and (isinstance(self.driver_threads, bool)
                                                 or not isinstance(self.driver_threads, int) or self.driver_threads < 1):
             raise ValueError(f"HybridConfig.driver_threads={self.driver_threads!r}; must be None or a positive int")
@@ -350,7 +352,9 @@ class Hybrid:
         built = functools.cache(meta_model)  # each model built on the meta device once, for both checks
         _check_lora(config, trainers, meta_model=built)
         estimate = check_fit(config, trainers, meta_model=built)
-        if config.overlap_switches:
+        if config.overlap_switches is None:
+            config = dataclasses.replace(config, overlap_switches=_overlap_fits(config, trainers, meta_model=built))
+        elif config.overlap_switches:
             _check_overlap_fits(config, trainers, meta_model=built)
         read_ahead = _reads_ahead(config, trainers, meta_model=built)
         run, started = cls(config), time.perf_counter()
@@ -750,13 +754,33 @@ def _check_overlap_fits(config: HybridConfig, trainers: Mapping[str, TrainerConf
     memory estimate fits the run with every role resident, the most two roles' states can take together."""
     from rlhfkit.placement import MemoryFitError
 
-    resident = {role: dataclasses.replace(trainer, offload=False) for role, trainer in trainers.items()}
     try:
-        check_fit(dataclasses.replace(config, engine_sleep_level=0), resident, meta_model=meta_model)
+        _check_resident_fit(config, trainers, meta_model=meta_model)
     except MemoryFitError as error:
         raise ValueError(f"HybridConfig.overlap_switches=True needs room for every role resident at once (two "
                          f"roles share the GPU while one goes to sleep), and the memory estimate says: {error}. "
-                         "Turn overlap_switches off") from error
+                         "Turn overlap_switches off (or leave it None: on only where it fits)") from error
+
+
+def _overlap_fits(config: HybridConfig, trainers: Mapping[str, TrainerConfig], *,
+                  meta_model: Callable[[str], Any] | None = None) -> bool:
+    """``overlap_switches=None``: on for a GPU run whose memory estimate fits every role resident at once; off on
+    CPU (nothing to gain: no copies between device and host) and where the estimate is unknown or does not fit."""
+    from rlhfkit.placement import MemoryFitError
+
+    if config.device != "cuda":
+        return False
+    try:
+        return _check_resident_fit(config, trainers, meta_model=meta_model) is not None
+    except MemoryFitError:
+        return False
+
+
+def _check_resident_fit(config: HybridConfig, trainers: Mapping[str, TrainerConfig], *,
+                        meta_model: Callable[[str], Any] | None = None) -> Any:
+    """:func:`check_fit` of ``config`` with every role resident (engine level 0, no trainer offloaded)."""
+    resident = {role: dataclasses.replace(trainer, offload=False) for role, trainer in trainers.items()}
+    return check_fit(dataclasses.replace(config, engine_sleep_level=0), resident, meta_model=meta_model)
 
 
 def ray_memory_threshold() -> float:
