@@ -527,6 +527,56 @@ def section_tp2(args) -> None:
          workers=[w["rank"] for w in health[0]["workers"]])
 
 
+def section_tp_greedy(args) -> None:
+    """Greedy output of a TP engine against TP 1 on the real model (fp32): SmolLM2-135M's 9 attention heads and
+    3 KV heads split over 3 GPUs (not 2 or 4). Tokens compared exactly, sampled log-probs by their largest gap,
+    and each engine's generate time on the same prompts."""
+    import ray
+    import torch
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    from rlhfkit.engines.protocol import SamplingConfig
+    from rlhfkit.engines.router import EngineGroup
+    from rlhfkit.engines.vllm import create_engines, kill_engines
+
+    tp = 3
+    ray.init(num_gpus=torch.cuda.device_count(), include_dashboard=False, log_to_driver=False)
+    greedy = SamplingConfig(max_new_tokens=args.max_new_tokens, temperature=0.0, ignore_eos=True, logprobs=True)
+    prompts = prompts_for(args.model, args.num_prompts, 49152)
+    out: dict = {}
+    for size in (1, tp):
+        group_pg = placement_group([{"GPU": 1, "CPU": 1}] * size, strategy="PACK")
+        ray.get(group_pg.ready(), timeout=120)
+        config = engine_config(args.model, dtype="float32", tensor_parallel_size=size, gpu_share=1.0,
+                               enforce_eager=False)
+        t0 = time.perf_counter()
+        handles = create_engines(config, placement_group=group_pg)
+        group = EngineGroup(handles, forward_prompt_indices=True)
+        start_s = time.perf_counter() - t0
+        group.generate(prompts[:4], greedy)  # warm-up
+        times, rollouts = [], None
+        for _ in range(3):
+            t0 = time.perf_counter()
+            rollouts = group.generate(prompts, greedy)
+            times.append(time.perf_counter() - t0)
+        out[size] = {"tokens": [r.response_token_ids.tolist() for r in rollouts],
+                     "logprobs": [r.response_logprobs.tolist() for r in rollouts], "start_s": round(start_s, 1),
+                     "generate_s": round(_median(times), 4)}
+        kill_engines(handles)
+        remove_placement_group(group_pg)
+        time.sleep(5)  # the killed actors' GPU memory returns
+    same = [a == b for a, b in zip(out[1]["tokens"], out[tp]["tokens"])]
+    prefix = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a))
+              for a, b in zip(out[1]["tokens"], out[tp]["tokens"])]
+    gaps = [abs(x - y) for a, b, n in zip(out[1]["logprobs"], out[tp]["logprobs"], prefix) for x, y in
+            zip(a[:n], b[:n])]
+    emit(section="tp_greedy", ok=all(same), tp=tp, greedy_identical=all(same), sequences_identical=sum(same),
+         sequences=len(same), min_common_prefix=min(prefix), max_logprob_gap=round(max(gaps), 6),
+         start_s={size: out[size]["start_s"] for size in out},
+         generate_s={size: out[size]["generate_s"] for size in out},
+         device=torch.cuda.get_device_name())
+
+
 def section_pausable(args) -> None:
     """In this process, one vLLM: ``VLLMEngine.generate`` (``LLM.generate``) vs the same engine with
     ``pausable=True`` (each sample a request of its own, stepped by rlhfkit, parking between two steps for an
@@ -571,7 +621,8 @@ def section_pausable(args) -> None:
 
 
 SECTIONS = {"tiny": section_tiny, "model": section_model, "throughput": section_throughput, "sleep": section_sleep,
-            "tp2": section_tp2, "transport": section_transport, "pausable": section_pausable,
+            "tp2": section_tp2, "tp_greedy": section_tp_greedy, "transport": section_transport,
+            "pausable": section_pausable,
             **{name: functools.partial(section_logprob_variant, name=name) for name in LP_VARIANTS}}
 
 
@@ -612,7 +663,8 @@ def summary(results: dict) -> str:
                 "throughput": ("ratio_actor_over_raw", "ratio_best_of", "raw_tok_per_s", "actor_tok_per_s"),
                 "transport": ("rollouts_s", "packed_s"),
                 "pausable": ("ratio_final_only_over_generate", "ratio_delta_over_generate", "tok_per_s"),
-                "sleep": ("params", "engine_gib", "h2d_gb_per_s", "d2h_gb_per_s"), "tp2": ("greedy_identical",)}
+                "sleep": ("params", "engine_gib", "h2d_gb_per_s", "d2h_gb_per_s"), "tp2": ("greedy_identical",),
+                "tp_greedy": ("greedy_identical", "sequences_identical", "max_logprob_gap", "generate_s")}
         detail = ", ".join(f"{k}={r.get(k)}" for k in keys.get(name, ()))
         lines.append(f"[{status}] {name:10s} {r.get('wall_s')} s  {detail}  {r.get('error', '')}")
         if "logprobs" in r:
@@ -648,7 +700,8 @@ def main() -> None:
         return
     import torch
 
-    names = args.only or [n for n in SECTIONS if n != "tp2" or torch.cuda.device_count() >= 2]
+    needs = {"tp2": 2, "tp_greedy": 3}  # GPUs
+    names = args.only or [n for n in SECTIONS if torch.cuda.device_count() >= needs.get(n, 0)]
     argv = ["--model", args.model, "--num-prompts", str(args.num_prompts), "--max-new-tokens",
             str(args.max_new_tokens), "--repeats", str(args.repeats), "--sleep-gpu-util", str(args.sleep_gpu_util),
             *(["--large"] if args.large else [])]

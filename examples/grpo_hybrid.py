@@ -54,6 +54,7 @@ class Options:
     sglang_python: str = "python3"
     sglang_site: str | None = None  # e.g. /tmp/site/sglang (bench/peers/install-sglang.sh)
     num_gpus: int = 1
+    tensor_parallel_size: int = 1  # GPUs per vLLM engine (its TP workers on the actor's GPUs)
     steps: int = 100
     prompts_per_step: int = 16
     samples_per_prompt: int = 8
@@ -124,10 +125,12 @@ def start(options: Options) -> Hybrid:
     kv_per_seq = KV_PROMPT_TOKENS + options.max_new_tokens if options.kv_cache == "batch" else None  # None: the share
     config = HybridConfig(model=model, device=options.device, engine="hf" if cpu else options.engine, seed=SEED,
                           sglang_python=options.sglang_python, sglang_site=options.sglang_site,
-                          num_gpus=options.num_gpus, engine_sleep_level=sleep_level, engine_memory=options.engine_memory,
+                          num_gpus=options.num_gpus, tensor_parallel_size=options.tensor_parallel_size,
+                          engine_sleep_level=sleep_level, engine_memory=options.engine_memory,
                           dtype="bfloat16" if options.bf16 and not cpu else "float32",
                           kv_tokens_per_seq=kv_per_seq, overlap_switches=options.overlap_switches,
-                          max_num_seqs=-(-options.prompts_per_step * options.samples_per_prompt // options.num_gpus))
+                          max_num_seqs=-(-options.prompts_per_step * options.samples_per_prompt
+                                         // (options.num_gpus // options.tensor_parallel_size)))
     return Hybrid.start(config, trainers)
 
 

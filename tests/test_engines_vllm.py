@@ -99,10 +99,11 @@ class TinyModel(torch.nn.Module):
 
 
 class FakeWorker(WeightSyncExtension):
-    def __init__(self, rank: int) -> None:
+    def __init__(self, rank: int, world_size: int = 1) -> None:
         self.model_runner = SimpleNamespace(model=TinyModel())
         self.rank = rank
         self.device = "cpu"
+        self.parallel_config = SimpleNamespace(world_size=world_size)  # vLLM's: tensor x pipeline parallel ranks
 
 
 def fake_tokens(prompt, sample_index, seed, length):
@@ -204,7 +205,8 @@ class FakeLLM:
 
     def __init__(self, **kwargs) -> None:
         self.kwargs = kwargs
-        self.workers = [FakeWorker(rank) for rank in range(kwargs.get("tensor_parallel_size", 1))]
+        size = kwargs.get("tensor_parallel_size", 1)
+        self.workers = [FakeWorker(rank, size) for rank in range(size)]
         self.calls: list = []
         self.llm_engine = FakeLLMEngine()
 
@@ -627,6 +629,56 @@ def test_receive_weights_through_a_receiver_factory():
         fresh.receive_weights()
     with pytest.raises(TypeError, match="has no receive"):
         fresh.init_weight_receiver("builtins:dict", {})
+
+
+def test_tp_engine_joins_one_group_per_worker_when_given_one_endpoint_each():
+    """A colocated TP engine: worker k joins its own group (real gloo), the one of the trainer rank on its GPU, as rank
+    1; each sender sends the full weights and each worker loads what its own sender sent. A count that is not one
+    endpoint per worker is refused before any worker is called."""
+    import threading
+
+    from rlhfkit.weight_sync import SyncEndpoint, WeightSender, WeightSyncConfig
+
+    engine = make_engine(tensor_parallel_size=2)
+    config = WeightSyncConfig(backend="gloo", timeout_s=5.0)
+    senders = [WeightSender(config, SyncEndpoint(world_size=2, group_name=f"tp-colocated-{k}")) for k in range(2)]
+    calls = len(engine.llm.calls)
+    with pytest.raises(ValueError, match=r"engine 0: init_weight_sync got 1 endpoints for tensor_parallel_size=2"):
+        engine.init_weight_sync(config, [senders[0].endpoint], first_rank=1)
+    assert len(engine.llm.calls) == calls
+    contexts = engine.init_weight_sync(config, [sender.endpoint for sender in senders], first_rank=1)
+    assert [c["worker_rank"] for c in contexts] == [0, 1]
+    try:
+        engine.arm_weight_sync()
+        reports, errors = [None, None], []
+
+        def send(k):
+            try:
+                weights = {"embed": torch.full((4, 3), 10.0 + k), "head": torch.full((3,), 20.0 + k)}
+                reports[k] = senders[k].send(weights.items())
+            except Exception as error:  # noqa: BLE001 — re-raised below
+                errors.append(error)
+
+        threads = [threading.Thread(target=send, args=(k,)) for k in range(2)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(30)
+        assert not errors and [r.receiver_versions for r in reports] == [(1,), (1,)]
+        engine.settle_weight_sync()
+        assert engine.weight_version == 1
+        for k, worker in enumerate(engine.llm.workers):
+            assert worker.model_runner.model.embed.unique().tolist() == [10.0 + k]
+            assert worker.model_runner.model.head.unique().tolist() == [20.0 + k]
+    finally:
+        for sender in senders:
+            sender.close()
+        engine.close_weight_sync()
+    from rlhfkit.engines.vllm._worker import make_weight_receiver
+
+    with pytest.raises(ValueError, match=r"engine-3: 1 weight-sync endpoints for 2 tensor-parallel worker\(s\)"):
+        make_weight_receiver(config={"backend": "gloo"}, endpoint=[{"host": "127.0.0.1", "port": 1}],
+                             first_rank=1, label="engine-3", worker_rank=1, worker_world_size=2)
 
 
 def test_armed_weight_sync_needs_no_engine_call_during_the_sync():

@@ -585,3 +585,33 @@ def test_single_gpu_vllm_engines_pause_for_in_flight_updates_unless_told_not_to(
     assert not Hybrid(HybridConfig(model="m"))._pausable_vllm
     with pytest.raises(TypeError, match="pause_engines=1"):
         HybridConfig(model="m", pause_engines=1)
+
+
+@pytest.mark.parametrize("nodes,gpus,tp", [(1, 4, 2), (1, 4, 4), (2, 4, 2), (1, 2, 1)])
+def test_colocated_tp_engines_get_the_endpoints_of_the_actor_ranks_on_their_gpus(nodes, gpus, tp):
+    """Colocated vLLM engines with tensor parallelism (issue 24): worker k of an engine joins the CUDA-IPC group of
+    the actor rank on the engine's k-th GPU (a list of endpoints per engine); TP 1 keeps one endpoint per engine."""
+    from rlhfkit.hybrid import HybridConfig
+    from rlhfkit.hybrid._launch import _colocated_endpoints, plan_gpus
+
+    config = HybridConfig(model="m", num_nodes=nodes, num_gpus=gpus, tensor_parallel_size=tp)
+    plan = plan_gpus(config, ("actor", "reference"))
+    actor_gpu = {(rank.node, rank.gpus[0]): f"endpoint-of-actor-{rank.rank}" for rank in plan.ranks("actor")}
+    per_engine = _colocated_endpoints(plan, [f"endpoint-of-actor-{r.rank}" for r in plan.ranks("actor")])
+    engines = plan.ranks("rollout")
+    assert len(per_engine) == len(engines) == nodes * gpus // tp
+    for engine, got in zip(engines, per_engine, strict=True):
+        want = [actor_gpu[(engine.node, gpu)] for gpu in engine.gpus]
+        assert got == (want[0] if tp == 1 else want)
+    if tp > 1:  # every actor rank serves exactly one TP worker
+        assert sorted(e for got in per_engine for e in got) == sorted(actor_gpu.values())
+
+
+def test_colocated_tensor_parallel_needs_a_divisor_of_the_gpus():
+    from rlhfkit.hybrid import HybridConfig
+
+    assert HybridConfig(model="m", num_gpus=4, tensor_parallel_size=2).colocate
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=2 must divide the 3 GPU\(s\) of a colocated run"):
+        HybridConfig(model="m", num_gpus=3, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="engine='hf'.* no tensor parallelism"):
+        HybridConfig(model="m", device="cpu", engine="hf", num_gpus=2, tensor_parallel_size=2)

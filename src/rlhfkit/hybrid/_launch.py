@@ -17,7 +17,7 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -223,9 +223,9 @@ class HybridConfig:
         if self.device == "cpu" and self.engine in ("vllm", "sglang"):
             raise ValueError(f"HybridConfig(device='cpu') needs engine='hf' (engine={self.engine!r} is CUDA-only)")
         total, tp = self.num_gpus * self.num_nodes, self.tensor_parallel_size
-        if self.colocate and tp != 1:
-            raise ValueError(f"HybridConfig.tensor_parallel_size={tp} needs colocate=False: colocated CUDA-IPC sync "
-                             "pairs one trainer rank with one single-GPU engine per GPU")
+        if self.colocate and tp != 1 and total % tp:
+            raise ValueError(f"HybridConfig.tensor_parallel_size={tp} must divide the {total} GPU(s) of a colocated "
+                             "run (each engine takes tensor_parallel_size of the actor's GPUs)")
         if self.engine == "sglang" and tp != 1:
             raise ValueError(f"HybridConfig(engine='sglang', tensor_parallel_size={tp}): the hybrid run places one GPU "
                              "per SGLang engine actor; use tensor_parallel_size=1 (SGLangEngine itself takes "
@@ -552,8 +552,9 @@ class Hybrid:
         return WorkerGroup(TrainerWorker, self._placed, group_config, self._store, config.device, path)
 
     def _connect_weight_sync(self) -> None:
-        """Colocated: one CUDA-IPC (gloo on CPU) group per GPU, actor rank r -> engine r. Else actor rank 0
-        broadcasts over NCCL (gloo on CPU) to every worker of every engine (TP workers take consecutive ranks)."""
+        """Colocated: one CUDA-IPC (gloo on CPU) group per GPU, from the actor rank on that GPU to the engine
+        worker on it (a TP engine's worker k joins the group of its k-th GPU). Else actor rank 0 broadcasts over NCCL
+        (gloo on CPU) to every worker of every engine (TP workers take consecutive ranks)."""
         import ray
         import torch
 
@@ -567,8 +568,9 @@ class Hybrid:
         lora = {"lora": self.trainers["actor"].config.lora} if self.trainers["actor"].config.lora else {}
         if config.colocate:
             endpoints = actor.call("open_weight_sync", True, config=sync, world_size=2, group_name="weights")
+            per_engine = _colocated_endpoints(self._placed.plan, endpoints)
             refs = [handle.init_weight_sync.remote(sync, endpoint, first_rank=1, **lora)
-                    for handle, endpoint in zip(self._handles, endpoints, strict=True)]
+                    for handle, endpoint in zip(self._handles, per_engine, strict=True)]
         else:
             senders = [rank == 0 for rank in range(actor.world_size)]
             per_engine = 1 if config.engine == "sglang" else tp  # an SGLang engine receives once for all its TP ranks
@@ -698,6 +700,24 @@ def plan_gpus(config: HybridConfig, roles: tuple[str, ...]) -> Any:
     return plan_layout(num_nodes=config.num_nodes, gpus_per_node=config.num_gpus, colocate=config.colocate,
                        engine_gpus=None if config.colocate else config.engine_gpus,
                        tensor_parallel_size=config.tensor_parallel_size, trainer_roles=tuple(roles))
+
+
+def _colocated_endpoints(plan: Any, endpoints: Sequence[Any]) -> list[Any]:
+    """Each engine's weight-sync endpoint(s) in a colocated plan: the endpoint of the actor rank on the engine's
+    GPU, or for a TP engine a list, worker k's from the actor rank on the engine's k-th GPU."""
+    by_gpu = {}
+    for rank, endpoint in zip(plan.ranks("actor"), endpoints, strict=True):
+        for gpu in rank.gpus:
+            by_gpu[(rank.node, gpu)] = endpoint
+    out = []
+    for engine in plan.ranks("rollout"):
+        missing = [gpu for gpu in engine.gpus if (engine.node, gpu) not in by_gpu]
+        if missing:
+            raise ValueError(f"engine {engine.rank} on node {engine.node} GPU(s) {missing} shares no GPU with an "
+                             "actor rank; a colocated plan puts an actor rank on every engine GPU")
+        mine = [by_gpu[(engine.node, gpu)] for gpu in engine.gpus]
+        out.append(mine[0] if len(mine) == 1 else mine)
+    return out
 
 
 def _slowest(who: str, parts: list[dict[str, float]]) -> dict[str, float]:

@@ -538,9 +538,14 @@ class VLLMEngine(PausableGeneration, EngineState):
         ``first_rank + its tensor-parallel rank`` (so an engine of TP size t takes ranks ``first_rank ..
         first_rank + t - 1``; the sender's ``SyncEndpoint.world_size`` counts them all).
 
+        Or one group per worker: ``endpoint`` a sequence of ``tensor_parallel_size`` endpoints, and worker ``k``
+        joins ``endpoint[k]`` as rank ``first_rank``. This is how a colocated TP engine receives over CUDA IPC: TP
+        worker ``k`` shares its GPU with one trainer rank, whose sender sends it the full weights (vLLM's
+        ``load_weights`` keeps the worker's shard).
+
         Args:
             sync_config: the channel's ``WeightSyncConfig`` (same as the sender's).
-            endpoint: the sender's ``SyncEndpoint`` (its bound port), e.g. ``sender.endpoint``.
+            endpoint: the sender's ``SyncEndpoint`` (its bound port), e.g. ``sender.endpoint``; or one per TP worker.
             first_rank: this engine's first receiver rank (>= 1).
             expected: ``(HF name, shape, dtype)`` of every tensor the sync must carry, checked against the
                 sender's manifest before any byte moves; None accepts any manifest (with ``lora``: the adapter's
@@ -556,7 +561,15 @@ class VLLMEngine(PausableGeneration, EngineState):
         config_fields = {name: getattr(sync_config, name) for name in sync_config.__dataclass_fields__}
         if config_fields.get("dtype") is not None:
             config_fields["dtype"] = str(config_fields["dtype"]).removeprefix("torch.")
-        endpoint_fields = {name: getattr(endpoint, name) for name in endpoint.__dataclass_fields__}
+        if isinstance(endpoint, (list, tuple)):
+            if len(endpoint) != self.config.tensor_parallel_size:
+                raise ValueError(f"engine {self.engine_index}: init_weight_sync got {len(endpoint)} endpoints for "
+                                 f"tensor_parallel_size={self.config.tensor_parallel_size}; give one per TP worker "
+                                 "(or one endpoint for all of them)")
+            endpoint_fields: Any = [{name: getattr(each, name) for name in each.__dataclass_fields__}
+                                    for each in endpoint]
+        else:
+            endpoint_fields = {name: getattr(endpoint, name) for name in endpoint.__dataclass_fields__}
         plain_expected = None if expected is None else [
             [str(name), [int(d) for d in shape], str(dtype).removeprefix("torch.")] for name, shape, dtype in expected]
         kwargs = {"config": config_fields, "endpoint": endpoint_fields, "first_rank": first_rank,

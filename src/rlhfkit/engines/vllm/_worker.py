@@ -30,7 +30,7 @@ import inspect
 import logging
 import os
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -100,20 +100,29 @@ def plain_report(report: Any) -> dict[str, Any]:
     return plain
 
 
-def make_weight_receiver(*, config: Mapping[str, Any], endpoint: Mapping[str, Any], first_rank: int,
-                         label: str = "engine", expected: Any = None, worker_rank: int = 0,
-                         device: str = "cpu") -> Any:
+def make_weight_receiver(*, config: Mapping[str, Any], endpoint: Mapping[str, Any] | Sequence[Mapping[str, Any]],
+                         first_rank: int, label: str = "engine", expected: Any = None, worker_rank: int = 0,
+                         worker_world_size: int = 1, device: str = "cpu") -> Any:
     """Build this worker's :class:`rlhfkit.weight_sync.WeightReceiver` from plain data (what crosses vLLM's RPC):
     ``config`` and ``endpoint`` are the fields of ``WeightSyncConfig`` / ``SyncEndpoint`` (``dtype`` as a string such
-    as ``"bfloat16"``); tensor-parallel rank ``r`` joins the group as rank ``first_rank + r``. ``expected``:
-    ``[name, shape, dtype string]`` triples the sender's manifest must match, or None."""
+    as ``"bfloat16"``); tensor-parallel rank ``r`` joins the group as rank ``first_rank + r``. ``endpoint`` may
+    also be a list of one endpoint per TP worker (a colocated TP engine: each worker's own group, whose sender shares
+    its GPU): rank ``r`` then joins ``endpoint[r]`` as rank ``first_rank``. ``expected``: ``[name, shape, dtype
+    string]`` triples the sender's manifest must match, or None."""
     weight_sync = importlib.import_module("rlhfkit.weight_sync")
     fields = dict(config)
     if isinstance(fields.get("dtype"), str):
         fields["dtype"] = getattr(torch, fields["dtype"].removeprefix("torch."))
     sync_config = weight_sync.WeightSyncConfig(**fields)
-    rank = int(first_rank) + int(worker_rank)
-    place = weight_sync.SyncEndpoint(**{**dict(endpoint), "rank": rank, "label": f"{label}/tp-{worker_rank}"})
+    if isinstance(endpoint, Mapping):
+        rank, own = int(first_rank) + int(worker_rank), endpoint
+    else:
+        endpoints = list(endpoint)
+        if len(endpoints) != int(worker_world_size) or not 0 <= int(worker_rank) < len(endpoints):
+            raise ValueError(f"{label}: {len(endpoints)} weight-sync endpoints for {worker_world_size} tensor-parallel "
+                             f"worker(s) (this is worker {worker_rank}); give one per worker")
+        rank, own = int(first_rank), endpoints[int(worker_rank)]
+    place = weight_sync.SyncEndpoint(**{**dict(own), "rank": rank, "label": f"{label}/tp-{worker_rank}"})
     specs = None
     if expected is not None:
         specs = [(str(name), tuple(int(d) for d in shape), getattr(torch, str(dtype).removeprefix("torch.")))
