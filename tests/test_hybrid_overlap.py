@@ -7,6 +7,8 @@ loop without overlap.
 
 from __future__ import annotations
 
+import dataclasses
+
 import threading
 import time
 
@@ -119,7 +121,7 @@ def test_overlap_switches_default_is_on_only_where_every_role_fits_resident(tiny
     pytest.importorskip("deepspeed")
     from rlhfkit.deepspeed_engine import DeepSpeedEngineConfig
     from rlhfkit.hybrid import HybridConfig, TrainerConfig
-    from rlhfkit.hybrid._launch import _overlap_fits
+    from rlhfkit.hybrid._launch import OVERLAP_HEADROOM, _check_overlap_fits, _check_resident_fit, _overlap_fits
 
     trainers = {"actor": TrainerConfig(deepspeed=DeepSpeedEngineConfig(zero_stage=1, optimizer="torch_adamw")),
                 "reference": TrainerConfig(deepspeed=DeepSpeedEngineConfig(zero_stage=0, optimizer="torch_adamw"))}
@@ -133,6 +135,13 @@ def test_overlap_switches_default_is_on_only_where_every_role_fits_resident(tiny
     tight = HybridConfig(model=str(tiny_llama_path), device="cuda", engine="hf", gpu_memory_gib=0.001,
                          host_memory_gib=64.0)
     assert not _overlap_fits(tight, trainers)  # the same estimate that makes True refuse turns None off
+    # None wants OVERLAP_HEADROOM over the resident estimate (the estimate does not count the allocators' caches);
+    # True only needs the estimate to fit
+    peak = _check_resident_fit(roomy, trainers).peak()
+    between = dataclasses.replace(roomy, gpu_memory_gib=peak * (1 + OVERLAP_HEADROOM) / 2)
+    _check_overlap_fits(dataclasses.replace(between, overlap_switches=True), trainers)
+    assert not _overlap_fits(between, trainers)
+    assert _overlap_fits(dataclasses.replace(roomy, gpu_memory_gib=peak * OVERLAP_HEADROOM * 1.01), trainers)
 
 
 def _run(tiny_llama_path, overlap: bool, steps: int = 2) -> list[dict]:

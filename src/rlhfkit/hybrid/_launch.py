@@ -128,7 +128,8 @@ class HybridConfig:
             guard lets that wake take the GPU from a role marked as going to sleep): the reference's sleep behind
             the actor's wake, the actor's sleeps behind the engines' wakes. Both models are on the GPU for a moment,
             so it needs room for every role resident at once in the plan's memory estimate. None (default): on
-            when that estimate fits on a GPU run (:meth:`Hybrid.start` decides; ``hybrid.config`` then holds the
+            for a GPU run where that estimate fits with 35% to spare (``OVERLAP_HEADROOM``: the estimate does
+            not count the allocators' caches; :meth:`Hybrid.start` decides and ``hybrid.config`` then holds the
             choice), off otherwise; True: on, and :meth:`Hybrid.start` refuses a run that does not fit; False: off.
             The background sleeps' seconds are ``time/overlapped_sleep_s``, outside the step's switch time.
     """
@@ -735,12 +736,7 @@ def check_fit(config: HybridConfig, trainers: Mapping[str, TrainerConfig], *,
     ``read_ahead``: as for :func:`~rlhfkit.hybrid._fit.estimate_hybrid_memory`."""
     from rlhfkit.hybrid._fit import estimate_hybrid_memory
 
-    gpu_gib, host_gib = config.gpu_memory_gib, config.host_memory_gib
-    if gpu_gib is None and config.device == "cuda":
-        import torch
-
-        if torch.cuda.is_available():
-            gpu_gib = torch.cuda.get_device_properties(0).total_memory / 1024**3
+    gpu_gib, host_gib = _gpu_memory_gib(config), config.host_memory_gib
     if host_gib is None and config.device == "cuda":
         physical = physical_memory_gib()
         host_gib = None if physical is None else physical * ray_memory_threshold()
@@ -782,18 +778,37 @@ def _check_overlap_fits(config: HybridConfig, trainers: Mapping[str, TrainerConf
                          "Turn overlap_switches off (or leave it None: on only where it fits)") from error
 
 
+# overlap_switches=None turns the overlap on only where the resident estimate fits this share of the GPU: the estimate
+# counts allocations, not the caching allocator's blocks, and at a 1.5B shape the overlapped run peaked at 70.0 GiB
+# against a resident estimate of 55.1 (1.27x; docs/benchmarks.md). A speed-up chosen for the user must not cost an OOM.
+OVERLAP_HEADROOM = 1.35
+
+
+def _gpu_memory_gib(config: HybridConfig) -> float | None:
+    """``config.gpu_memory_gib``, else (on CUDA) the size of this process's first GPU; None when unknown."""
+    if config.gpu_memory_gib is not None or config.device != "cuda":
+        return config.gpu_memory_gib
+    import torch
+
+    return torch.cuda.get_device_properties(0).total_memory / 1024**3 if torch.cuda.is_available() else None
+
+
 def _overlap_fits(config: HybridConfig, trainers: Mapping[str, TrainerConfig], *,
                   meta_model: Callable[[str], Any] | None = None) -> bool:
-    """``overlap_switches=None``: on for a GPU run whose memory estimate fits every role resident at once; off on
-    CPU (nothing to gain: no copies between device and host) and where the estimate is unknown or does not fit."""
+    """``overlap_switches=None``: on for a GPU run whose memory estimate fits every role resident at once within
+    ``1 / OVERLAP_HEADROOM`` of the GPU; off on CPU (nothing to gain: no copies between device and host) and where
+    the GPU size is unknown or the estimate does not fit."""
     from rlhfkit.placement import MemoryFitError
 
-    if config.device != "cuda":
+    gpu_gib = _gpu_memory_gib(config)
+    if config.device != "cuda" or gpu_gib is None:
         return False
     try:
-        return _check_resident_fit(config, trainers, meta_model=meta_model) is not None
+        _check_resident_fit(dataclasses.replace(config, gpu_memory_gib=gpu_gib / OVERLAP_HEADROOM), trainers,
+                            meta_model=meta_model)
     except MemoryFitError:
         return False
+    return True
 
 
 def _check_resident_fit(config: HybridConfig, trainers: Mapping[str, TrainerConfig], *,
