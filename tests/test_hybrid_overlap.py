@@ -8,7 +8,6 @@ loop without overlap.
 from __future__ import annotations
 
 import dataclasses
-
 import threading
 import time
 
