@@ -54,24 +54,30 @@ def _grpo_step(run, step: int):
 
 @pytest.mark.slow
 @pytest.mark.ray
-def test_hybrid_grpo_with_lora_trains_adapters_and_pushes_only_them(tiny_llama_path):
+@pytest.mark.parametrize("overlap", [False, True], ids=["switches", "overlapped-switches"])
+def test_hybrid_grpo_with_lora_trains_adapters_and_pushes_only_them(tiny_llama_path, overlap):
     """Two GRPO steps with a LoRA actor: each push carries only the adapter (12 tensors, a few KiB, not the model),
     the engine's weight version follows, and after the push the engine samples from the trained policy: its
-    log-probs of fresh rollouts equal the actor's (adapter merged on the engine, unmerged on the trainer)."""
+    log-probs of fresh rollouts equal the actor's (adapter merged on the engine, unmerged on the trainer). The same
+    with the trainers' sleeps behind the next wakes (``overlap_switches``, on by default on a GPU where it fits)."""
     from rlhfkit.engines import SamplingConfig
     from rlhfkit.experience import engine_token_logprobs
     from rlhfkit.packing import pack_rollouts
 
     if ray.is_initialized():
         ray.shutdown()
-    run = Hybrid.start(_config(tiny_llama_path), {"actor": TrainerConfig(deepspeed=DEEPSPEED, lora=LORA),
-                                                  "reference": TrainerConfig(deepspeed=DEEPSPEED)})
+    run = Hybrid.start(_config(tiny_llama_path, overlap_switches=overlap),
+                       {"actor": TrainerConfig(deepspeed=DEEPSPEED, lora=LORA),
+                        "reference": TrainerConfig(deepspeed=DEEPSPEED)})
     try:
         adapter_bytes = 2 * 4 * 4 * (64 + 64) + 2 * 4 * 4 * (64 + 32) + 2 * 4 * 4 * (64 + 128)  # fp32 A and B
         for step in range(2):
+            run.timer.start_step()
             _, stats = _grpo_step(run, step)
+            timed = run.timer.end_step()
             assert stats["actor/grad_norm"] > 0
             assert stats["sync/bytes"] == adapter_bytes and stats["engine/weight_version"] == step + 1
+            assert (timed.get("time/overlapped_sleep_s", 0.0) > 0) == overlap  # the sleeps did run behind wakes
         rollouts = run.engines.generate([[5, 6, 7], [12, 13]], SamplingConfig(n=2, max_new_tokens=6, seed=9))
         batch = pack_rollouts(rollouts)
         engine = engine_token_logprobs(rollouts, batch)
