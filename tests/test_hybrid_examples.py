@@ -45,8 +45,9 @@ def check_rows(rows: list[dict], steps: int) -> None:
         assert row["engine_vs_trainer/mean_abs_logprob_diff"] < 1e-4, row
         assert row["actor/grad_norm"] > 0 and row["actor/global_step"] == 2 * (row["step"] + 1)
         parts = sum(v for k, v in row.items() if k.startswith("time/") and k.endswith("_s")
-                    and k not in ("time/step_s", "time/phase_switch_s"))
+                    and k not in ("time/step_s", "time/phase_switch_s", "time/overlapped_sleep_s"))
         assert 0 < parts <= row["time/step_s"] + 1e-6, row  # the phases are disjoint parts of the step
+        # (sleeps behind the next wake, overlap_switches, run beside the phases: not a part)
         assert row["time/phase_switch_s"] == pytest.approx(row["time/sleep_wake_s"] + row["time/weight_sync_s"])
     assert rows[0]["kl/mean"] == pytest.approx(0.0, abs=1e-6)  # step 0: the policy is the reference
     assert rows[-1]["kl/mean"] > 1e-6  # after training it is not
@@ -100,6 +101,22 @@ def test_ppo_hybrid_on_cpu(ray_not_started, tiny_llama_path, tmp_path):
                 ("sleep", "reference"), ("wake", "critic"), ("sleep", "critic"), ("wake", "actor"), ("sleep", "actor"),
                 ("wake", "critic"), ("sleep", "critic"), ("wake", "rollout"), ("sleep", "actor"), ("wake", "rollout")]
     assert replay_guard(tmp_path / "phases.jsonl") == {"node0/gpu0": [("wake", "rollout")] + one_step * 3}
+
+
+@pytest.mark.slow
+@pytest.mark.ray
+def test_ppo_hybrid_on_cpu_with_overlapped_switches(ray_not_started, tiny_llama_path, tmp_path, monkeypatch):
+    """All four trainer roles with ``overlap_switches=True`` (the GPU default where the estimate fits; on CPU it is
+    off unless asked): every role's sleep runs behind the next wake, the loop trains and the guard's log replays."""
+    import functools
+
+    example = load_example("ppo_hybrid")
+    monkeypatch.setattr(example, "HybridConfig", functools.partial(example.HybridConfig, overlap_switches=True))
+    rows = example.main(["--model", str(tiny_llama_path), "--out", str(tmp_path), "--device", "cpu", "--tiny", "true"])
+    check_rows(rows, steps=3)
+    for row in rows:
+        assert row["time/overlapped_sleep_s"] > 0 and row["critic/loss"] > 0 and row["critic/grad_norm"] > 0
+    replay_guard(tmp_path / "phases.jsonl")
 
 
 @pytest.mark.gpu
