@@ -10,6 +10,7 @@ weight sync, a RolloutProducer thread and a staleness-bounded RolloutBuffer; Dee
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 
@@ -30,13 +31,19 @@ def _producer_threads():
 @pytest.mark.slow
 @pytest.mark.ray
 def test_async_at_staleness_0_is_the_sync_loop_bit_for_bit_and_staleness_1_holds_its_bound(
-        ray_not_started, tiny_llama_path, tmp_path):
+        ray_not_started, tiny_llama_path, tmp_path, monkeypatch):
     module = load_example("grpo_async")
     sync = _run(module, tiny_llama_path, tmp_path / "sync", "--mode", "sync")
     same = _run(module, tiny_llama_path, tmp_path / "async0", "--mode", "async", "--max-staleness", "0")
     lagged = _run(module, tiny_llama_path, tmp_path / "async1", "--mode", "async", "--max-staleness", "1")
     keys = ("actor/loss", "actor/grad_norm", "reward/mean", "kl/mean", "mismatch/kl")
     assert [[row[k] for k in keys] for row in same] == [[row[k] for k in keys] for row in sync]  # exact floats
+    # the same with the trainers' sleeps behind the next wakes (overlap_switches: the GPU default where it fits)
+    monkeypatch.setattr(module, "HybridConfig", functools.partial(module.HybridConfig, overlap_switches=True))
+    overlapped = _run(module, tiny_llama_path, tmp_path / "async0-overlapped", "--mode", "async",
+                      "--max-staleness", "0")
+    assert [[row[k] for k in keys] for row in overlapped] == [[row[k] for k in keys] for row in sync]
+    assert all(row["time/overlapped_sleep_s"] > 0 for row in overlapped)
     for rows in (sync, same, lagged):
         assert [row["sync/version"] for row in rows] == [1.0, 2.0, 3.0]
     for row in sync + same:
