@@ -19,21 +19,39 @@ from conftest import EXAMPLES, load_example
 
 
 def replay_guard(path: Path) -> dict[str, list[tuple[str, str]]]:
-    """Replay the guarded transitions in time order: a role may wake only on a GPU where no other role is awake.
-    Returns each GPU's sequence of (action, role) after start-up."""
+    """Replay the guarded transitions in time order: a role may wake only on a GPU where no other role is awake, or
+    where the role it names as ``displaced`` is going to sleep (``overlap_switches``: that role's sleep event may come
+    after the wake). Returns each GPU's sequence of (action, role) after start-up."""
     holder: dict[str, str | None] = {}
     sequences: dict[str, list[tuple[str, str]]] = {}
     events = [json.loads(line) for line in path.read_text().splitlines()]
     for event in sorted(events, key=lambda e: e["time"]):
         gpu, role = event["gpu"], event["role"]
         if event["action"] == "wake":
-            assert holder.get(gpu) in (None, role), f"{role} woke on {gpu} while {holder[gpu]} was awake: {event}"
+            allowed = (None, role, event.get("displaced"))
+            assert holder.get(gpu) in allowed, f"{role} woke on {gpu} while {holder[gpu]} was awake: {event}"
             holder[gpu] = role
         elif holder.get(gpu) == role:
             holder[gpu] = None
         if event["phase"] not in ("load", "startup"):
             sequences.setdefault(gpu, []).append((event["action"], role))
     return sequences
+
+
+def test_replay_guard_lets_a_wake_displace_only_the_role_it_names(tmp_path):
+    """The replay's own rule, on hand-written logs: overlapped switches log the next role's wake (naming the role it
+    displaced) before that role's background sleep; any other role still awake is an error."""
+    def log(*events):
+        path = tmp_path / "phases.jsonl"
+        path.write_text("\n".join(json.dumps({"time": t, "action": a, "role": r, "gpu": "g0", "phase": "p",
+                                               "displaced": d}) for t, a, r, d in events))
+        return path
+
+    ok = log((1, "wake", "critic", None), (2, "wake", "rollout", "critic"), (3, "sleep", "critic", None),
+             (4, "sleep", "rollout", None), (5, "wake", "actor", None))
+    assert replay_guard(ok)["g0"][-1] == ("wake", "actor")
+    with pytest.raises(AssertionError, match="rollout woke on g0 while critic was awake"):
+        replay_guard(log((1, "wake", "critic", None), (2, "wake", "rollout", "reference")))
 
 
 def check_rows(rows: list[dict], steps: int) -> None:
