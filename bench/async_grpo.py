@@ -98,6 +98,7 @@ def run_mode(args, mode: str, out: Path) -> dict:
                                                                         str(args.steps)]
     command += ["--num-gpus", str(args.num_gpus), "--engine-gpus", str(args.engine_gpus)]
     command += ["--max-new-tokens", str(args.max_new_tokens)] if args.max_new_tokens else []
+    command += ["--samples-per-prompt", str(args.samples_per_prompt)] if args.samples_per_prompt else []
     command += ["--ignore-eos", "true"] if args.ignore_eos else []
     command += ["--pause-engines", "false"] if args.no_pause else []
     out.mkdir(parents=True, exist_ok=True)
@@ -154,6 +155,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--num-gpus", type=int, default=1)
     parser.add_argument("--engine-gpus", type=int, default=0, help="> 0: the engines on GPUs of their own")
     parser.add_argument("--max-new-tokens", type=int, help="the example's --max-new-tokens (default: its own, 64)")
+    parser.add_argument("--samples-per-prompt", type=int, help="the example's --samples-per-prompt (default: its own, "
+                        "8); fewer samples shorten training more than generation, whose decode steps stay")
     parser.add_argument("--ignore-eos", action="store_true", help="every sample runs to --max-new-tokens: generation "
                         "grows with it, so the overlap has more to hide (the example's --ignore-eos true)")
     parser.add_argument("--no-pause", action="store_true", help="the example's --pause-engines false: a push waits "
