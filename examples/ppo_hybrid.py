@@ -160,6 +160,7 @@ def main(argv=None) -> list[dict]:
                       f"gap {row['engine_vs_trainer/mean_abs_logprob_diff']:.4f} | {row['time/step_s']:.2f} s, "
                       f"switches {row['time/phase_switch_fraction']:.1%}", flush=True)
                 hybrid.write_phase_log(out / "phases.jsonl")
+        hybrid.write_phase_log(out / "phases.jsonl", settle=True)  # a sleep still running behind the last wake
         return metrics.rows
     finally:
         hybrid.close()

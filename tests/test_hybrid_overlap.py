@@ -77,6 +77,21 @@ def test_a_background_sleep_lets_the_next_role_wake_and_is_joined_by_the_next_ca
     assert [e["action"] for e in worker.guard_events()] == ["wake", "sleep"]
 
 
+def test_the_guard_log_of_a_sleep_still_running_comes_later_or_with_settle(worker):
+    """A per-step log must not hold the driver for a background sleep: its transition comes with a later call;
+    ``settle=True`` (the end of a run) waits for it."""
+    worker, _ = worker
+    worker.model = SlowModel(sleep_s=0.5)
+    worker._transition("wake", "forward_reference")
+    worker._sleep("forward_reference")
+    assert worker.model.started.wait(5)
+    started = time.perf_counter()
+    assert [e["action"] for e in worker.guard_events()] == ["wake"]  # the sleep is still running
+    assert time.perf_counter() - started < 0.3
+    assert [e["action"] for e in worker.guard_events(settle=True)] == ["sleep"]
+    assert worker.model.is_asleep and worker._background is None
+
+
 def test_a_failed_background_sleep_surfaces_on_the_next_call_naming_role_rank_and_phase(worker):
     worker, _ = worker
     worker.model = SlowModel(fail=True)
@@ -176,7 +191,7 @@ def _run(tiny_llama_path, overlap: bool, steps: int = 2) -> list[dict]:
             stats |= actor.optim_step(sleep_after="keep_weights")
             stats |= hybrid.push_weights()
             rows.append(stats | hybrid.timer.end_step())
-        events = [event for group in (actor, reference) for event in group.guard_events()]
+        events = [event for group in (actor, reference) for event in group.guard_events(settle=True)]
     finally:
         hybrid.close()
     rows[-1]["events"] = events

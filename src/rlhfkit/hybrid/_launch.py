@@ -631,9 +631,11 @@ class Hybrid:
                 "sync/sender_s": float(report["seconds"]), "engine/weight_version": float(min(versions))}
 
     # ------------------------------------------------------------------ records and shutdown
-    def write_phase_log(self, path: str | Path) -> list[dict[str, Any]]:
-        """Every guarded transition of every actor since the last call, in time order, as JSON lines."""
-        events = [event for group in self.trainers.values() for event in group.guard_events()]
+    def write_phase_log(self, path: str | Path, *, settle: bool = False) -> list[dict[str, Any]]:
+        """Every guarded transition of every actor since the last call, in time order, as JSON lines. A trainer's
+        sleep still running in the background (``overlap_switches``) is logged by a later call; ``settle=True`` waits
+        for it (the last call of a run)."""
+        events = [event for group in self.trainers.values() for event in group.guard_events(settle=settle)]
         events += self.engines.guard_events() if self.engines is not None else []
         events.sort(key=lambda event: event["time"])
         with Path(path).open("a") as handle:

@@ -283,5 +283,7 @@ class TrainerGroup:
         results = self._call("load_checkpoint", str(path), phase=f"load_{self.role}")
         return results[0]["client_state"]
 
-    def guard_events(self) -> list[dict[str, Any]]:
-        return [event for rank in self.workers.call("guard_events") for event in rank]
+    def guard_events(self, *, settle: bool = False) -> list[dict[str, Any]]:
+        """Every rank's guarded transitions since the last call; ``settle=True`` first waits for sleeps still running
+        in the background (``overlap_switches``), which otherwise show up in a later call."""
+        return [event for rank in self.workers.call("guard_events", settle) for event in rank]

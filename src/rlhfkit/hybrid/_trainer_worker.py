@@ -282,7 +282,12 @@ class TrainerWorker(Worker):
             seconds = self._sleep(phase, keep_weights=keep_weights and self.config.offload)
         return {"switch_s": seconds, **self._report()}
 
-    def guard_events(self) -> list[dict[str, Any]]:
+    def guard_events(self, settle: bool = False) -> list[dict[str, Any]]:
+        """The guarded transitions since the last call. A sleep still running in the background (``overlap_switches``)
+        logs its transition when it ends, so it shows up in a later call; ``settle=True`` waits for it first (a
+        complete log at the end of a run, not in a per-step log, where it would hold the driver)."""
+        if settle:
+            self._settle("guard_events")
         events, self.events = self.events, []
         return events
 
