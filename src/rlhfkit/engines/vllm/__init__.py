@@ -558,18 +558,18 @@ class VLLMEngine(PausableGeneration, EngineState):
             raise ValueError(f"first_rank={first_rank!r}; receivers take ranks >= 1 (the sender is rank 0)")
         if lora is not None:
             expected = self._adapter_manifest(lora, sync_config, expected)
-        config_fields = {name: getattr(sync_config, name) for name in sync_config.__dataclass_fields__}
+        def fields(instance: Any) -> dict[str, Any]:  # a config dataclass as the plain data vLLM's RPC carries
+            return {name: getattr(instance, name) for name in instance.__dataclass_fields__}
+
+        config_fields = fields(sync_config)
         if config_fields.get("dtype") is not None:
             config_fields["dtype"] = str(config_fields["dtype"]).removeprefix("torch.")
-        if isinstance(endpoint, (list, tuple)):
-            if len(endpoint) != self.config.tensor_parallel_size:
-                raise ValueError(f"engine {self.engine_index}: init_weight_sync got {len(endpoint)} endpoints for "
-                                 f"tensor_parallel_size={self.config.tensor_parallel_size}; give one per TP worker "
-                                 "(or one endpoint for all of them)")
-            endpoint_fields: Any = [{name: getattr(each, name) for name in each.__dataclass_fields__}
-                                    for each in endpoint]
-        else:
-            endpoint_fields = {name: getattr(endpoint, name) for name in endpoint.__dataclass_fields__}
+        per_worker = isinstance(endpoint, (list, tuple))
+        if per_worker and len(endpoint) != self.config.tensor_parallel_size:
+            raise ValueError(f"engine {self.engine_index}: init_weight_sync got {len(endpoint)} endpoints for "
+                             f"tensor_parallel_size={self.config.tensor_parallel_size}; give one per TP worker "
+                             "(or one endpoint for all of them)")
+        endpoint_fields = [fields(each) for each in endpoint] if per_worker else fields(endpoint)
         plain_expected = None if expected is None else [
             [str(name), [int(d) for d in shape], str(dtype).removeprefix("torch.")] for name, shape, dtype in expected]
         kwargs = {"config": config_fields, "endpoint": endpoint_fields, "first_rank": first_rank,
