@@ -169,8 +169,6 @@ def train_step(hybrid, rollouts, version, tokenizer, loss_fn, step) -> dict:
 
 
 def main(argv=None) -> list[dict]:
-    from transformers import AutoTokenizer
-
     options = parse_options(Options, argv, description=__doc__)
     if options.mode not in ("async", "sync"):
         raise SystemExit(f"--mode {options.mode!r}; expected async or sync")
@@ -180,6 +178,8 @@ def main(argv=None) -> list[dict]:
     out = Path(options.out)
     out.mkdir(parents=True, exist_ok=True)
     hybrid = start(options)
+    from transformers import AutoTokenizer  # after start: its checks import transformers while Ray starts
+
     tokenizer = AutoTokenizer.from_pretrained(hybrid.config.model)
     batches, made = prompt_source(tokenizer, options)
     count = options.prompts_per_step

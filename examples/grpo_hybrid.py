@@ -70,7 +70,7 @@ class Options:
     sub_group_elements: int = 1_000_000_000  # ZeRO-3 sub-group size (elements): the grain of offload_optimizer_ratio
     reference: bool = True  # False: no reference model and no KL term (needs --kl-coef 0), as DAPO
     gradient_checkpointing: bool = False  # True: recompute activations in backward (large models)
-    empty_caches: bool = False  # True: asleep trainers return their cached GPU blocks (large models: more room)
+    empty_caches: bool = False  # True: the asleep actor returns its cached GPU blocks too (large models: more room)
     fused_kernels: str | None = None  # "liger": Liger-Kernel's RMSNorm, RoPE, SwiGLU in the trainers (rlhfkit[liger])
     lora_rank: int = 0  # > 0: train LoRA adapters (alpha = 2 * rank, attention + MLP projections) and push only them
     engine_memory: float = 0.15  # vLLM's share of the GPU: free at its start; all of it with --kv-cache share
@@ -118,9 +118,11 @@ def start(options: Options) -> Hybrid:
                          "pass --kl-coef 0")
     trainers = {"actor": TrainerConfig(deepspeed=deepspeed, offload=offload, lora=lora)}
     if options.reference and not lora:  # with LoRA the reference is the actor's base (its adapters switched off)
-        trainers["reference"] = TrainerConfig(deepspeed=dataclasses.replace(deepspeed, offload_optimizer=False,
-                                                                            offload_optimizer_ratio=1.0),
-                                              offload=offload)
+        # its cached blocks are only last step's activations: returned at each sleep (behind the actor's wake), they
+        # stay off the GPU while the engine generates, the step's peak
+        trainers["reference"] = TrainerConfig(deepspeed=dataclasses.replace(
+            deepspeed, offload_optimizer=False, offload_optimizer_ratio=1.0,
+            empty_cache_on_sleep=offload or options.empty_caches), offload=offload)
     sleep_level = 0 if options.resident else (1 if lora else 2)  # LoRA pushes adapters only: keep the base weights
     kv_per_seq = KV_PROMPT_TOKENS + options.max_new_tokens if options.kv_cache == "batch" else None  # None: the share
     config = HybridConfig(model=model, device=options.device, engine="hf" if cpu else options.engine, seed=SEED,
@@ -135,8 +137,6 @@ def start(options: Options) -> Hybrid:
 
 
 def main(argv=None) -> list[dict]:
-    from transformers import AutoTokenizer
-
     options = parse_options(Options, argv, description=__doc__)
     if options.tiny:
         options = Options(**{**vars(options), "steps": 3, "prompts_per_step": 4, "samples_per_prompt": 4,
@@ -146,6 +146,8 @@ def main(argv=None) -> list[dict]:
     hybrid = start(options)
     actor, reference, engines, timer = hybrid.trainers["actor"], hybrid.trainers.get("reference"), hybrid.engines, \
         hybrid.timer
+    from transformers import AutoTokenizer  # after start: its checks import transformers while Ray starts
+
     tokenizer = AutoTokenizer.from_pretrained(hybrid.config.model)
     task = ArithmeticTask(min_value=0, max_value=9 if options.tiny else 99, ops=("+", "-"), seed=SEED)
     config, chat = ExperienceConfig(estimator="grpo"), PromptDatasetConfig(apply_chat_template=True)

@@ -94,8 +94,6 @@ def start(options: Options) -> Hybrid:
 
 
 def main(argv=None) -> list[dict]:
-    from transformers import AutoTokenizer
-
     options = parse_options(Options, argv, description=__doc__)
     if options.tiny:
         options = dataclasses.replace(options, steps=3, prompts_per_step=4, samples_per_prompt=4, max_new_tokens=8,
@@ -105,6 +103,8 @@ def main(argv=None) -> list[dict]:
     hybrid = start(options)
     roles, engines, timer = hybrid.trainers, hybrid.engines, hybrid.timer
     actor, critic = roles["actor"], roles["critic"]
+    from transformers import AutoTokenizer  # after start: its checks import transformers while Ray starts
+
     tokenizer = AutoTokenizer.from_pretrained(hybrid.config.model)
     task = ArithmeticTask(min_value=0, max_value=9 if options.tiny else 99, ops=("+", "-"), seed=SEED)
     config = ExperienceConfig(estimator="gae", gamma=1.0, lam=0.95, kl_coef=options.kl_coef, kl_in_reward=True)

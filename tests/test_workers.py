@@ -339,8 +339,10 @@ def test_ray_init_reuses_a_running_cluster_and_config_validation(cluster):
     assert kwargs["_temp_dir"] == "/scratch/ray" and kwargs["num_gpus"] == 4
     assert kwargs["runtime_env"]["env_vars"] == {"PATH": os.environ["PATH"], "A": "1"}
     assert '"directory_path": "/scratch/spill"' in kwargs["_system_config"]["object_spilling_config"]
+    assert kwargs["_system_config"]["prestart_worker_first_driver"] is False  # actors only: no idle task workers
+    assert RayConfig(prestart_workers=True).init_kwargs()["_system_config"] == {"prestart_worker_first_driver": True}
     joined = RayConfig(address="auto", temp_dir="/scratch/ray").init_kwargs()
-    assert joined["_temp_dir"] == "/scratch/ray" and "num_cpus" not in joined
+    assert joined["_temp_dir"] == "/scratch/ray" and "num_cpus" not in joined and "_system_config" not in joined
     with pytest.raises(ValueError, match=r"\['num_gpus'\] only apply when starting a local cluster"):
         RayConfig(address="auto", num_gpus=8)
     with pytest.raises(ValueError, match=r"temp_dir='ray-tmp'; must be an absolute path"):

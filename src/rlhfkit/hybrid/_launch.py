@@ -298,13 +298,13 @@ def _timed(fn: Any, *args: Any) -> tuple[Any, float]:
 
 class Hybrid:
     """A started hybrid run: ``trainers`` (role -> :class:`TrainerGroup`), ``engines`` (:class:`RolloutEngines`),
-    ``timer`` (a :class:`PhaseTimer` every block reports its sleep/wake time to), ``startup`` (seconds: ``total_s``;
-    ``ray_s``; the engine and trainer processes start in parallel: ``<role>_process_s``, up to ``processes_s``;
+    ``timer`` (a :class:`PhaseTimer` every block reports its sleep/wake time to), ``startup`` (seconds: ``total_s``
+    from ``start``'s call; ``checks_s``, the LoRA and memory-fit checks, which run beside Ray's start (``ray_init_s``);
+    ``ray_s`` up to Ray and the placement being ready; the engine and trainer processes start in parallel: ``<role>_process_s``, up to ``processes_s``;
     ``<role>_load_s`` one role after another, ``models_s`` in all; ``engines_s`` from the engines' start to their
     ready, which colocated engines reach after building their models behind the trainers' loads,
     ``engines_after_models_s`` of it after the last load; ``weight_sync_s``; ``wake_s``; and outside ``total_s``:
-    ``checks_s``, the LoRA and memory-fit checks before anything starts, and ``before_start_s``, how long the process
-    ran before ``start`` was called: interpreter, imports, the script). Where each process's start went, the slowest
+    ``before_start_s``, how long the process ran before ``start`` was called: interpreter, imports, the script). Where each process's start went, the slowest
     rank or engine of each: ``<role>/process_s`` (the process's age when its actor began: spawn, Ray's set-up),
     ``<role>/import_s``, ``<role>/read_s`` (the model read into host memory, every role at once), then one role
     after another ``<role>/load_claim_s``, ``load_copy_rates_s``, ``load_model_s`` (DeepSpeed's set-up, the move to
@@ -346,43 +346,46 @@ class Hybrid:
             if trainer.deepspeed.fused_kernels is not None and config.device != "cuda":
                 raise ValueError(f"trainers[{role!r}].deepspeed.fused_kernels={trainer.deepspeed.fused_kernels!r} "
                                  f"needs CUDA (Triton kernels); HybridConfig.device={config.device!r}")
-        from rlhfkit.hybrid._fit import engines_may_build_during_loads, hybrid_kv_cache_bytes, model_shape
-        from rlhfkit.lora import meta_model
+        began = time.perf_counter()
+        before_start_s = process_age_s()
+        # The checks import transformers and build each model on the meta device (seconds in a fresh process), and
+        # a local Ray takes as long to come up: the checks run in a thread beside Ray's start. A failed check is
+        # the error reported, and stops the Ray it started; nothing else has started by then.
+        with ThreadPoolExecutor(1) as pool:
+            checks = pool.submit(_timed, _checks, config, trainers)
+            try:
+                started_ray, ray_s = _timed(_start_ray, config)
+            except BaseException:
+                checks.result()  # a bad input explains more than Ray's failure to start
+                raise
+            try:
+                (config, plan), checks_s = checks.result()
+            except BaseException:
+                if started_ray:
+                    import ray
 
-        checking = time.perf_counter()
-        built = functools.cache(meta_model)  # each model built on the meta device once, for both checks
-        _check_lora(config, trainers, meta_model=built)
-        estimate = check_fit(config, trainers, meta_model=built)
-        if config.overlap_switches is None:
-            config = dataclasses.replace(config, overlap_switches=_overlap_fits(config, trainers, meta_model=built))
-        elif config.overlap_switches:
-            _check_overlap_fits(config, trainers, meta_model=built)
-        read_ahead = _reads_ahead(config, trainers, meta_model=built)
-        run, started = cls(config), time.perf_counter()
-        run._read_ahead = read_ahead
-        if config.engine_kv_tokens is not None:
-            run._kv_cache_bytes = hybrid_kv_cache_bytes(config, model_shape(config.model, model=built(config.model)))
-        run._build_during_loads = run._kv_cache_bytes is not None and engines_may_build_during_loads(config, estimate)
-        # before the timed start: the checks, and how long the process ran before start() (imports, the script)
-        run.startup["checks_s"] = started - checking
-        run.startup["before_start_s"] = process_age_s() - (time.perf_counter() - checking)
+                    ray.shutdown()
+                raise
+        run = cls(config)
+        run._started_ray, run._read_ahead = started_ray, plan["read_ahead"]
+        run._kv_cache_bytes, run._build_during_loads = plan["kv_cache_bytes"], plan["build_during_loads"]
+        run.startup.update(checks_s=checks_s, before_start_s=before_start_s, ray_init_s=ray_s)
         if config.driver_threads is not None:
             run._threads_before = torch.get_num_threads()
             torch.set_num_threads(config.driver_threads)
         try:
-            run._start(dict(trainers), started)
+            run._start(dict(trainers), began)
         except BaseException:
             run.close()
             raise
-        run.startup["total_s"] = time.perf_counter() - started
+        run.startup["total_s"] = time.perf_counter() - began
         return run
 
     def _start(self, trainers: dict[str, TrainerConfig], started: float) -> None:
+        import ray
+
         from rlhfkit.phase import TCPPhaseStore
         from rlhfkit.placement import materialize
-
-        self._started_ray = self._start_ray()
-        import ray
 
         self._placed = materialize(self._plan(tuple(trainers)), timeout_s=self.config.start_timeout_s,
                                    cpus_per_bundle=0)
@@ -439,24 +442,6 @@ class Hybrid:
         if self.config.colocate and not self.config.overlap:
             self.engines.wake(phase="generate")
         self.startup["wake_s"] = time.perf_counter() - mark
-
-    def _start_ray(self) -> bool:
-        import ray
-
-        from rlhfkit.workers import RayConfig, ray_init
-
-        if ray.is_initialized():
-            return False
-        config, env = self.config, self.config.worker_env()
-        address = config.ray_address or os.environ.get("RAY_ADDRESS")
-        if address:
-            ray_init(RayConfig(address=address, env_vars=env, forward_env=_FORWARD_ENV))
-        elif config.device == "cpu":
-            ray_init(RayConfig(num_gpus=config.total_gpus, num_cpus=max(2, os.cpu_count() or 2),
-                               object_store_memory=512 * 1024**2, env_vars=env, forward_env=_FORWARD_ENV))
-        else:
-            ray_init(RayConfig(env_vars=env, forward_env=_FORWARD_ENV))
-        return True
 
     def _plan(self, roles: tuple[str, ...]) -> Any:
         return plan_gpus(self.config, roles)
@@ -674,6 +659,49 @@ class Hybrid:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _checks(config: HybridConfig, trainers: Mapping[str, TrainerConfig]) -> tuple[HybridConfig, dict[str, Any]]:
+    """The checks before anything starts (LoRA targets, the memory fit; ``overlap_switches=None`` resolved), and what
+    the start takes from them: whether every role reads its model ahead, the engines' KV-cache bytes, and whether
+    the engines may build while the trainers load."""
+    from rlhfkit.hybrid._fit import engines_may_build_during_loads, hybrid_kv_cache_bytes, model_shape
+    from rlhfkit.lora import meta_model
+
+    built = functools.cache(meta_model)  # each model built on the meta device once, for every check
+    _check_lora(config, trainers, meta_model=built)
+    estimate = check_fit(config, trainers, meta_model=built)
+    if config.overlap_switches is None:
+        config = dataclasses.replace(config, overlap_switches=_overlap_fits(config, trainers, meta_model=built))
+    elif config.overlap_switches:
+        _check_overlap_fits(config, trainers, meta_model=built)
+    kv_cache_bytes = None
+    if config.engine_kv_tokens is not None:
+        kv_cache_bytes = hybrid_kv_cache_bytes(config, model_shape(config.model, model=built(config.model)))
+    return config, {"read_ahead": _reads_ahead(config, trainers, meta_model=built), "kv_cache_bytes": kv_cache_bytes,
+                    "build_during_loads": kv_cache_bytes is not None
+                    and engines_may_build_during_loads(config, estimate)}
+
+
+def _start_ray(config: HybridConfig) -> bool:
+    """Start a local Ray (or join ``config.ray_address`` / ``RAY_ADDRESS``) unless one is up; True if it started or
+    joined one here (``close`` shuts it down then)."""
+    import ray
+
+    from rlhfkit.workers import RayConfig, ray_init
+
+    if ray.is_initialized():
+        return False
+    env = config.worker_env()
+    address = config.ray_address or os.environ.get("RAY_ADDRESS")
+    if address:
+        ray_init(RayConfig(address=address, env_vars=env, forward_env=_FORWARD_ENV))
+    elif config.device == "cpu":
+        ray_init(RayConfig(num_gpus=config.total_gpus, num_cpus=max(2, os.cpu_count() or 2),
+                           object_store_memory=512 * 1024**2, env_vars=env, forward_env=_FORWARD_ENV))
+    else:
+        ray_init(RayConfig(env_vars=env, forward_env=_FORWARD_ENV))
+    return True
 
 
 def _check_lora(config: HybridConfig, trainers: Mapping[str, TrainerConfig], *,
