@@ -401,8 +401,10 @@ def build_random_llama(source: str | None, large: bool) -> tuple[str, int]:
                   num_key_value_heads=16) if large else
              dict(hidden_size=768, num_hidden_layers=8, intermediate_size=2048, num_attention_heads=12,
                   num_key_value_heads=4))
+    # architectures: SGLang reads the model class from it (a bare LlamaConfig leaves it None, which vLLM tolerates
+    # and SGLang 0.5.17's server_args does not: it failed there on 2026-11-26)
     config = LlamaConfig(vocab_size=vocab, max_position_embeddings=2048, tie_word_embeddings=False,
-                         torch_dtype="bfloat16", **shape)
+                         torch_dtype="bfloat16", architectures=["LlamaForCausalLM"], **shape)
     os.makedirs(path, exist_ok=True)
     config.save_pretrained(path)
     if source and os.path.exists(os.path.join(source, "tokenizer_config.json")):
