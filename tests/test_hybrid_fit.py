@@ -1,4 +1,4 @@
-"""The hybrid run's fit check (issue 20): a plan that cannot fit one GPU is refused before Ray or any actor starts,
+"""The hybrid run's fit check (issue 20): a plan that cannot fit one GPU is refused before any actor starts (and any Ray it started is stopped),
 naming the phase and the shortfall in GiB, from the placement memory estimate (ZeRO-3, offload, LoRA, gradient
 checkpointing included). Configs only: models are built on the meta device, nothing is trained."""
 
@@ -205,7 +205,7 @@ def test_engine_weights_that_fill_the_engine_share_name_generating(qwen7b):
         check_fit(config, {"actor": TrainerConfig(deepspeed=_trainers(offload_optimizer=True))})
 
 
-def test_hybrid_start_refuses_before_ray_starts(tiny_llama_path):
+def test_hybrid_start_refuses_before_any_role_starts(tiny_llama_path):
     ray = pytest.importorskip("ray")
     if ray.is_initialized():
         ray.shutdown()
