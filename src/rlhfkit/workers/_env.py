@@ -51,9 +51,9 @@ class RayConfig:
         spill_dir: where object spilling writes (local cluster only; default under ``temp_dir``).
         include_dashboard: start the dashboard (needed for ``ray job submit``; local cluster only).
         prestart_workers: let the local cluster start one idle worker process per CPU when the driver connects
-            (Ray's own default). Off here: those workers only serve tasks, while every rlhfkit role is an actor
-            with a process of its own, so they would only compete with the roles' processes for CPU while the run
-            starts (``ray.init`` took ~2 s longer with them on a 16-core GPU machine). Local cluster only.
+            (Ray's own default; local cluster only). Off here: every rlhfkit role is an actor that starts a process
+            of its own, and on a 16-core GPU machine ``ray.init`` took ~2 s longer with those idle workers, the
+            actors no sooner ready. Turn it on for task-heavy jobs.
         namespace: Ray namespace of the job.
         env_vars: environment of every worker process of the job (Ray ``runtime_env``).
         forward_env: names of driver environment variables to copy into ``env_vars`` (e.g. ``("PYTHONPATH",
