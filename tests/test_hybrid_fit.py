@@ -1,6 +1,7 @@
-"""The hybrid run's fit check (issue 20): a plan that cannot fit one GPU is refused before any actor starts (and any Ray it started is stopped),
-naming the phase and the shortfall in GiB, from the placement memory estimate (ZeRO-3, offload, LoRA, gradient
-checkpointing included). Configs only: models are built on the meta device, nothing is trained."""
+"""The hybrid run's fit check (issue 20): a plan that cannot fit one GPU is refused before any actor starts (and any
+Ray it started is stopped), naming the phase and the shortfall in GiB, from the placement memory estimate
+(ZeRO-3, offload, LoRA, gradient checkpointing included). Configs only: models are built on the meta device,
+nothing is trained."""
 
 from __future__ import annotations
 

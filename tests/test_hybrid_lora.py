@@ -97,7 +97,8 @@ def test_hybrid_grpo_with_lora_trains_adapters_and_pushes_only_them(tiny_llama_p
 
 def test_lora_errors_come_before_ray_starts(tiny_llama_path):
     """Regression (issue 20): an unknown LoRA target, LoRA on a non-actor role and engine_sleep_level=2 (which would
-    drop the base weights an adapter push never rewrites) are ValueErrors raised before any actor starts, with no Ray left running."""
+    drop the base weights an adapter push never rewrites) are ValueErrors raised before any actor starts, with no
+    Ray left running."""
     if ray.is_initialized():
         ray.shutdown()
     bad = LoraConfig(rank=4, target_modules=("q_proj", "c_attn"))

@@ -305,10 +305,11 @@ class Hybrid:
     all; ``engines_s`` from the engines' start to their ready, which colocated engines reach after building their
     models behind the trainers' loads, ``engines_after_models_s`` of it after the last load; ``weight_sync_s``;
     ``wake_s``; and outside ``total_s``: ``before_start_s``, how long the process ran before ``start`` was called:
-    interpreter, imports, the script). Where each process's start went, the slowest rank or engine of each: ``<role>/process_s`` (the process's age when its actor began: spawn, Ray's set-up),
-    ``<role>/import_s``, ``<role>/read_s`` (the model read into host memory, every role at once), then one role
-    after another ``<role>/load_claim_s``, ``load_copy_rates_s``, ``load_model_s`` (DeepSpeed's set-up, the move to
-    the GPU), ``load_sleep_s``; ``engine/process_s``, ``engine/import_s``, ``engine/gate_wait_s`` (waiting for the
+    interpreter, imports, the script). Where each process's start went, the slowest rank or engine of each:
+    ``<role>/process_s`` (the process's age when its actor began: spawn, Ray's set-up), ``<role>/import_s``,
+    ``<role>/read_s`` (the model read into host memory, every role at once), then one role after another
+    ``<role>/load_claim_s``, ``load_copy_rates_s``, ``load_model_s`` (DeepSpeed's set-up, the move to the GPU),
+    ``load_sleep_s``; ``engine/process_s``, ``engine/import_s``, ``engine/gate_wait_s`` (waiting for the
     trainers' loads), ``engine/build_s``)."""
 
     def __init__(self, config: HybridConfig) -> None:
@@ -359,20 +360,20 @@ class Hybrid:
                 checks.result()  # a bad input explains more than Ray's failure to start
                 raise
             try:
-                (config, plan), checks_s = checks.result()
+                checked, checks_s = checks.result()
             except BaseException:
                 if started_ray:
                     import ray
 
                     ray.shutdown()
                 raise
-        run = cls(config)
-        run._started_ray, run._read_ahead = started_ray, plan["read_ahead"]
-        run._kv_cache_bytes, run._build_during_loads = plan["kv_cache_bytes"], plan["build_during_loads"]
+        run = cls(checked.config)
+        run._started_ray, run._read_ahead = started_ray, checked.read_ahead
+        run._kv_cache_bytes, run._build_during_loads = checked.kv_cache_bytes, checked.build_during_loads
         run.startup.update(checks_s=checks_s, before_start_s=before_start_s, ray_init_s=ray_s)
-        if config.driver_threads is not None:
+        if run.config.driver_threads is not None:
             run._threads_before = torch.get_num_threads()
-            torch.set_num_threads(config.driver_threads)
+            torch.set_num_threads(run.config.driver_threads)
         try:
             run._start(dict(trainers), began)
         except BaseException:
@@ -661,10 +662,20 @@ class Hybrid:
         self.close()
 
 
-def _checks(config: HybridConfig, trainers: Mapping[str, TrainerConfig]) -> tuple[HybridConfig, dict[str, Any]]:
-    """The checks before anything starts (LoRA targets, the memory fit; ``overlap_switches=None`` resolved), and what
-    the start takes from them: whether every role reads its model ahead, the engines' KV-cache bytes, and whether
-    the engines may build while the trainers load."""
+@dataclass(frozen=True)
+class _Checked:
+    """What :meth:`Hybrid.start` takes from the checks: the config (``overlap_switches=None`` resolved), whether every
+    role reads its model ahead, the engines' KV-cache bytes, and whether the engines may build while the trainers
+    load."""
+
+    config: HybridConfig
+    read_ahead: bool
+    kv_cache_bytes: int | None
+    build_during_loads: bool
+
+
+def _checks(config: HybridConfig, trainers: Mapping[str, TrainerConfig]) -> _Checked:
+    """The checks before any role starts: LoRA targets, the memory fit, and the overlap's fit."""
     from rlhfkit.hybrid._fit import engines_may_build_during_loads, hybrid_kv_cache_bytes, model_shape
     from rlhfkit.lora import meta_model
 
@@ -678,9 +689,9 @@ def _checks(config: HybridConfig, trainers: Mapping[str, TrainerConfig]) -> tupl
     kv_cache_bytes = None
     if config.engine_kv_tokens is not None:
         kv_cache_bytes = hybrid_kv_cache_bytes(config, model_shape(config.model, model=built(config.model)))
-    return config, {"read_ahead": _reads_ahead(config, trainers, meta_model=built), "kv_cache_bytes": kv_cache_bytes,
-                    "build_during_loads": kv_cache_bytes is not None
-                    and engines_may_build_during_loads(config, estimate)}
+    return _Checked(config=config, read_ahead=_reads_ahead(config, trainers, meta_model=built),
+                    kv_cache_bytes=kv_cache_bytes,
+                    build_during_loads=kv_cache_bytes is not None and engines_may_build_during_loads(config, estimate))
 
 
 def _start_ray(config: HybridConfig) -> bool:
@@ -706,8 +717,8 @@ def _start_ray(config: HybridConfig) -> bool:
 
 def _check_lora(config: HybridConfig, trainers: Mapping[str, TrainerConfig], *,
                 meta_model: Callable[[str], Any] | None = None) -> None:
-    """LoRA settings that cannot work, refused before any actor starts (beside Ray's start, which a refusal stops again); ``meta_model``: path -> the model
-    built on the meta device (default :func:`rlhfkit.lora.meta_model`)."""
+    """LoRA settings that cannot work, refused before any actor starts (beside Ray's start, which a refusal stops
+    again); ``meta_model``: path -> the model built on the meta device (default :func:`rlhfkit.lora.meta_model`)."""
     for role, trainer in trainers.items():
         if trainer.lora is not None and role != "actor":
             raise ValueError(f"trainers[{role!r}].lora is set; LoRA adapters are supported on the actor only")
