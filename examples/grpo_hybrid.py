@@ -3,8 +3,7 @@
     python examples/grpo_hybrid.py --model /tmp/smollm2-hf                  # 1 GPU, everything sleeping in turn
     python examples/grpo_hybrid.py --model /tmp/smollm2-hf --num-gpus 2     # 2 GPUs: 2 ranks, 2 engines
     python examples/grpo_hybrid.py --model /tmp/smollm2-hf --resident true  # memory is plentiful: nothing sleeps
-    python examples/grpo_hybrid.py --model /tmp/smollm2-hf --engine sglang --sglang-site /tmp/site/sglang \
-        --bf16 true                                                     # SGLang (0.5.17 has no fp32 RMSNorm kernel)
+    python examples/grpo_hybrid.py --model /tmp/smollm2-hf --engine sglang --sglang-site /tmp/site/sglang  # SGLang
     python examples/grpo_hybrid.py --device cpu --tiny true                 # CPU: HF engine, logical GPUs
     python examples/grpo_hybrid.py --model M --bf16 true --zero-stage 3 --lora-rank 16   # LoRA: adapters only, the
                                                                      # reference is the actor with adapters off

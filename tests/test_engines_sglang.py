@@ -31,6 +31,7 @@ from rlhfkit.engines.sglang import (
     SGLangTimeout,
     sample_seed,
     server_command,
+    server_environment,
 )
 
 FAKE = Path(__file__).parent / "_fake_sglang"
@@ -98,6 +99,31 @@ def test_server_command_maps_fields_to_sglang_flags():
     for flag in ("--enable-memory-saver", "--enable-weights-cpu-backup", "--disable-cuda-graph", "--skip-server-warmup"):
         assert flag in command
     assert command[-2:] == ["--attention-backend", "fa3"]
+
+
+def test_float32_runs_on_native_layers_and_triton_attention():
+    # sglang 0.5.17's CUDA RMSNorm and FA3 have no float32 kernels: the command picks the native-torch mode + Triton
+    command = server_command(SGLangEngineConfig(model="/m", dtype="float32"), port=1)
+    assert command[command.index("--rl-on-policy-target") + 1] == "fsdp"
+    assert command[command.index("--attention-backend") + 1] == "triton"
+    chosen = server_command(SGLangEngineConfig(model="/m", dtype="float32", extra_args=("--attention-backend=fa4",)),
+                            port=1)
+    assert [a for a in chosen if a.startswith("--attention-backend")] == ["--attention-backend=fa4"]
+    bf16 = server_command(SGLangEngineConfig(model="/m"), port=1)
+    assert "--rl-on-policy-target" not in bf16 and "--attention-backend" not in bf16
+    forced = server_command(SGLangEngineConfig(model="/m", rl_on_policy_target="fsdp"), port=1)
+    assert forced[forced.index("--rl-on-policy-target") + 1] == "fsdp"
+    base = {"PATH": "/bin", "TRITON_F32_DEFAULT": "tf32"}
+    assert server_environment(SGLangEngineConfig(model="/m", dtype="float32"), base)["TRITON_F32_DEFAULT"] == "ieee"
+    assert server_environment(SGLangEngineConfig(model="/m"), base) == base
+    chosen_env = SGLangEngineConfig(model="/m", dtype="float32", env={"TRITON_F32_DEFAULT": "tf32x3"})
+    assert server_environment(chosen_env, base) == {"PATH": "/bin", "TRITON_F32_DEFAULT": "tf32x3"}
+    with pytest.raises(ValueError, match="no float32 kernel"):
+        SGLangEngineConfig(model="/m", dtype="float32", rl_on_policy_target="")
+    with pytest.raises(ValueError, match="SGLangEngineConfig.rl_on_policy_target='megatron'"):
+        SGLangEngineConfig(model="/m", rl_on_policy_target="megatron")
+    with pytest.raises(ValueError, match="--rl-on-policy-target"):
+        SGLangEngineConfig(model="/m", extra_args=("--rl-on-policy-target", "fsdp"))
 
 
 # --- start-up -------------------------------------------------------------------------------------------------------

@@ -9,14 +9,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["SGLANG_VERSION", "SGLangEngineConfig", "server_command"]
+__all__ = ["SGLANG_VERSION", "SGLangEngineConfig", "server_command", "server_environment"]
 
 SGLANG_VERSION = "0.5.17"  # the release whose HTTP API this backend speaks (the last one that pins torch 2.11)
 _DTYPES = ("auto", "bfloat16", "float16", "float32")
 # flags server_command sets from config fields: extra_args may not repeat them
 _OWN_FLAGS = ("--model-path", "--host", "--port", "--tp-size", "--mem-fraction-static", "--dtype", "--random-seed",
               "--enable-memory-saver", "--enable-weights-cpu-backup", "--context-length", "--disable-radix-cache",
-              "--disable-cuda-graph", "--skip-server-warmup")
+              "--disable-cuda-graph", "--skip-server-warmup", "--rl-on-policy-target")
+_ON_POLICY_TARGETS = ("fsdp",)
 
 
 def _freeze_env(value: Any) -> tuple[tuple[str, str], ...]:
@@ -48,13 +49,20 @@ class SGLangEngineConfig:
         host, port: where the started server listens; port 0 picks a free port.
         tensor_parallel_size: GPUs of the server (``--tp-size``).
         mem_fraction_static: SGLang's share of GPU memory for weights + KV cache, in (0, 1).
-        dtype: ``--dtype``.
+        dtype: ``--dtype``. ``"float32"`` runs on SGLang's native-torch layers (``rl_on_policy_target``) and, unless
+            ``extra_args`` picks one, the Triton attention backend: sglang 0.5.17's CUDA RMSNorm and FlashAttention 3
+            have no float32 kernels. Its server also gets ``TRITON_F32_DEFAULT=ieee`` (unless ``env`` sets it), so
+            Triton's float32 matmuls are not rounded to TF32.
         seed: ``--random-seed`` (engine ``i`` of a group uses ``seed + i``).
         enable_memory_saver: allow :meth:`SGLangEngine.sleep` (``--enable-memory-saver``; CUDA only).
         weights_cpu_backup: keep a host copy of the weights while they are released (``--enable-weights-cpu-backup``),
             which sleep level 1 needs; without it only level 2 (weights discarded) is possible.
         context_length: ``--context-length`` (None: the model's).
         disable_radix_cache, enforce_eager: ``--disable-radix-cache``; ``--disable-cuda-graph``.
+        rl_on_policy_target: ``--rl-on-policy-target``: SGLang's "true on-policy" mode (``"fsdp"``, its only choice):
+            RMSNorm, SiLU-and-mul and rotary embeddings in plain torch, batch-invariant matmuls, log-probs from
+            ``log_softmax``, the pytorch sampler. None: ``"fsdp"`` when ``dtype="float32"`` (which needs it), else off;
+            ``""`` forces it off.
         extra_args: more ``launch_server`` arguments, e.g. ``("--attention-backend", "fa3")``; flags the fields
             above set are refused.
         env: environment variables of the server process (added to this process's), as a mapping or pairs.
@@ -79,6 +87,7 @@ class SGLangEngineConfig:
     context_length: int | None = None
     disable_radix_cache: bool = False
     enforce_eager: bool = False
+    rl_on_policy_target: str | None = None
     extra_args: tuple[str, ...] = ()
     env: Any = field(default=())
     log_path: str | None = None
@@ -125,7 +134,27 @@ class SGLangEngineConfig:
         if clash:
             raise ValueError(f"SGLangEngineConfig.extra_args sets {clash}; set the config field instead "
                              "(model, host, port, tensor_parallel_size, mem_fraction_static, dtype, seed, ...)")
+        if self.rl_on_policy_target not in (None, "", *_ON_POLICY_TARGETS):
+            raise ValueError(f"SGLangEngineConfig.rl_on_policy_target={self.rl_on_policy_target!r}; expected None "
+                             f"(on for float32), '' (off) or one of {_ON_POLICY_TARGETS}")
+        if self.dtype == "float32" and self.rl_on_policy_target == "":
+            raise ValueError("SGLangEngineConfig(dtype='float32', rl_on_policy_target='') cannot start: sglang "
+                             f"{SGLANG_VERSION}'s CUDA RMSNorm has no float32 kernel; leave rl_on_policy_target=None "
+                             "(native torch layers) or pick dtype='bfloat16'")
         object.__setattr__(self, "env", _freeze_env(self.env))
+
+    @property
+    def on_policy_target(self) -> str | None:
+        """The ``--rl-on-policy-target`` the server gets (None: the flag is left out)."""
+        if self.rl_on_policy_target is None:
+            return "fsdp" if self.dtype == "float32" else None
+        return self.rl_on_policy_target or None
+
+
+def server_environment(config: SGLangEngineConfig, base: Mapping[str, str]) -> dict[str, str]:
+    """The server process's environment: ``base`` (this process's), then float32's Triton precision, then ``env``."""
+    exact = {"TRITON_F32_DEFAULT": "ieee"} if config.dtype == "float32" else {}
+    return dict(base) | exact | dict(config.env)
 
 
 def server_command(config: SGLangEngineConfig, *, port: int, engine_index: int = 0) -> list[str]:
@@ -144,4 +173,9 @@ def server_command(config: SGLangEngineConfig, *, port: int, engine_index: int =
         command.append("--disable-radix-cache")
     if config.enforce_eager:
         command.append("--disable-cuda-graph")
+    if config.on_policy_target is not None:
+        command += ["--rl-on-policy-target", config.on_policy_target]
+    picks_attention = any(arg.split("=", 1)[0] == "--attention-backend" for arg in config.extra_args)
+    if config.dtype == "float32" and not picks_attention:
+        command += ["--attention-backend", "triton"]  # FlashAttention 3, the Hopper default, is 16-bit only
     return command + list(config.extra_args)

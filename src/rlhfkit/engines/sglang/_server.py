@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 from rlhfkit._ports import free_listen_port
-from rlhfkit.engines.sglang._config import SGLANG_VERSION, SGLangEngineConfig, server_command
+from rlhfkit.engines.sglang._config import SGLANG_VERSION, SGLangEngineConfig, server_command, server_environment
 from rlhfkit.engines.sglang._http import SGLangClient, SGLangServerError, SGLangStartError
 
 __all__ = ["SGLangNotInstalledError", "SGLangServer", "log_tail"]
@@ -64,7 +64,7 @@ class SGLangServer:
     @classmethod
     def launch(cls, config: SGLangEngineConfig, *, engine_index: int = 0) -> SGLangServer:
         """Start the server and wait (``startup_timeout_s``) until ``/health`` answers 200."""
-        env = os.environ | dict(config.env)
+        env = server_environment(config, os.environ)
         cls._check_installed(config, env, engine_index)
         port = config.port or free_listen_port(host=config.host)
         if config.log_path is not None:
