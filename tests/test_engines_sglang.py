@@ -106,11 +106,16 @@ def test_float32_runs_on_native_layers_and_triton_attention():
     command = server_command(SGLangEngineConfig(model="/m", dtype="float32"), port=1)
     assert command[command.index("--rl-on-policy-target") + 1] == "fsdp"
     assert command[command.index("--attention-backend") + 1] == "triton"
+    assert command.count("--enable-fp32-lm-head") == 1  # the on-policy mode's logits are bfloat16 without it
     chosen = server_command(SGLangEngineConfig(model="/m", dtype="float32", extra_args=("--attention-backend=fa4",)),
                             port=1)
     assert [a for a in chosen if a.startswith("--attention-backend")] == ["--attention-backend=fa4"]
     bf16 = server_command(SGLangEngineConfig(model="/m"), port=1)
     assert "--rl-on-policy-target" not in bf16 and "--attention-backend" not in bf16
+    assert "--enable-fp32-lm-head" not in bf16
+    asked = server_command(SGLangEngineConfig(model="/m", dtype="float32", extra_args=("--enable-fp32-lm-head",)),
+                           port=1)
+    assert asked.count("--enable-fp32-lm-head") == 1
     forced = server_command(SGLangEngineConfig(model="/m", rl_on_policy_target="fsdp"), port=1)
     assert forced[forced.index("--rl-on-policy-target") + 1] == "fsdp"
     base = {"PATH": "/bin", "TRITON_F32_DEFAULT": "tf32"}

@@ -41,8 +41,7 @@ from typing import Any
 import torch
 
 from rlhfkit.engines._state import EngineState
-from rlhfkit.engines.protocol import (WAKE_TAGS, SamplingConfig, WeightVersionError, next_weight_version,
-                                      prompt_lists)
+from rlhfkit.engines.protocol import WAKE_TAGS, SamplingConfig, WeightVersionError, next_weight_version, prompt_lists
 from rlhfkit.engines.router import pack_generate_result
 from rlhfkit.engines.sglang._config import SGLANG_VERSION, SGLangEngineConfig, server_command, server_environment
 from rlhfkit.engines.sglang._http import (

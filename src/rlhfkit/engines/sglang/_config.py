@@ -52,7 +52,9 @@ class SGLangEngineConfig:
         dtype: ``--dtype``. ``"float32"`` runs on SGLang's native-torch layers (``rl_on_policy_target``) and, unless
             ``extra_args`` picks one, the Triton attention backend: sglang 0.5.17's CUDA RMSNorm and FlashAttention 3
             have no float32 kernels. Its server also gets ``TRITON_F32_DEFAULT=ieee`` (unless ``env`` sets it), so
-            Triton's float32 matmuls are not rounded to TF32.
+            Triton's float32 matmuls are not rounded to TF32, and ``--enable-fp32-lm-head`` (the on-policy mode
+            otherwise computes the logits in bfloat16). Sampled (T > 0) log-probs stay bfloat16-rounded: that mode's
+            sampler takes ``log_softmax`` of bfloat16 logits, which no flag of sglang 0.5.17 turns off.
         seed: ``--random-seed`` (engine ``i`` of a group uses ``seed + i``).
         enable_memory_saver: allow :meth:`SGLangEngine.sleep` (``--enable-memory-saver``; CUDA only).
         weights_cpu_backup: keep a host copy of the weights while they are released (``--enable-weights-cpu-backup``),
@@ -178,4 +180,6 @@ def server_command(config: SGLangEngineConfig, *, port: int, engine_index: int =
     picks_attention = any(arg.split("=", 1)[0] == "--attention-backend" for arg in config.extra_args)
     if config.dtype == "float32" and not picks_attention:
         command += ["--attention-backend", "triton"]  # FlashAttention 3, the Hopper default, is 16-bit only
+    if config.dtype == "float32" and "--enable-fp32-lm-head" not in config.extra_args:
+        command.append("--enable-fp32-lm-head")  # else the on-policy mode casts hidden states and lm_head to bf16
     return command + list(config.extra_args)
