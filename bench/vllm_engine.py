@@ -631,8 +631,10 @@ def section_pausable(args) -> None:
          device=torch.cuda.get_device_name() if cuda else "cpu")
 
 
-GRAPH_MODES = {"graphs_compiled": (), "graphs_only": (("compilation_config", {"mode": 0,
-                                                                               "cudagraph_mode": "FULL_DECODE_ONLY"}),)}
+# graphs_only: compilation mode 0 (none), full CUDA graphs of decode steps, captured up to max_num_seqs (128) as the
+# engine config does for graphs_compiled
+GRAPH_MODES = {"graphs_compiled": (), "graphs_only": (("compilation_config", {
+    "mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY", "max_cudagraph_capture_size": 128}),)}
 
 
 def section_graph_mode(args, name: str) -> None:
