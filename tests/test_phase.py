@@ -213,6 +213,12 @@ def test_tcp_store_flags_open_a_gate_for_every_holder_and_bound_the_wait():
     assert client.wait_flag("gate", timeout_s=0.1) < 0.1  # raised once, open for every later wait
     with pytest.raises(TimeoutError, match="flag 'other'.*0.2 s"):
         client.wait_flag("other", timeout_s=0.2)
+    # a flag may carry a value (the gated engines' settings): read by any holder once raised
+    assert client.flag_value("gate") == "1" and client.flag_value("valued") is None
+    server.set_flag("valued", '{"kv_cache_memory_bytes": 1024}')
+    assert client.flag_value("valued") == '{"kv_cache_memory_bytes": 1024}'
+    with pytest.raises(ValueError, match="set_flag\\('empty', value=''\\)"):
+        server.set_flag("empty", "")
 
 
 def test_tcp_store_rejects_bad_port():

@@ -267,10 +267,18 @@ class TCPPhaseStore:
         # compare_set writes `desired` only if the key holds `expected`, and returns the key's value after it
         return self._client().compare_set(self._key(gpu), expected, desired).decode() == desired
 
-    def set_flag(self, name: str) -> None:
+    def set_flag(self, name: str, value: str = "1") -> None:
         """Raise the one-way flag ``name`` for every process that holds this store (e.g. a start-up gate: the
-        engines build their models once the trainers have loaded theirs and gone to sleep)."""
-        self._client().set(f"rlhfkit/flag/{name}", "1")
+        engines build their models once the trainers have loaded theirs and gone to sleep); ``value``, a non-empty
+        string, travels with it (:meth:`flag_value`), e.g. the settings the gated processes build with."""
+        if not isinstance(value, str) or not value:
+            raise ValueError(f"set_flag({name!r}, value={value!r}); the value must be a non-empty string")
+        self._client().set(f"rlhfkit/flag/{name}", value)
+
+    def flag_value(self, name: str) -> str | None:
+        """The value :meth:`set_flag` raised ``name`` with, or None while it is not raised."""
+        store, key = self._client(), f"rlhfkit/flag/{name}"
+        return store.get(key).decode() if store.check([key]) else None
 
     def wait_flag(self, name: str, *, timeout_s: float, poll_s: float = 0.05) -> float:
         """Block until :meth:`set_flag` raised ``name`` (in any process); returns the seconds waited. Raises

@@ -10,6 +10,8 @@ guard still orders the phases.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import json
 import os
 import threading
 import time
@@ -28,6 +30,19 @@ __all__ = [
     "guarded_sglang_engine_class",
     "guarded_vllm_engine_class",
 ]
+
+
+def pass_start_gate(guard_store: Any, start_gate: str | None, config: Any, *, timeout_s: float) -> Any:
+    """Wait (``timeout_s``) until ``start_gate`` is raised in ``guard_store``; returns ``config`` with the settings
+    the gate carries applied (its value: a JSON object of ``config``'s fields, e.g. the KV-cache bytes
+    :meth:`~rlhfkit.hybrid.Hybrid.start`'s checks worked out while this process started). No gate: ``config``."""
+    if start_gate is None:
+        return config
+    guard_store.wait_flag(start_gate, timeout_s=timeout_s)
+    settings = json.loads(guard_store.flag_value(start_gate) or "{}")
+    if not isinstance(settings, dict) or not settings:
+        return config
+    return dataclasses.replace(config, **settings)
 
 
 class GuardedEngineMixin:
@@ -96,7 +111,7 @@ class HFEngineActor(GuardedEngineMixin):
         from rlhfkit.engines.hf import HFEngine, HFEngineConfig
 
         clock.lap("import_s")
-        if start_gate is not None:  # colocated: build once the trainers have loaded and gone to sleep
+        if start_gate is not None:  # the checks passed (colocated: the trainers loaded and went to sleep too)
             guard_store.wait_flag(start_gate, timeout_s=gate_timeout_s)
         clock.lap("gate_wait_s")
         self.engine_index = engine_index
@@ -162,18 +177,20 @@ def guarded_vllm_engine_class(guard_store: Any, gpus_by_engine: Sequence[Sequenc
                               start_gate: str | None = None) -> type:
     """rlhfkit's vLLM engine actor with guarded sleep/wake, as ``create_engines(engine_cls=...)`` builds it.
     ``start_gate``: a flag of ``guard_store`` (:meth:`~rlhfkit.phase.TCPPhaseStore.wait_flag`) the actor waits for,
-    after importing vLLM and before building its model (colocated runs: the trainers load first, so that vLLM
-    profiles its memory on a GPU nobody else is filling)."""
+    after importing vLLM and before building its model (:meth:`~rlhfkit.hybrid.Hybrid.start` raises it once its
+    checks passed, and in colocated runs that measure vLLM's memory once the trainers have loaded, so that vLLM
+    profiles a GPU nobody else is filling); the settings it carries replace the config's (:func:`pass_start_gate`)."""
     from rlhfkit.engines.vllm import VLLMEngineActor
 
     class GuardedVLLMEngine(GuardedEngineMixin, VLLMEngineActor):
         def __init__(self, config: Any, *, engine_index: int = 0, distributed_executor_backend: Any = None) -> None:
             clock = StartupClock()
-            import vllm  # noqa: F401 — the slow import; gated, it runs while the trainers load
+            # the slow imports (vLLM's entry points, transformers) while the gate is closed: the checks run, the
+            # trainers load
+            from vllm import LLM, EngineArgs  # noqa: F401
 
             clock.lap("import_s")
-            if start_gate is not None:
-                guard_store.wait_flag(start_gate, timeout_s=config.startup_timeout_s)
+            config = pass_start_gate(guard_store, start_gate, config, timeout_s=config.startup_timeout_s)
             clock.lap("gate_wait_s")
             super().__init__(config, engine_index=engine_index,
                              distributed_executor_backend=distributed_executor_backend)
@@ -193,8 +210,7 @@ def guarded_sglang_engine_class(guard_store: Any, gpus_by_engine: Sequence[Seque
         def __init__(self, config: Any, *, engine_index: int = 0) -> None:
             clock = StartupClock()  # the server is a process of its own: its imports are part of build_s
             clock.lap("import_s")
-            if start_gate is not None:
-                guard_store.wait_flag(start_gate, timeout_s=config.startup_timeout_s)
+            config = pass_start_gate(guard_store, start_gate, config, timeout_s=config.startup_timeout_s)
             clock.lap("gate_wait_s")
             super().__init__(config, engine_index=engine_index)
             self._guard_setup(guard_store, gpus_by_engine[engine_index])

@@ -18,7 +18,7 @@ import os
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -300,8 +300,10 @@ class Hybrid:
     """A started hybrid run: ``trainers`` (role -> :class:`TrainerGroup`), ``engines`` (:class:`RolloutEngines`),
     ``timer`` (a :class:`PhaseTimer` every block reports its sleep/wake time to), ``startup`` (seconds: ``total_s``
     from ``start``'s call; ``checks_s``, the LoRA and memory-fit checks, which run beside Ray's start
-    (``ray_init_s``); ``ray_s`` up to Ray and the placement being ready; the engine and trainer processes start in
-    parallel: ``<role>_process_s``, up to ``processes_s``; ``<role>_load_s`` one role after another, ``models_s`` in
+    (``ray_init_s``) and the processes' start; ``ray_s`` up to Ray and the placement being ready; the engine and
+    trainer processes start in parallel, before the checks end: ``<role>_process_s``, up to ``processes_s``;
+    ``gate_s``, when the engines were let build (after the checks; colocated, with a measured KV cache, after the
+    trainers' loads); ``<role>_load_s`` one role after another, ``models_s`` in
     all; ``engines_s`` from the engines' start to their ready, which colocated engines reach after building their
     models behind the trainers' loads, ``engines_after_models_s`` of it after the last load; ``weight_sync_s``;
     ``wake_s``; and outside ``total_s``: ``before_start_s``, how long the process ran before ``start`` was called:
@@ -310,7 +312,7 @@ class Hybrid:
     ``<role>/read_s`` (the model read into host memory, every role at once), then one role after another
     ``<role>/load_claim_s``, ``load_copy_rates_s``, ``load_model_s`` (DeepSpeed's set-up, the move to the GPU),
     ``load_sleep_s``; ``engine/process_s``, ``engine/import_s``, ``engine/gate_wait_s`` (waiting for the
-    trainers' loads), ``engine/build_s``)."""
+    checks, or the trainers' loads), ``engine/build_s``)."""
 
     def __init__(self, config: HybridConfig) -> None:
         self.config = config
@@ -349,9 +351,10 @@ class Hybrid:
                                  f"needs CUDA (Triton kernels); HybridConfig.device={config.device!r}")
         began = time.perf_counter()
         before_start_s = process_age_s()
-        # The checks import transformers and build each model on the meta device (seconds in a fresh process), and
-        # a local Ray takes as long to come up: the checks run in a thread beside Ray's start. A failed check is
-        # the error reported, and stops the Ray it started; nothing else has started by then.
+        # The checks import transformers and build each model on the meta device (seconds in a fresh process), as
+        # long as a local Ray takes to come up: they run in a thread beside Ray's start and then beside the role
+        # processes' start (spawn, imports), and only GPU work (a trainer's load, an engine's build) waits for them.
+        # A failed check is the error reported; it stops whatever had started, Ray included if started here.
         with ThreadPoolExecutor(1) as pool:
             checks = pool.submit(_timed, _checks, config, trainers)
             try:
@@ -359,51 +362,46 @@ class Hybrid:
             except BaseException:
                 checks.result()  # a bad input explains more than Ray's failure to start
                 raise
+            run = cls(config)
+            run._started_ray = started_ray
+            run.startup.update(before_start_s=before_start_s, ray_init_s=ray_s)
             try:
-                checked, checks_s = checks.result()
+                run._start(dict(trainers), began, checks)
             except BaseException:
-                if started_ray:
-                    import ray
-
-                    ray.shutdown()
+                run.close()
                 raise
-        run = cls(checked.config)
-        run._started_ray, run._read_ahead = started_ray, checked.read_ahead
-        run._kv_cache_bytes, run._build_during_loads = checked.kv_cache_bytes, checked.build_during_loads
-        run.startup.update(checks_s=checks_s, before_start_s=before_start_s, ray_init_s=ray_s)
-        if run.config.driver_threads is not None:
-            run._threads_before = torch.get_num_threads()
-            torch.set_num_threads(run.config.driver_threads)
-        try:
-            run._start(dict(trainers), began)
-        except BaseException:
-            run.close()
-            raise
         run.startup["total_s"] = time.perf_counter() - began
         return run
 
-    def _start(self, trainers: dict[str, TrainerConfig], started: float) -> None:
+    def _start(self, trainers: dict[str, TrainerConfig], started: float, checks: Future) -> None:
         import ray
 
         from rlhfkit.phase import TCPPhaseStore
         from rlhfkit.placement import materialize
 
+        if checks.done():
+            checks.result()  # refused already: start nothing
         self._placed = materialize(self._plan(tuple(trainers)), timeout_s=self.config.start_timeout_s,
                                    cpus_per_bundle=0)
         self._store = TCPPhaseStore.serve(host=ray.util.get_node_ip_address())
         configs = {role: trainer.for_role(role) for role, trainer in trainers.items()}
         self.startup["ray_s"] = time.perf_counter() - started
-        # Colocated, the trainers load first (one at a time, each claiming the GPU) and go to sleep while the engine
-        # processes start and import; the engines build their models once the gate opens, so that vLLM measures its
-        # memory on a GPU nobody else is filling, and need no start-up sleep to make room for the trainers. A KV
-        # cache of a given size needs no measuring: then the engines build during the loads when all of it fits.
-        gated = self.config.colocate and not self._build_during_loads
-        self._start_gate = f"engines-build-{uuid.uuid4().hex[:12]}" if gated else None
+        # The engines start, import and then wait at the gate: raised once the checks passed (with the KV-cache size
+        # they worked out) and, colocated, once the trainers have loaded (one at a time, each claiming the GPU) and
+        # gone to sleep, so that vLLM measures its memory on a GPU nobody else is filling and needs no start-up
+        # sleep to make room for the trainers. A KV cache of a given size needs no measuring: then the engines build
+        # during the loads when all of it fits.
+        self._start_gate = f"engines-build-{uuid.uuid4().hex[:12]}"
+        self._handles = self._create_engines(configs["actor"].lora)
         pool = ThreadPoolExecutor(1 + len(configs))
         try:
-            engines = pool.submit(_timed, self._start_engines, configs["actor"].lora)
+            engines = pool.submit(_timed, self._wait_engines)
             groups = {role: pool.submit(_timed, self._start_group, role, c.model or self.config.model)
                       for role, c in configs.items()}
+            self._pass_checks(checks.result())
+            gated = self.config.colocate and not self._build_during_loads
+            if not gated:
+                self._open_gate(started)
             for role, future in groups.items():
                 self._workers[role], self.startup[f"{role}_process_s"] = future.result()
             mark = time.perf_counter()
@@ -428,15 +426,16 @@ class Hybrid:
                 self.trainers[role] = TrainerGroup(self._workers[role], trainer_config, timer=self.timer)
                 self.startup[f"{role}_load_s"], mark = time.perf_counter() - mark, time.perf_counter()
             self.startup["models_s"] = time.perf_counter() - started - self.startup["processes_s"]
-            if self._start_gate is not None:
-                self._store.set_flag(self._start_gate)
+            if gated:
+                self._open_gate(started)
             self.startup["engines_s"] = engines.result()[1]
             self.startup["engines_after_models_s"] = time.perf_counter() - mark
-            self.startup.update(_slowest("engine", self._group.call("startup_parts")))
         except BaseException:
             pool.shutdown(wait=False, cancel_futures=True)  # close() kills the actors an engine thread may wait on
             raise
         pool.shutdown(wait=True)
+        self._engine_group()
+        self.startup.update(_slowest("engine", self._group.call("startup_parts")))
         mark = time.perf_counter()
         self._connect_weight_sync()
         self.startup["weight_sync_s"], mark = time.perf_counter() - mark, time.perf_counter()
@@ -444,16 +443,31 @@ class Hybrid:
             self.engines.wake(phase="generate")
         self.startup["wake_s"] = time.perf_counter() - mark
 
+    def _pass_checks(self, outcome: tuple[_Checked, float]) -> None:
+        """Take the checks' outcome (they passed): the config with ``overlap_switches`` resolved, the engines'
+        KV-cache size, whether the roles read ahead and the engines may build during the loads."""
+        checked, self.startup["checks_s"] = outcome
+        self.config, self._read_ahead = checked.config, checked.read_ahead
+        self._kv_cache_bytes, self._build_during_loads = checked.kv_cache_bytes, checked.build_during_loads
+        if self.config.driver_threads is not None:
+            self._threads_before = torch.get_num_threads()
+            torch.set_num_threads(self.config.driver_threads)
+
+    def _open_gate(self, started: float) -> None:
+        """Let the engines build their models, with the KV-cache size the checks worked out (vLLM); ``gate_s``:
+        when, since ``start``'s call (``started``)."""
+        settings = {"kv_cache_memory_bytes": self._kv_cache_bytes} if self.config.engine == "vllm" else {}
+        self._store.set_flag(self._start_gate, json.dumps(settings))
+        self.startup["gate_s"] = time.perf_counter() - started
+
     def _plan(self, roles: tuple[str, ...]) -> Any:
         return plan_gpus(self.config, roles)
 
-    def _start_engines(self, lora: Any = None) -> None:
-        """Start the engines (colocated: each builds its model once ``self._start_gate`` is raised, after the
-        trainers have loaded); ``lora``: the actor's LoraConfig (vLLM engines
-        then serve adapters, with ``max_lora_rank`` = its rank)."""
+    def _create_engines(self, lora: Any = None) -> list[Any]:
+        """Start the engine actors (not waiting for them): each imports its engine library, waits at
+        ``self._start_gate`` and then builds its model. ``lora``: the actor's LoraConfig (vLLM engines then serve
+        adapters, with ``max_lora_rank`` = its rank)."""
         import ray
-
-        from rlhfkit.engines.router import EngineGroup, EngineGroupConfig
 
         config, placed = self.config, self._placed
         gpus = [[plan_gpu_key(p.node, g) for g in p.gpus] for p in placed.plan.ranks("rollout")]
@@ -461,33 +475,41 @@ class Hybrid:
         if config.engine == "vllm":
             from rlhfkit.engines.vllm import VLLMEngineConfig, create_engines
 
-            engine_config = VLLMEngineConfig(
+            engine_config = VLLMEngineConfig(  # kv_cache_memory_bytes: the checks' size comes through the gate
                 model=config.model, num_engines=len(gpus), tensor_parallel_size=config.tensor_parallel_size,
                 gpu_memory_utilization=config.engine_memory_fraction, enable_sleep_mode=config.colocate,
                 seed=config.seed, enforce_eager=config.enforce_eager, max_model_len=config.max_model_len,
-                max_num_seqs=config.max_num_seqs, kv_cache_memory_bytes=self._kv_cache_bytes,
-                weight_loading=config.weight_loading,
+                max_num_seqs=config.max_num_seqs, weight_loading=config.weight_loading,
                 dtype=config.engine_dtype, env=env, startup_timeout_s=config.start_timeout_s,
                 control_timeout_s=config.call_timeout_s,
                 enable_lora=lora is not None, max_lora_rank=lora.rank if lora is not None else 16,
                 pausable=self._pausable_vllm, pause_timeout_s=config.sync_timeout_s)
-            self._handles = create_engines(engine_config, placement=placed, role="rollout",
-                                           engine_cls=guarded_vllm_engine_class(self._store, gpus,
-                                                                                start_gate=self._start_gate))
-        elif config.engine == "sglang":
-            self._handles = self._start_sglang_engines(gpus, env)
-        else:
-            actor_cls = ray.remote(HFEngineActor)
-            for index, engine_gpus in enumerate(gpus):
-                options = placed.actor_options("rollout", index) | {"runtime_env": {"env_vars": env},
-                                                                      "max_restarts": 0}
-                if config.overlap:  # pause, receive and resume run beside a generate call
-                    options["max_concurrency"] = 4
-                self._handles.append(actor_cls.options(**options).remote(
-                    config.model, engine_index=index, seed=config.seed, device=config.device,
-                    guard_store=self._store, gpus=engine_gpus, dtype=config.engine_dtype,
-                    start_gate=self._start_gate, gate_timeout_s=config.start_timeout_s))
-            ray.get([handle.ready.remote() for handle in self._handles], timeout=config.start_timeout_s)
+            return create_engines(engine_config, placement=placed, role="rollout", wait=False,
+                                  engine_cls=guarded_vllm_engine_class(self._store, gpus, start_gate=self._start_gate))
+        if config.engine == "sglang":
+            return self._create_sglang_engines(gpus, env)
+        actor_cls, handles = ray.remote(HFEngineActor), []
+        for index, engine_gpus in enumerate(gpus):
+            options = placed.actor_options("rollout", index) | {"runtime_env": {"env_vars": env}, "max_restarts": 0}
+            if config.overlap:  # pause, receive and resume run beside a generate call
+                options["max_concurrency"] = 4
+            handles.append(actor_cls.options(**options).remote(
+                config.model, engine_index=index, seed=config.seed, device=config.device,
+                guard_store=self._store, gpus=engine_gpus, dtype=config.engine_dtype,
+                start_gate=self._start_gate, gate_timeout_s=config.start_timeout_s))
+        return handles
+
+    def _wait_engines(self) -> None:
+        """Wait (``start_timeout_s``) until every engine has built its model; a failure names the engine."""
+        from rlhfkit.engines.vllm import wait_ready
+
+        wait_ready(self._handles, timeout_s=self.config.start_timeout_s)
+
+    def _engine_group(self) -> None:
+        """The driver's handles on the started engines: ``self._group`` and ``self.engines``."""
+        from rlhfkit.engines.router import EngineGroup, EngineGroupConfig
+
+        config = self.config
         self._group = EngineGroup(self._handles, forward_prompt_indices=True, config=EngineGroupConfig(
             generate_timeout_s=config.call_timeout_s, control_timeout_s=config.call_timeout_s,
             max_weight_lag=config.max_weight_lag))
@@ -506,8 +528,8 @@ class Hybrid:
         config = self.config
         return config.engine == "vllm" and config.overlap and config.pause_engines and config.tensor_parallel_size == 1
 
-    def _start_sglang_engines(self, gpus: list[list[str]], env: dict[str, str]) -> list[Any]:
-        """One Ray actor per engine, each starting its SGLang server on the actor's GPU(s)."""
+    def _create_sglang_engines(self, gpus: list[list[str]], env: dict[str, str]) -> list[Any]:
+        """One Ray actor per engine, each starting its SGLang server on the actor's GPU(s) once the gate opens."""
         import ray
 
         from rlhfkit.engines.sglang import SGLangEngineConfig
@@ -527,7 +549,6 @@ class Hybrid:
         for index in range(len(gpus)):
             options = placed.actor_options("rollout", index) | {"runtime_env": {"env_vars": env}, "max_restarts": 0}
             handles.append(actor_cls.options(**options).remote(engine_config, engine_index=index))
-        ray.get([handle.ready.remote() for handle in handles], timeout=config.start_timeout_s)
         return handles
 
     def _start_group(self, role: str, path: str) -> Any:
@@ -675,7 +696,7 @@ class _Checked:
 
 
 def _checks(config: HybridConfig, trainers: Mapping[str, TrainerConfig]) -> _Checked:
-    """The checks before any role starts: LoRA targets, the memory fit, and the overlap's fit."""
+    """The checks before any GPU work: LoRA targets, the memory fit, and the overlap's fit."""
     from rlhfkit.hybrid._fit import engines_may_build_during_loads, hybrid_kv_cache_bytes, model_shape
     from rlhfkit.lora import meta_model
 
@@ -717,8 +738,9 @@ def _start_ray(config: HybridConfig) -> bool:
 
 def _check_lora(config: HybridConfig, trainers: Mapping[str, TrainerConfig], *,
                 meta_model: Callable[[str], Any] | None = None) -> None:
-    """LoRA settings that cannot work, refused before any actor starts (beside Ray's start, which a refusal stops
-    again); ``meta_model``: path -> the model built on the meta device (default :func:`rlhfkit.lora.meta_model`)."""
+    """LoRA settings that cannot work, refused before any GPU work (beside the start of Ray and of the role
+    processes, which a refusal stops again); ``meta_model``: path -> the model built on the meta device (default
+    :func:`rlhfkit.lora.meta_model`)."""
     for role, trainer in trainers.items():
         if trainer.lora is not None and role != "actor":
             raise ValueError(f"trainers[{role!r}].lora is set; LoRA adapters are supported on the actor only")
