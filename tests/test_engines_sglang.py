@@ -31,8 +31,8 @@ from rlhfkit.engines.sglang import (
     SGLangTimeout,
     sample_seed,
     server_command,
-    server_environment,
 )
+from rlhfkit.engines.sglang._config import server_environment
 
 FAKE = Path(__file__).parent / "_fake_sglang"
 

@@ -573,42 +573,6 @@ def test_driver_threads_are_set_for_the_run_and_restored_after_it(monkeypatch, t
         torch.set_num_threads(before)
 
 
-def test_role_processes_start_beside_the_checks_and_a_late_refusal_stops_them(monkeypatch, tiny_llama_path):
-    """start() does not wait for its checks to start the engine and trainer processes: only GPU work (an engine's
-    build, a trainer's load) waits for them. A check that refuses after the processes started stops them, and the
-    Ray started here, and is the error raised."""
-    ray = pytest.importorskip("ray")
-    pytest.importorskip("deepspeed")
-    from rlhfkit.deepspeed_engine import DeepSpeedEngineConfig
-    from rlhfkit.hybrid import Hybrid, HybridConfig, TrainerConfig
-    from rlhfkit.hybrid import _launch
-
-    if ray.is_initialized():
-        ray.shutdown()
-    real_checks, slow_s = _launch._checks, 6.0
-
-    def slow_checks(config, trainers):
-        time.sleep(slow_s)  # longer than Ray's start, the processes' spawn and the HF engine's import
-        if config.seed == 13:
-            raise ValueError("HybridConfig.seed=13; refused late on purpose")
-        return real_checks(config, trainers)
-
-    monkeypatch.setattr(_launch, "_checks", slow_checks)
-    deepspeed = DeepSpeedEngineConfig(zero_stage=0, bf16=False, optimizer="torch_adamw")
-    config = HybridConfig(model=str(tiny_llama_path), device="cpu", engine="hf", call_timeout_s=120)
-    with Hybrid.start(config, {"actor": TrainerConfig(deepspeed=deepspeed)}) as run:
-        startup = dict(run.startup)
-    assert startup["checks_s"] >= slow_s and startup["gate_s"] >= slow_s
-    # the engine's process was up and had imported its library before the checks passed: it waited at the gate
-    assert startup["engine/gate_wait_s"] > 1.0, startup
-    assert startup["ray_s"] < slow_s
-    assert not ray.is_initialized()
-    began = time.monotonic()
-    with pytest.raises(ValueError, match="HybridConfig.seed=13"):
-        Hybrid.start(dataclasses.replace(config, seed=13), {"actor": TrainerConfig(deepspeed=deepspeed)})
-    assert not ray.is_initialized() and time.monotonic() - began < slow_s + 60
-
-
 def test_single_gpu_vllm_engines_pause_for_in_flight_updates_unless_told_not_to():
     """Overlap mode: single-GPU vLLM engines are started pausable (a push parks them between decode steps);
     tensor-parallel ones, pause_engines=False and synchronous runs keep LLM.generate (a push waits)."""

@@ -6,6 +6,7 @@ nothing is trained."""
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import pytest
 
@@ -222,6 +223,40 @@ def test_hybrid_start_refuses_before_any_role_starts(tiny_llama_path):
         Hybrid.start(dataclasses.replace(config, gpu_memory_gib=None), {"actor": TrainerConfig(deepspeed=deepspeed),
                                                                         "reference": TrainerConfig(deepspeed=liger)})
     assert not ray.is_initialized()
+
+
+def test_role_processes_start_beside_the_checks_and_a_late_refusal_stops_them(monkeypatch, tiny_llama_path):
+    """start() does not wait for its checks to start the engine and trainer processes: only GPU work (an engine's
+    build, a trainer's load) waits for them. A check that refuses after the processes started stops them, and the
+    Ray started here, and is the error raised."""
+    ray = pytest.importorskip("ray")
+    pytest.importorskip("deepspeed")
+    from rlhfkit.hybrid import _launch
+
+    if ray.is_initialized():
+        ray.shutdown()
+    real_checks, slow_s = _launch._checks, 6.0
+
+    def slow_checks(config, trainers):
+        time.sleep(slow_s)  # longer than Ray's start, the processes' spawn and the HF engine's import
+        if config.seed == 13:
+            raise ValueError("HybridConfig.seed=13; refused late on purpose")
+        return real_checks(config, trainers)
+
+    monkeypatch.setattr(_launch, "_checks", slow_checks)
+    deepspeed = DeepSpeedEngineConfig(zero_stage=0, bf16=False, optimizer="torch_adamw")
+    config = HybridConfig(model=str(tiny_llama_path), device="cpu", engine="hf", call_timeout_s=120)
+    with Hybrid.start(config, {"actor": TrainerConfig(deepspeed=deepspeed)}) as run:
+        startup = dict(run.startup)
+    assert startup["checks_s"] >= slow_s and startup["gate_s"] >= slow_s
+    # the engine's process was up and had imported its library before the checks passed: it waited at the gate
+    assert startup["engine/gate_wait_s"] > 1.0, startup
+    assert startup["ray_s"] < slow_s
+    assert not ray.is_initialized()
+    began = time.monotonic()
+    with pytest.raises(ValueError, match="HybridConfig.seed=13"):
+        Hybrid.start(dataclasses.replace(config, seed=13), {"actor": TrainerConfig(deepspeed=deepspeed)})
+    assert not ray.is_initialized() and time.monotonic() - began < slow_s + 60
 
 
 def test_sglang_engine_share_is_checked_too(qwen7b):

@@ -43,7 +43,7 @@ import torch
 from rlhfkit.engines._state import EngineState
 from rlhfkit.engines.protocol import WAKE_TAGS, SamplingConfig, WeightVersionError, next_weight_version, prompt_lists
 from rlhfkit.engines.router import pack_generate_result
-from rlhfkit.engines.sglang._config import SGLANG_VERSION, SGLangEngineConfig, server_command, server_environment
+from rlhfkit.engines.sglang._config import SGLANG_VERSION, SGLangEngineConfig, server_command
 from rlhfkit.engines.sglang._http import (
     SGLangProtocolError,
     SGLangRequestError,
@@ -69,7 +69,6 @@ __all__ = [
     "SGLangTimeout",
     "sample_seed",
     "server_command",
-    "server_environment",
 ]
 
 logger = logging.getLogger(__name__)
