@@ -253,13 +253,14 @@ def test_memory_estimate_matches_hand_computation():
     assert estimate.per_gpu[(0, 0)]["actor"] == pytest.approx(actor + 0.5 + 0.5)
     assert estimate.per_gpu[(0, 1)]["reference"] == pytest.approx(reference + 0.5 + 0.5)
     assert not estimate.warnings
-    # ZeRO-3 over the two ranks halves weights, grads and optimizer states; ZeRO-1 only the optimizer states.
+    # ZeRO-3 over the two ranks halves weights, grads and optimizer states; ZeRO-1 only the optimizer states, and its
+    # step adds the flattened 16-bit copy of the rank's gradient partition (2 bytes / 2 ranks).
     z3 = estimate_memory(plan, {"actor": ModelMemory(num_params=params, kind="trainable", zero_stage=3)},
                          MemoryConfig(gpu_memory_gib=80, context_gib=0.0))
     assert z3.per_gpu[(0, 0)]["actor"] == pytest.approx(actor / 2)
     z1 = estimate_memory(plan, {"actor": ModelMemory(num_params=params, kind="trainable", zero_stage=1)},
                          MemoryConfig(gpu_memory_gib=80, context_gib=0.0))
-    assert z1.per_gpu[(0, 0)]["actor"] == pytest.approx(params * (2 + 2 + 8) / GIB)
+    assert z1.per_gpu[(0, 0)]["actor"] == pytest.approx(params * (2 + 2 + 8 + 1) / GIB)
     assert "no ModelMemory for role 'reference'" in z1.warnings[0]
 
 

@@ -41,7 +41,8 @@ class ModelMemory:
         grad_bytes_per_param: bytes of one gradient (trainable only).
         optimizer_bytes_per_param: bytes of optimizer state per parameter (trainable only); 12 = fp32 master copy +
             Adam's two moments. With ``bytes_per_param`` below 4 (bf16/fp16 weights) the estimate adds 4 more: the
-            fp32 gradients DeepSpeed's optimizer step builds beside the masters.
+            fp32 gradients DeepSpeed's optimizer step builds beside the masters; under ZeRO-1/2 with the optimizer on
+            the GPU also ``grad_bytes_per_param`` more: the flattened 16-bit copy that step casts from.
         zero_stage: DeepSpeed ZeRO stage; shards optimizer states (>= 1), gradients (>= 2) and weights (3) over the
             role's ranks.
         activation_gib: peak activation memory per rank while awake, from your own measurement.
@@ -327,6 +328,11 @@ def _states_gib(plan: PlacementPlan, role: str, model: ModelMemory) -> float:
         fp32_grads = model.offload_optimizer or model.bytes_per_param < _FP32_GRAD_BYTES
         per_param = model.optimizer_bytes_per_param + (_FP32_GRAD_BYTES if fp32_grads else 0.0)
         total += on_gpu * trainable * per_param / (world if model.zero_stage >= 1 else 1)
+        if model.zero_stage in (1, 2) and not model.offload_optimizer and model.bytes_per_param < _FP32_GRAD_BYTES:
+            # ZeRO-1/2's step first flattens the partition's 16-bit gradients into a new buffer and casts that one to
+            # fp32, the per-parameter gradients still held (DeepSpeed 0.19 stage_1_and_2.step): one more gradient
+            # per parameter of the partition at the step's peak (a Qwen2.5-3B actor ran out of memory there)
+            total += trainable * model.grad_bytes_per_param / world
     return total / _GIB
 
 
