@@ -225,10 +225,10 @@ def test_hybrid_start_refuses_before_any_role_starts(tiny_llama_path):
     assert not ray.is_initialized()
 
 
-def test_role_processes_start_beside_the_checks_and_a_late_refusal_stops_them(monkeypatch, tiny_llama_path):
-    """start() does not wait for its checks to start the engine and trainer processes: only GPU work (an engine's
-    build, a trainer's load) waits for them. A check that refuses after the processes started stops them, and the
-    Ray started here, and is the error raised."""
+def test_engine_processes_start_beside_the_checks_and_a_late_refusal_stops_them(monkeypatch, tiny_llama_path):
+    """start() does not wait for its checks to start the engine processes: only the trainer processes and GPU work
+    (an engine's build, a trainer's load) wait for them. A check that refuses after the engines started stops them,
+    and the Ray started here, and is the error raised."""
     ray = pytest.importorskip("ray")
     pytest.importorskip("deepspeed")
     from rlhfkit.hybrid import _launch

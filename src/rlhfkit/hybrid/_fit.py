@@ -1,6 +1,6 @@
 """Will a hybrid run fit? The plan's memory estimate (:func:`rlhfkit.placement.estimate_memory`) for a
 :class:`~rlhfkit.hybrid.HybridConfig` and its trainer roles, checked before any GPU work (beside the start of
-Ray and of the role processes).
+Ray and of the engine processes).
 
 Phases follow the hybrid engine: ``generating`` (the engines awake), ``training`` (the actor; ``training_critic``),
 ``forward_<role>`` (reference, reward); a role with ``TrainerConfig.offload=False`` holds its weights, gradients and

@@ -300,8 +300,9 @@ class Hybrid:
     """A started hybrid run: ``trainers`` (role -> :class:`TrainerGroup`), ``engines`` (:class:`RolloutEngines`),
     ``timer`` (a :class:`PhaseTimer` every block reports its sleep/wake time to), ``startup`` (seconds: ``total_s``
     from ``start``'s call; ``checks_s``, the LoRA and memory-fit checks, which run beside Ray's start
-    (``ray_init_s``) and the processes' start; ``ray_s`` up to Ray and the placement being ready; the engine and
-    trainer processes start in parallel, before the checks end: ``<role>_process_s``, up to ``processes_s``;
+    (``ray_init_s``) and the engine processes' start; ``ray_s`` up to Ray and the placement being ready; the engine
+    processes start before the checks end, the trainer processes once they passed: ``<role>_process_s``, up to
+    ``processes_s``;
     ``gate_s``, when the engines were let build (after the checks; colocated, with a measured KV cache, after the
     trainers' loads); ``<role>_load_s`` one role after another, ``models_s`` in
     all; ``engines_s`` from the engines' start to their ready, which colocated engines reach after building their
@@ -352,9 +353,10 @@ class Hybrid:
         began = time.perf_counter()
         before_start_s = process_age_s()
         # The checks import transformers and build each model on the meta device (seconds in a fresh process), as
-        # long as a local Ray takes to come up: they run in a thread beside Ray's start and then beside the role
-        # processes' start (spawn, imports), and only GPU work (a trainer's load, an engine's build) waits for them.
-        # A failed check is the error reported; it stops whatever had started, Ray included if started here.
+        # long as a local Ray takes to come up: they run in a thread beside Ray's start and then beside the engine
+        # processes' start (spawn, imports); the trainer processes and all GPU work (a trainer's load, an engine's
+        # build) wait for them. A failed check is the error reported; it stops whatever had started, Ray included if
+        # started here.
         with ThreadPoolExecutor(1) as pool:
             checks = pool.submit(_timed, _checks, config, trainers)
             try:
@@ -386,22 +388,23 @@ class Hybrid:
         self._store = TCPPhaseStore.serve(host=ray.util.get_node_ip_address())
         configs = {role: trainer.for_role(role) for role, trainer in trainers.items()}
         self.startup["ray_s"] = time.perf_counter() - started
-        # The engines start, import and then wait at the gate: raised once the checks passed (with the KV-cache size
-        # they worked out) and, colocated, once the trainers have loaded (one at a time, each claiming the GPU) and
-        # gone to sleep, so that vLLM measures its memory on a GPU nobody else is filling and needs no start-up
-        # sleep to make room for the trainers. A KV cache of a given size needs no measuring: then the engines build
-        # during the loads when all of it fits.
+        # The engine processes start (creating an actor does not wait for it), import, and wait at the gate: raised
+        # once the checks passed (with the KV-cache size they worked out) and, colocated, once the trainers have
+        # loaded (one at a time, each claiming the GPU) and gone to sleep, so that vLLM measures its memory on a GPU
+        # nobody else is filling and needs no start-up sleep to make room for the trainers. A KV cache of a given size
+        # needs no measuring: then the engines build during the loads when all of it fits. Nothing waits on a Ray
+        # call before the checks passed, so a refusal stops the actors and Ray with no thread still inside Ray.
         self._start_gate = f"engines-build-{uuid.uuid4().hex[:12]}"
         self._handles = self._create_engines(configs["actor"].lora)
+        self._pass_checks(checks.result())
+        gated = self.config.colocate and not self._build_during_loads
+        if not gated:
+            self._open_gate(started)
         pool = ThreadPoolExecutor(1 + len(configs))
         try:
             engines = pool.submit(_timed, self._wait_engines)
             groups = {role: pool.submit(_timed, self._start_group, role, c.model or self.config.model)
                       for role, c in configs.items()}
-            self._pass_checks(checks.result())
-            gated = self.config.colocate and not self._build_during_loads
-            if not gated:
-                self._open_gate(started)
             for role, future in groups.items():
                 self._workers[role], self.startup[f"{role}_process_s"] = future.result()
             mark = time.perf_counter()
@@ -738,7 +741,7 @@ def _start_ray(config: HybridConfig) -> bool:
 
 def _check_lora(config: HybridConfig, trainers: Mapping[str, TrainerConfig], *,
                 meta_model: Callable[[str], Any] | None = None) -> None:
-    """LoRA settings that cannot work, refused before any GPU work (beside the start of Ray and of the role
+    """LoRA settings that cannot work, refused before any GPU work (beside the start of Ray and of the engine
     processes, which a refusal stops again); ``meta_model``: path -> the model built on the meta device (default
     :func:`rlhfkit.lora.meta_model`)."""
     for role, trainer in trainers.items():
