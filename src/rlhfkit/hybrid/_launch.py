@@ -298,22 +298,20 @@ def _timed(fn: Any, *args: Any) -> tuple[Any, float]:
 
 class Hybrid:
     """A started hybrid run: ``trainers`` (role -> :class:`TrainerGroup`), ``engines`` (:class:`RolloutEngines`),
-    ``timer`` (a :class:`PhaseTimer` every block reports its sleep/wake time to), ``startup`` (seconds: ``total_s``
-    from ``start``'s call; ``checks_s``, the LoRA and memory-fit checks, which run beside Ray's start
-    (``ray_init_s``) and the engine processes' start; ``ray_s`` up to Ray and the placement being ready; the engine
-    processes start before the checks end, the trainer processes once they passed: ``<role>_process_s``, up to
-    ``processes_s``;
-    ``gate_s``, when the engines were let build (after the checks; colocated, with a measured KV cache, after the
-    trainers' loads); ``<role>_load_s`` one role after another, ``models_s`` in
-    all; ``engines_s`` from the engines' start to their ready, which colocated engines reach after building their
-    models behind the trainers' loads, ``engines_after_models_s`` of it after the last load; ``weight_sync_s``;
-    ``wake_s``; and outside ``total_s``: ``before_start_s``, how long the process ran before ``start`` was called:
-    interpreter, imports, the script). Where each process's start went, the slowest rank or engine of each:
-    ``<role>/process_s`` (the process's age when its actor began: spawn, Ray's set-up), ``<role>/import_s``,
-    ``<role>/read_s`` (the model read into host memory, every role at once), then one role after another
-    ``<role>/load_claim_s``, ``load_copy_rates_s``, ``load_model_s`` (DeepSpeed's set-up, the move to the GPU),
-    ``load_sleep_s``; ``engine/process_s``, ``engine/import_s``, ``engine/gate_wait_s`` (waiting for the
-    checks, or the trainers' loads), ``engine/build_s``)."""
+    ``timer`` (a :class:`PhaseTimer` every block reports its sleep/wake time to), ``startup`` (seconds: ``total_s`` from
+    ``start``'s call; ``checks_s``, the LoRA and memory-fit checks, which run beside Ray's start (``ray_init_s``) and
+    the engine processes' start; ``ray_s`` up to Ray and the placement being ready; the engine processes start before
+    the checks end, the trainer processes once they passed: ``<role>_process_s``, up to ``processes_s``; ``gate_s``,
+    when the engines were let build (after the checks; colocated, with a measured KV cache, after the trainers' loads);
+    ``<role>_load_s`` one role after another, ``models_s`` in all; ``engines_s`` from the engines' start to their ready,
+    which colocated engines reach after building their models behind the trainers' loads, ``engines_after_models_s`` of
+    it after the last load; ``weight_sync_s``; ``wake_s``; and outside ``total_s``: ``before_start_s``, how long the
+    process ran before ``start`` was called: interpreter, imports, the script). Where each process's start went, the
+    slowest rank or engine of each: ``<role>/process_s`` (the process's age when its actor began: spawn, Ray's set-up),
+    ``<role>/import_s``, ``<role>/read_s`` (the model read into host memory, every role at once), then one role after
+    another ``<role>/load_claim_s``, ``load_copy_rates_s``, ``load_model_s`` (DeepSpeed's set-up, the move to the GPU),
+    ``load_sleep_s``; ``engine/process_s``, ``engine/import_s``, ``engine/gate_wait_s`` (waiting for the checks, or the
+    trainers' loads), ``engine/build_s``)."""
 
     def __init__(self, config: HybridConfig) -> None:
         self.config = config
@@ -397,12 +395,15 @@ class Hybrid:
         self._start_gate = f"engines-build-{uuid.uuid4().hex[:12]}"
         self._handles = self._create_engines(configs["actor"].lora)
         self._pass_checks(checks.result())
+        self._engine_group()
         gated = self.config.colocate and not self._build_during_loads
         if not gated:
             self._open_gate(started)
         pool = ThreadPoolExecutor(1 + len(configs))
         try:
-            engines = pool.submit(_timed, self._wait_engines)
+            # every engine's ready() (a failure names the engine), answered once it has built its model
+            engines = pool.submit(_timed, functools.partial(self._group.call, "ready",
+                                                            timeout_s=self.config.start_timeout_s))
             groups = {role: pool.submit(_timed, self._start_group, role, c.model or self.config.model)
                       for role, c in configs.items()}
             for role, future in groups.items():
@@ -437,7 +438,6 @@ class Hybrid:
             pool.shutdown(wait=False, cancel_futures=True)  # close() kills the actors an engine thread may wait on
             raise
         pool.shutdown(wait=True)
-        self._engine_group()
         self.startup.update(_slowest("engine", self._group.call("startup_parts")))
         mark = time.perf_counter()
         self._connect_weight_sync()
@@ -501,12 +501,6 @@ class Hybrid:
                 guard_store=self._store, gpus=engine_gpus, dtype=config.engine_dtype,
                 start_gate=self._start_gate, gate_timeout_s=config.start_timeout_s))
         return handles
-
-    def _wait_engines(self) -> None:
-        """Wait (``start_timeout_s``) until every engine has built its model; a failure names the engine."""
-        from rlhfkit.engines.vllm import wait_ready
-
-        wait_ready(self._handles, timeout_s=self.config.start_timeout_s)
 
     def _engine_group(self) -> None:
         """The driver's handles on the started engines: ``self._group`` and ``self.engines``."""
