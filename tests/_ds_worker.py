@@ -10,6 +10,7 @@ The assertions live in the test file, so each property is reported as its own te
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import time
@@ -20,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 NUM_STEPS = 4
+GROUP_ELEMENTS = 40_000  # the tiny Llama's 123,200 parameters in 4 optimizer parameter groups
 
 
 def _batch(seed: int, vocab: int, lengths: tuple[int, ...] = (7, 12, 5, 9)):
@@ -36,7 +38,8 @@ def _config(stage: int, **overrides):
 
     fields = dict(zero_stage=stage, bf16=False, optimizer="torch_adamw", learning_rate=2e-3, gradient_clipping=1.0,
                   lr_warmup_steps=2, lr_schedule="cosine", lr_total_steps=10, lr_min_ratio=0.1,
-                  gradient_checkpointing=stage == 2)  # one stage exercises activation checkpointing
+                  gradient_checkpointing=stage == 2,  # one stage exercises activation checkpointing
+                  param_group_elements=GROUP_ELEMENTS)  # ZeRO-0/1/2: the tiny model in 4 parameter groups
     fields.update(json.loads(os.environ.get("RLHFKIT_TEST_DS_CONFIG", "{}")))  # e.g. fused_adam + bf16 on GPU
     fields.update(overrides)
     return DeepSpeedEngineConfig(**fields)
@@ -218,6 +221,39 @@ def check_train(stage: int, ctx) -> dict:
             "deep_asleep_stream": deep_asleep_stream, "resumed_offload_keys": offload_keys,
             "stream_storages": storages,
             "export": export, "hf_files": sorted(p.name for p in (saved / "hf").iterdir())}
+
+
+def check_groups(stage: int, ctx) -> dict:
+    """The same trajectory with the parameters in one optimizer group and in several (param_group_elements): the
+    groups' sizes, the largest fp32 gradient partition DeepSpeed's step builds, and the weights after NUM_STEPS."""
+    from rlhfkit.deepspeed_engine import DeepSpeedEngine
+
+    batch = _batch(300 + ctx.rank, ctx.vocab)
+    result: dict = {}
+    for name, elements in (("one", 10**9), ("split", GROUP_ELEMENTS)):
+        engine = DeepSpeedEngine.from_pretrained(ctx.model, role="actor", config=_config(stage,
+                                                 param_group_elements=elements))
+        optimizer = engine.ds_engine.optimizer
+        sizes = [sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in group)
+                 for group in optimizer.bit16_groups]  # the model's parameters, before ZeRO partitions them
+        largest: list[int] = []
+        step = type(optimizer)._optimizer_step  # ZeRO-1/2: one group's fp32 gradient partition is set, then stepped
+
+        def spy(self, index, _step=step, _largest=largest):
+            _largest.append(self.single_partition_of_fp32_groups[index].grad.numel())
+            return _step(self, index)
+
+        type(optimizer)._optimizer_step = spy
+        try:
+            losses = [_train_step(engine, batch)["loss"] for _ in range(NUM_STEPS)]
+        finally:
+            type(optimizer)._optimizer_step = step
+        result[name] = {"group_sizes": sizes, "largest_fp32_grad": max(largest, default=0), "losses": losses,
+                        "weights": {k: v.float().clone() for k, v in _stream_dict(engine).items()}}
+        engine.destroy()
+    one, split = result["one"].pop("weights"), result["split"].pop("weights")
+    result["max_weight_diff"] = max(float((one[k] - split[k]).abs().max()) for k in one)
+    return result
 
 
 def check_lora(stage: int, ctx) -> dict:
@@ -425,6 +461,7 @@ CHECKS = {
     **{f"critic{s}": (lambda s: lambda ctx: check_critic(s, ctx))(s) for s in (2, 3)},
     **{f"norm{s}": (lambda s: lambda ctx: check_normalization(s, ctx))(s) for s in (1, 3)},
     **{f"lora{s}": (lambda s: lambda ctx: check_lora(s, ctx))(s) for s in (1, 3)},
+    **{f"groups{s}": functools.partial(check_groups, s) for s in (1, 2)},
 }
 
 

@@ -239,8 +239,8 @@ def _run_worker(num_ranks: int, checks: list[str], model: Path, workdir: Path, e
     return json.loads(out.read_text())
 
 
-WS1_CHECKS = ["train0", "train1", "train2", "train3", "stream0", "stream3", "stream3_bf16", "critic3"]
-WS2_CHECKS = ["train1", "train3", "stream0", "stream3", "critic2", "norm1", "norm3"]
+WS1_CHECKS = ["train0", "train1", "train2", "train3", "stream0", "stream3", "stream3_bf16", "critic3", "groups2"]
+WS2_CHECKS = ["train1", "train3", "stream0", "stream3", "critic2", "norm1", "norm3", "groups1"]
 
 
 @pytest.fixture(scope="module")
@@ -289,15 +289,31 @@ def test_sleep_wake_round_trip_is_exact(ds_results, world_size, stage):
 @pytest.mark.parametrize(("world_size", "stage"), TRAIN_CASES)
 def test_zero12_stream_lives_in_flat_buffers(ds_results, world_size, stage):
     """What makes zero-copy CUDA-IPC sync pay: under ZeRO-1/2 the 21 streamed parameters are views of DeepSpeed's
-    flat buffers (one per parameter group), also after a sleep/wake moved them; without ZeRO each is its own until
-    a sleep/wake cycle, which brings them back as slots of one buffer (StorageOffloader)."""
+    flat buffers (one per parameter group: the worker's config cuts the tiny model into 4), also after a sleep/wake
+    moved them; without ZeRO each is its own until a sleep/wake cycle, which brings them back as slots of one buffer
+    (StorageOffloader)."""
     before, after = _result(ds_results, world_size, f"train{stage}")["stream_storages"]
     if stage in (1, 2):
-        assert 1 <= before <= 2 and 1 <= after <= 2, (before, after)
+        assert before == after == 4, (before, after)
     elif stage == 0:
         assert before in (1, 21) and after == 1, (before, after)
     else:
         assert before == after == -1
+
+
+@pytest.mark.parametrize(("world_size", "stage"), [(1, 2), (2, 1)])
+def test_zero12_parameter_groups_bound_the_step_and_keep_the_update(ds_results, world_size, stage):
+    """param_group_elements cuts the parameters into optimizer groups; DeepSpeed's ZeRO-1/2 step then builds one
+    group's fp32 gradient partition at a time (its transient memory), and the weights come out as with one group."""
+    result = _result(ds_results, world_size, f"groups{stage}")
+    one, split = result["one"], result["split"]
+    assert one["group_sizes"] == [123_200], one  # the tiny Llama
+    assert len(split["group_sizes"]) == 4 and sum(split["group_sizes"]) == 123_200, split
+    assert max(split["group_sizes"]) <= 40_000, split  # whole tensors, none larger than the bound here
+    assert one["largest_fp32_grad"] >= 123_200 // world_size
+    assert split["largest_fp32_grad"] <= -(-max(split["group_sizes"]) // world_size) + 64, split  # + alignment
+    assert split["losses"] == pytest.approx(one["losses"], rel=1e-5)
+    assert result["max_weight_diff"] < 1e-6, result
 
 
 @pytest.mark.parametrize(("world_size", "stage"), TRAIN_CASES)

@@ -262,6 +262,14 @@ def test_memory_estimate_matches_hand_computation():
                          MemoryConfig(gpu_memory_gib=80, context_gib=0.0))
     assert z1.per_gpu[(0, 0)]["actor"] == pytest.approx(params * (2 + 2 + 8 + 1) / GIB)
     assert "no ModelMemory for role 'reference'" in z1.warnings[0]
+    # ... one optimizer parameter group at a time: that step's flattened copy and fp32 cast count one group's
+    # partition (2e8 parameters over 2 ranks, 2 + 4 bytes each), not the whole partition's
+    grouped = estimate_memory(plan, {"actor": ModelMemory(num_params=params, kind="trainable", zero_stage=1,
+                                                          step_group_params=200_000_000)},
+                              MemoryConfig(gpu_memory_gib=80, context_gib=0.0))
+    assert grouped.per_gpu[(0, 0)]["actor"] == pytest.approx((params * (2 + 2 + 6) + 200_000_000 * 3) / GIB)
+    with pytest.raises(ValueError, match="step_group_params=0"):
+        ModelMemory(num_params=params, kind="trainable", step_group_params=0)
 
 
 def test_memory_estimate_warns_when_a_phase_does_not_fit(caplog):

@@ -8,6 +8,7 @@ through a ``torch.optim.lr_scheduler.LambdaLR``, so its values are exactly the d
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -40,6 +41,20 @@ def lr_factor(step: int, *, warmup_steps: int, schedule: str, total_steps: int |
     return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
+def param_group_ranges(sizes: Sequence[int], max_elements: int) -> list[range]:
+    """Indices of ``sizes`` (parameter element counts, in order) per optimizer parameter group of at most
+    ``max_elements`` elements: whole tensors; a larger one is a group of its own
+    (:attr:`DeepSpeedEngineConfig.param_group_elements`)."""
+    starts: list[int] = []
+    total = 0
+    for index, size in enumerate(sizes):
+        if not starts or total + size > max_elements:
+            starts.append(index)
+            total = 0
+        total += size
+    return [range(start, stop) for start, stop in zip(starts, starts[1:] + [len(sizes)])]
+
+
 @dataclass(frozen=True, kw_only=True)
 class DeepSpeedEngineConfig:
     """How one model is wrapped in DeepSpeed.
@@ -65,6 +80,11 @@ class DeepSpeedEngineConfig:
         sub_group_elements: ZeRO-3's ``sub_group_size``: parameters are cut, in order, into sub-groups of at least
             this many elements (a larger tensor is a sub-group of its own); the optimizer steps one sub-group at a
             time, and ``offload_optimizer_ratio`` places whole sub-groups. DeepSpeed's default is 1e9.
+        param_group_elements: ZeRO-0/1/2: the trainable parameters go to the optimizer in parameter groups of at most
+            this many elements (in order, whole tensors; a larger tensor is a group of its own). ZeRO-1/2's
+            optimizer step of a bf16 model flattens one group's gradients and casts them to fp32 at a time, so its
+            transient memory is (2 + 4) bytes times one group, not the whole partition (17 GiB for a 3B model in one
+            group, 1.1 GiB in groups of 2e8). The groups share every hyper-parameter; the update is the same.
         gradient_checkpointing: recompute activations in backward (HF ``gradient_checkpointing_enable``, non-reentrant).
         gradient_clipping: clip the global gradient 2-norm to this value; 0 disables clipping.
         lr_schedule, lr_warmup_steps, lr_total_steps, lr_min_ratio: see :func:`lr_factor`; ``lr_total_steps`` is
@@ -107,6 +127,7 @@ class DeepSpeedEngineConfig:
     offload_params: bool = False
     offload_optimizer_ratio: float = 1.0
     sub_group_elements: int = 1_000_000_000
+    param_group_elements: int = 200_000_000
     gradient_checkpointing: bool = False
     gradient_clipping: float = 1.0
     lr_schedule: Literal["constant", "cosine"] = "constant"
@@ -142,9 +163,10 @@ class DeepSpeedEngineConfig:
         if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 < ratio <= 1:
             raise ValueError(f"DeepSpeedEngineConfig.offload_optimizer_ratio={ratio!r}; a fraction in (0, 1] (1: the "
                              "whole optimizer in host memory; for none, offload_optimizer=False)")
-        elements = self.sub_group_elements
-        if isinstance(elements, bool) or not isinstance(elements, int) or elements < 1:
-            raise ValueError(f"DeepSpeedEngineConfig.sub_group_elements={elements!r}; must be an int >= 1")
+        for name in ("sub_group_elements", "param_group_elements"):
+            elements = getattr(self, name)
+            if isinstance(elements, bool) or not isinstance(elements, int) or elements < 1:
+                raise ValueError(f"DeepSpeedEngineConfig.{name}={elements!r}; must be an int >= 1")
         if ratio == 1:
             return
         if not (self.offload_optimizer and self.zero_stage == 3 and self.optimizer == "fused_adam"):

@@ -42,7 +42,8 @@ class ModelMemory:
         optimizer_bytes_per_param: bytes of optimizer state per parameter (trainable only); 12 = fp32 master copy +
             Adam's two moments. With ``bytes_per_param`` below 4 (bf16/fp16 weights) the estimate adds 4 more: the
             fp32 gradients DeepSpeed's optimizer step builds beside the masters; under ZeRO-1/2 with the optimizer on
-            the GPU also ``grad_bytes_per_param`` more: the flattened 16-bit copy that step casts from.
+            the GPU also ``grad_bytes_per_param`` more: the flattened 16-bit copy that step casts from (both for
+            ``step_group_params`` parameters at a time).
         zero_stage: DeepSpeed ZeRO stage; shards optimizer states (>= 1), gradients (>= 2) and weights (3) over the
             role's ranks.
         activation_gib: peak activation memory per rank while awake, from your own measurement.
@@ -65,6 +66,10 @@ class ModelMemory:
             pinned-memory cache after a wake).
         asleep_gib: GPU GiB one rank keeps while asleep besides its CUDA context (a vLLM engine's CUDA graphs and
             buffers outside its sleep pool).
+        step_group_params: ZeRO-1/2, 16-bit weights, optimizer on the GPU: the parameter count of the largest
+            optimizer parameter group (:class:`~rlhfkit.deepspeed_engine.DeepSpeedEngineConfig`'s
+            ``param_group_elements``); the step builds the flattened 16-bit copy and the fp32 gradients of one group
+            at a time. None: every trainable parameter in one group.
     """
 
     num_params: int
@@ -82,6 +87,7 @@ class ModelMemory:
     asleep: Literal["freed", "gpu", "host"] = "freed"
     host_gib: float = 0.0
     asleep_gib: float = 0.0
+    step_group_params: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.num_params, bool) or not isinstance(self.num_params, int):
@@ -119,6 +125,9 @@ class ModelMemory:
                 raise TypeError(f"ModelMemory.{name}={getattr(self, name)!r}; must be True or False")
         if self.engine_gib is not None and not _check_real("ModelMemory", "engine_gib", self.engine_gib) >= 0:
             raise ValueError(f"ModelMemory.engine_gib={self.engine_gib}; must be >= 0 or None")
+        group = self.step_group_params
+        if group is not None and (isinstance(group, bool) or not isinstance(group, int) or group < 1):
+            raise ValueError(f"ModelMemory.step_group_params={group!r}; an int >= 1 or None (one group)")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -326,13 +335,15 @@ def _states_gib(plan: PlacementPlan, role: str, model: ModelMemory) -> float:
         # DeepSpeed's optimizer step of a bf16/fp16 model builds fp32 gradients beside the fp32 masters (ZeRO-1/2:
         # the flattened partition; ZeRO-3: the fp32 groups' .grad), as its optimizer offload does in host memory
         fp32_grads = model.offload_optimizer or model.bytes_per_param < _FP32_GRAD_BYTES
-        per_param = model.optimizer_bytes_per_param + (_FP32_GRAD_BYTES if fp32_grads else 0.0)
+        grouped = model.zero_stage in (1, 2) and not model.offload_optimizer and fp32_grads
+        per_param = model.optimizer_bytes_per_param + (_FP32_GRAD_BYTES if fp32_grads and not grouped else 0.0)
         total += on_gpu * trainable * per_param / (world if model.zero_stage >= 1 else 1)
-        if model.zero_stage in (1, 2) and not model.offload_optimizer and model.bytes_per_param < _FP32_GRAD_BYTES:
-            # ZeRO-1/2's step first flattens the partition's 16-bit gradients into a new buffer and casts that one to
-            # fp32, the per-parameter gradients still held (DeepSpeed 0.19 stage_1_and_2.step): one more gradient
-            # per parameter of the partition at the step's peak (a Qwen2.5-3B actor ran out of memory there)
-            total += trainable * model.grad_bytes_per_param / world
+        if grouped:
+            # ZeRO-1/2's step, one parameter group at a time, flattens the group's 16-bit gradients into a new buffer
+            # and casts that one to fp32, the per-parameter gradients still held (DeepSpeed 0.19
+            # stage_1_and_2.step; a Qwen2.5-3B actor in one group ran out of memory there)
+            group = trainable if model.step_group_params is None else min(trainable, model.step_group_params)
+            total += group * (model.grad_bytes_per_param + _FP32_GRAD_BYTES) / world
     return total / _GIB
 
 
