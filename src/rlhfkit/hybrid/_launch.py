@@ -299,8 +299,9 @@ def _timed(fn: Any, *args: Any) -> tuple[Any, float]:
 class Hybrid:
     """A started hybrid run: ``trainers`` (role -> :class:`TrainerGroup`), ``engines`` (:class:`RolloutEngines`),
     ``timer`` (a :class:`PhaseTimer` every block reports its sleep/wake time to), ``startup`` (seconds: ``total_s`` from
-    ``start``'s call; ``checks_s``, the LoRA and memory-fit checks, which run beside Ray's start (``ray_init_s``) and
-    the engine processes' start; ``ray_s`` up to Ray and the placement being ready; the engine processes start before
+    ``start``'s call; ``ray_init_s``, Ray's start, first and alone; ``checks_s``, the LoRA and memory-fit checks,
+    which then run beside the placement and the engine processes' start; ``ray_s`` up to Ray and the placement being
+    ready; the engine processes start before
     the checks end, the trainer processes once they passed: ``<role>_process_s``, up to ``processes_s``; ``gate_s``,
     when the engines were let build (after the checks; colocated, with a measured KV cache, after the trainers' loads);
     ``<role>_load_s`` one role after another, ``models_s`` in all; ``engines_s`` from the engines' start to their ready,
@@ -350,18 +351,19 @@ class Hybrid:
                                  f"needs CUDA (Triton kernels); HybridConfig.device={config.device!r}")
         began = time.perf_counter()
         before_start_s = process_age_s()
-        # The checks import transformers and build each model on the meta device (seconds in a fresh process), as
-        # long as a local Ray takes to come up: they run in a thread beside Ray's start and then beside the engine
-        # processes' start (spawn, imports); the trainer processes and all GPU work (a trainer's load, an engine's
-        # build) wait for them. A failed check is the error reported; it stops whatever had started, Ray included if
-        # started here.
+        # Ray starts first, alone: the engines' chain (Ray, their processes' spawn and imports, their build) is the
+        # launch, and a local Ray's start also polls from this process, which a thread importing transformers beside
+        # it slowed by seconds. The checks import transformers and build each model on the meta device: they run in a
+        # thread beside the placement and the engine processes' start (spawn, imports); the trainer processes and
+        # all GPU work (a trainer's load, an engine's build) wait for them. A failed check is the error reported; it
+        # stops whatever had started, Ray included if started here.
         with ThreadPoolExecutor(1) as pool:
-            checks = pool.submit(_timed, _checks, config, trainers)
             try:
                 started_ray, ray_s = _timed(_start_ray, config)
             except BaseException:
-                checks.result()  # a bad input explains more than Ray's failure to start
+                _checks(config, trainers)  # a bad input explains more than Ray's failure to start
                 raise
+            checks = pool.submit(_timed, _checks, config, trainers)
             run = cls(config)
             run._started_ray = started_ray
             run.startup.update(before_start_s=before_start_s, ray_init_s=ray_s)
