@@ -32,7 +32,7 @@ import torch
 
 from rlhfkit.deepspeed_engine import _checkpoint as ckpt
 from rlhfkit.deepspeed_engine import _sleep as sleeping
-from rlhfkit.deepspeed_engine._config import ROLES, DeepSpeedEngineConfig, Role, lr_factor, param_group_ranges
+from rlhfkit.deepspeed_engine._config import ROLES, DeepSpeedEngineConfig, Role, lr_factor
 from rlhfkit.deepspeed_engine._models import ValueModel, as_value_model, load_hf_model, sequence_scores, token_aligned_values
 from rlhfkit._optional import require
 from rlhfkit.checkpoint import latest_checkpoint
@@ -54,13 +54,6 @@ def _deep_merge(base: dict[str, Any], overrides: Mapping[str, Any]) -> dict[str,
         else:
             merged[key] = value
     return merged
-
-
-def _param_groups(params: list[torch.nn.Parameter], max_elements: int) -> list[dict[str, Any]]:
-    """``params`` as optimizer parameter groups of at most ``max_elements`` elements (:func:`param_group_ranges`):
-    ZeRO-1/2's step then casts one group's gradients to fp32 at a time."""
-    return [{"params": params[r.start:r.stop]}
-            for r in param_group_ranges([param.numel() for param in params], max_elements)]
 
 
 def _lambda_scheduler(optimizer, *, config: DeepSpeedEngineConfig):
@@ -112,8 +105,10 @@ class DeepSpeedEngine:
         kwargs: dict[str, Any] = {"model": module, "config": ds_config}
         if self.has_optimizer:
             trainable = [p for p in module.parameters() if p.requires_grad]
-            kwargs["model_parameters"] = (trainable if config.zero_stage == 3 else  # ZeRO-3: its own sub-groups
-                                          _param_groups(trainable, config.param_group_elements))
+            # ZeRO-3 cuts its own sub-groups; ZeRO-1/2's step casts one group's gradients to fp32 at a time
+            kwargs["model_parameters"] = trainable if config.zero_stage == 3 else [
+                {"params": trainable[r.start:r.stop]}
+                for r in config.param_group_ranges([param.numel() for param in trainable])]
             kwargs["lr_scheduler"] = functools.partial(_lambda_scheduler, config=config)
         self.ds_engine = deepspeed.initialize(**kwargs)[0]
         self.ds_engine.train(self.has_optimizer)

@@ -41,20 +41,6 @@ def lr_factor(step: int, *, warmup_steps: int, schedule: str, total_steps: int |
     return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def param_group_ranges(sizes: Sequence[int], max_elements: int) -> list[range]:
-    """Indices of ``sizes`` (parameter element counts, in order) per optimizer parameter group of at most
-    ``max_elements`` elements: whole tensors; a larger one is a group of its own
-    (:attr:`DeepSpeedEngineConfig.param_group_elements`)."""
-    starts: list[int] = []
-    total = 0
-    for index, size in enumerate(sizes):
-        if not starts or total + size > max_elements:
-            starts.append(index)
-            total = 0
-        total += size
-    return [range(start, stop) for start, stop in zip(starts, starts[1:] + [len(sizes)])]
-
-
 @dataclass(frozen=True, kw_only=True)
 class DeepSpeedEngineConfig:
     """How one model is wrapped in DeepSpeed.
@@ -216,6 +202,18 @@ class DeepSpeedEngineConfig:
         if self.param_persistence_threshold < 0:
             raise ValueError(f"DeepSpeedEngineConfig.param_persistence_threshold={self.param_persistence_threshold}; "
                              "must be >= 0")
+
+    def param_group_ranges(self, sizes: Sequence[int]) -> list[range]:
+        """Indices of ``sizes`` (trainable parameters' element counts, in order) per optimizer parameter group: at
+        most :attr:`param_group_elements` elements each, whole tensors (a larger one is a group of its own)."""
+        starts: list[int] = []
+        total = 0
+        for index, size in enumerate(sizes):
+            if not starts or total + size > self.param_group_elements:
+                starts.append(index)
+                total = 0
+            total += size
+        return [range(start, stop) for start, stop in zip(starts, starts[1:] + [len(sizes)])]
 
     def lr_at(self, step: int) -> float:
         """The learning rate of optimizer step ``step`` (0-based)."""

@@ -121,7 +121,6 @@ def offloaded_fraction(sizes: tuple[int, ...], *, ratio: float, sub_group_elemen
 
 
 def _trainer_memory(shape: ModelShape, trainer: Any, role: str, *, world: int) -> Any:
-    from rlhfkit.deepspeed_engine._config import param_group_ranges
     from rlhfkit.lora import LoraConfig
     from rlhfkit.placement import ModelMemory
 
@@ -146,8 +145,8 @@ def _trainer_memory(shape: ModelShape, trainer: Any, role: str, *, world: int) -
                        offload_optimizer=ds.offload_optimizer and trains, offload_params=ds.offload_params,
                        offload_optimizer_ratio=ratio, asleep="host" if trainer.offload else "gpu",
                        asleep_gib=0.0 if ds.empty_cache_on_sleep else activations,  # kept blocks: its activations
-                       step_group_params=max(sum(shape.param_sizes[i] for i in group) for group in
-                                             param_group_ranges(shape.param_sizes, ds.param_group_elements))
+                       step_group_params=max(sum(shape.param_sizes[i] for i in group)
+                                             for group in ds.param_group_ranges(shape.param_sizes))
                        if trains and trainable is None and ds.zero_stage < 3 and shape.param_sizes else None)
 
 

@@ -301,13 +301,13 @@ class Hybrid:
     ``timer`` (a :class:`PhaseTimer` every block reports its sleep/wake time to), ``startup`` (seconds: ``total_s`` from
     ``start``'s call; ``ray_init_s``, Ray's start, first and alone; ``checks_s``, the LoRA and memory-fit checks,
     which then run beside the placement and the engine processes' start; ``ray_s`` up to Ray and the placement being
-    ready; the engine processes start before
-    the checks end, the trainer processes once they passed: ``<role>_process_s``, up to ``processes_s``; ``gate_s``,
-    when the engines were let build (after the checks; colocated, with a measured KV cache, after the trainers' loads);
-    ``<role>_load_s`` one role after another, ``models_s`` in all; ``engines_s`` from the engines' start to their ready,
-    which colocated engines reach after building their models behind the trainers' loads, ``engines_after_models_s`` of
-    it after the last load; ``weight_sync_s``; ``wake_s``; and outside ``total_s``: ``before_start_s``, how long the
-    process ran before ``start`` was called: interpreter, imports, the script). Where each process's start went, the
+    ready; the engine processes start before the checks end, the trainer processes once they passed:
+    ``<role>_process_s``, up to ``processes_s``; ``gate_s``, when the engines were let build (after the checks;
+    colocated, with a measured KV cache, after the trainers' loads); ``<role>_load_s`` one role after another,
+    ``models_s`` in all; ``engines_s`` from the engines' start to their ready, which colocated engines reach after
+    building their models behind the trainers' loads, ``engines_after_models_s`` of it after the last load;
+    ``weight_sync_s``; ``wake_s``; and outside ``total_s``: ``before_start_s``, how long the process ran before
+    ``start`` was called: interpreter, imports, the script). Where each process's start went, the
     slowest rank or engine of each: ``<role>/process_s`` (the process's age when its actor began: spawn, Ray's set-up),
     ``<role>/import_s``, ``<role>/read_s`` (the model read into host memory, every role at once), then one role after
     another ``<role>/load_claim_s``, ``load_copy_rates_s``, ``load_model_s`` (DeepSpeed's set-up, the move to the GPU),
