@@ -25,6 +25,7 @@ examples/convert_smollm2.py when missing), ``--work-dir`` holds the random model
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import platform
@@ -231,7 +232,18 @@ def environment(num_gpus: int) -> dict:
     except (OSError, subprocess.SubprocessError):
         pass
     return {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "host": platform.node(),
-            "python": platform.python_version(), "num_gpus": num_gpus, "gpus": gpus, "versions": versions}
+            "python": platform.python_version(), "num_gpus": num_gpus, "gpus": gpus, "versions": versions,
+            "bytecode": bytecode()}
+
+
+def bytecode() -> dict:
+    """Whether Python writes bytecode here and whether torch's is cached: where neither, every process compiles
+    torch (and vLLM, Ray, DeepSpeed) at import, and launch timings run seconds longer (bench/README.md)."""
+    spec = importlib.util.find_spec("torch")
+    cached = None
+    if spec is not None and spec.origin:
+        cached = Path(importlib.util.cache_from_source(spec.origin)).exists()
+    return {"writes": not sys.dont_write_bytecode, "torch_cached": cached}
 
 
 def count_gpus() -> int:
@@ -313,6 +325,9 @@ def main(argv=None) -> int:
     env = {**ENV_DEFAULTS, **os.environ}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO / "src"), os.environ.get("PYTHONPATH")) if p)
     summary = {"suite": plan.suite, "environment": environment(num_gpus), "skipped": plan.skipped, "steps": []}
+    if summary["environment"]["bytecode"] == {"writes": False, "torch_cached": False}:
+        print("warning: Python writes no bytecode here and torch has none cached, so every step's processes compile "
+              "it at import: launch times run seconds longer (compile it once: bench/README.md)", file=sys.stderr)
     return run_steps(plan, commands, results=results, env=env, summary=summary)
 
 

@@ -88,6 +88,7 @@ def test_run_writes_a_summary_per_suite(tmp_path, monkeypatch):
     assert [(s["name"], s["rc"]) for s in summary["steps"]] == [("ok", 0), ("bad", 3)]
     assert (tmp_path / "logs" / "ok.log").read_text().strip() == "fine"
     assert "torch" in summary["environment"]["versions"]
+    assert set(summary["environment"]["bytecode"]) == {"writes", "torch_cached"}  # compiled imports or not
 
 
 @pytest.mark.slow
