@@ -307,8 +307,8 @@ class Hybrid:
     ``models_s`` in all; ``engines_s`` from the engines' start to their ready, which colocated engines reach after
     building their models behind the trainers' loads, ``engines_after_models_s`` of it after the last load;
     ``weight_sync_s``; ``wake_s``; and outside ``total_s``: ``before_start_s``, how long the process ran before
-    ``start`` was called: interpreter, imports, the script). Where each process's start went, the
-    slowest rank or engine of each: ``<role>/process_s`` (the process's age when its actor began: spawn, Ray's set-up),
+    ``start`` was called: interpreter, imports, the script). Where each process's start went, the slowest rank or
+    engine of each: ``<role>/process_s`` (the process's age when its actor began: spawn, Ray's set-up),
     ``<role>/import_s``, ``<role>/read_s`` (the model read into host memory, every role at once), then one role after
     another ``<role>/load_claim_s``, ``load_copy_rates_s``, ``load_model_s`` (DeepSpeed's set-up, the move to the GPU),
     ``load_sleep_s``; ``engine/process_s``, ``engine/import_s``, ``engine/gate_wait_s`` (waiting for the checks, or the
@@ -737,8 +737,8 @@ def _start_ray(config: HybridConfig) -> bool:
 
 def _check_lora(config: HybridConfig, trainers: Mapping[str, TrainerConfig], *,
                 meta_model: Callable[[str], Any] | None = None) -> None:
-    """LoRA settings that cannot work, refused before any GPU work (beside the start of Ray and of the engine
-    processes, which a refusal stops again); ``meta_model``: path -> the model built on the meta device (default
+    """LoRA settings that cannot work, refused before any GPU work (once Ray is up, beside the engine processes'
+    start, which a refusal stops again, with the Ray started here); ``meta_model``: path -> the model built on the meta device (default
     :func:`rlhfkit.lora.meta_model`)."""
     for role, trainer in trainers.items():
         if trainer.lora is not None and role != "actor":

@@ -335,8 +335,9 @@ def _states_gib(plan: PlacementPlan, role: str, model: ModelMemory) -> float:
         # DeepSpeed's optimizer step of a bf16/fp16 model builds fp32 gradients beside the fp32 masters (ZeRO-1/2:
         # the flattened partition; ZeRO-3: the fp32 groups' .grad), as its optimizer offload does in host memory
         fp32_grads = model.offload_optimizer or model.bytes_per_param < _FP32_GRAD_BYTES
+        # ZeRO-1/2 with the optimizer on the GPU builds them one parameter group at a time (below)
         grouped = model.zero_stage in (1, 2) and not model.offload_optimizer and fp32_grads
-        per_param = model.optimizer_bytes_per_param + (_FP32_GRAD_BYTES if fp32_grads and not grouped else 0.0)
+        per_param = model.optimizer_bytes_per_param + (0.0 if grouped or not fp32_grads else _FP32_GRAD_BYTES)
         total += on_gpu * trainable * per_param / (world if model.zero_stage >= 1 else 1)
         if grouped:
             # ZeRO-1/2's step, one parameter group at a time, flattens the group's 16-bit gradients into a new buffer
