@@ -25,6 +25,7 @@ memory of every phase) and ``phases.jsonl`` (every guarded transition) under ``-
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 from dataclasses import dataclass
@@ -53,7 +54,8 @@ class Options:
     engine: str = "vllm"  # GPU: "vllm" or "sglang" (its server runs from --sglang-site / --sglang-python); CPU: hf
     sglang_python: str = "python3"
     sglang_site: str | None = None  # e.g. /tmp/site/sglang (bench/peers/install-sglang.sh)
-    num_gpus: int = 1
+    num_gpus: int = 1  # GPUs per node
+    num_nodes: int = 1  # Ray nodes (join a running cluster: RAY_ADDRESS; examples/launch/multi_node.sh)
     tensor_parallel_size: int = 1  # GPUs per vLLM engine (its TP workers on the actor's GPUs)
     steps: int = 100
     prompts_per_step: int = 16
@@ -127,12 +129,13 @@ def start(options: Options) -> Hybrid:
     kv_per_seq = KV_PROMPT_TOKENS + options.max_new_tokens if options.kv_cache == "batch" else None  # None: the share
     config = HybridConfig(model=model, device=options.device, engine="hf" if cpu else options.engine, seed=SEED,
                           sglang_python=options.sglang_python, sglang_site=options.sglang_site,
-                          num_gpus=options.num_gpus, tensor_parallel_size=options.tensor_parallel_size,
+                          num_gpus=options.num_gpus, num_nodes=options.num_nodes,
+                          tensor_parallel_size=options.tensor_parallel_size,
                           engine_sleep_level=sleep_level, engine_memory=options.engine_memory,
                           dtype="bfloat16" if options.bf16 and not cpu else "float32",
                           kv_tokens_per_seq=kv_per_seq, overlap_switches=options.overlap_switches,
                           max_num_seqs=-(-options.prompts_per_step * options.samples_per_prompt
-                                         // (options.num_gpus // options.tensor_parallel_size)))
+                                         // (options.num_gpus * options.num_nodes // options.tensor_parallel_size)))
     return Hybrid.start(config, trainers)
 
 
@@ -204,6 +207,10 @@ def main(argv=None) -> list[dict]:
                 hybrid.write_phase_log(out / "phases.jsonl")
         hybrid.write_phase_log(out / "phases.jsonl", settle=True)  # a sleep still running behind the last wake
         return metrics.rows
+    except BaseException:
+        with contextlib.suppress(Exception):  # the memory each role held up to the failure; the failure is the error
+            hybrid.write_phase_log(out / "phases.jsonl")
+        raise
     finally:
         hybrid.close()
 

@@ -147,6 +147,49 @@ def test_partial_offload_without_reference_fits_7b_and_8b(qwen7b, llama8b):
         TrainerConfig(deepspeed=deepspeed, offload=True)
 
 
+def test_memory_other_processes_hold_is_counted_against_the_gpu(qwen7b):
+    """The 7B layout fits an empty 80 GB GPU (~73 GiB) but not beside 15 GiB another process holds (a run left over on
+    the GPU): refused naming the held GiB, the phase and the shortfall; the engines' share stays a share of the whole
+    GPU (the estimate's phases are the same numbers), and the returned estimate keeps the GPU's full size."""
+    from bench.scale import LARGE_FULL
+
+    deepspeed = _trainers(offload_optimizer=True, gradient_checkpointing=True,
+                          offload_optimizer_ratio=LARGE_FULL["offload_optimizer_ratio"],
+                          sub_group_elements=LARGE_FULL["sub_group_elements"])
+    config = HybridConfig(model=qwen7b, engine_memory=LARGE_FULL["engine_memory"], **H100)
+    trainers = {"actor": TrainerConfig(deepspeed=deepspeed, offload=False)}
+    alone = check_fit(config, trainers)
+    assert check_fit(config, trainers, held_gib=2.0).per_gpu == alone.per_gpu
+    with pytest.raises(MemoryFitError, match=r"beside 15\.0 GiB of a 79\.2 GiB GPU held by other processes.*"
+                                             r"but the GPU has 64\.2 GiB: short by") as info:
+        check_fit(config, trainers, held_gib=15.0)
+    assert info.value.memory == "gpu"
+    assert info.value.shortfall_gib == pytest.approx(alone.peak() - 64.2, abs=0.05)
+
+
+def test_held_gpu_memory_is_read_only_where_it_describes_this_runs_gpus(qwen7b, monkeypatch):
+    """``_held_by_others_gib``: the busiest visible GPU's used memory (NVML) from ``HELD_GPU_GIB`` up; nothing on CPU,
+    with a GPU size given, when joining a cluster (the GPUs may be elsewhere), below the threshold, or without
+    NVML (this CPU machine: the real reading is None)."""
+    import rlhfkit.hybrid._launch as launch
+    from rlhfkit.hybrid._timer import visible_gpu_memory_used_gib
+
+    assert visible_gpu_memory_used_gib() is None  # no NVML or no GPU here
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    cuda = HybridConfig(model=qwen7b)
+    assert launch._held_by_others_gib(cuda) == 0.0
+    monkeypatch.setattr(launch, "visible_gpu_memory_used_gib", lambda: [0.4, 14.8, 0.5])
+    assert launch._held_by_others_gib(cuda) == 14.8
+    assert launch._held_by_others_gib(dataclasses.replace(cuda, gpu_memory_gib=80.0)) == 0.0
+    assert launch._held_by_others_gib(HybridConfig(model=qwen7b, device="cpu", engine="hf")) == 0.0
+    assert launch._held_by_others_gib(dataclasses.replace(cuda, ray_address="10.0.0.1:6379")) == 0.0
+    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")
+    assert launch._held_by_others_gib(cuda) == 0.0
+    monkeypatch.delenv("RAY_ADDRESS")
+    monkeypatch.setattr(launch, "visible_gpu_memory_used_gib", lambda: [launch.HELD_GPU_GIB - 0.01])
+    assert launch._held_by_others_gib(cuda) == 0.0
+
+
 def test_lora_7b_fits_both_budgets(qwen7b):
     """bench/scale.py's LoRA mode at 7B: the trainers parked in host memory and the engine's level-1 backup."""
     lora = TrainerConfig(deepspeed=_trainers(gradient_checkpointing=True), lora=LoraConfig(rank=16))
@@ -444,3 +487,30 @@ def test_trainers_that_keep_their_cached_blocks_hold_them_while_asleep(tmp_path_
     assert 13.2 < kept < 13.3  # 28 layers x 4,096 tokens x (10 x 1,536 + 4 x 8,960) bf16 values + fp32 logits
     with pytest.raises(TypeError, match="empty_cache_on_sleep=1"):
         DeepSpeedEngineConfig(empty_cache_on_sleep=1)
+
+
+def test_trainers_that_step_on_the_host_get_the_machines_cores(qwen7b, monkeypatch):
+    """Ray gives an actor that reserves no CPU one OpenMP thread, and DeepSpeed's CPU Adam (offload_optimizer) ran
+    one-threaded: a role whose optimizer steps on the host gets this machine's cores shared among its ranks on a
+    node (CUDA), or ``HybridConfig.optimizer_threads``; every other role keeps Ray's default (None)."""
+    import rlhfkit.hybrid._launch as launch
+
+    monkeypatch.setattr(launch.os, "sched_getaffinity", lambda pid: set(range(16)))
+    host_adam = TrainerConfig(deepspeed=_trainers(offload_optimizer=True, offload_optimizer_ratio=0.66,
+                                                  gradient_checkpointing=True), offload=False)
+    on_gpu = TrainerConfig(deepspeed=_trainers())
+    roles = ("actor", "reference")
+    for gpus, expected in ((1, 16), (2, 8), (4, 4)):
+        config = HybridConfig(model=qwen7b, num_gpus=gpus)
+        plan = launch.plan_gpus(config, roles)
+        assert launch.optimizer_threads(config, host_adam, plan, "actor") == expected
+        assert launch.optimizer_threads(config, on_gpu, plan, "reference") is None
+    two_nodes = HybridConfig(model=qwen7b, num_gpus=2, num_nodes=2)
+    assert launch.optimizer_threads(two_nodes, host_adam, launch.plan_gpus(two_nodes, roles), "actor") == 8
+    cpu = HybridConfig(model=qwen7b, device="cpu", engine="hf")
+    assert launch.optimizer_threads(cpu, host_adam, launch.plan_gpus(cpu, roles), "actor") is None
+    mine = dataclasses.replace(cpu, optimizer_threads=3)
+    assert launch.optimizer_threads(mine, host_adam, launch.plan_gpus(mine, roles), "actor") == 3
+    assert launch.optimizer_threads(mine, on_gpu, launch.plan_gpus(mine, roles), "reference") is None
+    with pytest.raises(ValueError, match="HybridConfig.optimizer_threads=0"):
+        HybridConfig(model=qwen7b, optimizer_threads=0)

@@ -17,6 +17,7 @@ import logging
 import os
 import time
 import uuid
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -31,7 +32,7 @@ from rlhfkit.hybrid._engines import (
     guarded_sglang_engine_class,
     guarded_vllm_engine_class,
 )
-from rlhfkit.hybrid._timer import GpuMemorySampler, PhaseTimer, process_age_s
+from rlhfkit.hybrid._timer import GpuMemorySampler, PhaseTimer, process_age_s, visible_gpu_memory_used_gib
 from rlhfkit.hybrid._trainer import TrainerConfig, TrainerGroup
 from rlhfkit.hybrid._trainer_worker import TrainerWorker, plan_gpu_key
 
@@ -132,6 +133,11 @@ class HybridConfig:
             not count the allocators' caches; :meth:`Hybrid.start` decides and ``hybrid.config`` then holds the
             choice), off otherwise; True: on, and :meth:`Hybrid.start` refuses a run that does not fit; False: off.
             The background sleeps' seconds are ``time/overlapped_sleep_s``, outside the step's switch time.
+        optimizer_threads: CPU threads (``OMP_NUM_THREADS``) of each rank of a trainer role whose optimizer steps in
+            host memory (``DeepSpeedEngineConfig.offload_optimizer``: DeepSpeed's CPU Adam, an OpenMP loop). Ray
+            gives an actor that reserves no CPU one thread, and a 7B step then spent ~40 s in a one-thread Adam.
+            None (default): on CUDA, this machine's cores divided among the role's ranks on a node; other roles keep
+            Ray's one thread. An int: that many, on any device.
     """
 
     model: str
@@ -166,6 +172,7 @@ class HybridConfig:
     pause_engines: bool = True
     driver_threads: int | None = 1
     overlap_switches: bool | None = None
+    optimizer_threads: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -214,9 +221,10 @@ class HybridConfig:
         if self.overlap_switches is not None and not isinstance(self.overlap_switches, bool):
             raise TypeError(f"HybridConfig.overlap_switches={self.overlap_switches!r}; must be None (on where the "
                             "memory estimate fits every role resident), True or False")
-        if self.driver_threads is not None and (isinstance(self.driver_threads, bool)
-                                                or not isinstance(self.driver_threads, int) or self.driver_threads < 1):
-            raise ValueError(f"HybridConfig.driver_threads={self.driver_threads!r}; must be None or a positive int")
+        for name in ("driver_threads", "optimizer_threads"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"HybridConfig.{name}={value!r}; must be None or a positive int")
         from rlhfkit.engines.vllm import WEIGHT_LOADINGS
 
         if self.weight_loading not in WEIGHT_LOADINGS:
@@ -312,7 +320,8 @@ class Hybrid:
     ``<role>/import_s``, ``<role>/read_s`` (the model read into host memory, every role at once), then one role after
     another ``<role>/load_claim_s``, ``load_copy_rates_s``, ``load_model_s`` (DeepSpeed's set-up, the move to the GPU),
     ``load_sleep_s``; ``engine/process_s``, ``engine/import_s``, ``engine/gate_wait_s`` (waiting for the checks, or the
-    trainers' loads), ``engine/build_s``)."""
+    trainers' loads), ``engine/build_s``). ``gpu_held_gib``: GiB of a GPU that other processes held before the run
+    placed anything (0.0 below ``HELD_GPU_GIB``, or unknown); the fit check counted the GPU as that much smaller."""
 
     def __init__(self, config: HybridConfig) -> None:
         self.config = config
@@ -320,6 +329,7 @@ class Hybrid:
         self.engines: RolloutEngines | None = None
         self.timer = PhaseTimer(GpuMemorySampler(enabled=config.device == "cuda"))
         self.startup: dict[str, float] = {}
+        self.gpu_held_gib = 0.0  # GiB of a GPU other processes held when the checks ran (see HELD_GPU_GIB)
         self._handles: list[Any] = []
         self._workers: dict[str, Any] = {}
         self._placed = self._store = self._group = None
@@ -406,7 +416,8 @@ class Hybrid:
             # every engine's ready() (a failure names the engine), answered once it has built its model
             engines = pool.submit(_timed, functools.partial(self._group.call, "ready",
                                                             timeout_s=self.config.start_timeout_s))
-            groups = {role: pool.submit(_timed, self._start_group, role, c.model or self.config.model)
+            groups = {role: pool.submit(_timed, self._start_group, role, c.model or self.config.model,
+                                        optimizer_threads(self.config, c, self._placed.plan, role))
                       for role, c in configs.items()}
             for role, future in groups.items():
                 self._workers[role], self.startup[f"{role}_process_s"] = future.result()
@@ -452,6 +463,7 @@ class Hybrid:
         """Take the checks' outcome (they passed): the config with ``overlap_switches`` resolved, the engines'
         KV-cache size, whether the roles read ahead and the engines may build during the loads."""
         checked, self.startup["checks_s"] = outcome
+        self.gpu_held_gib = checked.gpu_held_gib
         self.config, self._read_ahead = checked.config, checked.read_ahead
         self._kv_cache_bytes, self._build_during_loads = checked.kv_cache_bytes, checked.build_during_loads
         if self.config.driver_threads is not None:
@@ -550,11 +562,12 @@ class Hybrid:
             handles.append(actor_cls.options(**options).remote(engine_config, engine_index=index))
         return handles
 
-    def _start_group(self, role: str, path: str) -> Any:
+    def _start_group(self, role: str, path: str, threads: int | None = None) -> Any:
         from rlhfkit.workers import WorkerGroup, WorkerGroupConfig
 
         config = self.config
-        group_config = WorkerGroupConfig(role=role, env_vars=config.worker_env(), forward_env=_FORWARD_ENV,
+        env = config.worker_env() | ({"OMP_NUM_THREADS": str(threads)} if threads else {})
+        group_config = WorkerGroupConfig(role=role, env_vars=env, forward_env=_FORWARD_ENV,
                                          start_timeout_s=config.start_timeout_s, call_timeout_s=config.call_timeout_s)
         return WorkerGroup(TrainerWorker, self._placed, group_config, self._store, config.device, path)
 
@@ -692,6 +705,7 @@ class _Checked:
     read_ahead: bool
     kv_cache_bytes: int | None
     build_during_loads: bool
+    gpu_held_gib: float = 0.0
 
 
 def _checks(config: HybridConfig, trainers: Mapping[str, TrainerConfig]) -> _Checked:
@@ -701,17 +715,43 @@ def _checks(config: HybridConfig, trainers: Mapping[str, TrainerConfig]) -> _Che
 
     built = functools.cache(meta_model)  # each model built on the meta device once, for every check
     _check_lora(config, trainers, meta_model=built)
-    estimate = check_fit(config, trainers, meta_model=built)
-    if config.overlap_switches is None:
-        config = dataclasses.replace(config, overlap_switches=_overlap_fits(config, trainers, meta_model=built))
+    held = _held_by_others_gib(config)
+    estimate = check_fit(config, trainers, meta_model=built, held_gib=held)
+    if config.overlap_switches is None:  # not beside another process's memory: the overlap's headroom is not there
+        config = dataclasses.replace(config, overlap_switches=not held and _overlap_fits(config, trainers,
+                                                                                         meta_model=built))
     elif config.overlap_switches:
         _check_overlap_fits(config, trainers, meta_model=built)
     kv_cache_bytes = None
     if config.engine_kv_tokens is not None:
         kv_cache_bytes = hybrid_kv_cache_bytes(config, model_shape(config.model, model=built(config.model)))
     return _Checked(config=config, read_ahead=_reads_ahead(config, trainers, meta_model=built),
-                    kv_cache_bytes=kv_cache_bytes,
+                    kv_cache_bytes=kv_cache_bytes, gpu_held_gib=held,
                     build_during_loads=kv_cache_bytes is not None and engines_may_build_during_loads(config, estimate))
+
+
+# GPU memory in use before a run starts, above which the fit check counts it as held by other processes: below it is
+# the driver's own reservation and a stray CUDA context (~0.5 GiB each).
+HELD_GPU_GIB = 1.0
+
+
+def _held_by_others_gib(config: HybridConfig) -> float:
+    """GiB already in use on the busiest of this machine's visible GPUs before the run places anything (another
+    job, a process left over from an earlier run), when at least ``HELD_GPU_GIB``; 0.0 otherwise, and when the
+    GPU size is given (``gpu_memory_gib``: the user's own budget), on CPU, without NVML, or when joining a cluster
+    (``ray_address`` / ``$RAY_ADDRESS``: the run's GPUs may be on other machines)."""
+    if config.device != "cuda" or config.gpu_memory_gib is not None:
+        return 0.0
+    if config.ray_address or os.environ.get("RAY_ADDRESS"):
+        return 0.0
+    used = visible_gpu_memory_used_gib()
+    busiest = max(used) if used else 0.0
+    if busiest < HELD_GPU_GIB:
+        return 0.0
+    logger.warning("%.1f GiB of a GPU this run may use (of %s GiB in use on the visible GPUs) is held by other "
+                   "processes before the run starts: the fit check counts the GPU as that much smaller", busiest,
+                   [round(gib, 1) for gib in used])
+    return busiest
 
 
 def _start_ray(config: HybridConfig) -> bool:
@@ -756,6 +796,20 @@ def _check_lora(config: HybridConfig, trainers: Mapping[str, TrainerConfig], *,
     check_target_modules((meta_model or build_meta_model)(path), lora, where=f"the model at {path!r}")
 
 
+def optimizer_threads(config: HybridConfig, trainer: TrainerConfig, plan: Any, role: str) -> int | None:
+    """``OMP_NUM_THREADS`` for the ranks of ``role`` (see ``HybridConfig.optimizer_threads``); None: Ray's default
+    (one thread: an actor that reserves no CPU)."""
+    if not trainer.deepspeed.offload_optimizer:
+        return None
+    if config.optimizer_threads is not None:
+        return config.optimizer_threads
+    if config.device != "cuda":
+        return None
+    ranks_per_node = Counter(rank.node for rank in plan.ranks(role))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores // max(ranks_per_node.values(), default=1))
+
+
 def plan_gpus(config: HybridConfig, roles: tuple[str, ...]) -> Any:
     """The placement plan of a run: every role and the engines on the same GPUs when ``colocate``."""
     from rlhfkit.placement import plan_layout
@@ -790,12 +844,14 @@ def _slowest(who: str, parts: list[dict[str, float]]) -> dict[str, float]:
 
 
 def check_fit(config: HybridConfig, trainers: Mapping[str, TrainerConfig], *,
-              meta_model: Callable[[str], Any] | None = None, read_ahead: bool = False) -> Any:
+              meta_model: Callable[[str], Any] | None = None, read_ahead: bool = False, held_gib: float = 0.0) -> Any:
     """Raise :class:`~rlhfkit.placement.MemoryFitError` when the plan's memory estimate says a phase cannot fit one
     GPU of ``config.gpu_memory_gib`` or one node's ``config.host_memory_gib`` of host memory (``error.memory`` says
     which), or the engines' share leaves no room for a KV cache (see :mod:`rlhfkit.hybrid._fit`); returns the
     :class:`~rlhfkit.placement.MemoryEstimate` (None when the GPU size is unknown: no check). ``meta_model`` and
-    ``read_ahead``: as for :func:`~rlhfkit.hybrid._fit.estimate_hybrid_memory`."""
+    ``read_ahead``: as for :func:`~rlhfkit.hybrid._fit.estimate_hybrid_memory`. ``held_gib``: GiB of each GPU that
+    other processes hold: the phases must fit in what is left (the engines' share stays a share of the whole GPU,
+    as vLLM and SGLang size it)."""
     from rlhfkit.hybrid._fit import estimate_hybrid_memory
 
     gpu_gib, host_gib = _gpu_memory_gib(config), config.host_memory_gib
@@ -807,7 +863,12 @@ def check_fit(config: HybridConfig, trainers: Mapping[str, TrainerConfig], *,
     estimate = estimate_hybrid_memory(config, trainers, plan=plan_gpus(config, tuple(trainers)),
                                       gpu_memory_gib=gpu_gib, host_memory_gib=host_gib, meta_model=meta_model,
                                       read_ahead=read_ahead)
-    estimate.check_fit(what=f"the hybrid run of {config.model!r} on {config.total_gpus} GPU(s)")
+    what = f"the hybrid run of {config.model!r} on {config.total_gpus} GPU(s)"
+    if held_gib > 0:
+        what += f", beside {held_gib:.1f} GiB of a {gpu_gib:.1f} GiB GPU held by other processes,"
+        dataclasses.replace(estimate, gpu_memory_gib=gpu_gib - held_gib).check_fit(what=what)
+    else:
+        estimate.check_fit(what=what)
     return estimate
 
 

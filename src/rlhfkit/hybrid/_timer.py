@@ -53,6 +53,20 @@ def _visible_handles(nvml: Any) -> list[Any]:
     return chosen
 
 
+def visible_gpu_memory_used_gib() -> list[float] | None:
+    """GiB in use on each GPU in ``CUDA_VISIBLE_DEVICES`` right now, device-wide (NVML: every process's allocations
+    and CUDA contexts); None without NVML or a GPU."""
+    nvml = _load_nvml()
+    if nvml is None:
+        return None
+    try:
+        nvml.nvmlInit()
+        handles = _visible_handles(nvml)
+        return [nvml.nvmlDeviceGetMemoryInfo(handle).used / _GIB for handle in handles] or None
+    except Exception:  # noqa: BLE001 — NVML's own error types; no driver means no reading
+        return None
+
+
 class GpuMemorySampler:
     """Device-wide used memory of the visible GPUs, polled by a daemon thread; the peak per named phase.
 
