@@ -48,7 +48,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     a("--device", choices=("cuda", "cpu"), default="cuda")
     a("--work-dir", type=Path, default=None, help="TRL's output_dir (default: a temporary folder)")
     a("--deepspeed", choices=DEEPSPEED_MODES, default="none",
-      help="DeepSpeed through TRL's trainer: ZeRO-3, optionally with the optimizer in host memory (large models)")
+      help="DeepSpeed through TRL's trainer: ZeRO-3, optionally with the optimizer in host memory (large models), "
+           "with gradient checkpointing, as bench/scale.py's 7B-8B layout")
     a("--lora-rank", type=int, default=0,
       help="> 0: train peft LoRA adapters of this rank (alpha 2 x rank) on the attention and MLP projections, with "
            "gradient checkpointing, as grpo_hybrid.py --lora-rank; TRL's reference is then the base model with the "
@@ -138,7 +139,8 @@ def grpo_config(args, work_dir: Path):
         vllm_gpu_memory_utilization=args.gpu_memory_utilization, vllm_max_model_length=args.max_model_len,
         vllm_importance_sampling_correction=False,  # grpo_hybrid.py applies no engine/trainer IS correction
         deepspeed=deepspeed_config(getattr(args, "deepspeed", "none")),
-        **({"gradient_checkpointing": True} if getattr(args, "lora_rank", 0) else {}),
+        **({"gradient_checkpointing": True}
+           if getattr(args, "lora_rank", 0) or getattr(args, "deepspeed", "none") != "none" else {}),
     )
 
 
