@@ -109,6 +109,8 @@ SUITES: dict[str, tuple[Step, ...]] = {
                                         "--budget-s", "200"), timeout_s=300),
         Step(name="train_step", what="the actor's optimizer step: ZeRO-0/2/3 vs plain torch",
              argv=_py("bench/train_step.py", "--out", "{out}"), timeout_s=500),
+        Step(name="cpu_adam", what="CPU Adam (offload_optimizer) at a Ray actor's one thread vs all cores",
+             argv=_py("bench/cpu_adam.py", "--params", "1e9", "--out", "{out}"), timeout_s=400),
     ),
     "training": (
         Step(name="logprobs", what="chunked vs naive log-probs: peak memory and time",

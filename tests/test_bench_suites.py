@@ -324,3 +324,21 @@ def test_train_step_builds_scale_architectures(tmp_path):
     result = json.loads(out.read_text())
     run = result["runs"]["torch_fp32_varlen"]
     assert result["args"]["arch"] == "toy" and run["optimizer_step_s"] > 0 and run["tokens"] > 4 * 12, run
+
+
+def test_cpu_adam_bench_shows_rays_one_thread_and_times_both(tmp_path):
+    """bench/cpu_adam.py on CPU: a Ray actor that reserves no CPU gets OMP_NUM_THREADS=1 and one torch thread unless
+    its runtime_env sets it (what HybridConfig.optimizer_threads does for the trainer ranks); DeepSpeed's CPU Adam
+    steps in a fresh process per thread count."""
+    out = tmp_path / "cpu_adam.json"
+    done = subprocess.run([sys.executable, str(ROOT / "bench/cpu_adam.py"), "--params", "1e5", "--steps", "1",
+                           "--threads", "1", "2", "--out", str(out)], capture_output=True, text=True, timeout=600,
+                          check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["ray_actor"]["default"] == {"OMP_NUM_THREADS": "1", "torch_threads": 1}
+    cores = str(result["cores"])
+    assert result["ray_actor"]["optimizer_threads"] == {"OMP_NUM_THREADS": cores, "torch_threads": int(cores)}
+    assert [run["threads"] for run in result["runs"]] == [1, 2]
+    assert [run["torch_threads"] for run in result["runs"]] == [1, 2]
+    assert all(run["median_step_s"] > 0 for run in result["runs"])
