@@ -131,13 +131,13 @@ class HybridConfig:
             so it needs room for every role resident at once in the plan's memory estimate. None (default): on
             for a GPU run where that estimate fits with 35% to spare (``OVERLAP_HEADROOM``: the estimate does
             not count the allocators' caches; :meth:`Hybrid.start` decides and ``hybrid.config`` then holds the
-            choice), off otherwise; True: on, and :meth:`Hybrid.start` refuses a run that does not fit; False: off.
-            The background sleeps' seconds are ``time/overlapped_sleep_s``, outside the step's switch time.
+            choice) and no other process holds memory on the GPUs (``Hybrid.gpu_held_gib``), off otherwise; True:
+            on, and :meth:`Hybrid.start` refuses a run that does not fit; False: off. The background sleeps' seconds are ``time/overlapped_sleep_s``, outside the step's switch time.
         optimizer_threads: CPU threads (``OMP_NUM_THREADS``) of each rank of a trainer role whose optimizer steps in
-            host memory (``DeepSpeedEngineConfig.offload_optimizer``: DeepSpeed's CPU Adam, an OpenMP loop). Ray
-            gives an actor that reserves no CPU one thread, and a 7B step then spent ~40 s in a one-thread Adam.
-            None (default): on CUDA, this machine's cores divided among the role's ranks on a node; other roles keep
-            Ray's one thread. An int: that many, on any device.
+            host memory (``DeepSpeedEngineConfig.offload_optimizer``: DeepSpeed's CPU Adam, an OpenMP loop, and
+            ZeRO's gradient norm and clipping in torch on the host). Ray gives an actor that reserves no CPU, as the
+            trainer ranks are, one thread. None (default): on CUDA, this machine's cores divided among the role's
+            ranks on a node; other roles keep Ray's one thread. An int: that many, on any device.
     """
 
     model: str
@@ -865,7 +865,8 @@ def check_fit(config: HybridConfig, trainers: Mapping[str, TrainerConfig], *,
                                       read_ahead=read_ahead)
     what = f"the hybrid run of {config.model!r} on {config.total_gpus} GPU(s)"
     if held_gib > 0:
-        what += f", beside {held_gib:.1f} GiB of a {gpu_gib:.1f} GiB GPU held by other processes,"
+        what += (f", beside {held_gib:.1f} GiB of a {gpu_gib:.1f} GiB GPU held by other processes (give the run free "
+                 "GPUs with CUDA_VISIBLE_DEVICES, or set HybridConfig.gpu_memory_gib to budget it yourself),")
         dataclasses.replace(estimate, gpu_memory_gib=gpu_gib - held_gib).check_fit(what=what)
     else:
         estimate.check_fit(what=what)
