@@ -2,6 +2,7 @@
 
     python examples/grpo_hybrid.py --model /tmp/smollm2-hf                  # 1 GPU, everything sleeping in turn
     python examples/grpo_hybrid.py --model /tmp/smollm2-hf --num-gpus 2     # 2 GPUs: 2 ranks, 2 engines
+    python examples/grpo_hybrid.py --model M --num-gpus 4 --engine-gpus 2 --tensor-parallel-size 2  # engines apart
     python examples/grpo_hybrid.py --model /tmp/smollm2-hf --resident true  # memory is plentiful: nothing sleeps
     python examples/grpo_hybrid.py --model /tmp/smollm2-hf --engine sglang --sglang-site /tmp/site/sglang  # SGLang
     python examples/grpo_hybrid.py --device cpu --tiny true                 # CPU: HF engine, logical GPUs
@@ -57,6 +58,7 @@ class Options:
     num_gpus: int = 1  # GPUs per node
     num_nodes: int = 1  # Ray nodes (join a running cluster: RAY_ADDRESS; examples/launch/multi_node.sh)
     tensor_parallel_size: int = 1  # GPUs per vLLM engine (its TP workers on the actor's GPUs)
+    engine_gpus: int = 0  # > 0: the engines on GPUs of their own (of --num-gpus), awake; NCCL carries the weights
     steps: int = 100
     prompts_per_step: int = 16
     samples_per_prompt: int = 8
@@ -113,7 +115,8 @@ def start(options: Options) -> Hybrid:
                                       sub_group_elements=options.sub_group_elements,
                                       gradient_checkpointing=options.gradient_checkpointing,
                                       empty_cache_on_sleep=options.empty_caches, fused_kernels=options.fused_kernels)
-    offload, rank = options.offload_trainers and not options.resident, options.lora_rank
+    separated = options.engine_gpus > 0  # the trainers' GPUs are theirs: the engines need not make room
+    offload, rank = options.offload_trainers and not options.resident and not separated, options.lora_rank
     lora = LoraConfig(rank=rank, alpha=2.0 * rank, target_modules=LORA_TARGETS) if rank else None
     if not options.reference and options.kl_coef != 0:
         raise ValueError(f"--reference false with --kl-coef {options.kl_coef}: the KL term needs the reference; "
@@ -125,17 +128,19 @@ def start(options: Options) -> Hybrid:
         trainers["reference"] = TrainerConfig(deepspeed=dataclasses.replace(
             deepspeed, offload_optimizer=False, offload_optimizer_ratio=1.0,
             empty_cache_on_sleep=offload or options.empty_caches), offload=offload)
-    sleep_level = 0 if options.resident else (1 if lora else 2)  # LoRA pushes adapters only: keep the base weights
+    sleep_level = 0 if options.resident or separated else (1 if lora else 2)  # LoRA pushes adapters: keep the base
+    engine_gpus = options.engine_gpus if separated else options.num_gpus * options.num_nodes
     kv_per_seq = KV_PROMPT_TOKENS + options.max_new_tokens if options.kv_cache == "batch" else None  # None: the share
     config = HybridConfig(model=model, device=options.device, engine="hf" if cpu else options.engine, seed=SEED,
                           sglang_python=options.sglang_python, sglang_site=options.sglang_site,
                           num_gpus=options.num_gpus, num_nodes=options.num_nodes,
                           tensor_parallel_size=options.tensor_parallel_size,
-                          engine_sleep_level=sleep_level, engine_memory=options.engine_memory,
+                          colocate=not separated, engine_gpus=max(1, options.engine_gpus),
+                          engine_sleep_level=sleep_level, engine_memory=None if separated else options.engine_memory,
                           dtype="bfloat16" if options.bf16 and not cpu else "float32",
                           kv_tokens_per_seq=kv_per_seq, overlap_switches=options.overlap_switches,
                           max_num_seqs=-(-options.prompts_per_step * options.samples_per_prompt
-                                         // (options.num_gpus * options.num_nodes // options.tensor_parallel_size)))
+                                         // (engine_gpus // options.tensor_parallel_size)))
     return Hybrid.start(config, trainers)
 
 

@@ -91,6 +91,22 @@ def test_grpo_hybrid_on_cpu(ray_not_started, tiny_llama_path, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.ray
+def test_grpo_hybrid_with_the_engines_on_gpus_of_their_own_on_cpu(ray_not_started, tiny_llama_path, tmp_path):
+    """Issue 24's separated layout in the example (--engine-gpus): 2 logical GPUs for the trainers (2 actor ranks and
+    the reference), 1 for the engine, which never sleeps; rank 0 broadcasts the weights (gloo here, NCCL on GPUs)
+    and the engine generates with them: its weight version follows every push."""
+    rows = load_example("grpo_hybrid").main(["--model", str(tiny_llama_path), "--out", str(tmp_path), "--device", "cpu",
+                                             "--tiny", "true", "--num-gpus", "3", "--engine-gpus", "1"])
+    check_rows(rows, steps=3)
+    assert [row["engine/weight_version"] for row in rows] == [1.0, 2.0, 3.0]
+    assert all(row["sync/bytes"] > 0 for row in rows)
+    events = [json.loads(line) for line in (tmp_path / "phases.jsonl").read_text().splitlines()]
+    assert not [event for event in events if event["role"] == "rollout" and event["action"] == "sleep"]
+    assert {event["gpu"] for event in events if event["role"] == "actor"} == {"node0/gpu0", "node0/gpu1"}
+
+
+@pytest.mark.slow
+@pytest.mark.ray
 def test_grpo_hybrid_with_lora_on_cpu(ray_not_started, tiny_llama_path, tmp_path):
     """Issue 20: the example's --lora-rank trains adapters only and pushes only them (a few KiB a step, versions
     follow), with the engine's log-probs equal to the trainer's after every push."""
