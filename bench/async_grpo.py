@@ -5,6 +5,7 @@ one after the other, and their ratio (issue 21).
     python bench/async_grpo.py --model /tmp/smollm2-hf --steps 30 --out async.json            # staleness 1, TIS
     python bench/async_grpo.py --model /tmp/smollm2-hf --steps 30 --max-staleness 2 --out async2.json
     python bench/async_grpo.py --model /tmp/smollm2-hf --num-gpus 2 --engine-gpus 1 --out async_2gpu.json
+    python bench/async_grpo.py --model /tmp/smollm2-hf --num-gpus 2 --engine-gpus 1 --no-reference --out noref.json
     python bench/async_grpo.py --tiny --out /tmp/async.json                                  # CPU smoke run
     python bench/async_grpo.py --model /tmp/smollm2-hf --num-gpus 2 --engine-gpus 1 --profile-driver --out p.json
 
@@ -101,6 +102,7 @@ def run_mode(args, mode: str, out: Path) -> dict:
     command += ["--samples-per-prompt", str(args.samples_per_prompt)] if args.samples_per_prompt else []
     command += ["--ignore-eos", "true"] if args.ignore_eos else []
     command += ["--pause-engines", "false"] if args.no_pause else []
+    command += ["--reference", "false", "--kl-coef", "0"] if args.no_reference else []
     out.mkdir(parents=True, exist_ok=True)
     log = out / "run.log"
     code, wall = run_logged(command, log, args.timeout)
@@ -157,6 +159,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--max-new-tokens", type=int, help="the example's --max-new-tokens (default: its own, 64)")
     parser.add_argument("--samples-per-prompt", type=int, help="the example's --samples-per-prompt (default: its own, "
                         "8); fewer samples shorten training more than generation, whose decode steps stay")
+    parser.add_argument("--no-reference", action="store_true", help="no reference model and no KL term (the "
+                        "example's --reference false --kl-coef 0): the trainer's side of the step is shorter")
     parser.add_argument("--ignore-eos", action="store_true", help="every sample runs to --max-new-tokens: generation "
                         "grows with it, so the overlap has more to hide (the example's --ignore-eos true)")
     parser.add_argument("--no-pause", action="store_true", help="the example's --pause-engines false: a push waits "

@@ -5,6 +5,7 @@
     python examples/grpo_async.py --model /tmp/smollm2-hf --mode sync            # the same loop, synchronous
     python examples/grpo_async.py --model /tmp/smollm2-hf --num-gpus 2 --engine-gpus 1  # engine on its own GPU
     python examples/grpo_async.py --model /tmp/smollm2-hf --max-new-tokens 256 --ignore-eos true  # long samples
+    python examples/grpo_async.py --model /tmp/smollm2-hf --reference false --kl-coef 0  # no reference, no KL (DAPO)
     python examples/grpo_async.py --device cpu --tiny true                       # CPU: HF engine, logical GPUs
 
 The engines stay resident beside the awake actor (``HybridConfig(overlap=True)``: outside the phase guard, with their
@@ -64,6 +65,7 @@ class Options:
     ignore_eos: bool = False  # True: every sample runs to --max-new-tokens (a long-generation workload)
     lr: float = 5e-6
     kl_coef: float = 0.001
+    reference: bool = True  # False: no reference model and no KL term (needs --kl-coef 0), as DAPO
     engine_memory: float = 0.3  # the engine's resident share of the GPU (weights + KV cache), when colocated
     num_gpus: int = 1
     engine_gpus: int = 0  # > 0: the engines get GPUs of their own (0.85 of each), the trainers the other ones
@@ -81,6 +83,8 @@ def grpo_loss(logprobs, micro, *, num_tokens, num_seqs, kl_coef, correction):
     loss, stats = policy_loss(logprobs, micro.old_logprobs, micro.advantages, batch.loss_mask, batch.cu_seqlens,
                               clip_low=CLIP, clip_high=CLIP, engine_logprobs=micro.engine_logprobs,
                               mismatch=correction, **counts)
+    if micro.ref_logprobs is None:  # --reference false: no KL term
+        return loss, stats
     kl, kl_stats = kl_loss(logprobs, micro.ref_logprobs, batch.loss_mask, batch.cu_seqlens, estimator="k3",
                            **counts)
     return loss + kl_coef * kl, stats | {"kl_loss": kl_stats["kl_mean"]}
@@ -96,7 +100,11 @@ def start(options: Options) -> Hybrid:
     deepspeed = DeepSpeedEngineConfig(zero_stage=0, bf16=False, optimizer="torch_adamw" if cpu else "fused_adam",
                                       learning_rate=options.lr, gradient_clipping=1.0,
                                       empty_cache_on_sleep=not separated)
-    trainers = {role: TrainerConfig(deepspeed=deepspeed, offload=not separated) for role in ("actor", "reference")}
+    if not options.reference and options.kl_coef != 0:
+        raise ValueError(f"--reference false with --kl-coef {options.kl_coef}: the KL term needs the reference; "
+                         "pass --kl-coef 0")
+    roles = ("actor", "reference") if options.reference else ("actor",)
+    trainers = {role: TrainerConfig(deepspeed=deepspeed, offload=not separated) for role in roles}
     engines = options.engine_gpus if separated else options.num_gpus  # one single-GPU engine per engine GPU
     config = HybridConfig(model=model, device=options.device, engine="hf" if cpu else "vllm", overlap=True,
                           num_gpus=options.num_gpus, colocate=not separated, engine_gpus=max(1, options.engine_gpus),
@@ -140,15 +148,16 @@ def make_generate(hybrid: Hybrid, options: Options, made: dict):
 
 def train_step(hybrid, rollouts, version, tokenizer, loss_fn, step) -> dict:
     """Rewards, reference and proximal log-probs, GRPO advantages, two minibatch updates; returns the step's stats."""
-    actor, reference, timer = hybrid.trainers["actor"], hybrid.trainers["reference"], hybrid.timer
+    actor, reference, timer = hybrid.trainers["actor"], hybrid.trainers.get("reference"), hybrid.timer
     with timer.phase("reward"):
         texts, responses, answers = rollout_texts(rollouts, tokenizer=tokenizer)
         scores, _ = apply_reward_function(arithmetic_reward, texts, responses, answers)
     with timer.phase("forward"):  # the reference, then the actor, which stays awake to train
-        ref_logprobs = reference.forward(pack_rollouts(rollouts))
+        ref_logprobs = reference.forward(pack_rollouts(rollouts)) if reference is not None else None
         experience, stats = make_experience(
             rollouts, torch.tensor(scores), config=ExperienceConfig(estimator="grpo"),
-            ref_logprobs_fn=lambda b: ref_logprobs, policy_logprobs_fn=lambda b: actor.forward(b, sleep_after=False))
+            ref_logprobs_fn=None if ref_logprobs is None else lambda b: ref_logprobs,
+            policy_logprobs_fn=lambda b: actor.forward(b, sleep_after=False))
     batch = experience.batch  # the engine (behaviour) vs the trainer's weights now, by each token's staleness
     stats |= {f"mismatch/{k}": v for k, v in mismatch_stats(
         experience.old_logprobs, experience.engine_logprobs, batch.loss_mask, batch.cu_seqlens,

@@ -118,3 +118,23 @@ def test_ignore_eos_runs_every_sample_to_the_length_limit(ray_not_started, tiny_
     assert [row["response_length/mean"] for row in rows] == [8.0, 8.0, 8.0]
     assert all(row["truncation_rate"] == 1.0 for row in rows)
     assert not _producer_threads()
+
+
+@pytest.mark.slow
+@pytest.mark.ray
+def test_without_a_reference_the_step_has_no_kl_and_no_reference_role(ray_not_started, tiny_llama_path, tmp_path,
+                                                                       monkeypatch):
+    """--reference false --kl-coef 0 (DAPO-style: the trainer's forward is the actor's alone, which shortens the
+    training side the overlap has to hide generation behind): no reference role starts, no KL is logged, the
+    asynchronous bound still holds; --reference false with a KL coefficient is refused before anything starts."""
+    module = load_example("grpo_async")
+    started, start = [], module.start
+    monkeypatch.setattr(module, "start", lambda options: started.append(start(options)) or started[-1])
+    rows = _run(module, tiny_llama_path, tmp_path / "noref", "--reference", "false", "--kl-coef", "0")
+    assert set(started[0].trainers) == {"actor"}
+    assert [row["sync/version"] for row in rows] == [1.0, 2.0, 3.0]
+    assert not [key for row in rows for key in row if key.startswith(("kl/", "kl_loss"))]
+    assert all(row["staleness/max"] <= 1 for row in rows)
+    with pytest.raises(ValueError, match="--reference false with --kl-coef 0.001"):
+        module.start(module.Options(device="cpu", reference=False))
+    assert not _producer_threads()
