@@ -77,7 +77,7 @@ class Options:
     empty_caches: bool = False  # True: the asleep actor returns its cached GPU blocks too (large models: more room)
     fused_kernels: str | None = None  # "liger": Liger-Kernel's RMSNorm, RoPE, SwiGLU in the trainers (rlhfkit[liger])
     lora_rank: int = 0  # > 0: train LoRA adapters (alpha = 2 * rank, attention + MLP projections) and push only them
-    engine_memory: float = 0.15  # vLLM's share of the GPU: free at its start; all of it with --kv-cache share
+    engine_memory: float | None = None  # vLLM's share of a GPU (None: 0.15 colocated, 0.85 on GPUs of its own)
     kv_cache: str = "batch"  # vLLM's KV cache: "batch" = (192 + --max-new-tokens) x batch, "share" = --engine-memory
     overlap_switches: bool | None = None  # a role's sleep behind the next one's wake; None: on where all fit resident
     tiny: bool = False  # smoke run: 3 steps of a few short samples
@@ -136,7 +136,7 @@ def start(options: Options) -> Hybrid:
                           num_gpus=options.num_gpus, num_nodes=options.num_nodes,
                           tensor_parallel_size=options.tensor_parallel_size,
                           colocate=not separated, engine_gpus=max(1, options.engine_gpus),
-                          engine_sleep_level=sleep_level, engine_memory=None if separated else options.engine_memory,
+                          engine_sleep_level=sleep_level, engine_memory=options.engine_memory,
                           dtype="bfloat16" if options.bf16 and not cpu else "float32",
                           kv_tokens_per_seq=kv_per_seq, overlap_switches=options.overlap_switches,
                           max_num_seqs=-(-options.prompts_per_step * options.samples_per_prompt
