@@ -6,6 +6,8 @@ one after the other, and their ratio (issue 21).
     python bench/async_grpo.py --model /tmp/smollm2-hf --steps 30 --max-staleness 2 --out async2.json
     python bench/async_grpo.py --model /tmp/smollm2-hf --num-gpus 2 --engine-gpus 1 --out async_2gpu.json
     python bench/async_grpo.py --model /tmp/smollm2-hf --num-gpus 2 --engine-gpus 1 --no-reference --out noref.json
+    python bench/async_grpo.py --model /tmp/smollm2-hf --num-gpus 2 --engine-gpus 1 --no-reference \
+        --prompts-per-step 8 --out balanced.json          # generation about as long as training
     python bench/async_grpo.py --tiny --out /tmp/async.json                                  # CPU smoke run
     python bench/async_grpo.py --model /tmp/smollm2-hf --num-gpus 2 --engine-gpus 1 --profile-driver --out p.json
 
@@ -99,6 +101,7 @@ def run_mode(args, mode: str, out: Path) -> dict:
                                                                         str(args.steps)]
     command += ["--num-gpus", str(args.num_gpus), "--engine-gpus", str(args.engine_gpus)]
     command += ["--max-new-tokens", str(args.max_new_tokens)] if args.max_new_tokens else []
+    command += ["--prompts-per-step", str(args.prompts_per_step)] if args.prompts_per_step else []
     command += ["--samples-per-prompt", str(args.samples_per_prompt)] if args.samples_per_prompt else []
     command += ["--ignore-eos", "true"] if args.ignore_eos else []
     command += ["--pause-engines", "false"] if args.no_pause else []
@@ -157,6 +160,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--num-gpus", type=int, default=1)
     parser.add_argument("--engine-gpus", type=int, default=0, help="> 0: the engines on GPUs of their own")
     parser.add_argument("--max-new-tokens", type=int, help="the example's --max-new-tokens (default: its own, 64)")
+    parser.add_argument("--prompts-per-step", type=int, help="the example's --prompts-per-step (default: its own, "
+                        "16); fewer prompts shorten training more than generation, whose decode steps stay")
     parser.add_argument("--samples-per-prompt", type=int, help="the example's --samples-per-prompt (default: its own, "
                         "8); fewer samples shorten training more than generation, whose decode steps stay")
     parser.add_argument("--no-reference", action="store_true", help="no reference model and no KL term (the "

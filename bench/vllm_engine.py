@@ -25,8 +25,9 @@ and prints ``RESULT {json}``; the parent writes all of them to ``--out`` and pri
               host<->device bandwidth measured here), greedy tokens identical after wake (level 2: after reloading
               the weights through load_weights).
   tp2         only with >= 2 GPUs: a TP=2 engine actor through vLLM's Ray executor in a placement group.
-  tp_greedy   only with >= 3 GPUs: --model (SmolLM2-135M: 9 heads, 3 KV heads) in fp32 at TP 1 and TP 3, greedy
-              tokens compared exactly, log-probs over the common prefix, each engine's generate time.
+  tp_greedy   only with >= --tp GPUs (default 3): --model in fp32 at TP 1 and TP --tp, greedy tokens compared
+              exactly, log-probs over the common prefix, each engine's generate time. SmolLM2-135M (9 heads, 3 KV
+              heads) splits over 3 GPUs; TP 4 needs a model whose heads 4 divides (a Qwen2.5-1.5B shape).
   graphs_compiled, graphs_only
               the GRPO rollout of the hybrid benchmark on one in-process engine (CUDA graphs, max_num_seqs 128):
               --model in float32 (16 prompts x 8 samples x 64 tokens), or with --large a random >= 1.5B Llama in
@@ -539,9 +540,9 @@ def section_tp2(args) -> None:
 
 
 def section_tp_greedy(args) -> None:
-    """Greedy output of a TP engine against TP 1 on the real model (fp32): SmolLM2-135M's 9 attention heads and
-    3 KV heads split over 3 GPUs (not 2 or 4). Tokens compared exactly, sampled log-probs by their largest gap,
-    and each engine's generate time on the same prompts."""
+    """Greedy output of a TP ``--tp`` engine against TP 1 (fp32): SmolLM2-135M's 9 attention heads and 3 KV heads
+    split over 3 GPUs (not 2 or 4); TP 4 needs another model. Tokens compared exactly, sampled log-probs by their
+    largest gap, and each engine's generate time on the same prompts."""
     import ray
     import torch
     from ray.util.placement_group import placement_group, remove_placement_group
@@ -550,7 +551,7 @@ def section_tp_greedy(args) -> None:
     from rlhfkit.engines.router import EngineGroup
     from rlhfkit.engines.vllm import create_engines, kill_engines
 
-    tp = 3
+    tp = args.tp
     ray.init(num_gpus=torch.cuda.device_count(), include_dashboard=False, log_to_driver=False)
     greedy = SamplingConfig(max_new_tokens=args.max_new_tokens, temperature=0.0, ignore_eos=True, logprobs=True)
     prompts = prompts_for(args.model, args.num_prompts, 49152)
@@ -741,6 +742,7 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=6, help="interleaved raw/actor pairs (throughput)")
     parser.add_argument("--sleep-gpu-util", type=float, default=0.3)
+    parser.add_argument("--tp", type=int, default=3, help="tp_greedy: the tensor-parallel size against TP 1")
     args = parser.parse_args()
     os.makedirs(WORK, exist_ok=True)
     if args.section:
@@ -748,10 +750,11 @@ def main() -> None:
         return
     import torch
 
-    needs = {"tp2": 2, "tp_greedy": 3}  # GPUs
+    needs = {"tp2": 2, "tp_greedy": args.tp}  # GPUs
     names = args.only or [n for n in SECTIONS if torch.cuda.device_count() >= needs.get(n, 0)]
     argv = ["--model", args.model, "--num-prompts", str(args.num_prompts), "--max-new-tokens",
             str(args.max_new_tokens), "--repeats", str(args.repeats), "--sleep-gpu-util", str(args.sleep_gpu_util),
+            "--tp", str(args.tp),
             *(["--large"] if args.large else [])]
     timeout_s = float(os.environ.get("BENCH_SECTION_TIMEOUT", "300"))
     results = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
