@@ -30,8 +30,10 @@ from rlhfkit.engines.sglang import (
     SGLangStartError,
     SGLangTimeout,
     sample_seed,
+    sampling_params,
     server_command,
 )
+from rlhfkit.engines.sglang import FLOAT32_BELOW_ONE
 from rlhfkit.engines.sglang._config import server_environment
 
 FAKE = Path(__file__).parent / "_fake_sglang"
@@ -122,13 +124,76 @@ def test_float32_runs_on_native_layers_and_triton_attention():
     assert server_environment(SGLangEngineConfig(model="/m", dtype="float32"), base)["TRITON_F32_DEFAULT"] == "ieee"
     assert server_environment(SGLangEngineConfig(model="/m"), base) == base
     chosen_env = SGLangEngineConfig(model="/m", dtype="float32", env={"TRITON_F32_DEFAULT": "tf32x3"})
-    assert server_environment(chosen_env, base) == {"PATH": "/bin", "TRITON_F32_DEFAULT": "tf32x3"}
+    assert server_environment(chosen_env, base) == {"PATH": "/bin", "TRITON_F32_DEFAULT": "tf32x3",
+                                                    "SGLANG_RETURN_ORIGINAL_LOGPROB": "1"}
     with pytest.raises(ValueError, match="no float32 kernel"):
         SGLangEngineConfig(model="/m", dtype="float32", rl_on_policy_target="")
     with pytest.raises(ValueError, match="SGLangEngineConfig.rl_on_policy_target='megatron'"):
         SGLangEngineConfig(model="/m", rl_on_policy_target="megatron")
     with pytest.raises(ValueError, match="--rl-on-policy-target"):
         SGLangEngineConfig(model="/m", extra_args=("--rl-on-policy-target", "fsdp"))
+
+
+def test_memory_saver_makes_the_decode_graphs_releasable():
+    # sglang 0.5.17 releases CUDA graphs only when captured under its memory saver (an env switch), and its prefill
+    # graph cannot be: a sleepable server gets the switch and no prefill graph, unless the user picks a prefill graph
+    base = {"PATH": "/bin"}
+    saver = SGLangEngineConfig(model="/m", enable_memory_saver=True)
+    assert "--disable-prefill-cuda-graph" in server_command(saver, port=1)
+    assert server_environment(saver, base)["SGLANG_MEMORY_SAVER_CUDA_GRAPH"] == "1"
+    for config in (SGLangEngineConfig(model="/m"), SGLangEngineConfig(model="/m", enable_memory_saver=True,
+                                                                       enforce_eager=True),
+                   SGLangEngineConfig(model="/m", enable_memory_saver=True,
+                                      extra_args=("--cuda-graph-backend-prefill", "breakable"))):
+        assert not config.releases_graphs
+        assert "--disable-prefill-cuda-graph" not in server_command(config, port=1)
+        assert "SGLANG_MEMORY_SAVER_CUDA_GRAPH" not in server_environment(config, base)
+    asked = SGLangEngineConfig(model="/m", enable_memory_saver=True, extra_args=("--disable-prefill-cuda-graph",))
+    assert server_command(asked, port=1).count("--disable-prefill-cuda-graph") == 1 and asked.releases_graphs
+    kept = SGLangEngineConfig(model="/m", enable_memory_saver=True, env={"SGLANG_MEMORY_SAVER_CUDA_GRAPH": "0"})
+    assert server_environment(kept, base)["SGLANG_MEMORY_SAVER_CUDA_GRAPH"] == "0"
+
+
+def test_float32_on_policy_samples_and_returns_float32_logprobs():
+    base = {"PATH": "/bin"}
+    fp32 = SGLangEngineConfig(model="/m", dtype="float32")
+    assert fp32.float32_sampling and server_environment(fp32, base)["SGLANG_RETURN_ORIGINAL_LOGPROB"] == "1"
+    for config in (SGLangEngineConfig(model="/m"), SGLangEngineConfig(model="/m", dtype="float32",
+                                                                       exact_logprobs=False)):
+        assert not config.float32_sampling
+        assert "SGLANG_RETURN_ORIGINAL_LOGPROB" not in server_environment(config, base)
+    assert SGLangEngineConfig(model="/m", rl_on_policy_target="fsdp").float32_sampling
+    with pytest.raises(ValueError, match="exact_logprobs=True needs the on-policy mode"):
+        SGLangEngineConfig(model="/m", exact_logprobs=True)
+    with pytest.raises(ValueError, match="exact_logprobs='yes'"):
+        SGLangEngineConfig(model="/m", dtype="float32", exact_logprobs="yes")
+    # top_p=1 goes out as the float32 just below 1: SGLang's float32 top-p sampler, not the bf16 on-policy one
+    assert torch.tensor(FLOAT32_BELOW_ONE, dtype=torch.float32).item() == 1 - 2**-24
+    sampling = SamplingConfig(max_new_tokens=4, temperature=1.0)
+    assert sampling_params(sampling, float32_sampling=True)["top_p"] == FLOAT32_BELOW_ONE
+    assert sampling_params(sampling)["top_p"] == 1.0
+    greedy = SamplingConfig(max_new_tokens=4, temperature=0.0)
+    assert sampling_params(greedy, float32_sampling=True)["top_p"] == 1.0
+    cut = SamplingConfig(max_new_tokens=4, top_p=0.9)
+    assert sampling_params(cut, float32_sampling=True)["top_p"] == pytest.approx(0.9)
+
+
+def test_float32_logprobs_at_other_temperatures_are_refused_before_a_request(tmp_path):
+    engine = SGLangEngine(fake_config(tmp_path, dtype="float32"))
+    try:
+        got = engine.generate([[1, 2, 3]], SamplingConfig(max_new_tokens=3, temperature=1.0, logprobs=True))
+        assert len(got[0].response_token_ids) == 3
+        sent = state(engine)
+        assert sent["last_sampling_params"]["top_p"] == FLOAT32_BELOW_ONE
+        assert sent["env"] == {"SGLANG_RETURN_ORIGINAL_LOGPROB": "1", "SGLANG_MEMORY_SAVER_CUDA_GRAPH": "1"}
+        assert "--disable-prefill-cuda-graph" in sent["args"]
+        calls = len(state(engine)["calls"])
+        with pytest.raises(ValueError, match=r"temperature=0\.7 .*exact_logprobs"):
+            engine.generate([[1, 2, 3]], SamplingConfig(max_new_tokens=3, temperature=0.7, logprobs=True))
+        assert len(state(engine)["calls"]) == calls  # nothing was sent
+        engine.generate([[1, 2, 3]], SamplingConfig(max_new_tokens=3, temperature=0.7, logprobs=False))
+    finally:
+        engine.close()
 
 
 # --- start-up -------------------------------------------------------------------------------------------------------

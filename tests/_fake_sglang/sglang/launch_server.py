@@ -101,6 +101,10 @@ class Handler(BaseHTTPRequestHandler):
             return self.reply(400, {"error": {"message": f"memory released: {STATE['released']}"}})
         prompts, params = body["input_ids"], body["sampling_params"]
         params = params if isinstance(params, list) else [params] * len(prompts)
+        with LOCK:
+            STATE["last_sampling_params"] = params[0] if params else None
+            STATE["env"] = {name: os.environ.get(name) for name in ("SGLANG_RETURN_ORIGINAL_LOGPROB",
+                                                                    "SGLANG_MEMORY_SAVER_CUDA_GRAPH")}
         results = []
         for prompt, p in zip(prompts, params):
             tokens, entries, finish = sample(prompt, p, STATE["version"])

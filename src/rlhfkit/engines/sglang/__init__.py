@@ -10,10 +10,12 @@ vLLM 0.22.1 pins differently), started by the engine (``python -m sglang.launch_
   samples is its own request (prompt-major; RadixAttention shares their prefix), seeded per (prompt index, sample)
   when ``SamplingConfig.seed`` is set, so a sample does not depend on which engine of a group served it. Log-probs
   are SGLang's ``output_token_logprobs``: ``log_softmax(logits / temperature)`` before top-p/top-k truncation — the
-  protocol's convention — and the raw ``log_softmax(logits)`` when greedy.
+  protocol's convention — and the raw ``log_softmax(logits)`` when greedy. In SGLang's float32 on-policy mode the
+  engine asks for float32 sampling and log-probs (``SGLangEngineConfig.exact_logprobs``), at temperature 0 or 1.
 - ``sleep(level)`` / ``wake_up(tags)``: ``/release_memory_occupation`` and ``/resume_memory_occupation`` (the server
   needs ``enable_memory_saver``; level 1 needs ``weights_cpu_backup``, level 2 discards the weights and generation is
-  refused until a complete load). ``"kv_cache"`` wakes SGLang's KV cache and CUDA graphs.
+  refused until a complete load). A sleep releases the weights, the KV cache and the decode CUDA graphs (prefill then
+  runs without a graph); ``"kv_cache"`` wakes SGLang's KV cache and CUDA graphs.
 - weights: :meth:`SGLangEngine.load_weights` and the weight-sync channel (:meth:`SGLangEngine.init_weight_sync` /
   :meth:`SGLangEngine.receive_weights`): this process is the channel's receiver — rlhfkit's manifest, version and
   fingerprint checks and bounded waits all apply here — and forwards each bucket to the server through
@@ -75,6 +77,7 @@ logger = logging.getLogger(__name__)
 
 _FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
 _RESUME_TAGS = {"weights": ["weights"], "kv_cache": ["kv_cache", "cuda_graph"]}  # our tag -> SGLang's memory tags
+FLOAT32_BELOW_ONE = 0.99999994  # the largest float32 below 1 (1 - 2**-24, rounded): a top-p SGLang does not skip
 
 
 def sample_seed(seed: int, prompt_index: int, sample_index: int) -> int:
@@ -83,20 +86,27 @@ def sample_seed(seed: int, prompt_index: int, sample_index: int) -> int:
     return (seed * 1_000_003 + prompt_index * 7_919 + sample_index * 104_729) % 2**31
 
 
-def sampling_params(sampling: SamplingConfig) -> dict[str, Any]:
-    """SGLang's ``sampling_params`` of one sample (``n`` is spread over requests by the engine)."""
+def sampling_params(sampling: SamplingConfig, *, float32_sampling: bool = False) -> dict[str, Any]:
+    """SGLang's ``sampling_params`` of one sample (``n`` is spread over requests by the engine). With
+    ``float32_sampling`` (``SGLangEngineConfig.exact_logprobs``) a sample with ``top_p=1`` and T > 0 gets
+    :data:`FLOAT32_BELOW_ONE`, which sends it through SGLang's float32 top-p sampler instead of the on-policy mode's
+    bfloat16 one."""
+    top_p = float(sampling.top_p)
+    if float32_sampling and sampling.temperature > 0 and top_p == 1.0:
+        top_p = FLOAT32_BELOW_ONE
     params: dict[str, Any] = {"max_new_tokens": sampling.max_new_tokens, "temperature": float(sampling.temperature),
-                              "top_p": float(sampling.top_p), "top_k": sampling.top_k or -1,
+                              "top_p": top_p, "top_k": sampling.top_k or -1,
                               "ignore_eos": sampling.ignore_eos, "no_stop_trim": True}
     if sampling.stop_token_ids:
         params["stop_token_ids"] = [int(t) for t in sampling.stop_token_ids]
     return params
 
 
-def generate_payload(prompts: Sequence[Sequence[int]], indices: Sequence[int], sampling: SamplingConfig) -> dict:
+def generate_payload(prompts: Sequence[Sequence[int]], indices: Sequence[int], sampling: SamplingConfig, *,
+                     float32_sampling: bool = False) -> dict:
     """The ``/generate`` body for ``prompts`` (global indices ``indices``): one request per sample, prompt-major,
     each seeded by :func:`sample_seed` when ``sampling.seed`` is set."""
-    base = sampling_params(sampling)
+    base = sampling_params(sampling, float32_sampling=float32_sampling)
     params = [base if sampling.seed is None else base | {"sampling_seed": sample_seed(sampling.seed, index, k)}
               for index in indices for k in range(sampling.n)]
     return {"input_ids": [prompt for prompt in prompts for _ in range(sampling.n)], "sampling_params": params,
@@ -179,7 +189,13 @@ class SGLangEngine(EngineState):
         self._check_ready("generate")
         if not prompts:
             return [], [], []
-        payload = generate_payload(prompts, indices, sampling)
+        exact = self.config.float32_sampling
+        if exact and sampling.logprobs and sampling.temperature not in (0.0, 1.0):
+            raise ValueError(f"{self._name()}: log-probs at temperature={sampling.temperature} with "
+                             "SGLangEngineConfig.exact_logprobs on: the server's float32 log-probs are not tempered "
+                             "(sglang 0.5.17); sample at temperature 1 (or 0), or set exact_logprobs=False for its "
+                             "bfloat16-rounded tempered ones")
+        payload = generate_payload(prompts, indices, sampling, float32_sampling=exact)
         answer = self._post("/generate", payload, self.config.generate_timeout_s)
         return prompts, indices, self._parse_generate(answer, len(payload["sampling_params"]), sampling.logprobs)
 

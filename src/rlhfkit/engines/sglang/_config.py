@@ -18,6 +18,8 @@ _OWN_FLAGS = ("--model-path", "--host", "--port", "--tp-size", "--mem-fraction-s
               "--enable-memory-saver", "--enable-weights-cpu-backup", "--context-length", "--disable-radix-cache",
               "--disable-cuda-graph", "--skip-server-warmup", "--rl-on-policy-target")
 _ON_POLICY_TARGETS = ("fsdp",)
+# extra_args that pick a prefill CUDA graph (sglang 0.5.17 cannot release one: it stays resident while asleep)
+_PREFILL_GRAPH_FLAGS = ("--cuda-graph-backend-prefill", "--cuda-graph-max-bs-prefill")
 
 
 def _freeze_env(value: Any) -> tuple[tuple[str, str], ...]:
@@ -53,10 +55,15 @@ class SGLangEngineConfig:
             ``extra_args`` picks one, the Triton attention backend: sglang 0.5.17's CUDA RMSNorm and FlashAttention 3
             have no float32 kernels. Its server also gets ``TRITON_F32_DEFAULT=ieee`` (unless ``env`` sets it), so
             Triton's float32 matmuls are not rounded to TF32, and ``--enable-fp32-lm-head`` (the on-policy mode
-            otherwise computes the logits in bfloat16). Sampled (T > 0) log-probs stay bfloat16-rounded: that mode's
-            sampler takes ``log_softmax`` of bfloat16 logits, which no flag of sglang 0.5.17 turns off.
+            otherwise computes the logits in bfloat16). That mode's sampler draws from, and returns, ``log_softmax``
+            of bfloat16-rounded logits; ``exact_logprobs`` (on for float32) makes both float32.
         seed: ``--random-seed`` (engine ``i`` of a group uses ``seed + i``).
-        enable_memory_saver: allow :meth:`SGLangEngine.sleep` (``--enable-memory-saver``; CUDA only).
+        enable_memory_saver: allow :meth:`SGLangEngine.sleep` (``--enable-memory-saver``; CUDA only). The decode
+            CUDA graphs then live in the memory saver too (``SGLANG_MEMORY_SAVER_CUDA_GRAPH=1``, unless ``env`` sets
+            it), so a sleep releases them with the weights and KV cache, and prefill runs without a CUDA graph
+            (``--disable-prefill-cuda-graph``: sglang 0.5.17's prefill graphs cannot be released), unless
+            ``extra_args`` picks a prefill graph (``--cuda-graph-backend-prefill``, ``--cuda-graph-max-bs-prefill``);
+            the graphs then stay resident while asleep.
         weights_cpu_backup: keep a host copy of the weights while they are released (``--enable-weights-cpu-backup``),
             which sleep level 1 needs; without it only level 2 (weights discarded) is possible.
         context_length: ``--context-length`` (None: the model's).
@@ -65,6 +72,13 @@ class SGLangEngineConfig:
             RMSNorm, SiLU-and-mul and rotary embeddings in plain torch, batch-invariant matmuls, log-probs from
             ``log_softmax``, the pytorch sampler. None: ``"fsdp"`` when ``dtype="float32"`` (which needs it), else off;
             ``""`` forces it off.
+        exact_logprobs: float32 sampling and log-probs in the on-policy mode, whose sampler otherwise draws from and
+            returns ``log_softmax`` of bfloat16-rounded logits (about 0.02 nats from the trainer's float32 at T = 1):
+            the server returns the float32 ``log_softmax(logits)`` (``SGLANG_RETURN_ORIGINAL_LOGPROB=1``, unless
+            ``env`` sets it) and a sample with ``top_p=1`` goes to the server with the float32 just below 1, which
+            routes it through the float32 top-p sampler (a sort of the vocabulary per step; tokens of mass below
+            6e-8 in all are cut). Those log-probs are not tempered, so log-probs at a temperature other than 0 or 1
+            are refused. None: on when the on-policy mode is (float32).
         extra_args: more ``launch_server`` arguments, e.g. ``("--attention-backend", "fa3")``; flags the fields
             above set are refused.
         env: environment variables of the server process (added to this process's), as a mapping or pairs.
@@ -90,6 +104,7 @@ class SGLangEngineConfig:
     disable_radix_cache: bool = False
     enforce_eager: bool = False
     rl_on_policy_target: str | None = None
+    exact_logprobs: bool | None = None
     extra_args: tuple[str, ...] = ()
     env: Any = field(default=())
     log_path: str | None = None
@@ -143,6 +158,11 @@ class SGLangEngineConfig:
             raise ValueError("SGLangEngineConfig(dtype='float32', rl_on_policy_target='') cannot start: sglang "
                              f"{SGLANG_VERSION}'s CUDA RMSNorm has no float32 kernel; leave rl_on_policy_target=None "
                              "(native torch layers) or pick dtype='bfloat16'")
+        if self.exact_logprobs not in (None, True, False):
+            raise ValueError(f"SGLangEngineConfig.exact_logprobs={self.exact_logprobs!r}; expected None, True or False")
+        if self.exact_logprobs and self.on_policy_target is None:
+            raise ValueError("SGLangEngineConfig.exact_logprobs=True needs the on-policy mode (dtype='float32' or "
+                             "rl_on_policy_target='fsdp'): outside it the sampler is float32 already")
         object.__setattr__(self, "env", _freeze_env(self.env))
 
     @property
@@ -152,10 +172,27 @@ class SGLangEngineConfig:
             return "fsdp" if self.dtype == "float32" else None
         return self.rl_on_policy_target or None
 
+    @property
+    def float32_sampling(self) -> bool:
+        """Whether the on-policy sampler is made float32 (``exact_logprobs``, resolved)."""
+        return self.on_policy_target is not None if self.exact_logprobs is None else self.exact_logprobs
+
+    @property
+    def releases_graphs(self) -> bool:
+        """Whether a sleep releases the CUDA graphs: the memory saver is on, graphs are on and ``extra_args`` picks
+        no prefill graph (which sglang 0.5.17 cannot release)."""
+        picks_prefill = any(arg.split("=", 1)[0] in _PREFILL_GRAPH_FLAGS for arg in self.extra_args)
+        return self.enable_memory_saver and not self.enforce_eager and not picks_prefill
+
 
 def server_environment(config: SGLangEngineConfig, base: Mapping[str, str]) -> dict[str, str]:
-    """The server process's environment: ``base`` (this process's), then float32's Triton precision, then ``env``."""
+    """The server process's environment: ``base`` (this process's), then float32's Triton precision, the float32
+    log-probs of ``exact_logprobs`` and the releasable CUDA graphs of the memory saver, then ``env``."""
     exact = {"TRITON_F32_DEFAULT": "ieee"} if config.dtype == "float32" else {}
+    if config.float32_sampling:
+        exact["SGLANG_RETURN_ORIGINAL_LOGPROB"] = "1"
+    if config.releases_graphs:
+        exact["SGLANG_MEMORY_SAVER_CUDA_GRAPH"] = "1"
     return dict(base) | exact | dict(config.env)
 
 
@@ -167,6 +204,8 @@ def server_command(config: SGLangEngineConfig, *, port: int, engine_index: int =
                "--random-seed", str(config.seed + engine_index), "--skip-server-warmup"]
     if config.enable_memory_saver:
         command.append("--enable-memory-saver")
+    if config.releases_graphs and "--disable-prefill-cuda-graph" not in config.extra_args:
+        command.append("--disable-prefill-cuda-graph")  # only the decode graphs can live in the memory saver
     if config.weights_cpu_backup:
         command.append("--enable-weights-cpu-backup")
     if config.context_length is not None:
