@@ -134,24 +134,31 @@ def test_float32_runs_on_native_layers_and_triton_attention():
         SGLangEngineConfig(model="/m", extra_args=("--rl-on-policy-target", "fsdp"))
 
 
-def test_memory_saver_makes_the_decode_graphs_releasable():
-    # sglang 0.5.17 releases CUDA graphs only when captured under its memory saver (an env switch), and its prefill
-    # graph cannot be: a sleepable server gets the switch and no prefill graph, unless the user picks a prefill graph
+def test_memory_saver_runs_prefill_without_a_graph_and_decode_graphs_are_opt_in():
+    # sglang 0.5.17 cannot release a prefill graph's pool: a sleepable server runs prefill eagerly, unless the user
+    # picks a prefill graph; the decode graphs join the memory saver only when asked (an env switch)
     base = {"PATH": "/bin"}
     saver = SGLangEngineConfig(model="/m", enable_memory_saver=True)
-    assert "--disable-prefill-cuda-graph" in server_command(saver, port=1)
-    assert server_environment(saver, base)["SGLANG_MEMORY_SAVER_CUDA_GRAPH"] == "1"
+    assert saver.drops_prefill_graph and "--disable-prefill-cuda-graph" in server_command(saver, port=1)
+    assert "SGLANG_MEMORY_SAVER_CUDA_GRAPH" not in server_environment(saver, base)
+    graphs = SGLangEngineConfig(model="/m", enable_memory_saver=True, release_cuda_graphs=True)
+    assert server_environment(graphs, base)["SGLANG_MEMORY_SAVER_CUDA_GRAPH"] == "1"
     for config in (SGLangEngineConfig(model="/m"), SGLangEngineConfig(model="/m", enable_memory_saver=True,
                                                                        enforce_eager=True),
                    SGLangEngineConfig(model="/m", enable_memory_saver=True,
                                       extra_args=("--cuda-graph-backend-prefill", "breakable"))):
-        assert not config.releases_graphs
+        assert not config.drops_prefill_graph
         assert "--disable-prefill-cuda-graph" not in server_command(config, port=1)
-        assert "SGLANG_MEMORY_SAVER_CUDA_GRAPH" not in server_environment(config, base)
     asked = SGLangEngineConfig(model="/m", enable_memory_saver=True, extra_args=("--disable-prefill-cuda-graph",))
-    assert server_command(asked, port=1).count("--disable-prefill-cuda-graph") == 1 and asked.releases_graphs
-    kept = SGLangEngineConfig(model="/m", enable_memory_saver=True, env={"SGLANG_MEMORY_SAVER_CUDA_GRAPH": "0"})
+    assert server_command(asked, port=1).count("--disable-prefill-cuda-graph") == 1 and asked.drops_prefill_graph
+    kept = SGLangEngineConfig(model="/m", enable_memory_saver=True, release_cuda_graphs=True,
+                              env={"SGLANG_MEMORY_SAVER_CUDA_GRAPH": "0"})
     assert server_environment(kept, base)["SGLANG_MEMORY_SAVER_CUDA_GRAPH"] == "0"
+    with pytest.raises(ValueError, match="release_cuda_graphs=True needs enable_memory_saver=True"):
+        SGLangEngineConfig(model="/m", release_cuda_graphs=True)
+    with pytest.raises(ValueError, match="breakable prefill graph"):
+        SGLangEngineConfig(model="/m", enable_memory_saver=True, release_cuda_graphs=True,
+                           extra_args=("--cuda-graph-backend-prefill", "breakable"))
 
 
 def test_float32_on_policy_samples_and_returns_float32_logprobs():
@@ -185,7 +192,7 @@ def test_float32_logprobs_at_other_temperatures_are_refused_before_a_request(tmp
         assert len(got[0].response_token_ids) == 3
         sent = state(engine)
         assert sent["last_sampling_params"]["top_p"] == FLOAT32_BELOW_ONE
-        assert sent["env"] == {"SGLANG_RETURN_ORIGINAL_LOGPROB": "1", "SGLANG_MEMORY_SAVER_CUDA_GRAPH": "1"}
+        assert sent["env"] == {"SGLANG_RETURN_ORIGINAL_LOGPROB": "1", "SGLANG_MEMORY_SAVER_CUDA_GRAPH": None}
         assert "--disable-prefill-cuda-graph" in sent["args"]
         calls = len(state(engine)["calls"])
         with pytest.raises(ValueError, match=r"temperature=0\.7 .*exact_logprobs"):

@@ -14,8 +14,9 @@ vLLM 0.22.1 pins differently), started by the engine (``python -m sglang.launch_
   engine asks for float32 sampling and log-probs (``SGLangEngineConfig.exact_logprobs``), at temperature 0 or 1.
 - ``sleep(level)`` / ``wake_up(tags)``: ``/release_memory_occupation`` and ``/resume_memory_occupation`` (the server
   needs ``enable_memory_saver``; level 1 needs ``weights_cpu_backup``, level 2 discards the weights and generation is
-  refused until a complete load). A sleep releases the weights, the KV cache and the decode CUDA graphs (prefill then
-  runs without a graph); ``"kv_cache"`` wakes SGLang's KV cache and CUDA graphs.
+  refused until a complete load). A sleep releases the weights and the KV cache, and with them what an eager prefill
+  held (a sleepable server runs prefill without a CUDA graph); ``"kv_cache"`` wakes SGLang's KV cache (and CUDA
+  graphs, with ``release_cuda_graphs``).
 - weights: :meth:`SGLangEngine.load_weights` and the weight-sync channel (:meth:`SGLangEngine.init_weight_sync` /
   :meth:`SGLangEngine.receive_weights`): this process is the channel's receiver — rlhfkit's manifest, version and
   fingerprint checks and bounded waits all apply here — and forwards each bucket to the server through

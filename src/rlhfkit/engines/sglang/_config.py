@@ -58,12 +58,16 @@ class SGLangEngineConfig:
             otherwise computes the logits in bfloat16). That mode's sampler draws from, and returns, ``log_softmax``
             of bfloat16-rounded logits; ``exact_logprobs`` (on for float32) makes both float32.
         seed: ``--random-seed`` (engine ``i`` of a group uses ``seed + i``).
-        enable_memory_saver: allow :meth:`SGLangEngine.sleep` (``--enable-memory-saver``; CUDA only). The decode
-            CUDA graphs then live in the memory saver too (``SGLANG_MEMORY_SAVER_CUDA_GRAPH=1``, unless ``env`` sets
-            it), so a sleep releases them with the weights and KV cache, and prefill runs without a CUDA graph
-            (``--disable-prefill-cuda-graph``: sglang 0.5.17's prefill graphs cannot be released), unless
-            ``extra_args`` picks a prefill graph (``--cuda-graph-backend-prefill``, ``--cuda-graph-max-bs-prefill``);
-            the graphs then stay resident while asleep.
+        enable_memory_saver: allow :meth:`SGLangEngine.sleep` (``--enable-memory-saver``; CUDA only). Prefill then
+            runs without a CUDA graph (``--disable-prefill-cuda-graph``), unless ``extra_args`` picks one
+            (``--cuda-graph-backend-prefill``, ``--cuda-graph-max-bs-prefill``): sglang 0.5.17 cannot release a
+            prefill graph's pool (up to 8,192 tokens of activations), while an eager prefill's activations go back
+            with the cache flush of every sleep. The decode graphs (a few hundred MiB) stay resident unless
+            ``release_cuda_graphs``.
+        release_cuda_graphs: capture the decode CUDA graphs inside the memory saver
+            (``SGLANG_MEMORY_SAVER_CUDA_GRAPH=1``, unless ``env`` sets it), so that a sleep releases them too. Off by
+            default: with sglang 0.5.17 a GRPO run with it on died of an illegal memory access at its fifth release.
+            Needs ``enable_memory_saver`` and no prefill graph.
         weights_cpu_backup: keep a host copy of the weights while they are released (``--enable-weights-cpu-backup``),
             which sleep level 1 needs; without it only level 2 (weights discarded) is possible.
         context_length: ``--context-length`` (None: the model's).
@@ -105,6 +109,7 @@ class SGLangEngineConfig:
     enforce_eager: bool = False
     rl_on_policy_target: str | None = None
     exact_logprobs: bool | None = None
+    release_cuda_graphs: bool = False
     extra_args: tuple[str, ...] = ()
     env: Any = field(default=())
     log_path: str | None = None
@@ -163,6 +168,12 @@ class SGLangEngineConfig:
         if self.exact_logprobs and self.on_policy_target is None:
             raise ValueError("SGLangEngineConfig.exact_logprobs=True needs the on-policy mode (dtype='float32' or "
                              "rl_on_policy_target='fsdp'): outside it the sampler is float32 already")
+        if not isinstance(self.release_cuda_graphs, bool):
+            raise ValueError(f"SGLangEngineConfig.release_cuda_graphs={self.release_cuda_graphs!r}; expected a bool")
+        if self.release_cuda_graphs and not self.drops_prefill_graph:
+            raise ValueError("SGLangEngineConfig.release_cuda_graphs=True needs enable_memory_saver=True, CUDA graphs "
+                             "(enforce_eager=False) and no prefill graph in extra_args (sglang 0.5.17's breakable "
+                             "prefill graph refuses the memory saver)")
         object.__setattr__(self, "env", _freeze_env(self.env))
 
     @property
@@ -178,20 +189,20 @@ class SGLangEngineConfig:
         return self.on_policy_target is not None if self.exact_logprobs is None else self.exact_logprobs
 
     @property
-    def releases_graphs(self) -> bool:
-        """Whether a sleep releases the CUDA graphs: the memory saver is on, graphs are on and ``extra_args`` picks
-        no prefill graph (which sglang 0.5.17 cannot release)."""
+    def drops_prefill_graph(self) -> bool:
+        """Whether the server runs prefill without a CUDA graph so that a sleep can release what prefill holds: the
+        memory saver is on, CUDA graphs are on and ``extra_args`` picks no prefill graph."""
         picks_prefill = any(arg.split("=", 1)[0] in _PREFILL_GRAPH_FLAGS for arg in self.extra_args)
         return self.enable_memory_saver and not self.enforce_eager and not picks_prefill
 
 
 def server_environment(config: SGLangEngineConfig, base: Mapping[str, str]) -> dict[str, str]:
     """The server process's environment: ``base`` (this process's), then float32's Triton precision, the float32
-    log-probs of ``exact_logprobs`` and the releasable CUDA graphs of the memory saver, then ``env``."""
+    log-probs of ``exact_logprobs`` and the memory saver's decode graphs of ``release_cuda_graphs``, then ``env``."""
     exact = {"TRITON_F32_DEFAULT": "ieee"} if config.dtype == "float32" else {}
     if config.float32_sampling:
         exact["SGLANG_RETURN_ORIGINAL_LOGPROB"] = "1"
-    if config.releases_graphs:
+    if config.release_cuda_graphs:
         exact["SGLANG_MEMORY_SAVER_CUDA_GRAPH"] = "1"
     return dict(base) | exact | dict(config.env)
 
@@ -204,8 +215,8 @@ def server_command(config: SGLangEngineConfig, *, port: int, engine_index: int =
                "--random-seed", str(config.seed + engine_index), "--skip-server-warmup"]
     if config.enable_memory_saver:
         command.append("--enable-memory-saver")
-    if config.releases_graphs and "--disable-prefill-cuda-graph" not in config.extra_args:
-        command.append("--disable-prefill-cuda-graph")  # only the decode graphs can live in the memory saver
+    if config.drops_prefill_graph and "--disable-prefill-cuda-graph" not in config.extra_args:
+        command.append("--disable-prefill-cuda-graph")  # sglang 0.5.17 cannot release a prefill graph's pool
     if config.weights_cpu_backup:
         command.append("--enable-weights-cpu-backup")
     if config.context_length is not None:
