@@ -21,6 +21,7 @@ from rlhfkit.engines import RolloutEngine, SamplingConfig
 from rlhfkit.engines.protocol import WeightVersionError
 from rlhfkit.engines.router import EngineError, EngineGroup, EngineGroupConfig, unpack_generate_result
 from rlhfkit.engines.sglang import (
+    FLOAT32_BELOW_ONE,
     SGLangEngine,
     SGLangEngineConfig,
     SGLangNotInstalledError,
@@ -33,7 +34,6 @@ from rlhfkit.engines.sglang import (
     sampling_params,
     server_command,
 )
-from rlhfkit.engines.sglang import FLOAT32_BELOW_ONE
 from rlhfkit.engines.sglang._config import server_environment
 
 FAKE = Path(__file__).parent / "_fake_sglang"

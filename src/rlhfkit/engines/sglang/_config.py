@@ -169,7 +169,7 @@ class SGLangEngineConfig:
             raise ValueError("SGLangEngineConfig.exact_logprobs=True needs the on-policy mode (dtype='float32' or "
                              "rl_on_policy_target='fsdp'): outside it the sampler is float32 already")
         if not isinstance(self.release_cuda_graphs, bool):
-            raise ValueError(f"SGLangEngineConfig.release_cuda_graphs={self.release_cuda_graphs!r}; expected a bool")
+            raise TypeError(f"SGLangEngineConfig.release_cuda_graphs={self.release_cuda_graphs!r}; expected a bool")
         if self.release_cuda_graphs and not self.drops_prefill_graph:
             raise ValueError("SGLangEngineConfig.release_cuda_graphs=True needs enable_memory_saver=True, CUDA graphs "
                              "(enforce_eager=False) and no prefill graph in extra_args (sglang 0.5.17's breakable "
