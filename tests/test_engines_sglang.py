@@ -159,6 +159,8 @@ def test_memory_saver_runs_prefill_without_a_graph_and_decode_graphs_are_opt_in(
     with pytest.raises(ValueError, match="breakable prefill graph"):
         SGLangEngineConfig(model="/m", enable_memory_saver=True, release_cuda_graphs=True,
                            extra_args=("--cuda-graph-backend-prefill", "breakable"))
+    with pytest.raises(TypeError, match="release_cuda_graphs=1"):
+        SGLangEngineConfig(model="/m", enable_memory_saver=True, release_cuda_graphs=1)
 
 
 def test_float32_on_policy_samples_and_returns_float32_logprobs():
@@ -172,7 +174,7 @@ def test_float32_on_policy_samples_and_returns_float32_logprobs():
     assert SGLangEngineConfig(model="/m", rl_on_policy_target="fsdp").float32_sampling
     with pytest.raises(ValueError, match="exact_logprobs=True needs the on-policy mode"):
         SGLangEngineConfig(model="/m", exact_logprobs=True)
-    with pytest.raises(ValueError, match="exact_logprobs='yes'"):
+    with pytest.raises(TypeError, match="exact_logprobs='yes'"):
         SGLangEngineConfig(model="/m", dtype="float32", exact_logprobs="yes")
     # top_p=1 goes out as the float32 just below 1: SGLang's float32 top-p sampler, not the bf16 on-policy one
     assert torch.tensor(FLOAT32_BELOW_ONE, dtype=torch.float32).item() == 1 - 2**-24

@@ -163,8 +163,8 @@ class SGLangEngineConfig:
             raise ValueError("SGLangEngineConfig(dtype='float32', rl_on_policy_target='') cannot start: sglang "
                              f"{SGLANG_VERSION}'s CUDA RMSNorm has no float32 kernel; leave rl_on_policy_target=None "
                              "(native torch layers) or pick dtype='bfloat16'")
-        if self.exact_logprobs not in (None, True, False):
-            raise ValueError(f"SGLangEngineConfig.exact_logprobs={self.exact_logprobs!r}; expected None, True or False")
+        if self.exact_logprobs is not None and not isinstance(self.exact_logprobs, bool):
+            raise TypeError(f"SGLangEngineConfig.exact_logprobs={self.exact_logprobs!r}; expected None, True or False")
         if self.exact_logprobs and self.on_policy_target is None:
             raise ValueError("SGLangEngineConfig.exact_logprobs=True needs the on-policy mode (dtype='float32' or "
                              "rl_on_policy_target='fsdp'): outside it the sampler is float32 already")
