@@ -132,7 +132,8 @@ class HybridConfig:
             for a GPU run where that estimate fits with 35% to spare (``OVERLAP_HEADROOM``: the estimate does
             not count the allocators' caches; :meth:`Hybrid.start` decides and ``hybrid.config`` then holds the
             choice) and no other process holds memory on the GPUs (``Hybrid.gpu_held_gib``), off otherwise; True:
-            on, and :meth:`Hybrid.start` refuses a run that does not fit; False: off. The background sleeps' seconds are ``time/overlapped_sleep_s``, outside the step's switch time.
+            on, and :meth:`Hybrid.start` refuses a run that does not fit; False: off. The background sleeps'
+            seconds are ``time/overlapped_sleep_s``, outside the step's switch time.
         optimizer_threads: CPU threads (``OMP_NUM_THREADS``) of each rank of a trainer role whose optimizer steps in
             host memory (``DeepSpeedEngineConfig.offload_optimizer``: DeepSpeed's CPU Adam, an OpenMP loop, and
             ZeRO's gradient norm and clipping in torch on the host). Ray gives an actor that reserves no CPU, as the
@@ -778,8 +779,8 @@ def _start_ray(config: HybridConfig) -> bool:
 def _check_lora(config: HybridConfig, trainers: Mapping[str, TrainerConfig], *,
                 meta_model: Callable[[str], Any] | None = None) -> None:
     """LoRA settings that cannot work, refused before any GPU work (once Ray is up, beside the engine processes'
-    start, which a refusal stops again, with the Ray started here); ``meta_model``: path -> the model built on the meta device (default
-    :func:`rlhfkit.lora.meta_model`)."""
+    start, which a refusal stops again, with the Ray started here); ``meta_model``: path -> the model built on the
+    meta device (default :func:`rlhfkit.lora.meta_model`)."""
     for role, trainer in trainers.items():
         if trainer.lora is not None and role != "actor":
             raise ValueError(f"trainers[{role!r}].lora is set; LoRA adapters are supported on the actor only")
