@@ -223,6 +223,37 @@ def check_train(stage: int, ctx) -> dict:
             "export": export, "hf_files": sorted(p.name for p in (saved / "hf").iterdir())}
 
 
+def check_zero3_views(ctx) -> dict:
+    """ZeRO-3 with every parameter released between forwards (persistence threshold 0), after two steps: whether the
+    sync stream's tensors are views of the parameters' own partitions (no gather: a partition group of one rank),
+    and the stream against DeepSpeed's own gather of every parameter, in the engine dtype and cast to bf16."""
+    import deepspeed
+
+    from rlhfkit.deepspeed_engine import DeepSpeedEngine
+    from rlhfkit.deepspeed_engine._checkpoint import hf_name
+
+    engine = DeepSpeedEngine.from_pretrained(ctx.model, role="actor", config=_config(3, param_persistence_threshold=0))
+    batch = _batch(300 + ctx.rank, ctx.vocab)
+    losses = [_train_step(engine, batch)["loss"] for _ in range(2)]
+    params = {hf_name(name): param for name, param in engine.module.named_parameters()}
+    released = sum(param.numel() == 0 for param in params.values())  # not gathered now (ZeRO-3's placeholder)
+    views, stream = 0, {}
+    for name, tensor in engine.named_parameters_for_sync(bucket_bytes=5000):
+        views += tensor.untyped_storage().data_ptr() == params[name].ds_tensor.untyped_storage().data_ptr()
+        stream[name] = tensor.detach().clone().cpu()
+    cast = {name: tensor.detach().clone().cpu() for name, tensor in engine.named_parameters_for_sync(
+        dtype=torch.bfloat16)}
+    with deepspeed.zero.GatheredParameters(list(params.values()), modifier_rank=None):
+        gathered = {name: param.data.detach().clone().cpu() for name, param in params.items()}
+    engine.destroy()
+    return {"losses": losses, "released": released, "views": views, "num": len(stream),
+            "equal": set(stream) == set(gathered) and all(torch.equal(stream[k], gathered[k]) for k in stream),
+            "cast_equal": set(cast) == set(gathered) and all(
+                torch.equal(cast[k], gathered[k].to(torch.bfloat16)) for k in cast),
+            "changed": any(not torch.equal(stream[k], v.to(stream[k].dtype)) for k, v in
+                           _file_state_dict(ctx.model).items())}
+
+
 def check_groups(stage: int, ctx) -> dict:
     """The same trajectory with the parameters in one optimizer group and in several (param_group_elements): the
     groups' sizes, the largest fp32 gradient partition DeepSpeed's step builds, and the weights after NUM_STEPS."""
@@ -462,6 +493,7 @@ CHECKS = {
     **{f"norm{s}": (lambda s: lambda ctx: check_normalization(s, ctx))(s) for s in (1, 3)},
     **{f"lora{s}": (lambda s: lambda ctx: check_lora(s, ctx))(s) for s in (1, 3)},
     **{f"groups{s}": functools.partial(check_groups, s) for s in (1, 2)},
+    "zero3views": check_zero3_views,
 }
 
 

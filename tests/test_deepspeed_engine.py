@@ -239,8 +239,9 @@ def _run_worker(num_ranks: int, checks: list[str], model: Path, workdir: Path, e
     return json.loads(out.read_text())
 
 
-WS1_CHECKS = ["train0", "train1", "train2", "train3", "stream0", "stream3", "stream3_bf16", "critic3", "groups2"]
-WS2_CHECKS = ["train1", "train3", "stream0", "stream3", "critic2", "norm1", "norm3", "groups1"]
+WS1_CHECKS = ["train0", "train1", "train2", "train3", "stream0", "stream3", "stream3_bf16", "critic3", "groups2",
+              "zero3views"]
+WS2_CHECKS = ["train1", "train3", "stream0", "stream3", "critic2", "norm1", "norm3", "groups1", "zero3views"]
 
 
 @pytest.fixture(scope="module")
@@ -299,6 +300,18 @@ def test_zero12_stream_lives_in_flat_buffers(ds_results, world_size, stage):
         assert before in (1, 21) and after == 1, (before, after)
     else:
         assert before == after == -1
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_zero3_stream_skips_the_gather_only_on_one_rank(ds_results, world_size):
+    """ZeRO-3 on one rank: each parameter's partition is the whole tensor, so the sync stream yields views of the
+    partitions (nothing gathered, nothing copied); on two ranks it gathers. Either way, after training steps, the
+    stream equals DeepSpeed's own gather, also cast to bf16."""
+    result = _result(ds_results, world_size, "zero3views")
+    assert result["num"] == 21 and result["released"] == 21, result  # threshold 0: every parameter released
+    assert result["views"] == (21 if world_size == 1 else 0), result
+    assert result["equal"] and result["cast_equal"] and result["changed"], result
+    assert result["losses"][1] < result["losses"][0], result
 
 
 @pytest.mark.parametrize(("world_size", "stage"), [(1, 2), (2, 1)])

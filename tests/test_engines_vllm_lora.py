@@ -169,6 +169,17 @@ def test_max_num_seqs_caps_the_cuda_graph_capture_sizes():
     assert build_llm_kwargs(own, features)["compilation_config"] == {"mode": 0}
 
 
+def test_max_num_batched_tokens_passes_through_and_must_cover_max_num_seqs():
+    features = detect_features(fake_vllm())
+    assert build_llm_kwargs(VLLMEngineConfig(model="/m", max_num_batched_tokens=4096), features)[
+        "max_num_batched_tokens"] == 4096
+    assert "max_num_batched_tokens" not in build_llm_kwargs(VLLMEngineConfig(model="/m"), features)
+    with pytest.raises(ValueError, match=r"max_num_batched_tokens=64 is below max_num_seqs=128"):
+        VLLMEngineConfig(model="/m", max_num_seqs=128, max_num_batched_tokens=64)
+    with pytest.raises(ValueError, match=r"max_num_batched_tokens=0; must be None or an int >= 1"):
+        VLLMEngineConfig(model="/m", max_num_batched_tokens=0)
+
+
 # --- names and bookkeeping --------------------------------------------------------------------------------------------
 def test_adapter_modules_maps_peft_names_to_vllm_modules():
     names = ["base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight",

@@ -373,6 +373,26 @@ def test_kv_cache_tokens_size_the_generating_phase(qwen7b):
     assert generating["sized"] < generating["share"] - 15
 
 
+def test_engine_step_tokens_default_to_4096_and_shrink_the_engine_estimate(qwen7b):
+    """vLLM sets aside a forward of max_num_batched_tokens in the engine's share (16,384 by vLLM's default on an
+    80 GB GPU): the hybrid passes 4,096 (max_num_seqs if larger), and the estimate counts what the engine gets."""
+    from rlhfkit.hybrid._fit import engine_awake_gib
+
+    config = HybridConfig(model=qwen7b, max_num_seqs=128, dtype="bfloat16")
+    assert config.engine_batched_tokens == 4096
+    assert dataclasses.replace(config, max_num_seqs=6000).engine_batched_tokens == 6000
+    assert dataclasses.replace(config, max_num_batched_tokens=16384).engine_batched_tokens == 16384
+    shape = model_shape(qwen7b)
+    per_token_gib = (4 * 3584 + 2 * 18944) * 2 / 1024**3  # Qwen2.5-7B in bf16
+    saved = (engine_awake_gib(dataclasses.replace(config, max_num_batched_tokens=16384), shape)
+             - engine_awake_gib(config, shape))
+    assert saved == pytest.approx((16384 - 4096) * per_token_gib)  # ~1.2 GiB
+    with pytest.raises(ValueError, match=r"max_num_batched_tokens=64 is below max_num_seqs=128"):
+        dataclasses.replace(config, max_num_batched_tokens=64)
+    with pytest.raises(ValueError, match=r"max_num_batched_tokens=0; must be None or a positive int"):
+        dataclasses.replace(config, max_num_batched_tokens=0)
+
+
 def test_the_kv_cache_is_sized_to_the_rollout_batch_by_default(qwen7b):
     """Without kv_cache_tokens a vLLM engine's cache holds max_num_seqs x kv_tokens_per_seq tokens (at least
     max_model_len); without max_num_seqs, with kv_tokens_per_seq None, or for HF / SGLang engines it fills the share."""

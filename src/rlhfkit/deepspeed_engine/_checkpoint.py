@@ -1,7 +1,8 @@
 """Checkpoints, HF export and the gathered named-parameter stream of :mod:`rlhfkit.deepspeed_engine`.
 
 - :func:`iter_named_parameters`: ``(hf_name, tensor)`` for every parameter; under ZeRO-3 the shards are gathered a
-  bucket at a time (``deepspeed.zero.GatheredParameters``), so the extra memory is one bucket.
+  bucket at a time (``deepspeed.zero.GatheredParameters``), so the extra memory is one bucket; a parameter whose
+  partition group is one rank is its own partition (:func:`whole_partition`) and is not gathered.
 - :func:`export_hf`: the same stream written as ``save_pretrained``-compatible safetensors shards + config, by rank 0,
   holding at most one shard in host memory.
 - :func:`save_checkpoint` / :func:`load_checkpoint`: DeepSpeed state (+ optional HF export) in one atomic
@@ -27,7 +28,7 @@ import torch
 from rlhfkit._optional import require
 from rlhfkit.checkpoint import COMPLETE_MARKER, atomic_directory, checkpoint_name
 
-__all__ = ["iter_named_parameters", "export_hf", "save_checkpoint", "load_checkpoint", "DEEPSPEED_TAG"]
+__all__ = ["iter_named_parameters", "whole_partition", "export_hf", "save_checkpoint", "load_checkpoint", "DEEPSPEED_TAG"]
 
 logger = logging.getLogger(__name__)
 DEEPSPEED_TAG = "deepspeed"
@@ -77,11 +78,28 @@ def iter_named_parameters(module: torch.nn.Module, *, zero3: bool, bucket_bytes:
             yield name, data if dtype is None or data.dtype == dtype else data.to(dtype)
         return
     deepspeed = require("deepspeed", user="rlhfkit.deepspeed_engine")
+    device_type = require("deepspeed.accelerator", user="rlhfkit.deepspeed_engine").get_accelerator().device_name()
     for bucket in _buckets(named, bucket_bytes, zero3):
-        with deepspeed.zero.GatheredParameters([param for _, param in bucket], modifier_rank=None):
-            for name, param in bucket:
-                data = param.data
+        wholes = [whole_partition(param, device_type) for _, param in bucket]
+        gather = [param for (_, param), whole in zip(bucket, wholes) if whole is None]
+        with deepspeed.zero.GatheredParameters(gather, modifier_rank=None) if gather else contextlib.nullcontext():
+            for (name, param), whole in zip(bucket, wholes):
+                data = param.data if whole is None else whole
                 yield name, data if dtype is None or data.dtype == dtype else data.to(dtype)
+
+
+def whole_partition(param: torch.nn.Parameter, device_type: str) -> torch.Tensor | None:
+    """The value of a ZeRO-3 parameter as a view of its own partition, when that partition is the whole tensor on
+    the compute device: a partition group of one rank (ZeRO-3 on one GPU), so a gather would only copy it. None when
+    it must be gathered: partitioned over several ranks, or the partition is in host memory or on NVMe."""
+    partition = getattr(param, "ds_tensor", None)
+    numel = getattr(param, "ds_numel", None)
+    if partition is None or numel is None or partition.device.type != device_type or partition.numel() < numel:
+        return None
+    group = getattr(param, "ds_process_group", None)
+    if not torch.distributed.is_initialized() or torch.distributed.get_world_size(group=group) != 1:
+        return None
+    return partition.data.view(-1)[:numel].view(param.ds_shape)
 
 
 def _hf_config(module: torch.nn.Module, dtype: torch.dtype | None):

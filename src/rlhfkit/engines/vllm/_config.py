@@ -19,7 +19,7 @@ WEIGHT_LOADINGS = ("auto", "layerwise", "direct", "planned")  # VLLMEngineConfig
 _OWN_KWARGS = ("model", "tensor_parallel_size", "gpu_memory_utilization", "enable_sleep_mode", "seed",
                "enable_prefix_caching", "enforce_eager", "max_model_len", "dtype", "logprobs_mode",
                "worker_extension_cls", "distributed_executor_backend", "enable_lora", "max_lora_rank", "max_loras",
-               "max_cpu_loras", "max_num_seqs", "kv_cache_memory_bytes")
+               "max_cpu_loras", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory_bytes")
 
 
 def _freeze_pairs(owner: str, name: str, value: Any) -> tuple[tuple[str, Any], ...]:
@@ -57,6 +57,11 @@ class VLLMEngineConfig:
             21 s of a 7B LoRA engine's start-up with 128 sequences (70 graphs, half of them above 128). Not applied
             with ``enforce_eager``, or when ``extra_kwargs`` sets ``compilation_config``. None: vLLM's default
             (1024 on large GPUs: 51 sizes per graph kind).
+        max_num_batched_tokens: tokens one engine step may process (``vllm.LLM``'s; prompts are prefilled in
+            chunks of it). vLLM profiles a forward of this many tokens at start-up and keeps that activation
+            memory out of the KV cache of ``gpu_memory_utilization``. None: vLLM's default (16,384 for the ``LLM``
+            class on a GPU of 70 GiB or more, 8,192 below). At least ``max_num_seqs`` (one token per running
+            sequence and step).
         kv_cache_memory_bytes: the KV cache of each GPU, in bytes (``vllm.LLM``'s): vLLM allocates exactly this
             much and skips its memory profile, instead of filling ``gpu_memory_utilization`` with KV cache (which
             then only has to be free at start-up). It must hold ``max_model_len`` tokens. None: fill the share.
@@ -113,6 +118,7 @@ class VLLMEngineConfig:
     enforce_eager: bool = False
     max_model_len: int | None = None
     max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
     kv_cache_memory_bytes: int | None = None
     dtype: str = "bfloat16"
     logprobs_mode: Literal["processed_logprobs", "raw_logprobs"] = "processed_logprobs"
@@ -145,10 +151,14 @@ class VLLMEngineConfig:
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not 0 < value <= 1:
                 raise ValueError(f"VLLMEngineConfig.{name}={value!r}; must be in (0, 1]")
-        for name in ("max_model_len", "max_num_seqs", "kv_cache_memory_bytes"):
+        for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory_bytes"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"VLLMEngineConfig.{name}={value!r}; must be None or an int >= 1")
+        if (self.max_num_batched_tokens is not None and self.max_num_seqs is not None
+                and self.max_num_batched_tokens < self.max_num_seqs):
+            raise ValueError(f"VLLMEngineConfig.max_num_batched_tokens={self.max_num_batched_tokens} is below "
+                             f"max_num_seqs={self.max_num_seqs}: a decode step gives every running sequence a token")
         if self.weight_loading not in WEIGHT_LOADINGS:
             raise ValueError(f"VLLMEngineConfig.weight_loading={self.weight_loading!r}; expected one of "
                              f"{WEIGHT_LOADINGS}")
@@ -222,7 +232,7 @@ def build_llm_kwargs(config: VLLMEngineConfig, features: VLLMFeatures, *, engine
         kwargs["logprobs_mode"] = config.logprobs_mode
     elif config.logprobs_mode == "processed_logprobs":
         require_feature("logprobs_mode", features, purpose="logprobs_mode='processed_logprobs'")
-    for name in ("max_model_len", "max_num_seqs", "kv_cache_memory_bytes"):
+    for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory_bytes"):
         if getattr(config, name) is not None:
             kwargs[name] = getattr(config, name)
     if (config.max_num_seqs is not None and not config.enforce_eager and features.cudagraph_capture_cap
