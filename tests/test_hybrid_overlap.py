@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -24,14 +25,24 @@ class SlowModel:
     def __init__(self, *, sleep_s: float = 0.0, fail: bool = False) -> None:
         self.sleep_s, self.fail, self.is_asleep, self._weights_kept = sleep_s, fail, False, False
         self.started = threading.Event()
+        self.sleeps: list[bool] = []  # keep_weights of each sleep, in order
+        self.streamed: list[tuple[bool, bool]] = []
+
+    config = SimpleNamespace(zero_stage=1)
 
     def sleep(self, keep_weights: bool = False) -> dict:
         self.started.set()
+        self.sleeps.append(keep_weights)
         time.sleep(self.sleep_s)
         if self.fail:
             raise MemoryError("the host buffer could not be pinned")
         self.is_asleep, self._weights_kept = True, keep_weights
         return {"bytes_moved": 1000.0}
+
+    def named_parameters_for_sync(self, *, bucket_bytes: int, dtype, check_asleep: bool = True):
+        """The stream a push reads: notes whether a sleep had ended when it was read."""
+        self.streamed.append((check_asleep, self.is_asleep))
+        yield "w", torch.zeros(2)
 
     def wake_up(self) -> dict:
         self.is_asleep = self._weights_kept = False
@@ -103,6 +114,60 @@ def test_a_failed_background_sleep_surfaces_on_the_next_call_naming_role_rank_an
         worker.wake(phase="next")
     assert error.value.phase == "forward_reference" and error.value.role == "reference"
     worker._settle("again")  # reported once
+
+
+class FakeSender:
+    def __init__(self) -> None:
+        self.sent: list[str] = []
+
+    def send(self, stream, *, description):
+        self.sent += [name for name, _ in stream]
+        return SimpleNamespace(version=1, num_bytes=8, seconds=0.0, receiver_versions=[1])
+
+
+def _pushing(worker, model) -> None:
+    worker.model, worker.sender, worker.description = model, FakeSender(), None
+    worker.sync_config = SimpleNamespace(bucket_bytes=1 << 20, dtype=None)
+    worker._transition("wake", "train_actor")
+    worker._sleep("train_actor", keep_weights=True)  # optim_step(sleep_after="keep_weights")
+    assert model.started.wait(5) and not model.is_asleep
+
+
+def test_a_push_streams_beside_a_sleep_that_keeps_the_weights_and_the_full_sleep_queues_behind(worker):
+    """The optimizer's states go to host in the background after optim_step; the push reads only the weights, so it
+    starts at once, and the weights' own sleep is queued behind the first (the call returns at once)."""
+    worker, _ = worker
+    model = SlowModel(sleep_s=0.6)
+    _pushing(worker, model)
+    started = time.perf_counter()
+    assert worker.send_weights(phase="sync")["version"] == 1 and worker.sender.sent == ["w"]
+    assert model.streamed == [(False, False)]  # read beside the sleep, which had not ended
+    assert worker.sleep("sync", False)["switch_s"] == 0.0
+    assert worker._report()["weights_only"] is False  # where the queued sleep leaves it
+    assert time.perf_counter() - started < 0.4  # neither call waited for the first sleep
+    worker._settle("next")
+    assert model.sleeps == [True, False] and model.is_asleep and not model._weights_kept
+    assert [(e["action"], e["phase"]) for e in worker.guard_events()] == [
+        ("wake", "train_actor"), ("sleep", "train_actor"), ("sleep", "sync")]
+    assert worker._report()["overlapped_s"] >= 0.6 * 2
+
+
+def test_a_push_under_zero3_waits_for_the_sleep_and_a_failed_first_sleep_skips_the_queued_one(worker):
+    """ZeRO-3's gathers are not run beside a sleep (its partitions and hooks are shared state): the push joins it
+    first. A weights-keeping sleep that fails leaves the queued full sleep undone and surfaces once."""
+    worker, _ = worker
+    model = SlowModel(sleep_s=0.3)
+    model.config = SimpleNamespace(zero_stage=3)
+    _pushing(worker, model)
+    worker.send_weights(phase="sync")
+    assert model.streamed == [(True, True)]  # after the sleep ended
+    failing = SlowModel(sleep_s=0.2, fail=True)
+    worker._background = None
+    _pushing(worker, failing)
+    worker.sleep("sync", False)
+    with pytest.raises(HybridCallError, match=r"its sleep after phase 'train_actor' failed in the background"):
+        worker.wake(phase="next")
+    assert failing.sleeps == [True]  # the queued full sleep did not run
 
 
 def test_without_overlap_the_sleep_is_done_when_the_call_returns(worker):

@@ -368,14 +368,15 @@ class DeepSpeedEngine:
         return stats
 
     # ------------------------------------------------------------------ weights out
-    def named_parameters_for_sync(self, *, bucket_bytes: int = 512 * 1024**2,
-                                  dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    def named_parameters_for_sync(self, *, bucket_bytes: int = 512 * 1024**2, dtype: torch.dtype | None = None,
+                                  check_asleep: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield ``(hf_name, tensor)`` for every parameter (critic/reward: without the value head), in ``dtype``
         (default: the engine's, bf16 or fp32). Under ZeRO-3 this is a collective — every rank iterates it to the
         end — gathering ``bucket_bytes`` of parameters at a time; each tensor is valid until the next is requested.
         Allowed while awake or asleep with ``keep_weights=True``. With LoRA: only the adapters, under peft's saved
-        names (:func:`rlhfkit.lora.adapter_name`)."""
-        if self._asleep and not self._weights_kept:
+        names (:func:`rlhfkit.lora.adapter_name`). ``check_asleep=False``: for a caller that knows a
+        ``sleep(keep_weights=True)`` is under way in another thread (the weights stay where they are)."""
+        if check_asleep and self._asleep and not self._weights_kept:
             raise RuntimeError(f"named_parameters_for_sync() called while '{self.name}' is asleep without its weights;"
                                " call wake_up() or sleep(keep_weights=True) first")
         if bucket_bytes < 1:

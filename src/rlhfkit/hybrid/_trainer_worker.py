@@ -117,7 +117,7 @@ class TrainerWorker(Worker):
         self._moved = {"bytes_d2h": 0.0, "bytes_h2d": 0.0, "bytes_kept": 0.0}
         self.overlap = False  # HybridConfig.overlap_switches: sleeps run behind the next role's wake
         self._background: tuple[threading.Thread, str, bool] | None = None  # a sleep still running: phase, keep
-        self._background_error: BaseException | None = None
+        self._background_error: tuple[BaseException, str] | None = None  # what a background sleep raised, its phase
         self._overlapped_s = 0.0  # seconds of background sleeps since the last report
         self._stats_lock = threading.Lock()  # the counters above: a background sleep adds while a call reports
 
@@ -215,24 +215,37 @@ class TrainerWorker(Worker):
             overlapped, self._overlapped_s = self._overlapped_s, 0.0
         return {**self._take_moved(), "awake": self.awake, "weights_only": weights_only, "overlapped_s": overlapped}
 
-    def _sleep(self, phase: str, *, keep_weights: bool = False) -> float:
+    def _sleep(self, phase: str, *, keep_weights: bool = False, after: threading.Thread | None = None) -> float:
         """Put the model to sleep now; or, with ``overlap_switches``, mark its claim releasing (the next role may
-        wake at once) and sleep in a background thread, which every later call joins first. Returns the seconds
-        spent here."""
+        wake at once) and sleep in a background thread, which every later call joins first (``after``: a background
+        sleep that keeps the weights, still running; this one, the rest of the way, starts when it ends). Returns
+        the seconds spent here."""
         if not self.overlap:
             return self._transition("sleep", phase, keep_weights=keep_weights)
-        self.guard.mark_releasing(self.role, self._sleepable() if self.model is not None else None)
+        if after is None:
+            self.guard.mark_releasing(self.role, self._sleepable() if self.model is not None else None)
+            if keep_weights and self.device_kind == "cuda":  # what a send beside this sleep orders its reads after
+                self._weights_written = torch.cuda.Event()
+                self._weights_written.record()
         self.awake = False  # going to sleep: no call runs before that sleep is over (_settle)
 
         def sleep() -> None:
             try:
+                if after is not None:
+                    after.join(SETTLE_TIMEOUT_S)
+                    if after.is_alive():
+                        raise HybridCallError(f"'{self.role}' rank {self.rank}: its sleep before phase '{phase}' "
+                                              f"did not finish within {SETTLE_TIMEOUT_S:g} s", role=self.role,
+                                              rank=self.rank, phase=phase)
+                    if self._background_error is not None:
+                        return  # that sleep failed: the next call raises its error
                 if self.device_kind == "cuda":
                     torch.cuda.set_device(self._cuda_device)
                 seconds = self._transition("sleep", phase, keep_weights=keep_weights)
                 with self._stats_lock:
                     self._overlapped_s += seconds
             except BaseException as error:  # noqa: BLE001 - raised by the next call (_settle), naming the phase
-                self._background_error = error
+                self._background_error = (error, phase)
 
         thread = threading.Thread(target=sleep, name=f"{self.role}-{self.rank}-sleep", daemon=True)
         self._background = (thread, phase, keep_weights)
@@ -250,8 +263,9 @@ class TrainerWorker(Worker):
             raise HybridCallError(f"{method}() on '{self.role}' rank {self.rank}: its sleep after phase '{phase}' did "
                                   f"not finish within {SETTLE_TIMEOUT_S:g} s", role=self.role, rank=self.rank,
                                   phase=phase)
-        self._background, error, self._background_error = None, self._background_error, None
-        if error is not None:
+        self._background, failed, self._background_error = None, self._background_error, None
+        if failed is not None:
+            error, phase = failed
             raise HybridCallError(f"'{self.role}' rank {self.rank}: its sleep after phase '{phase}' failed in the "
                                   f"background ({type(error).__name__}: {error}); found by {method}()",
                                   role=self.role, rank=self.rank, phase=phase) from error
@@ -275,7 +289,14 @@ class TrainerWorker(Worker):
 
     def sleep(self, phase: str = "sleep", keep_weights: bool = False) -> dict[str, float]:
         """Put the role to sleep; when it kept only its weights, ``keep_weights=False`` moves those too. Returns
-        ``switch_s`` and the bytes moved (``bytes_d2h``, ``bytes_h2d``)."""
+        ``switch_s`` and the bytes moved (``bytes_d2h``, ``bytes_h2d``). While a background sleep that keeps the
+        weights still runs (``overlap_switches``, after ``optim_step(sleep_after="keep_weights")``), the weights'
+        sleep is queued behind it and this returns at once."""
+        background = self._background
+        if background is not None and background[2] and self.overlap:
+            if not keep_weights:
+                self._sleep(phase, after=background[0])
+            return {"switch_s": 0.0, **self._report()}
         self._settle("sleep")
         seconds = 0.0
         if self.awake or (self._weights_only and not keep_weights):
@@ -477,19 +498,33 @@ class TrainerWorker(Worker):
         return self.sender.endpoint
 
     def send_weights(self, *, phase: str) -> dict[str, Any]:
-        """Stream the weights to the engines (every rank takes part in ZeRO-3's gathers; the sender ranks send)."""
-        self._settle("send_weights")
-        if self.model.is_asleep and not self._weights_only:
-            raise RoleAsleepError(f"push_weights: '{self.role}' rank {self.rank} is asleep without its weights; "
-                                  "train with optim_step(sleep_after='keep_weights') or wake it", role=self.role,
-                                  rank=self.rank, phase=phase)
-        stream = self.model.named_parameters_for_sync(bucket_bytes=self.sync_config.bucket_bytes,
-                                                      dtype=self.sync_config.dtype)
-        if self.sender is None:
-            for _ in stream:
-                pass
-            return {}
-        report = self.sender.send(stream, description=self.description)
+        """Stream the weights to the engines (every rank takes part in ZeRO-3's gathers; the sender ranks send).
+        Beside a background sleep that keeps the weights (``overlap_switches``, ZeRO-0/1/2: it moves the optimizer's
+        states, which the stream never reads), the stream starts at once; on a GPU its copies run on a stream of
+        their own, ordered after the optimizer step's writes, so they do not queue behind that sleep's copies."""
+        background = self._background
+        beside = background is not None and background[2] and self.model.config.zero_stage < 3
+        if not beside:
+            self._settle("send_weights")
+            if self.model.is_asleep and not self._weights_only:
+                raise RoleAsleepError(f"push_weights: '{self.role}' rank {self.rank} is asleep without its weights; "
+                                      "train with optim_step(sleep_after='keep_weights') or wake it", role=self.role,
+                                      rank=self.rank, phase=phase)
+        side = None
+        if beside and self.device_kind == "cuda":
+            side = getattr(self, "_send_stream", None) or torch.cuda.Stream(self._cuda_device)
+            self._send_stream = side
+            side.wait_event(self._weights_written)
+        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+            stream = self.model.named_parameters_for_sync(bucket_bytes=self.sync_config.bucket_bytes,
+                                                          dtype=self.sync_config.dtype, check_asleep=not beside)
+            if self.sender is None:
+                for _ in stream:
+                    pass
+                return {}
+            report = self.sender.send(stream, description=self.description)
+        if side is not None:
+            side.synchronize()  # the weights' own sleep, queued behind, may move them only after these reads
         return {"version": report.version, "bytes": report.num_bytes, "seconds": report.seconds,
                 "receiver_versions": list(report.receiver_versions)}
 
