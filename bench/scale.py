@@ -97,6 +97,19 @@ def build_model(arch: str, out: Path, tokenizer: str | None, *, device: str) -> 
     return out
 
 
+def build_model_apart(arch: str, out: Path, tokenizer: str | None, *, device: str, apart: bool | None = None) -> Path:
+    """:func:`build_model` in a child process (default: when it builds on a GPU), so that this process, which then
+    launches the runs, holds no GPU memory: the hybrid's fit check counts memory other processes hold (a 7B-8B build
+    left 16.2 GiB in this process's allocator cache, and the run was refused for it)."""
+    if not (device != "cpu" if apart is None else apart):
+        return build_model(arch, out, tokenizer, device=device)
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(build_model, arch, out, tokenizer, device=device).result()
+
+
 def ours_command(model: Path | None, mode: str, out: Path, *, steps: int, tiny: bool, engine_memory: float,
                  lora_rank: int, engine_only_sleep: bool = False) -> list[str]:
     """examples/grpo_hybrid.py as a scale run (also bench/lora_vllm.py's GRPO check): ``mode`` "full" or "lora";
@@ -217,7 +230,7 @@ def main(argv=None) -> dict:
         folder = args.work_dir / arch
         started = time.time()
         if not (folder / "config.json").exists():  # kept from an earlier command (--keep)
-            build_model(arch, folder, args.tokenizer, device="cpu" if args.tiny else "cuda")
+            build_model_apart(arch, folder, args.tokenizer, device="cpu" if args.tiny else "cuda")
         runs: dict = {"build_s": time.time() - started}
         for mode in args.modes:
             runs[mode] = run_ours(args, folder, mode, args.work_dir / "runs" / f"{arch}-{mode}")
