@@ -106,6 +106,23 @@ def greedy_tokens(model, prompts, steps: int, device: str) -> list[list[int]]:
     return tokens
 
 
+def forced_logprob_gap(model, prompts, rollouts, device: str) -> float:
+    """Mean |engine log-prob − ``model``'s| over the engine's response tokens, ``model`` teacher-forced on them: where
+    greedy tokens cannot be compared (a random-weight model's flat logits in bf16), this still tells whether the
+    engine computes what ``model`` computes."""
+    import torch
+
+    gaps = []
+    with torch.no_grad():
+        for prompt, rollout in zip(prompts, rollouts):
+            response = rollout.response_token_ids.tolist()
+            ids = torch.tensor([list(prompt) + response], device=device)
+            logits = model(ids, use_cache=False).logits[0, len(prompt) - 1:-1].float()
+            ours = torch.log_softmax(logits, -1).gather(-1, torch.tensor(response, device=device)[:, None])[:, 0]
+            gaps.append((ours.cpu() - rollout.response_logprobs.float()).abs())
+    return float(torch.cat(gaps).mean())
+
+
 def compare(engine_tokens, reference) -> dict:
     """Per prompt: equal, and the length of the common prefix."""
     prefix = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), min(len(x), len(y)))
@@ -182,13 +199,14 @@ def adapter_push_gpu(args, result: dict) -> None:
         prompts = [list(p["input_ids"] if isinstance(p, dict) else p) for p in prompts]
         greedy = SamplingConfig(temperature=0.0, max_new_tokens=args.max_new_tokens, ignore_eos=True)
 
-        def engine_greedy() -> list[list[int]]:
-            rollouts = ray.get(engine.generate.remote(prompts, greedy), timeout=300)
-            return [r.response_token_ids.tolist() for r in rollouts]
+        def engine_rollouts() -> list:
+            return ray.get(engine.generate.remote(prompts, greedy), timeout=300)
 
         with trainer.disable_adapter():
-            base_tokens = engine_greedy()
+            base_rollouts = engine_rollouts()
+            base_tokens = [r.response_token_ids.tolist() for r in base_rollouts]
             base_floor = compare(base_tokens, greedy_tokens(trainer, prompts, args.max_new_tokens, "cuda"))
+            base_gap = forced_logprob_gap(trainer, prompts, base_rollouts, "cuda")
         named = lora_parameters(trainer)
         result |= {"rank": lora.rank, "adapter_params": sum(p.numel() for _, p in named),
                    "adapter_tensors": len(named)}
@@ -205,8 +223,13 @@ def adapter_push_gpu(args, result: dict) -> None:
                                                                        timeout=300)))
         result |= {"syncs": syncs[2:], "sync_s_median": statistics.median(s["seconds"] for s in syncs[2:]),
                    "sync_goal_s": 0.05, "engine_health": ray.get(engine.health_check.remote(), timeout=60)}
-        tokens = engine_greedy()
+        rollouts = engine_rollouts()
+        tokens = [r.response_token_ids.tolist() for r in rollouts]
         peft_tokens = greedy_tokens(trainer, prompts, args.max_new_tokens, "cuda")
+        result["logprob_gap"] = {"engine_vs_peft": forced_logprob_gap(trainer, prompts, rollouts, "cuda")}
+        with trainer.disable_adapter():  # the engine's adapted log-probs against the base: what the adapter moves
+            result["logprob_gap"]["engine_vs_base"] = forced_logprob_gap(trainer, prompts, rollouts, "cuda")
+        result["logprob_gap"]["base_floor"] = base_gap  # the engine's base against HF's base, before any push
         merged_tokens = greedy_tokens(trainer.merge_and_unload(), prompts, args.max_new_tokens, "cuda")
         result["greedy"] = {"vs_peft": compare(tokens, peft_tokens), "vs_merged": compare(tokens, merged_tokens),
                             "base_floor": base_floor, "max_new_tokens": args.max_new_tokens,
@@ -232,12 +255,11 @@ def adapter_push_cpu(args, result: dict) -> None:
     prompts = [[5, 6, 7], [8, 9, 10, 11], [12, 13]]
     greedy = SamplingConfig(temperature=0.0, max_new_tokens=args.max_new_tokens, ignore_eos=True)
 
-    def engine_greedy() -> list[list[int]]:
-        return [r.response_token_ids.tolist() for r in engine.generate(prompts, greedy)]
-
     with trainer.disable_adapter():
-        base_tokens = engine_greedy()
+        base_rollouts = engine.generate(prompts, greedy)
+        base_tokens = [r.response_token_ids.tolist() for r in base_rollouts]
         base_floor = compare(base_tokens, greedy_tokens(trainer, prompts, args.max_new_tokens, "cpu"))
+        base_gap = forced_logprob_gap(trainer, prompts, base_rollouts, "cpu")
     named = lora_parameters(trainer)
     result |= {"rank": lora.rank, "adapter_params": sum(p.numel() for _, p in named), "adapter_tensors": len(named)}
     sync_config = WeightSyncConfig(backend="gloo", timeout_s=60)
@@ -258,12 +280,17 @@ def adapter_push_cpu(args, result: dict) -> None:
         receiver.close()
     result |= {"syncs": syncs[2:], "sync_s_median": statistics.median(s["seconds"] for s in syncs[2:]),
                "engine_version": engine.weight_version}
-    tokens = engine_greedy()
+    rollouts = engine.generate(prompts, greedy)
+    tokens = [r.response_token_ids.tolist() for r in rollouts]
+    result["logprob_gap"] = {"engine_vs_peft": forced_logprob_gap(trainer, prompts, rollouts, "cpu")}
+    with trainer.disable_adapter():
+        result["logprob_gap"]["engine_vs_base"] = forced_logprob_gap(trainer, prompts, rollouts, "cpu")
+    result["logprob_gap"]["base_floor"] = base_gap
     result["greedy"] = {"vs_peft": compare(tokens, greedy_tokens(trainer, prompts, args.max_new_tokens, "cpu")),
                         "vs_merged": compare(tokens, greedy_tokens(copy.deepcopy(trainer).merge_and_unload(),
                                                                    prompts, args.max_new_tokens, "cpu")),
                         "base_floor": base_floor, "max_new_tokens": args.max_new_tokens,
-                            "adapter_changes_output": tokens != base_tokens}
+                        "adapter_changes_output": tokens != base_tokens}
 
 
 def main(argv=None) -> dict:
@@ -293,7 +320,8 @@ def _main(args) -> dict:
     if args.grpo_steps:
         result["grpo"] = run_grpo(args)
         args.out.write_text(json.dumps(result, indent=2, default=str) + "\n")
-    print(json.dumps({k: result.get(k) for k in ("sync_s_median", "greedy", "adapter_push_error")}, default=str))
+    print(json.dumps({k: result.get(k) for k in ("sync_s_median", "logprob_gap", "greedy", "adapter_push_error")},
+                     default=str))
     if "adapter_push_error" in result or result.get("grpo", {}).get("returncode"):
         raise SystemExit(1)
     return result

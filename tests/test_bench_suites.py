@@ -196,6 +196,8 @@ def test_lora_vllm_bench_tiny_on_cpu(tmp_path):
     greedy = result["greedy"]
     assert all(greedy["vs_peft"]["equal"]) and all(greedy["vs_merged"]["equal"]) and all(greedy["base_floor"]["equal"])
     assert greedy["adapter_changes_output"]  # the check can fail: the adapter moved the greedy tokens
+    gap = result["logprob_gap"]  # teacher-forced: the engine computes what the peft model computes, not the base
+    assert gap["engine_vs_peft"] < 1e-4 and gap["base_floor"] < 1e-4 and gap["engine_vs_base"] > 1e-2, gap
     with pytest.raises(SystemExit):
         lora_vllm.parse_args(["--arch", "qwen2.5-7b", "--out", "x.json"])  # --arch needs --tokenizer
     built = lora_vllm.parse_args(["--arch", "qwen2.5-7b", "--tokenizer", "/tok", "--out", "x.json"])
