@@ -28,7 +28,8 @@ import torch
 from rlhfkit._optional import require
 from rlhfkit.checkpoint import COMPLETE_MARKER, atomic_directory, checkpoint_name
 
-__all__ = ["iter_named_parameters", "whole_partition", "export_hf", "save_checkpoint", "load_checkpoint", "DEEPSPEED_TAG"]
+__all__ = ["iter_named_parameters", "whole_partition", "export_hf", "save_checkpoint", "load_checkpoint",
+           "DEEPSPEED_TAG"]
 
 logger = logging.getLogger(__name__)
 DEEPSPEED_TAG = "deepspeed"

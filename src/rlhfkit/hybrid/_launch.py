@@ -140,7 +140,9 @@ class HybridConfig:
             not count the allocators' caches; :meth:`Hybrid.start` decides and ``hybrid.config`` then holds the
             choice) and no other process holds memory on the GPUs (``Hybrid.gpu_held_gib``), off otherwise; True:
             on, and :meth:`Hybrid.start` refuses a run that does not fit; False: off. The background sleeps'
-            seconds are ``time/overlapped_sleep_s``, outside the step's switch time.
+            seconds are ``time/overlapped_sleep_s``, outside the step's switch time. A push right after
+            ``optim_step(sleep_after="keep_weights")`` streams the weights beside the sleep that moves the
+            optimizer's states (ZeRO-0/1/2), and the weights' own sleep is queued behind it.
         optimizer_threads: CPU threads (``OMP_NUM_THREADS``) of each rank of a trainer role whose optimizer steps in
             host memory (``DeepSpeedEngineConfig.offload_optimizer``: DeepSpeed's CPU Adam, an OpenMP loop, and
             ZeRO's gradient norm and clipping in torch on the host). Ray gives an actor that reserves no CPU, as the
