@@ -97,11 +97,11 @@ def build_model(arch: str, out: Path, tokenizer: str | None, *, device: str) -> 
     return out
 
 
-def build_model_apart(arch: str, out: Path, tokenizer: str | None, *, device: str, apart: bool | None = None) -> Path:
-    """:func:`build_model` in a child process (default: when it builds on a GPU), so that this process, which then
-    launches the runs, holds no GPU memory: the hybrid's fit check counts memory other processes hold (a 7B-8B build
-    left 16.2 GiB in this process's allocator cache, and the run was refused for it)."""
-    if not (device != "cpu" if apart is None else apart):
+def build_model_apart(arch: str, out: Path, tokenizer: str | None, *, device: str) -> Path:
+    """:func:`build_model`, on a GPU in a child process, so that this process, which then launches the runs, holds no
+    GPU memory: the hybrid's fit check counts memory other processes hold (a 7B-8B build left 16.2 GiB in this
+    process's allocator cache, and the run was refused for it)."""
+    if device == "cpu":
         return build_model(arch, out, tokenizer, device=device)
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor

@@ -26,7 +26,7 @@ class SlowModel:
         self.sleep_s, self.fail, self.is_asleep, self._weights_kept = sleep_s, fail, False, False
         self.started = threading.Event()
         self.sleeps: list[bool] = []  # keep_weights of each sleep, in order
-        self.streamed: list[tuple[bool, bool]] = []
+        self.streamed: list[bool] = []  # whether a sleep had ended at each read
 
     config = SimpleNamespace(zero_stage=1)
 
@@ -39,9 +39,9 @@ class SlowModel:
         self.is_asleep, self._weights_kept = True, keep_weights
         return {"bytes_moved": 1000.0}
 
-    def named_parameters_for_sync(self, *, bucket_bytes: int, dtype, check_asleep: bool = True):
+    def named_parameters_for_sync(self, *, bucket_bytes: int, dtype):
         """The stream a push reads: notes whether a sleep had ended when it was read."""
-        self.streamed.append((check_asleep, self.is_asleep))
+        self.streamed.append(self.is_asleep)
         yield "w", torch.zeros(2)
 
     def wake_up(self) -> dict:
@@ -141,7 +141,7 @@ def test_a_push_streams_beside_a_sleep_that_keeps_the_weights_and_the_full_sleep
     _pushing(worker, model)
     started = time.perf_counter()
     assert worker.send_weights(phase="sync")["version"] == 1 and worker.sender.sent == ["w"]
-    assert model.streamed == [(False, False)]  # read beside the sleep, which had not ended
+    assert model.streamed == [False]  # read beside the sleep, which had not ended
     assert worker.sleep("sync", False)["switch_s"] == 0.0
     assert worker._report()["weights_only"] is False  # where the queued sleep leaves it
     assert time.perf_counter() - started < 0.4  # neither call waited for the first sleep
@@ -160,7 +160,7 @@ def test_a_push_under_zero3_waits_for_the_sleep_and_a_failed_first_sleep_skips_t
     model.config = SimpleNamespace(zero_stage=3)
     _pushing(worker, model)
     worker.send_weights(phase="sync")
-    assert model.streamed == [(True, True)]  # after the sleep ended
+    assert model.streamed == [True]  # after the sleep ended
     failing = SlowModel(sleep_s=0.2, fail=True)
     worker._background = None
     _pushing(worker, failing)

@@ -306,7 +306,9 @@ class DeepSpeedEngine:
             keep_weights=keep_weights, done=self._offloaded, empty_cache=self.config.empty_cache_on_sleep,
             trains=self.has_optimizer, fixed_unchanged=self._weight_writes == self._writes_at_wake)
         seconds = time.perf_counter() - start
-        self._asleep, self._weights_kept = True, keep_weights
+        # weights_kept first: a thread streaming the kept weights meanwhile never sees "asleep without its weights"
+        self._weights_kept = keep_weights
+        self._asleep = True
         self._offloaded_bytes += moved + kept
         stats = self._log_transition("asleep" + (" (weights kept)" if keep_weights else ""), before, seconds)
         stats["bytes_moved"] = float(moved)
@@ -368,15 +370,15 @@ class DeepSpeedEngine:
         return stats
 
     # ------------------------------------------------------------------ weights out
-    def named_parameters_for_sync(self, *, bucket_bytes: int = 512 * 1024**2, dtype: torch.dtype | None = None,
-                                  check_asleep: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+    def named_parameters_for_sync(self, *, bucket_bytes: int = 512 * 1024**2,
+                                  dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield ``(hf_name, tensor)`` for every parameter (critic/reward: without the value head), in ``dtype``
         (default: the engine's, bf16 or fp32). Under ZeRO-3 this is a collective — every rank iterates it to the
         end — gathering ``bucket_bytes`` of parameters at a time; each tensor is valid until the next is requested.
         Allowed while awake or asleep with ``keep_weights=True``. With LoRA: only the adapters, under peft's saved
-        names (:func:`rlhfkit.lora.adapter_name`). ``check_asleep=False``: for a caller that knows a
-        ``sleep(keep_weights=True)`` is under way in another thread (the weights stay where they are)."""
-        if check_asleep and self._asleep and not self._weights_kept:
+        names (:func:`rlhfkit.lora.adapter_name`). Also while a ``sleep(keep_weights=True)`` runs in another thread
+        (the weights stay where they are)."""
+        if self._asleep and not self._weights_kept:
             raise RuntimeError(f"named_parameters_for_sync() called while '{self.name}' is asleep without its weights;"
                                " call wake_up() or sleep(keep_weights=True) first")
         if bucket_bytes < 1:

@@ -156,16 +156,14 @@ ENGINE_ASLEEP_GIB = {"graphs": 1.5, "eager": 0.5}
 
 
 # vLLM's working memory besides weights and KV cache, for a KV cache of a given size: its memory profile runs a
-# forward of max_num_batched_tokens tokens (HybridConfig.engine_batched_tokens; for a config without it, vLLM 0.22's
-# LLM class default: 16,384 on a GPU of 70 GiB or more, 8,192 below, the larger counted); the sampler holds float32
-# logits and log-probs of every running sequence (max_num_seqs; unset, 1,024 on such a GPU).
-ENGINE_PROFILE_TOKENS = 16384
+# forward of max_num_batched_tokens tokens (HybridConfig.engine_batched_tokens, which the engines get); the sampler
+# holds float32 logits and log-probs of every running sequence (max_num_seqs; unset, vLLM 0.22's LLM class takes
+# 1,024 on a GPU of 70 GiB or more).
 ENGINE_DEFAULT_SEQS = 1024
 
 
 def _engine_workspace_gib(config: Any, shape: ModelShape, dtype_bytes: int) -> float:
-    tokens = getattr(config, "engine_batched_tokens", None) or ENGINE_PROFILE_TOKENS
-    forward = tokens * (4 * shape.hidden_size + 2 * shape.intermediate_size) * dtype_bytes
+    forward = config.engine_batched_tokens * (4 * shape.hidden_size + 2 * shape.intermediate_size) * dtype_bytes
     sampler = (config.max_num_seqs or ENGINE_DEFAULT_SEQS) * shape.vocab_size * 4 * 2
     return (forward / config.tensor_parallel_size + sampler) / _GIB
 

@@ -120,6 +120,8 @@ class TrainerWorker(Worker):
         self._background_error: tuple[BaseException, str] | None = None  # what a background sleep raised, its phase
         self._overlapped_s = 0.0  # seconds of background sleeps since the last report
         self._stats_lock = threading.Lock()  # the counters above: a background sleep adds while a call reports
+        self._weights_written: Any = None  # CUDA event after the step a weights-keeping background sleep follows
+        self._send_stream: Any = None  # the CUDA stream a push beside that sleep runs on
 
     @property
     def trains(self) -> bool:
@@ -512,12 +514,11 @@ class TrainerWorker(Worker):
                                       rank=self.rank, phase=phase)
         side = None
         if beside and self.device_kind == "cuda":
-            side = getattr(self, "_send_stream", None) or torch.cuda.Stream(self._cuda_device)
-            self._send_stream = side
+            self._send_stream = side = self._send_stream or torch.cuda.Stream(self._cuda_device)
             side.wait_event(self._weights_written)
         with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
             stream = self.model.named_parameters_for_sync(bucket_bytes=self.sync_config.bucket_bytes,
-                                                          dtype=self.sync_config.dtype, check_asleep=not beside)
+                                                          dtype=self.sync_config.dtype)
             if self.sender is None:
                 for _ in stream:
                     pass
