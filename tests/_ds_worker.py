@@ -13,6 +13,7 @@ import argparse
 import functools
 import json
 import os
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -164,6 +165,29 @@ def _stream_storages(engine) -> int:
     return len({tensor.untyped_storage().data_ptr() for _, tensor in engine.named_parameters_for_sync()})
 
 
+def _deferred_wake_step(engine, batch) -> dict:
+    """From asleep: a wake that leaves the optimizer's states on the host, a sleep with them still there, the same
+    wake again, then a training step whose optimizer states come back in another thread while its forward and
+    backward run (the hybrid's trainer worker does that on a CUDA stream of its own)."""
+    woke = engine.wake_up(defer_optimizer=True)
+    away = engine.optimizer_states_away
+    engine.sleep()
+    resident_asleep, asleep = engine.resident_state_bytes(), engine.is_asleep
+    woke_again = engine.wake_up(defer_optimizer=True)
+    finished: dict = {}
+    loss = _nll(engine, batch)
+    finishing = threading.Thread(target=lambda: finished.update(engine.finish_wake()))
+    finishing.start()
+    engine.backward(loss)
+    finishing.join()
+    away_before_step = engine.optimizer_states_away
+    stats = engine.step()
+    return {"stats": stats, "away": away, "resident_asleep": resident_asleep, "asleep": asleep,
+            "woke_bytes": woke.get("bytes_moved"), "woke_again_bytes": woke_again.get("bytes_moved"),
+            "finish_bytes": finished.get("bytes_moved", 0.0), "away_before_step": away_before_step,
+            "away_after_step": engine.optimizer_states_away}
+
+
 def check_train(stage: int, ctx) -> dict:
     """Reference trajectory, the same trajectory with sleeps, and a resume from a checkpoint."""
     from rlhfkit.deepspeed_engine import DeepSpeedEngine, latest_checkpoint
@@ -195,8 +219,8 @@ def check_train(stage: int, ctx) -> dict:
     kept_stream = _compare(_stream_dict(engine, bucket_bytes=3000), awake_stream)
     engine.sleep()
     deep_asleep_stream = _expect_error(lambda: engine.named_parameters_for_sync(), "is asleep")
-    engine.wake_up()
-    stats.append(_train_step(engine, batch))
+    deferred = _deferred_wake_step(engine, batch)
+    stats.append(deferred.pop("stats"))
     engine.destroy()
     latest = latest_checkpoint(root)
     resumed = DeepSpeedEngine.from_pretrained(ctx.model, role="actor", config=_config(stage))
@@ -218,7 +242,7 @@ def check_train(stage: int, ctx) -> dict:
             "resumed_step": resumed_step, "client_state": client_state.get("rlhfkit", {}),
             "latest": latest.name if latest else None, "saved": saved.name, "partial_load": partial_load,
             "round_trip": round_trip, "kept_stream": kept_stream, "initial_stream": initial_stream,
-            "deep_asleep_stream": deep_asleep_stream, "resumed_offload_keys": offload_keys,
+            "deep_asleep_stream": deep_asleep_stream, "resumed_offload_keys": offload_keys, "deferred": deferred,
             "stream_storages": storages,
             "export": export, "hf_files": sorted(p.name for p in (saved / "hf").iterdir())}
 

@@ -52,9 +52,19 @@ class SlowModel:
 @pytest.fixture
 def worker(monkeypatch, tiny_llama_path):
     """A TrainerWorker of role 'reference', rank 0, on GPU key node0/gpu0 of an in-process store."""
+    return _worker(monkeypatch, tiny_llama_path, "reference")
+
+
+@pytest.fixture
+def actor_worker(monkeypatch, tiny_llama_path):
+    """The same of role 'actor' (a role that trains)."""
+    return _worker(monkeypatch, tiny_llama_path, "actor")
+
+
+def _worker(monkeypatch, tiny_llama_path, role: str):
     from rlhfkit.hybrid._trainer_worker import TrainerWorker
 
-    for name, value in {"RLHFKIT_ROLE": "reference", "RANK": "0", "RLHFKIT_BUNDLE_INDICES": "0",
+    for name, value in {"RLHFKIT_ROLE": role, "RANK": "0", "RLHFKIT_BUNDLE_INDICES": "0",
                         "RLHFKIT_PLAN_NODE": "0"}.items():
         monkeypatch.setenv(name, value)
     store = LocalPhaseStore()
@@ -114,6 +124,70 @@ def test_a_failed_background_sleep_surfaces_on_the_next_call_naming_role_rank_an
         worker.wake(phase="next")
     assert error.value.phase == "forward_reference" and error.value.role == "reference"
     worker._settle("again")  # reported once
+
+
+class DeferringModel(SlowModel):
+    """A trained model whose wake may leave its optimizer's states for a ``finish_wake`` as slow as told (or failing);
+    records the order of what happened to it."""
+
+    def __init__(self, *, finish_s: float = 0.0, fail_finish: bool = False) -> None:
+        super().__init__()
+        self.finish_s, self.fail_finish, self.optimizer_states_away, self.order = finish_s, fail_finish, False, []
+
+    def wake_up(self, defer_optimizer: bool = False) -> dict:
+        self.order.append(f"wake(defer={defer_optimizer})")
+        self.optimizer_states_away = defer_optimizer
+        return super().wake_up() | {"bytes_moved": 100.0 if defer_optimizer else 1000.0}
+
+    def finish_wake(self) -> dict:
+        time.sleep(self.finish_s)
+        if self.fail_finish:
+            raise MemoryError("no room for the Adam moments")
+        self.order.append("finish_wake")
+        self.optimizer_states_away = False
+        return {"bytes_moved": 900.0, "seconds": self.finish_s}
+
+    def sleep(self, keep_weights: bool = False) -> dict:
+        self.order.append("sleep")
+        return super().sleep(keep_weights)
+
+
+def test_a_trained_role_wakes_its_optimizer_states_behind_its_forward_backward(actor_worker):
+    """forward_backward's wake leaves the optimizer's states for a background thread; the call goes on at once and
+    the next call (optim_step) joins it; the report counts its bytes and seconds apart from the switch time."""
+    worker, _ = actor_worker
+    worker.model = DeferringModel(finish_s=0.4)
+    started = time.perf_counter()
+    switch = worker._begin("forward_backward", "train_actor", True, defer_optimizer=True)
+    assert time.perf_counter() - started < 0.3 and switch < 0.3  # did not wait for the optimizer's states
+    assert worker.model.optimizer_states_away and worker._finishing is not None
+    worker._settle("optim_step")
+    assert not worker.model.optimizer_states_away and worker._finishing is None
+    report = worker._report()
+    assert report["overlapped_wake_s"] >= 0.4 and report["bytes_h2d"] == 1000.0  # 100 now + 900 behind
+    worker._transition("sleep", "train_actor")
+    worker.model = DeferringModel()  # a call that does not defer (forward with sleep_after) wakes everything
+    worker._begin("forward", "forward_actor", True)
+    assert worker.model.order == ["wake(defer=False)"] and worker._finishing is None
+
+
+def test_a_failed_optimizer_wake_surfaces_on_the_next_call_and_a_failing_call_joins_it_before_sleeping(
+        actor_worker):
+    worker, _ = actor_worker
+    worker.model = DeferringModel(finish_s=0.1, fail_finish=True)
+    worker._begin("forward_backward", "train_actor", True, defer_optimizer=True)
+    with pytest.raises(HybridCallError, match=r"'actor' rank 0: the wake of its optimizer states in phase "
+                                              r"'train_actor' failed in the background \(MemoryError: no room") as error:
+        worker._settle("optim_step")
+    assert error.value.phase == "train_actor" and error.value.role == "actor"
+    worker._settle("again")  # reported once
+    # a call that fails while the optimizer's states come back: they finish before the role goes back to sleep
+    worker._transition("sleep", "train_actor")
+    worker.model = DeferringModel(finish_s=0.3)
+    with pytest.raises(ValueError, match="the loss"), worker._guarded_call("train_actor"):
+        worker._begin("forward_backward", "train_actor", True, defer_optimizer=True)
+        raise ValueError("the loss")
+    assert worker.model.order == ["wake(defer=True)", "finish_wake", "sleep"]
 
 
 class FakeSender:
@@ -274,6 +348,9 @@ def test_the_loop_with_overlapped_switches_trains_exactly_as_without(tiny_llama_
         assert a["engine/weight_version"] == b["engine/weight_version"]
     assert "time/overlapped_sleep_s" not in plain[-1]
     assert overlapped[-1]["time/overlapped_sleep_s"] > 0 and overlapped[-1]["switch/bytes_d2h"] > 0
+    # with or without overlap, the actor's optimizer states woke behind its forward-backward, their bytes counted
+    assert plain[-1]["time/overlapped_wake_s"] > 0 and overlapped[-1]["time/overlapped_wake_s"] > 0
+    assert plain[-1]["switch/bytes_h2d"] == overlapped[-1]["switch/bytes_h2d"] > 0
     # every sleep still happens (in the background): as many as without overlap, per role and phase
     count = lambda rows: sorted((e["role"], e["action"], e["phase"]) for e in rows[-1]["events"])
     assert count(plain) == count(overlapped)

@@ -296,7 +296,9 @@ class TCPPhaseStore:
 class Transition:
     """One guarded transition. Memory fields are bytes of this process's view of the device (None without CUDA).
     ``result``: what the model's ``sleep()``/``wake_up()`` returned (e.g. a DeepSpeed engine's stats), or None.
-    ``displaced``: the role a ``wake(..., displace_releasing=True)`` took the GPU from while it went to sleep."""
+    ``displaced``: the role a ``wake(..., displace_releasing=True)`` took the GPU from while it went to sleep.
+    ``at``: the wall-clock time (``time.time()``) the claim changed hands: when a wake took it, when a sleep released
+    it (what orders the transitions of several processes on one GPU; their ends come later)."""
 
     action: str
     role: str
@@ -308,6 +310,7 @@ class Transition:
     free: int | None
     result: Any = None
     displaced: str | None = None
+    at: float | None = None
 
 
 def _memory(device: torch.device | None) -> tuple[int | None, int | None, int | None]:
@@ -385,14 +388,14 @@ class PhaseGuard:
                 f"cannot wake '{role}' on GPU {gpu}{where}: '{other_role}' is {state} there"
                 f"{f' ({other_owner})' if other_owner else ''}; put '{other_role}' to sleep first "
                 f"(guard.sleep('{other_role}', ...))")
-        start, result = time.perf_counter(), None
+        start, result, at = time.perf_counter(), None, time.time()
         try:
             if model is not None:
                 result = model.wake_up(**wake_kwargs)
         except BaseException:
             self.store.release(gpu, mine)
             raise
-        return self._record("wake", role, gpu, phase, time.perf_counter() - start, result, displaced=displaced)
+        return self._record("wake", role, gpu, phase, time.perf_counter() - start, result, displaced=displaced, at=at)
 
     def mark_releasing(self, role: str, model: Sleepable | None = None, *, gpu: str | None = None) -> bool:
         """Mark ``role``'s claim on ``gpu`` (held for ``model``) as releasing: its model is about to go to sleep, and
@@ -420,15 +423,15 @@ class PhaseGuard:
         start, result = time.perf_counter(), None
         if model is not None:
             result = model.sleep(**sleep_kwargs)
-            holder = f"{role}{_OWNER_SEP}{_owner(model)}"
+            holder, at = f"{role}{_OWNER_SEP}{_owner(model)}", time.time()
             # marked releasing or not; a role that displaced this one holds the GPU now, and keeps it
             if not self.store.release(gpu, holder):
                 self.store.release(gpu, holder + _RELEASING)
         else:
-            holder = self.store.holder(gpu)
+            holder, at = self.store.holder(gpu), time.time()
             if holder is not None and _split_holder(holder)[0] == role:
                 self.store.release(gpu, holder)
-        return self._record("sleep", role, gpu, phase, time.perf_counter() - start, result)
+        return self._record("sleep", role, gpu, phase, time.perf_counter() - start, result, at=at)
 
     @contextlib.contextmanager
     def phase(self, name: str, role: str, model: Sleepable | None = None, *, gpu: str | None = None,
@@ -449,10 +452,11 @@ class PhaseGuard:
         return None if holder is None else _split_holder(holder)[0]
 
     def _record(self, action: str, role: str, gpu: str, phase: str | None, seconds: float,
-                result: Any = None, displaced: str | None = None) -> Transition:
+                result: Any = None, displaced: str | None = None, at: float | None = None) -> Transition:
         allocated, reserved, free = _memory(self.device)
         transition = Transition(action=action, role=role, gpu=gpu, phase=phase, seconds=seconds,
-                                allocated=allocated, reserved=reserved, free=free, result=result, displaced=displaced)
+                                allocated=allocated, reserved=reserved, free=free, result=result, displaced=displaced,
+                                at=at)
         self.history.append(transition)
         where = f" (phase {phase})" if phase else ""
         if allocated is None:

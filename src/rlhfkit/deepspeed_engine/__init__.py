@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import threading
 import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -122,6 +123,8 @@ class DeepSpeedEngine:
         self._writes_at_wake = -1  # _weight_writes at the last wake_up (-1: never woken)
         self._asleep = False
         self._weights_kept = False
+        self._later_bytes = 0  # bytes of the states a wake_up(defer_optimizer=True) left for finish_wake()
+        self._wake_lock = threading.Lock()  # finish_wake() in another thread against sleep() and the step
         self._pending_losses: list[torch.Tensor] = []
         logger.info("'%s' (%s) ready: ZeRO-%d, %s, sleep plan: %s", self.name, role, config.zero_stage,
                     "bf16" if config.bf16 else "fp32", self._sleep_plan.note)
@@ -265,6 +268,7 @@ class DeepSpeedEngine:
         """DeepSpeed's step at an accumulation boundary, for callers that own the boundary (``ds_config_overrides=
         {"managed_gradient_accumulation": False}``, as rlhfkit's trainer worker); returns the global pre-clip gradient
         norm (None without gradients). :meth:`step` uses it at its boundaries."""
+        self.finish_wake()
         own_norm = self._zero0_grad_norm()
         self.ds_engine.step()
         grad_norm = self.ds_engine.get_global_grad_norm()
@@ -293,6 +297,10 @@ class DeepSpeedEngine:
         holds them, their device memory is freed without a copy, and ``bytes_kept_on_host`` counts them. A write is
         known from :meth:`load_checkpoint`, from an in-place op on the parameter (its version counter), or from
         :meth:`weights_changed`, which code writing them another way (``param.data.copy_``) must call."""
+        with self._wake_lock:  # a finish_wake() running in another thread ends first
+            return self._sleep(keep_weights=keep_weights)
+
+    def _sleep(self, *, keep_weights: bool) -> dict[str, float]:
         if self._asleep and (keep_weights or not self._weights_kept):
             return {}
         if self._sleep_plan.unsupported or (self.has_optimizer and self.config.zero_stage == 0 and self.config.bf16):
@@ -309,7 +317,8 @@ class DeepSpeedEngine:
         # weights_kept first: a thread streaming the kept weights meanwhile never sees "asleep without its weights"
         self._weights_kept = keep_weights
         self._asleep = True
-        self._offloaded_bytes += moved + kept
+        self._offloaded_bytes += moved + kept + self._later_bytes  # the states a wake left for later are still off
+        self._later_bytes = 0
         stats = self._log_transition("asleep" + (" (weights kept)" if keep_weights else ""), before, seconds)
         stats["bytes_moved"] = float(moved)
         stats["bytes_kept_on_host"] = float(kept)
@@ -343,19 +352,51 @@ class DeepSpeedEngine:
         instead of trusting the pinned copy of the last one."""
         self._weight_writes += 1
 
-    def wake_up(self) -> dict[str, float]:
+    def wake_up(self, *, defer_optimizer: bool = False) -> dict[str, float]:
         """Bring back everything :meth:`sleep` moved (bit-identical); a no-op when awake. Returns timing/memory stats
-        and ``bytes_moved``: host -> device bytes, all that the sleeps since the last wake took off the device."""
+        and ``bytes_moved``: host -> device bytes, all that the sleeps since the last wake took off the device.
+
+        ``defer_optimizer=True`` (ZeRO-0/1/2 with an optimizer) brings back what forwards and backwards read (the
+        weights, the gradient partitions) and leaves the optimizer's states (Adam moments; ZeRO-1/2: the fp32 master
+        partitions) in host memory for :meth:`finish_wake`, which a caller may run in another thread, on a CUDA
+        stream of its own, while the model computes its first forward-backward: at a 1.5B model they are 18.5 of the
+        20.6 GB a wake copies. The optimizer step (and :meth:`sleep`, saving, loading) calls it first, so nothing
+        reads them before they are back. ``bytes_moved`` then counts what came back now."""
         if not self._asleep:
             return {}
         before = sleeping.device_memory(self.device)
         start = time.perf_counter()
-        sleeping.reload_engine(self.ds_engine, self._offloaders, self._offloaded)
+        later = sleeping.deferrable_states(self._offloaded, self.config.zero_stage) if defer_optimizer else set()
+        # (at most what the sleeps counted: on a CPU "device" DeepSpeed's own states stay put and are not counted)
+        later_bytes = min(sleeping.deferred_bytes(self.ds_engine, self._offloaders, later), self._offloaded_bytes)
+        sleeping.reload_engine(self.ds_engine, self._offloaders, self._offloaded - later)
         seconds = time.perf_counter() - start
-        self._offloaded, self._asleep, self._weights_kept = set(), False, False
+        self._offloaded, self._asleep, self._weights_kept = later, False, False
         self._writes_at_wake = self._weight_writes
-        moved, self._offloaded_bytes = self._offloaded_bytes, 0
-        return self._log_transition("awake", before, seconds) | {"bytes_moved": float(moved)}
+        moved, self._offloaded_bytes, self._later_bytes = self._offloaded_bytes - later_bytes, 0, later_bytes
+        return self._log_transition("awake" + (" (optimizer states later)" if later else ""), before,
+                                    seconds) | {"bytes_moved": float(moved)}
+
+    @property
+    def optimizer_states_away(self) -> bool:
+        """Awake with the optimizer's states still in host memory (after ``wake_up(defer_optimizer=True)``, before
+        :meth:`finish_wake`)."""
+        return not self._asleep and bool(self._offloaded)
+
+    def finish_wake(self) -> dict[str, float]:
+        """Bring back the optimizer's states a ``wake_up(defer_optimizer=True)`` left in host memory; a no-op when
+        none were left. Safe to call from another thread while this one runs forwards and backwards (their copies
+        queue on that thread's current CUDA stream, and it waits for them before returning). Returns timing/memory
+        stats and ``bytes_moved``."""
+        with self._wake_lock:
+            if not self.optimizer_states_away:
+                return {}
+            before = sleeping.device_memory(self.device)
+            start = time.perf_counter()
+            sleeping.reload_engine(self.ds_engine, self._offloaders, self._offloaded)
+            seconds = time.perf_counter() - start
+            self._offloaded, moved, self._later_bytes = set(), self._later_bytes, 0
+            return self._log_transition("optimizer states awake", before, seconds) | {"bytes_moved": float(moved)}
 
     def _log_transition(self, what: str, before: dict[str, float], seconds: float) -> dict[str, float]:
         after = sleeping.device_memory(self.device)
@@ -425,6 +466,7 @@ class DeepSpeedEngine:
         """Write ``root/step-<global_step>`` atomically (DeepSpeed state in ``deepspeed/``, HF weights in ``hf/``);
         a crash mid-write leaves no directory that :func:`latest_checkpoint` returns. Collective."""
         self._require_awake("save_checkpoint")
+        self.finish_wake()
         hf_export = (lambda directory: self.export_hf(directory, tokenizer=tokenizer)) if export_hf else None
         state = {"rlhfkit": {"role": self.role, "name": self.name, "global_step": self.global_step},
                  **dict(client_state or {})}
@@ -435,6 +477,7 @@ class DeepSpeedEngine:
         """Restore DeepSpeed state (weights, optimizer, LR schedule, step) from a complete checkpoint directory;
         returns the ``client_state`` saved with it. Collective."""
         self._require_awake("load_checkpoint")
+        self.finish_wake()
         self._weight_writes += 1
         return ckpt.load_checkpoint(self.ds_engine, path, load_optimizer_states=load_optimizer_states)
 
@@ -442,6 +485,7 @@ class DeepSpeedEngine:
         """Release DeepSpeed's engine and the host buffers kept for sleeping."""
         if self._asleep:
             self.wake_up()
+        self.finish_wake()
         for offloader in self._offloaders.values():
             offloader.release_host_buffers()
         self.ds_engine.destroy()

@@ -26,8 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["StorageOffloader", "SleepPlan", "plan_sleep", "offload_engine", "reload_engine", "device_memory",
-           "resident_state_bytes"]
+__all__ = ["StorageOffloader", "SleepPlan", "plan_sleep", "offload_engine", "reload_engine", "deferrable_states",
+           "deferred_bytes", "device_memory", "resident_state_bytes"]
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +72,11 @@ class StorageOffloader:
     @property
     def active(self) -> bool:
         return bool(self._moved)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the storages offloaded now (0 when none are)."""
+        return sum(self._layout) if self._moved else 0
 
     def offload(self, tensors: Iterable[torch.Tensor], *, device: torch.device, non_blocking: bool = True,
                 unchanged: bool = False) -> int:
@@ -435,16 +440,44 @@ def release_cuda_caches() -> None:
 _ZERO12_PIN_BUFFERS = ("hp_params_pin_buffers", "lp_params_pin_buffers")
 
 
+def deferrable_states(done: set[str], zero_stage: int) -> set[str]:
+    """The states in ``done`` (what :func:`offload_engine` moved) that only the optimizer step reads, so that a wake
+    may bring them back later, behind a forward-backward: under ZeRO-0/1/2 the optimizer's states (rlhfkit's
+    ``own_master``: ZeRO-0's and ZeRO-1/2's Adam moments) and ZeRO-1/2's fp32 master partitions (DeepSpeed's
+    ``hp_params``). None under ZeRO-3, whose masters and optimizer DeepSpeed reloads together with the shards."""
+    if zero_stage == 3:
+        return set()
+    return done & {"own_master", HP_PARAMS}
+
+
+def deferred_bytes(ds_engine, offloaders: dict[str, StorageOffloader], names: set[str]) -> int:
+    """Bytes off the device in the states ``names`` (of :func:`deferrable_states`)."""
+    total = offloaders["own_master"].nbytes if "own_master" in names else 0
+    if HP_PARAMS in names:
+        total += sum(flat.numel() * flat.element_size()
+                     for flat in getattr(ds_engine.optimizer, "single_partition_of_fp32_groups", None) or [])
+    return total
+
+
 def reload_engine(ds_engine, offloaders: dict[str, StorageOffloader], done: set[str]) -> None:
-    """Bring back everything :func:`offload_engine` moved: ours first, so that DeepSpeed's ZeRO-1/2 re-linking of
-    master-weight views to the optimizer states sees them on the device."""
+    """Bring back what :func:`offload_engine` moved, the states named in ``done`` (all it moved, or part of them:
+    :func:`deferrable_states` may come later): ours first, so that DeepSpeed's ZeRO-1/2 re-linking of master-weight
+    views to the optimizer states sees them on the device."""
     for name in ("own_master", "own_params", "own_fixed"):
         if name in done:
             offloaders[name].reload()
     if any(name in done for name in (HP_PARAMS, LP_PARAMS, LP_GRADS, OPTIM_STATES, GRAD_BUFFER)):
         wrapper = ds_engine.optimizer
         kept = {name: getattr(wrapper, name) for name in _ZERO12_PIN_BUFFERS if hasattr(wrapper, name)}
-        ds_engine.reload_states(non_blocking=True)
+        # DeepSpeed's reload_states() brings back every state it offloaded: the ones left for later are hidden from it
+        later = {state for state in getattr(wrapper, "offloaded_states", ()) if state not in done}
+        if later:
+            wrapper.offloaded_states -= later
+        try:
+            ds_engine.reload_states(non_blocking=True)
+        finally:
+            if later:
+                wrapper.offloaded_states |= later
         _synchronize(ds_engine.device if isinstance(ds_engine.device, torch.device)
                      else torch.device(ds_engine.device))  # the host buffers are free to reuse only after this
         for name, buffers in kept.items():

@@ -151,13 +151,13 @@ class PhaseTimer:
         self.times: dict[str, float] = defaultdict(float)
         self._moved: dict[str, float] = defaultdict(float)
         self._worker: dict[str, float] = defaultdict(float)
-        self._overlapped = 0.0  # background sleeps' seconds (count_overlapped)
+        self._overlapped = {False: 0.0, True: 0.0}  # background sleeps' and wakes' seconds (count_overlapped)
         self._current: str | None = None
         self._started: float | None = None
 
     def start_step(self) -> None:
         self.times, self._moved, self._bytes = defaultdict(float), defaultdict(float), defaultdict(float)
-        self._worker, self._overlapped = defaultdict(float), 0.0
+        self._worker, self._overlapped = defaultdict(float), {False: 0.0, True: 0.0}
         self._started = time.perf_counter()
         if self.sampler is not None:
             self.sampler.take()
@@ -209,13 +209,14 @@ class PhaseTimer:
             self._worker[f"{source}_s"] += seconds
             self._worker[f"{source}_cpu_s"] += cpu_s
 
-    def count_overlapped(self, seconds: float) -> None:
+    def count_overlapped(self, seconds: float, *, wake: bool = False) -> None:
         """Count ``seconds`` of sleeps that ran in the background, behind another role's work
-        (``HybridConfig.overlap_switches``): ``time/overlapped_sleep_s``, not part of the step's switch time (their
-        bytes still count toward the switches' floor)."""
+        (``HybridConfig.overlap_switches``): ``time/overlapped_sleep_s``; ``wake=True``: of wakes of a trainer's
+        optimizer states that ran behind its own forward-backward (``time/overlapped_wake_s``). Neither is part of
+        the step's switch time (their bytes still count toward the switches' floor)."""
         if not seconds >= 0:
             raise ValueError(f"count_overlapped({seconds!r}); give a duration >= 0")
-        self._overlapped += seconds
+        self._overlapped[wake] += seconds
 
     def count_sync_bytes(self, num_bytes: float) -> None:
         """Count ``num_bytes`` a weight sync moved into the engines in this step."""
@@ -250,8 +251,9 @@ class PhaseTimer:
         self._moved.clear()
         row = {f"time/{name}_s": seconds for name, seconds in self.times.items()} | {"time/step_s": step}
         row |= {f"worker/{name}": seconds for name, seconds in self._worker.items()}
-        if self._overlapped:
-            row["time/overlapped_sleep_s"] = self._overlapped
+        for wake, name in ((False, "time/overlapped_sleep_s"), (True, "time/overlapped_wake_s")):
+            if self._overlapped[wake]:
+                row[name] = self._overlapped[wake]
         switch = sum(self.times.get(name, 0.0) for name in SWITCH_PHASES)
         row |= {"time/phase_switch_s": switch, "time/phase_switch_fraction": switch / step if step > 0 else 0.0}
         row |= self._switch_bytes(switch)

@@ -189,6 +189,7 @@ class TrainerGroup:
             slowest = max(results, key=lambda result: result.get("worker_s", 0.0))
             self.timer.count_worker(slowest.get("worker_s", 0.0), cpu_s=slowest.get("worker_cpu_s", 0.0))
             self.timer.count_overlapped(max(result.get("overlapped_s", 0.0) for result in results))
+            self.timer.count_overlapped(max(result.get("overlapped_wake_s", 0.0) for result in results), wake=True)
         self.peak_gib = max([self.peak_gib] + [result.get("peak_gib", 0.0) for result in results])
 
     def forward(self, batch: PackedBatch, *, output: str = "logprobs", temperature: float = 1.0, wake: bool = True,

@@ -35,8 +35,10 @@ def plan_gpu_key(node: int, gpu: int) -> str:
 
 
 def transition_record(transition: Any, **extra: Any) -> dict[str, Any]:
-    """A guarded transition as a plain dict with a wall-clock time (for ``phases.jsonl`` and order checks)."""
-    record = {"time": time.time(), "pid": os.getpid(), "action": transition.action, "role": transition.role, "gpu": transition.gpu,
+    """A guarded transition as a plain dict with a wall-clock time (for ``phases.jsonl`` and order checks): when the
+    claim changed hands (``Transition.at``), else now."""
+    at = getattr(transition, "at", None)
+    record = {"time": time.time() if at is None else at, "pid": os.getpid(), "action": transition.action, "role": transition.role, "gpu": transition.gpu,
               "phase": transition.phase, "seconds": transition.seconds}
     for name in ("allocated", "reserved", "free"):
         value = getattr(transition, name)
@@ -122,6 +124,10 @@ class TrainerWorker(Worker):
         self._stats_lock = threading.Lock()  # the counters above: a background sleep adds while a call reports
         self._weights_written: Any = None  # CUDA event after the step a weights-keeping background sleep follows
         self._send_stream: Any = None  # the CUDA stream a push beside that sleep runs on
+        self._finishing: tuple[threading.Thread, str] | None = None  # the optimizer states' wake, behind a call
+        self._finish_error: tuple[BaseException, str] | None = None  # what it raised, and its phase
+        self._overlapped_wake_s = 0.0  # seconds of those wakes since the last report
+        self._wake_stream: Any = None  # the CUDA stream their copies run on
 
     @property
     def trains(self) -> bool:
@@ -215,7 +221,9 @@ class TrainerWorker(Worker):
         weights_only = self._background[2] if self._background is not None else self._weights_only
         with self._stats_lock:
             overlapped, self._overlapped_s = self._overlapped_s, 0.0
-        return {**self._take_moved(), "awake": self.awake, "weights_only": weights_only, "overlapped_s": overlapped}
+            overlapped_wake, self._overlapped_wake_s = self._overlapped_wake_s, 0.0
+        return {**self._take_moved(), "awake": self.awake, "weights_only": weights_only, "overlapped_s": overlapped,
+                "overlapped_wake_s": overlapped_wake}
 
     def _sleep(self, phase: str, *, keep_weights: bool = False, after: threading.Thread | None = None) -> float:
         """Put the model to sleep now; or, with ``overlap_switches``, mark its claim releasing (the next role may
@@ -254,9 +262,52 @@ class TrainerWorker(Worker):
         thread.start()
         return 0.0
 
+    def _wake_optimizer_behind(self, phase: str) -> None:
+        """Bring the optimizer's states back in a background thread (on a GPU: on a CUDA stream of its own), while
+        this call computes; the next call, or a sleep, waits for it (:meth:`_settle`)."""
+        if not self.model.optimizer_states_away:
+            return
+        side = None
+        if self.device_kind == "cuda":
+            self._wake_stream = side = self._wake_stream or torch.cuda.Stream(self._cuda_device)
+
+        def finish() -> None:
+            try:
+                if side is not None:
+                    torch.cuda.set_device(self._cuda_device)
+                with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+                    stats = self.model.finish_wake()
+                with self._stats_lock:
+                    self._moved["bytes_h2d"] += stats.get("bytes_moved", 0.0)
+                    self._overlapped_wake_s += stats.get("seconds", 0.0)
+            except BaseException as error:  # noqa: BLE001 - raised by the next call (_settle), naming the phase
+                self._finish_error = (error, phase)
+
+        thread = threading.Thread(target=finish, name=f"{self.role}-{self.rank}-wake", daemon=True)
+        self._finishing = (thread, phase)
+        thread.start()
+
+    def _join_wake(self, method: str) -> None:
+        """Wait for the optimizer states' background wake (:meth:`_wake_optimizer_behind`); raise what it raised."""
+        if self._finishing is None:
+            return
+        thread, phase = self._finishing
+        thread.join(SETTLE_TIMEOUT_S)
+        if thread.is_alive():
+            raise HybridCallError(f"{method}() on '{self.role}' rank {self.rank}: the wake of its optimizer states "
+                                  f"in phase '{phase}' did not finish within {SETTLE_TIMEOUT_S:g} s", role=self.role,
+                                  rank=self.rank, phase=phase)
+        self._finishing, failed, self._finish_error = None, self._finish_error, None
+        if failed is not None:
+            error, phase = failed
+            raise HybridCallError(f"'{self.role}' rank {self.rank}: the wake of its optimizer states in phase "
+                                  f"'{phase}' failed in the background ({type(error).__name__}: {error}); found by "
+                                  f"{method}()", role=self.role, rank=self.rank, phase=phase) from error
+
     def _settle(self, method: str) -> None:
-        """Wait for a background sleep (``overlap_switches``) to finish; raise what it raised, naming the phase it
-        closed and the call that found out."""
+        """Wait for a background sleep (``overlap_switches``) or wake of the optimizer's states to finish; raise what
+        it raised, naming the phase it closed and the call that found out."""
+        self._join_wake(method)
         if self._background is None:
             return
         thread, phase, _ = self._background
@@ -314,7 +365,9 @@ class TrainerWorker(Worker):
         events, self.events = self.events, []
         return events
 
-    def _begin(self, method: str, phase: str, wake: bool) -> float:
+    def _begin(self, method: str, phase: str, wake: bool, *, defer_optimizer: bool = False) -> float:
+        """Settle, check, and wake the role if asleep. ``defer_optimizer`` (a call that leaves the role awake and
+        does not step: its optimizer's states wake in the background, behind the call's compute)."""
         self._settle(method)
         if self.model is None:
             raise HybridCallError(f"{method}() on '{self.role}' rank {self.rank} before load()", role=self.role,
@@ -325,7 +378,11 @@ class TrainerWorker(Worker):
             raise RoleAsleepError(f"{method}() called while '{self.role}' rank {self.rank} is asleep (phase "
                                   f"'{phase}'); pass wake=True or wake the role first", role=self.role,
                                   rank=self.rank, phase=phase)
-        return self._transition("wake", phase)
+        if not (defer_optimizer and self.trains and self.config.offload):
+            return self._transition("wake", phase)
+        seconds = self._transition("wake", phase, defer_optimizer=True)
+        self._wake_optimizer_behind(phase)
+        return seconds
 
     @contextlib.contextmanager
     def _guarded_call(self, phase: str):
@@ -334,6 +391,8 @@ class TrainerWorker(Worker):
             yield
         except BaseException:
             self._pending_backward = False
+            with contextlib.suppress(Exception):
+                self._join_wake(f"{phase}-failed")  # the optimizer states' wake ends before the sleep
             if self.awake:
                 with contextlib.suppress(Exception):
                     self._transition("sleep", f"{phase}-failed")
@@ -349,7 +408,7 @@ class TrainerWorker(Worker):
                 sleep_after: bool | str, adapters: bool = True) -> dict[str, Any]:
         """No-grad forwards over this rank's micro-batches: ``[T]`` log-probs or values, or ``[N]`` rewards each."""
         started = _clocks()
-        switch = self._begin("forward", phase, wake)
+        switch = self._begin("forward", phase, wake, defer_optimizer=sleep_after in (False, None))
         with self._guarded_call(phase):
             _reset_peak()
             run = {"logprobs": lambda b: self.model.forward_logprobs(b, temperature=temperature,
@@ -373,7 +432,7 @@ class TrainerWorker(Worker):
                                   rank=self.rank, phase=phase)
         started = _clocks()
         loss_fn = self._loss_function(loss_fn)
-        switch = self._begin("forward_backward", phase, wake)
+        switch = self._begin("forward_backward", phase, wake, defer_optimizer=True)
         sums: dict[str, float] = defaultdict(float)
         tensors: list[tuple[str, torch.Tensor]] = []  # stats the loss gave as tensors: read in one wait at the end
         with self._guarded_call(phase):
