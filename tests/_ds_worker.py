@@ -176,7 +176,7 @@ def _deferred_wake_step(engine, batch) -> dict:
     woke_again = engine.wake_up(defer_optimizer=True)
     finished: dict = {}
     loss = _nll(engine, batch)
-    finishing = threading.Thread(target=lambda: finished.update(engine.finish_wake()))
+    finishing = threading.Thread(target=lambda: finished.update(engine.finish_wake(chunk_bytes=4096)))
     finishing.start()
     engine.backward(loss)
     finishing.join()

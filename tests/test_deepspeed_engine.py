@@ -165,6 +165,25 @@ def test_storage_offloader_coalesces_storages_into_one_buffer_after_a_cycle():
     assert torch.equal(added, torch.ones(5)) and torch.equal(states[1], expected[1])
 
 
+def test_storage_offloader_reload_in_chunks_is_exact_and_chunks_check_their_sizes():
+    """``reload(chunk_bytes=...)`` (the optimizer states' wake behind a forward-backward) brings back the same values
+    as one copy, whatever the chunk size against the slots; ``nbytes`` counts what is offloaded."""
+    from rlhfkit.deepspeed_engine._sleep import copy_in_chunks
+
+    states = [torch.randn(n, dtype=dtype) for n, dtype in ((7, torch.float32), (3, torch.bfloat16), (129, torch.float32))]
+    expected = [t.clone() for t in states]
+    offloader = StorageOffloader()
+    for chunk in (5, 512, 10**6):  # smaller than a slot, about a slot, everything at once
+        moved = offloader.offload(states, device=torch.device("cpu"))
+        assert offloader.nbytes == moved >= 7 * 4 + 3 * 2 + 129 * 4  # (one aligned buffer after the first cycle)
+        assert offloader.reload(chunk_bytes=chunk) == moved and offloader.nbytes == 0
+        assert all(torch.equal(t, e) for t, e in zip(states, expected)), chunk
+    with pytest.raises(ValueError, match="chunk_bytes=0"):
+        copy_in_chunks(torch.empty(4), torch.empty(4), 0)
+    with pytest.raises(ValueError, match="12 bytes to 16 bytes"):
+        copy_in_chunks(torch.empty(4), torch.empty(3), 8)
+
+
 def test_sleep_plan_per_wrapper_and_stage():
     """Which mechanism moves what, decided from DeepSpeed's optimizer wrapper (fakes carry only the class name)."""
     from rlhfkit.deepspeed_engine._sleep import plan_sleep

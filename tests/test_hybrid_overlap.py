@@ -139,7 +139,7 @@ class DeferringModel(SlowModel):
         self.optimizer_states_away = defer_optimizer
         return super().wake_up() | {"bytes_moved": 100.0 if defer_optimizer else 1000.0}
 
-    def finish_wake(self) -> dict:
+    def finish_wake(self, chunk_bytes: int | None = None) -> dict:
         time.sleep(self.finish_s)
         if self.fail_finish:
             raise MemoryError("no room for the Adam moments")
@@ -159,6 +159,7 @@ def test_a_trained_role_wakes_its_optimizer_states_behind_its_forward_backward(a
     worker.model = DeferringModel(finish_s=0.4)
     started = time.perf_counter()
     switch = worker._begin("forward_backward", "train_actor", True, defer_optimizer=True)
+    worker._wake_optimizer_behind("train_actor")  # forward_backward starts it once its inputs are on the device
     assert time.perf_counter() - started < 0.3 and switch < 0.3  # did not wait for the optimizer's states
     assert worker.model.optimizer_states_away and worker._finishing is not None
     worker._settle("optim_step")
@@ -176,6 +177,7 @@ def test_a_failed_optimizer_wake_surfaces_on_the_next_call_and_a_failing_call_jo
     worker, _ = actor_worker
     worker.model = DeferringModel(finish_s=0.1, fail_finish=True)
     worker._begin("forward_backward", "train_actor", True, defer_optimizer=True)
+    worker._wake_optimizer_behind("train_actor")
     with pytest.raises(HybridCallError, match=r"'actor' rank 0: the wake of its optimizer states in phase "
                                               r"'train_actor' failed in the background \(MemoryError: no room") as error:
         worker._settle("optim_step")
@@ -186,6 +188,7 @@ def test_a_failed_optimizer_wake_surfaces_on_the_next_call_and_a_failing_call_jo
     worker.model = DeferringModel(finish_s=0.3)
     with pytest.raises(ValueError, match="the loss"), worker._guarded_call("train_actor"):
         worker._begin("forward_backward", "train_actor", True, defer_optimizer=True)
+        worker._wake_optimizer_behind("train_actor")
         raise ValueError("the loss")
     assert worker.model.order == ["wake(defer=True)", "finish_wake", "sleep"]
 

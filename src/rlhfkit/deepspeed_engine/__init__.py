@@ -383,17 +383,18 @@ class DeepSpeedEngine:
         :meth:`finish_wake`)."""
         return not self._asleep and bool(self._offloaded)
 
-    def finish_wake(self) -> dict[str, float]:
+    def finish_wake(self, *, chunk_bytes: int | None = None) -> dict[str, float]:
         """Bring back the optimizer's states a ``wake_up(defer_optimizer=True)`` left in host memory; a no-op when
         none were left. Safe to call from another thread while this one runs forwards and backwards (their copies
-        queue on that thread's current CUDA stream, and it waits for them before returning). Returns timing/memory
-        stats and ``bytes_moved``."""
+        queue on that thread's current CUDA stream, and it waits for them before returning). ``chunk_bytes`` (CUDA):
+        copy in pieces of that size, one in flight at a time, so that the other thread's own small host-to-device
+        copies do not wait behind the whole transfer. Returns timing/memory stats and ``bytes_moved``."""
         with self._wake_lock:
             if not self.optimizer_states_away:
                 return {}
             before = sleeping.device_memory(self.device)
             start = time.perf_counter()
-            sleeping.reload_engine(self.ds_engine, self._offloaders, self._offloaded)
+            sleeping.reload_engine(self.ds_engine, self._offloaders, self._offloaded, chunk_bytes=chunk_bytes)
             seconds = time.perf_counter() - start
             self._offloaded, moved, self._later_bytes = set(), self._later_bytes, 0
             return self._log_transition("optimizer states awake", before, seconds) | {"bytes_moved": float(moved)}

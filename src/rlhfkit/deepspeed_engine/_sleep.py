@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 __all__ = ["StorageOffloader", "SleepPlan", "plan_sleep", "offload_engine", "reload_engine", "deferrable_states",
-           "deferred_bytes", "device_memory", "resident_state_bytes"]
+           "deferred_bytes", "copy_in_chunks", "device_memory", "resident_state_bytes"]
 
 logger = logging.getLogger(__name__)
 
@@ -125,15 +125,19 @@ class StorageOffloader:
             _repoint(members, self._host, offset)
         return sum(layout)
 
-    def reload(self, *, non_blocking: bool = True) -> int:
+    def reload(self, *, non_blocking: bool = True, chunk_bytes: int | None = None) -> int:
         """Copy every moved storage back in one copy, into one device buffer whose slots they become; returns the
-        bytes moved."""
+        bytes moved. ``chunk_bytes``: copy in pieces of that size, one in flight at a time (see
+        :func:`copy_in_chunks`)."""
         if not self._moved:
             return 0
         device = self._moved[0][2]  # one offload() call, one device
         total = _offsets(self._layout, self.ALIGN)[-1] + self._layout[-1]
         buffer = torch.empty(total, dtype=torch.uint8, device=device)
-        buffer.copy_(self._host[:total], non_blocking=non_blocking)
+        if chunk_bytes is not None:
+            copy_in_chunks(buffer, self._host[:total], chunk_bytes)
+        else:
+            buffer.copy_(self._host[:total], non_blocking=non_blocking)
         for members, _, _ in self._moved:  # their offsets in the host buffer are their offsets in this one
             _repoint(members, buffer)
         _synchronize(device)
@@ -148,6 +152,24 @@ class StorageOffloader:
         if self._moved:
             raise RuntimeError("release_host_buffers() while states are offloaded would lose them; reload() first")
         self._host, self._layout, self._mirror = None, [], None
+
+
+def copy_in_chunks(destination: torch.Tensor, source: torch.Tensor, chunk_bytes: int) -> None:
+    """Copy ``source`` into ``destination`` (contiguous, the same bytes; host <-> device) on the current CUDA stream in
+    pieces of ``chunk_bytes``, each waited for before the next is queued. A copy that runs beside another stream's
+    work (a wake behind a forward-backward) then holds the GPU's copy engine for one piece at a time: that stream's
+    own small copies (its inputs, a pageable scalar) wait behind one piece instead of behind the whole transfer."""
+    if chunk_bytes < 1:
+        raise ValueError(f"chunk_bytes={chunk_bytes}; must be >= 1")
+    destination, source = destination.reshape(-1).view(torch.uint8), source.reshape(-1).view(torch.uint8)
+    if destination.numel() != source.numel():
+        raise ValueError(f"copy_in_chunks: {source.numel()} bytes to {destination.numel()} bytes")
+    done = torch.cuda.Event() if "cuda" in (destination.device.type, source.device.type) else None
+    for start in range(0, source.numel(), chunk_bytes):
+        destination[start:start + chunk_bytes].copy_(source[start:start + chunk_bytes], non_blocking=True)
+        if done is not None:
+            done.record()
+            done.synchronize()
 
 
 def _geometry(tensor: torch.Tensor) -> tuple:
@@ -459,15 +481,26 @@ def deferred_bytes(ds_engine, offloaders: dict[str, StorageOffloader], names: se
     return total
 
 
-def reload_engine(ds_engine, offloaders: dict[str, StorageOffloader], done: set[str]) -> None:
+def reload_engine(ds_engine, offloaders: dict[str, StorageOffloader], done: set[str], *,
+                  chunk_bytes: int | None = None) -> None:
     """Bring back what :func:`offload_engine` moved, the states named in ``done`` (all it moved, or part of them:
     :func:`deferrable_states` may come later): ours first, so that DeepSpeed's ZeRO-1/2 re-linking of master-weight
-    views to the optimizer states sees them on the device."""
+    views to the optimizer states sees them on the device. ``chunk_bytes`` (CUDA): rlhfkit's copies and ZeRO-1/2's
+    fp32 masters go in pieces (:func:`copy_in_chunks`), for a reload beside another stream's work."""
     for name in ("own_master", "own_params", "own_fixed"):
         if name in done:
-            offloaders[name].reload()
+            offloaders[name].reload(chunk_bytes=chunk_bytes)
     if any(name in done for name in (HP_PARAMS, LP_PARAMS, LP_GRADS, OPTIM_STATES, GRAD_BUFFER)):
         wrapper = ds_engine.optimizer
+        device = ds_engine.device if isinstance(ds_engine.device, torch.device) else torch.device(ds_engine.device)
+        if chunk_bytes is not None and HP_PARAMS in done and device.type == "cuda":
+            # the masters come back here, in pieces; DeepSpeed's reload then finds them on the device (its .to() is
+            # a no-op) and only re-links them
+            for flat in getattr(wrapper, "single_partition_of_fp32_groups", None) or []:
+                if flat.device.type != "cuda":
+                    on_device = torch.empty_like(flat, device=device)
+                    copy_in_chunks(on_device, flat.data, chunk_bytes)
+                    flat.data = on_device
         kept = {name: getattr(wrapper, name) for name in _ZERO12_PIN_BUFFERS if hasattr(wrapper, name)}
         # DeepSpeed's reload_states() brings back every state it offloaded: the ones left for later are hidden from it
         later = {state for state in getattr(wrapper, "offloaded_states", ()) if state not in done}
@@ -478,8 +511,7 @@ def reload_engine(ds_engine, offloaders: dict[str, StorageOffloader], done: set[
         finally:
             if later:
                 wrapper.offloaded_states |= later
-        _synchronize(ds_engine.device if isinstance(ds_engine.device, torch.device)
-                     else torch.device(ds_engine.device))  # the host buffers are free to reuse only after this
+        _synchronize(device)  # the host buffers are free to reuse only after this
         for name, buffers in kept.items():
             if not hasattr(wrapper, name):
                 setattr(wrapper, name, buffers)

@@ -26,6 +26,9 @@ from rlhfkit.workers import Worker
 
 _GIB = 1024**3
 OUTPUTS = ("logprobs", "values", "rewards")
+# The optimizer states' wake behind a forward-backward copies in pieces of this size (one in flight at a time): the
+# forward-backward's own small host-to-device copies wait behind one piece, not behind the whole transfer.
+WAKE_CHUNK_BYTES = 64 * 1024**2
 SETTLE_TIMEOUT_S = 600.0  # the longest a call waits for the background sleep of the call before it
 
 
@@ -265,7 +268,7 @@ class TrainerWorker(Worker):
     def _wake_optimizer_behind(self, phase: str) -> None:
         """Bring the optimizer's states back in a background thread (on a GPU: on a CUDA stream of its own), while
         this call computes; the next call, or a sleep, waits for it (:meth:`_settle`)."""
-        if not self.model.optimizer_states_away:
+        if not getattr(self.model, "optimizer_states_away", False):
             return
         side = None
         if self.device_kind == "cuda":
@@ -276,7 +279,7 @@ class TrainerWorker(Worker):
                 if side is not None:
                     torch.cuda.set_device(self._cuda_device)
                 with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
-                    stats = self.model.finish_wake()
+                    stats = self.model.finish_wake(chunk_bytes=WAKE_CHUNK_BYTES)
                 with self._stats_lock:
                     self._moved["bytes_h2d"] += stats.get("bytes_moved", 0.0)
                     self._overlapped_wake_s += stats.get("seconds", 0.0)
@@ -367,7 +370,8 @@ class TrainerWorker(Worker):
 
     def _begin(self, method: str, phase: str, wake: bool, *, defer_optimizer: bool = False) -> float:
         """Settle, check, and wake the role if asleep. ``defer_optimizer`` (a call that leaves the role awake and
-        does not step: its optimizer's states wake in the background, behind the call's compute)."""
+        does not step): leave the optimizer's states on the host; the call starts their wake behind its compute
+        (:meth:`_wake_optimizer_behind`) once its inputs are on the device."""
         self._settle(method)
         if self.model is None:
             raise HybridCallError(f"{method}() on '{self.role}' rank {self.rank} before load()", role=self.role,
@@ -380,9 +384,7 @@ class TrainerWorker(Worker):
                                   rank=self.rank, phase=phase)
         if not (defer_optimizer and self.trains and self.config.offload):
             return self._transition("wake", phase)
-        seconds = self._transition("wake", phase, defer_optimizer=True)
-        self._wake_optimizer_behind(phase)
-        return seconds
+        return self._transition("wake", phase, defer_optimizer=True)  # the caller starts the rest behind its work
 
     @contextlib.contextmanager
     def _guarded_call(self, phase: str):
@@ -414,6 +416,8 @@ class TrainerWorker(Worker):
             run = {"logprobs": lambda b: self.model.forward_logprobs(b, temperature=temperature,
                                                                      loss_tokens_only=True, adapters=adapters),
                    "values": self.model.forward_values, "rewards": self.model.forward_rewards}[output]
+            batches = [batch.to(self.model.device) for batch in batches]  # before a wake behind takes the copy engine
+            self._wake_optimizer_behind(phase)
             with torch.no_grad(), _tf32(self.config.tf32_frozen_forward and not self.trains):
                 outputs = [run(batch).float() for batch in batches]  # queued back to back; one wait for them all
             outputs = [output.cpu() for output in outputs]
@@ -438,8 +442,9 @@ class TrainerWorker(Worker):
         with self._guarded_call(phase):
             _reset_peak()
             device = self.model.device
+            micro_batches = [micro.to(device) for micro in micro_batches]  # before the wake behind takes the copy engine
+            self._wake_optimizer_behind(phase)
             for index, micro in enumerate(micro_batches):
-                micro = micro.to(device)
                 if output == "logprobs":
                     outputs = self.model.forward_logprobs(micro.batch, temperature=temperature,
                                                           loss_tokens_only=True)
