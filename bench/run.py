@@ -111,6 +111,8 @@ SUITES: dict[str, tuple[Step, ...]] = {
              argv=_py("bench/train_step.py", "--out", "{out}"), timeout_s=500),
         Step(name="cpu_adam", what="CPU Adam (offload_optimizer) at a Ray actor's one thread vs all cores",
              argv=_py("bench/cpu_adam.py", "--params", "1e9", "--out", "{out}"), timeout_s=400),
+        Step(name="copy_overlap", what="a side-stream host-to-device copy beside a compute loop: one copy vs pieces",
+             argv=_py("bench/copy_overlap.py", "--out", "{out}"), timeout_s=120),
     ),
     "training": (
         Step(name="logprobs", what="chunked vs naive log-probs: peak memory and time",
