@@ -170,7 +170,8 @@ def test_storage_offloader_reload_in_chunks_is_exact_and_chunks_check_their_size
     as one copy, whatever the chunk size against the slots; ``nbytes`` counts what is offloaded."""
     from rlhfkit.deepspeed_engine._sleep import copy_in_chunks
 
-    states = [torch.randn(n, dtype=dtype) for n, dtype in ((7, torch.float32), (3, torch.bfloat16), (129, torch.float32))]
+    sizes = ((7, torch.float32), (3, torch.bfloat16), (129, torch.float32))
+    states = [torch.randn(n, dtype=dtype) for n, dtype in sizes]
     expected = [t.clone() for t in states]
     offloader = StorageOffloader()
     for chunk in (5, 512, 10**6):  # smaller than a slot, about a slot, everything at once

@@ -178,8 +178,8 @@ def test_a_failed_optimizer_wake_surfaces_on_the_next_call_and_a_failing_call_jo
     worker.model = DeferringModel(finish_s=0.1, fail_finish=True)
     worker._begin("forward_backward", "train_actor", True, defer_optimizer=True)
     worker._wake_optimizer_behind("train_actor")
-    with pytest.raises(HybridCallError, match=r"'actor' rank 0: the wake of its optimizer states in phase "
-                                              r"'train_actor' failed in the background \(MemoryError: no room") as error:
+    failure = r"'actor' rank 0: the wake of its optimizer states in phase 'train_actor' failed in the background "
+    with pytest.raises(HybridCallError, match=failure + r"\(MemoryError: no room") as error:
         worker._settle("optim_step")
     assert error.value.phase == "train_actor" and error.value.role == "actor"
     worker._settle("again")  # reported once

@@ -41,8 +41,8 @@ def transition_record(transition: Any, **extra: Any) -> dict[str, Any]:
     """A guarded transition as a plain dict with a wall-clock time (for ``phases.jsonl`` and order checks): when the
     claim changed hands (``Transition.at``), else now."""
     at = getattr(transition, "at", None)
-    record = {"time": time.time() if at is None else at, "pid": os.getpid(), "action": transition.action, "role": transition.role, "gpu": transition.gpu,
-              "phase": transition.phase, "seconds": transition.seconds}
+    record = {"time": time.time() if at is None else at, "pid": os.getpid(), "action": transition.action,
+              "role": transition.role, "gpu": transition.gpu, "phase": transition.phase, "seconds": transition.seconds}
     for name in ("allocated", "reserved", "free"):
         value = getattr(transition, name)
         record[f"{name}_gib"] = None if value is None else value / _GIB
@@ -416,7 +416,7 @@ class TrainerWorker(Worker):
             run = {"logprobs": lambda b: self.model.forward_logprobs(b, temperature=temperature,
                                                                      loss_tokens_only=True, adapters=adapters),
                    "values": self.model.forward_values, "rewards": self.model.forward_rewards}[output]
-            batches = [batch.to(self.model.device) for batch in batches]  # before a wake behind takes the copy engine
+            batches = [batch.to(self.model.device) for batch in batches]  # before a wake behind the call
             self._wake_optimizer_behind(phase)
             with torch.no_grad(), _tf32(self.config.tf32_frozen_forward and not self.trains):
                 outputs = [run(batch).float() for batch in batches]  # queued back to back; one wait for them all
@@ -442,7 +442,8 @@ class TrainerWorker(Worker):
         with self._guarded_call(phase):
             _reset_peak()
             device = self.model.device
-            micro_batches = [micro.to(device) for micro in micro_batches]  # before the wake behind takes the copy engine
+            # the inputs first: the optimizer states' wake behind the call then holds the copy engine
+            micro_batches = [micro.to(device) for micro in micro_batches]
             self._wake_optimizer_behind(phase)
             for index, micro in enumerate(micro_batches):
                 if output == "logprobs":
