@@ -151,13 +151,13 @@ class PhaseTimer:
         self.times: dict[str, float] = defaultdict(float)
         self._moved: dict[str, float] = defaultdict(float)
         self._worker: dict[str, float] = defaultdict(float)
-        self._overlapped = {False: 0.0, True: 0.0}  # background sleeps' and wakes' seconds (count_overlapped)
+        self._overlapped: dict[str, float] = defaultdict(float)  # background sleeps' and wakes' seconds
         self._current: str | None = None
         self._started: float | None = None
 
     def start_step(self) -> None:
         self.times, self._moved, self._bytes = defaultdict(float), defaultdict(float), defaultdict(float)
-        self._worker, self._overlapped = defaultdict(float), {False: 0.0, True: 0.0}
+        self._worker, self._overlapped = defaultdict(float), defaultdict(float)
         self._started = time.perf_counter()
         if self.sampler is not None:
             self.sampler.take()
@@ -216,7 +216,7 @@ class PhaseTimer:
         the step's switch time (their bytes still count toward the switches' floor)."""
         if not seconds >= 0:
             raise ValueError(f"count_overlapped({seconds!r}); give a duration >= 0")
-        self._overlapped[wake] += seconds
+        self._overlapped["wake" if wake else "sleep"] += seconds
 
     def count_sync_bytes(self, num_bytes: float) -> None:
         """Count ``num_bytes`` a weight sync moved into the engines in this step."""
@@ -251,9 +251,7 @@ class PhaseTimer:
         self._moved.clear()
         row = {f"time/{name}_s": seconds for name, seconds in self.times.items()} | {"time/step_s": step}
         row |= {f"worker/{name}": seconds for name, seconds in self._worker.items()}
-        for wake, name in ((False, "time/overlapped_sleep_s"), (True, "time/overlapped_wake_s")):
-            if self._overlapped[wake]:
-                row[name] = self._overlapped[wake]
+        row |= {f"time/overlapped_{kind}_s": seconds for kind, seconds in self._overlapped.items() if seconds}
         switch = sum(self.times.get(name, 0.0) for name in SWITCH_PHASES)
         row |= {"time/phase_switch_s": switch, "time/phase_switch_fraction": switch / step if step > 0 else 0.0}
         row |= self._switch_bytes(switch)

@@ -295,17 +295,9 @@ class TrainerWorker(Worker):
         if self._finishing is None:
             return
         thread, phase = self._finishing
-        thread.join(SETTLE_TIMEOUT_S)
-        if thread.is_alive():
-            raise HybridCallError(f"{method}() on '{self.role}' rank {self.rank}: the wake of its optimizer states "
-                                  f"in phase '{phase}' did not finish within {SETTLE_TIMEOUT_S:g} s", role=self.role,
-                                  rank=self.rank, phase=phase)
+        self._join(thread, phase, method, what="the wake of its optimizer states in phase")
         self._finishing, failed, self._finish_error = None, self._finish_error, None
-        if failed is not None:
-            error, phase = failed
-            raise HybridCallError(f"'{self.role}' rank {self.rank}: the wake of its optimizer states in phase "
-                                  f"'{phase}' failed in the background ({type(error).__name__}: {error}); found by "
-                                  f"{method}()", role=self.role, rank=self.rank, phase=phase) from error
+        self._raise_failed(failed, method, what="the wake of its optimizer states in phase")
 
     def _settle(self, method: str) -> None:
         """Wait for a background sleep (``overlap_switches``) or wake of the optimizer's states to finish; raise what
@@ -314,17 +306,25 @@ class TrainerWorker(Worker):
         if self._background is None:
             return
         thread, phase, _ = self._background
+        self._join(thread, phase, method, what="its sleep after phase")
+        self._background, failed, self._background_error = None, self._background_error, None
+        self._raise_failed(failed, method, what="its sleep after phase")
+
+    def _join(self, thread: threading.Thread, phase: str, method: str, *, what: str) -> None:
+        """Wait for one of this worker's background threads, at most ``SETTLE_TIMEOUT_S``."""
         thread.join(SETTLE_TIMEOUT_S)
         if thread.is_alive():
-            raise HybridCallError(f"{method}() on '{self.role}' rank {self.rank}: its sleep after phase '{phase}' did "
-                                  f"not finish within {SETTLE_TIMEOUT_S:g} s", role=self.role, rank=self.rank,
-                                  phase=phase)
-        self._background, failed, self._background_error = None, self._background_error, None
+            raise HybridCallError(f"{method}() on '{self.role}' rank {self.rank}: {what} '{phase}' did not finish "
+                                  f"within {SETTLE_TIMEOUT_S:g} s", role=self.role, rank=self.rank, phase=phase)
+
+    def _raise_failed(self, failed: tuple[BaseException, str] | None, method: str, *, what: str) -> None:
+        """Raise what a background thread raised (``failed``: the error and its phase), naming the call that found
+        out."""
         if failed is not None:
             error, phase = failed
-            raise HybridCallError(f"'{self.role}' rank {self.rank}: its sleep after phase '{phase}' failed in the "
-                                  f"background ({type(error).__name__}: {error}); found by {method}()",
-                                  role=self.role, rank=self.rank, phase=phase) from error
+            raise HybridCallError(f"'{self.role}' rank {self.rank}: {what} '{phase}' failed in the background "
+                                  f"({type(error).__name__}: {error}); found by {method}()", role=self.role,
+                                  rank=self.rank, phase=phase) from error
 
     def _take_moved(self) -> dict[str, float]:
         """The bytes sleeps and wakes copied since the last call (reported with its ``switch_s``)."""
