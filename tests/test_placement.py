@@ -492,6 +492,21 @@ def test_host_estimate_matches_hand_computation():
         MemoryConfig(read_ahead="yes")
 
 
+def test_master_port_picks_do_not_follow_the_random_modules_seed():
+    """Regression (CI, session 18: two roles' MASTER_PORTs collided, EADDRINUSE at load): the pick drew from the
+    ``random`` module's state, so two processes seeded alike (or one reseeded) probed the same port, both found it
+    free, and the second rendezvous to bind it failed. The pick now draws from the OS's entropy."""
+    import random
+
+    from rlhfkit._ports import free_listen_port
+
+    picks = []
+    for _ in range(4):  # the same seed before each pick: the old code returned one port four times
+        random.seed(1234)
+        picks.append(free_listen_port())
+    assert len(set(picks)) > 1, picks
+
+
 def test_master_ports_come_from_outside_the_ephemeral_range():
     """Regression (CI, session 5): MASTER_PORT was a bind(0) port, which the kernel may hand to another process's
     outgoing connection or bind(0) in the seconds before rank 0 listens on it (EADDRINUSE at init_process_group).

@@ -22,11 +22,13 @@ def free_listen_port(*, host: str = "", attempts: int = 64) -> int:
     """A TCP port that is free now and lies outside the kernel's ephemeral range, so that no outgoing connection or
     ``bind(0)`` of another process takes it before its user binds it (seconds later for a MASTER_PORT or a server
     that is still starting); a random one of 20,000-32,767 (or above the range), else an ephemeral one. ``host``:
-    the address it is checked on ("" for all)."""
+    the address it is checked on ("" for all). The pick draws from the OS's entropy, not the ``random`` module's
+    state, which a seeded process (or two processes seeded alike) would repeat: two roles probing at once would
+    then get the same port and the second one's rendezvous would fail with EADDRINUSE."""
     low, high = _ephemeral_range()
     candidates = [port for port in range(20000, 32768) if not low <= port <= high] or \
                  [port for port in range(high + 1, 65536)]
-    for port in random.sample(candidates, min(attempts, len(candidates))):
+    for port in random.SystemRandom().sample(candidates, min(attempts, len(candidates))):
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
             try:
                 sock.bind((host, port))
