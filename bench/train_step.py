@@ -8,21 +8,28 @@ layout TRL trains on).
     python bench/train_step.py --out train_step.json                       # SmolLM2-135M shape, random weights
     python bench/train_step.py --arch qwen2.5-1.5b --configs zero1_bf16_varlen torch_bf16_varlen \
         --prompt-len 45 --response-len 128 --profile --out ts15.json     # the 1.5B scale run's default trainer
+    python bench/train_step.py --arch qwen2.5-1.5b --configs zero1_bf16_varlen --seqs 64 --micro 3 --prompt-len 40 \
+        --response-len 128 --loss-tokens-only --sleep deferred --out ts15d.json   # a hybrid step's actor, waking
 
 Each configuration runs in a fresh process (ZeRO-3 leaves hooks and partitioned parameters behind). Per
 configuration: median wall time of one optimizer step (2 micro-batches: packed forward, token-mean loss on the
 response tokens, backward; then step) and of one no-grad forward of the whole batch, after warm-up steps, with
-``torch.cuda.synchronize()`` around each.
+``torch.cuda.synchronize()`` around each. ``--sleep sync|deferred``: each timed step starts with the engine asleep
+(every state in pinned host memory; the sleep is untimed, its median reported) and wakes it, everything first or the
+optimizer's states behind the micro-batches (the hybrid's ``TrainerConfig.defer_optimizer_wake``), so the time
+against ``--sleep none`` is what the wake adds to a step.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -124,9 +131,12 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
-def timed(fn, repeats: int, warmup: int) -> list[float]:
+def timed(fn, repeats: int, warmup: int, before=None) -> list[float]:
+    """Wall times of ``fn`` (``before``, untimed, ahead of each call)."""
     out = []
     for i in range(warmup + repeats):
+        if before is not None:
+            before()
         _sync()
         start = time.perf_counter()
         fn()
@@ -180,29 +190,56 @@ def run_one(name: str, args) -> dict:
         os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
         for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1"}.items():
             os.environ.setdefault(key, value)
-        config = DeepSpeedEngineConfig(zero_stage=stage, bf16=dtype == torch.bfloat16, optimizer="fused_adam",
+        config = DeepSpeedEngineConfig(zero_stage=stage, bf16=dtype == torch.bfloat16,
+                                       optimizer="fused_adam" if device.type == "cuda" else "torch_adamw",
                                        learning_rate=1e-6, gradient_clipping=1.0,
                                        gradient_accumulation_steps=len(micro))
         engine = DeepSpeedEngine(model, role="actor", config=config)
+        side = torch.cuda.Stream(device) if device.type == "cuda" else None
 
-        def train_step():
+        def compute():
             for batch in micro:
-                lp = engine.forward_logprobs(batch)
+                lp = engine.forward_logprobs(batch, loss_tokens_only=args.loss_tokens_only)
                 loss = -(lp * batch.loss_mask).sum() / batch.loss_mask.sum() / len(micro)
                 engine.backward(loss)
-                engine.step()
+                engine.step()  # the boundary's optimizer step first finishes a deferred wake
+
+        def train_step():
+            if args.sleep == "none":
+                return compute()
+            engine.wake_up(defer_optimizer=args.sleep == "deferred")  # the sleep itself is outside the time
+            if not engine.optimizer_states_away:
+                return compute()
+            # as the hybrid's trainer worker: the optimizer's states come back in another thread, on a CUDA stream
+            # of its own, in pieces, while this thread computes; the optimizer step waits for them
+            behind = threading.Thread(target=finish_behind)
+            behind.start()
+            compute()
+            behind.join()
+
+        def finish_behind():
+            if side is not None:
+                torch.cuda.set_device(device)
+            with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+                engine.finish_wake(chunk_bytes=args.chunk_mib * 2**20)
 
         def forward():
             with torch.no_grad():
                 engine.forward_logprobs(whole)
 
-    steps = timed(train_step, args.repeats, args.warmup)
+    sleeps: list[float] = []
+    asleep = kind != "torch" and args.sleep != "none"  # each timed step starts asleep, as the hybrid's actor does
+    before = (lambda: sleeps.append(engine.sleep()["seconds"])) if asleep else None
+    steps = timed(train_step, args.repeats, args.warmup, before)
     forwards = timed(forward, args.repeats, 1)
     result = {"config": name, "kind": kind, "zero_stage": stage, "dtype": CONFIGS[name][2], "attention": attn,
               "optimizer_step_s": statistics.median(steps), "optimizer_steps_s": steps,
-              "forward_s": statistics.median(forwards), "tokens": int(whole.num_tokens),
+              "forward_s": statistics.median(forwards), "tokens": int(whole.num_tokens), "sleep": args.sleep,
+              **({"sleep_s": statistics.median(sleeps)} if sleeps else {}),
               "peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None}
     if args.profile and device.type == "cuda":
+        if before is not None:
+            before()
         result["profile"] = profile(train_step)
     return result
 
@@ -242,6 +279,15 @@ def main() -> None:
     parser.add_argument("--config-timeout-s", type=float, default=120.0)
     parser.add_argument("--profile", action="store_true", help="profile one more optimizer step per configuration "
                         "(torch.profiler): device busy time against wall time, and the top ops")
+    parser.add_argument("--sleep", choices=("none", "sync", "deferred"), default="none",
+                        help="DeepSpeed configurations: before each timed step the engine sleeps (every state to "
+                        "pinned host memory, untimed) and the step starts with its wake: 'sync' wakes everything "
+                        "first; 'deferred' wakes the weights and gradients, and the optimizer's states in another "
+                        "thread behind the micro-batches (the hybrid's trainer worker, TrainerConfig."
+                        "defer_optimizer_wake)")
+    parser.add_argument("--chunk-mib", type=int, default=64, help="--sleep deferred: the wake's copy pieces (MiB)")
+    parser.add_argument("--loss-tokens-only", action="store_true",
+                        help="DeepSpeed configurations: logits only at the response tokens (the hybrid's training)")
     parser.add_argument("--one", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
@@ -253,8 +299,9 @@ def main() -> None:
         part = args.out.with_suffix(f".{name}.json")
         argv = [sys.executable, __file__, "--one", name, "--out", str(part)] + [
             f"--{k.replace('_', '-')}={getattr(args, k)}" for k in ("seqs", "prompt_len", "response_len", "micro",
-                                                                     "repeats", "warmup", "arch")] + (
-            ["--profile"] if args.profile else [])
+                                                                     "repeats", "warmup", "arch", "sleep",
+                                                                     "chunk_mib")] + (
+            ["--profile"] if args.profile else []) + (["--loss-tokens-only"] if args.loss_tokens_only else [])
         start = time.perf_counter()
         try:
             done = subprocess.run(argv, timeout=args.config_timeout_s, capture_output=True, text=True, check=False)

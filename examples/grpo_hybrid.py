@@ -80,6 +80,7 @@ class Options:
     engine_memory: float | None = None  # vLLM's share of a GPU (None: 0.15 colocated, 0.85 on GPUs of its own)
     kv_cache: str = "batch"  # vLLM's KV cache: "batch" = (192 + --max-new-tokens) x batch, "share" = --engine-memory
     overlap_switches: bool | None = None  # a role's sleep behind the next one's wake; None: on where all fit resident
+    defer_optimizer_wake: bool = True  # the actor's Adam states wake behind its first forward-backward
     tiny: bool = False  # smoke run: 3 steps of a few short samples
 
 
@@ -121,7 +122,8 @@ def start(options: Options) -> Hybrid:
     if not options.reference and options.kl_coef != 0:
         raise ValueError(f"--reference false with --kl-coef {options.kl_coef}: the KL term needs the reference; "
                          "pass --kl-coef 0")
-    trainers = {"actor": TrainerConfig(deepspeed=deepspeed, offload=offload, lora=lora)}
+    trainers = {"actor": TrainerConfig(deepspeed=deepspeed, offload=offload, lora=lora,
+                                       defer_optimizer_wake=options.defer_optimizer_wake)}
     if options.reference and not lora:  # with LoRA the reference is the actor's base (its adapters switched off)
         # its cached blocks are only last step's activations: returned at each sleep (behind the actor's wake), they
         # stay off the GPU while the engine generates, the step's peak

@@ -7,6 +7,7 @@ script, or passes a flag its script does not define, fails here rather than on a
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -326,6 +327,22 @@ def test_train_step_builds_scale_architectures(tmp_path):
     result = json.loads(out.read_text())
     run = result["runs"]["torch_fp32_varlen"]
     assert result["args"]["arch"] == "toy" and run["optimizer_step_s"] > 0 and run["tokens"] > 4 * 12, run
+
+
+def test_train_step_times_a_wake_before_each_step_deferred_or_not(tmp_path):
+    """bench/train_step.py --sleep: each timed step of a DeepSpeed configuration starts asleep and wakes (everything
+    first, or the optimizer's states behind the micro-batches as the hybrid's worker does); real DeepSpeed on CPU."""
+    for mode in ("sync", "deferred"):
+        out = tmp_path / f"ts_{mode}.json"
+        done = subprocess.run([sys.executable, str(ROOT / "bench" / "train_step.py"), "--arch", "toy", "--configs",
+                               "zero1_tf32_varlen", "--seqs", "4", "--prompt-len", "12", "--response-len", "6",
+                               "--repeats", "2", "--warmup", "0", "--sleep", mode, "--chunk-mib", "1",
+                               "--loss-tokens-only", "--out", str(out)], timeout=300, capture_output=True, text=True,
+                              check=False, env={**os.environ, "DS_ACCELERATOR": "cpu"})
+        assert done.returncode == 0, done.stderr[-3000:]
+        run = json.loads(out.read_text())["runs"]["zero1_tf32_varlen"]
+        assert "error" not in run, run
+        assert run["sleep"] == mode and run["sleep_s"] > 0 and len(run["optimizer_steps_s"]) == 2, run
 
 
 def test_cpu_adam_bench_shows_rays_one_thread_and_times_both(tmp_path):

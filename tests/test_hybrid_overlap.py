@@ -72,6 +72,7 @@ def _worker(monkeypatch, tiny_llama_path, role: str):
 
     class Config:
         offload = True
+        defer_optimizer_wake = True
 
     worker.config, worker.overlap = Config(), True
     return worker, store
@@ -170,6 +171,23 @@ def test_a_trained_role_wakes_its_optimizer_states_behind_its_forward_backward(a
     worker.model = DeferringModel()  # a call that does not defer (forward with sleep_after) wakes everything
     worker._begin("forward", "forward_actor", True)
     assert worker.model.order == ["wake(defer=False)"] and worker._finishing is None
+
+
+def test_defer_optimizer_wake_false_wakes_everything_before_the_call(actor_worker):
+    """TrainerConfig(defer_optimizer_wake=False): forward_backward's wake brings the optimizer's states back too, and
+    nothing runs behind the call."""
+    worker, _ = actor_worker
+    worker.config.defer_optimizer_wake = False
+    worker.model = DeferringModel(finish_s=0.4)
+    worker._begin("forward_backward", "train_actor", True, defer_optimizer=True)
+    worker._wake_optimizer_behind("train_actor")
+    assert worker.model.order == ["wake(defer=False)"] and worker._finishing is None
+    assert not worker.model.optimizer_states_away and worker._report()["bytes_h2d"] == 1000.0
+    from rlhfkit.deepspeed_engine import DeepSpeedEngineConfig
+    from rlhfkit.hybrid import TrainerConfig
+
+    with pytest.raises(TypeError, match=r"TrainerConfig.defer_optimizer_wake='no'; must be True or False"):
+        TrainerConfig(deepspeed=DeepSpeedEngineConfig(), defer_optimizer_wake="no")
 
 
 def test_a_failed_optimizer_wake_surfaces_on_the_next_call_and_a_failing_call_joins_it_before_sleeping(

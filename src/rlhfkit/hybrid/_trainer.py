@@ -64,6 +64,11 @@ class TrainerConfig:
         lora: train LoRA adapters instead of every weight (:class:`rlhfkit.lora.LoraConfig`; actor only): the base is
             frozen, the optimizer holds only the adapters, and :meth:`rlhfkit.hybrid.Hybrid.push_weights` moves only
             the adapters into the engines. Needs ``rlhfkit[lora]``.
+        defer_optimizer_wake: a sleeping (``offload``) trained role's ``forward_backward`` wakes only what forwards
+            and backwards read (weights, gradient partitions) and brings the optimizer's states (Adam moments; ZeRO-1/2
+            fp32 masters) back in a background thread, on a CUDA stream of its own in 64 MiB pieces, behind its
+            compute; ``optim_step`` waits for them (:meth:`rlhfkit.deepspeed_engine.DeepSpeedEngine.finish_wake`).
+            False: the whole wake happens before the compute.
     """
 
     deepspeed: Any
@@ -74,6 +79,7 @@ class TrainerConfig:
     tf32_frozen_forward: bool = True
     seed: int = 0
     lora: Any = None
+    defer_optimizer_wake: bool = True
 
     def __post_init__(self) -> None:
         from rlhfkit.deepspeed_engine import DeepSpeedEngineConfig
@@ -87,7 +93,7 @@ class TrainerConfig:
         if isinstance(self.micro_batch_tokens, bool) or not isinstance(self.micro_batch_tokens, int) \
                 or self.micro_batch_tokens < 1:
             raise ValueError(f"TrainerConfig.micro_batch_tokens={self.micro_batch_tokens!r}; must be an int >= 1")
-        for name in ("offload", "tf32_backward", "tf32_frozen_forward"):
+        for name in ("offload", "tf32_backward", "tf32_frozen_forward", "defer_optimizer_wake"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"TrainerConfig.{name}={getattr(self, name)!r}; must be True or False")
         if self.model is not None and not isinstance(self.model, str):

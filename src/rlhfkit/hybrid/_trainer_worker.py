@@ -382,7 +382,7 @@ class TrainerWorker(Worker):
             raise RoleAsleepError(f"{method}() called while '{self.role}' rank {self.rank} is asleep (phase "
                                   f"'{phase}'); pass wake=True or wake the role first", role=self.role,
                                   rank=self.rank, phase=phase)
-        if not (defer_optimizer and self.trains and self.config.offload):
+        if not (defer_optimizer and self.trains and self.config.offload and self.config.defer_optimizer_wake):
             return self._transition("wake", phase)
         return self._transition("wake", phase, defer_optimizer=True)  # the caller starts the rest behind its work
 
