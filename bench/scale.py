@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import shutil
 import statistics
 import sys
@@ -166,6 +167,7 @@ def sync_summary(rows: list[dict]) -> dict:
 def run_ours(args, model: Path, mode: str, out: Path) -> dict:
     command = ours_command(model, mode, out, steps=args.steps, tiny=args.tiny, engine_memory=args.engine_memory,
                            lora_rank=4 if args.tiny else args.lora_rank, engine_only_sleep=args.engine_only_sleep)
+    command += shlex.split(args.example_args)  # last: they override what the mode chose
     out.mkdir(parents=True, exist_ok=True)
     log = out / "run.log"
     code, wall = run_logged(command, log, args.timeout)
@@ -218,6 +220,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--keep", action="store_true", help="keep the built models")
     parser.add_argument("--engine-only-sleep", action="store_true",
                         help="our trainers keep their states on the GPU, only the engine sleeps (TRL's sleep mode)")
+    parser.add_argument("--example-args", default="", help="more options for our runs of examples/grpo_hybrid.py "
+                        "(one string, after the mode's; e.g. '--defer-optimizer-wake false' for an A/B)")
     parser.add_argument("--tiny", action="store_true", help="CPU: the toy architecture, 2 steps, HF engine")
     args = parser.parse_args(argv)
     if args.tiny:

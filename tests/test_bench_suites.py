@@ -102,15 +102,19 @@ def test_scale_bench_tiny_runs_full_and_lora_on_cpu(tmp_path):
     from bench import scale
 
     out = tmp_path / "scale.json"
-    result = scale.main(["--tiny", "--out", str(out), "--work-dir", str(tmp_path / "work"), "--timeout", "280"])
+    result = scale.main(["--tiny", "--out", str(out), "--work-dir", str(tmp_path / "work"), "--timeout", "280",
+                         "--example-args", "--defer-optimizer-wake false"])  # (an A/B's second arm)
     assert json.loads(out.read_text()) == result
     runs = result["runs"]["toy"]
+    assert runs["full"]["command"].endswith("--defer-optimizer-wake false")
     for mode in ("full", "lora"):
         assert runs[mode]["returncode"] == 0, runs[mode].get("log_tail")
         assert runs[mode]["steps"] == 2 and runs[mode]["step_s"] > 0 and runs[mode]["sync_s"] > 0
         assert "time/train_actor_s" in runs[mode]["median"]
     assert 0 < runs["lora"]["sync_bytes"] < runs["full"]["sync_bytes"] / 4
     assert not (tmp_path / "work" / "toy").exists()  # the model is deleted after its runs (no --keep)
+
+
 def test_scale_lora_runs_take_the_examples_zero_stage():
     """bench/scale.py's LoRA runs use the example's ZeRO-1 (as TRL + peft: no ZeRO), with gradient checkpointing:
     under ZeRO-3 the 7B LoRA training phase took 10.3 s a step on an H200 against 3.5 s under ZeRO-1 on an H100."""
