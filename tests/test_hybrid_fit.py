@@ -477,6 +477,30 @@ def test_the_scale_bench_commands_fit_one_80_gb_gpu(tmp_path_factory, tmp_path, 
     assert ("--gradient-checkpointing" in command) == (arch != "qwen2.5-1.5b")
 
 
+@pytest.mark.parametrize(("arch", "mode", "overlap"), [("qwen2.5-1.5b", "full", True), ("qwen2.5-3b", "full", True),
+                                                     ("qwen2.5-7b", "lora", True), ("qwen2.5-7b", "full", False)])
+def test_the_scale_bench_commands_overlap_switches_by_default_where_measured_to_fit(tmp_path_factory, tmp_path,
+                                                                                   monkeypatch, arch, mode, overlap):
+    """overlap_switches=None on an H100: on for the 1.5B and 3B defaults and the 7B LoRA layout (3B: measured 71.5
+    GiB at its overlapped peak, 13% off the step, session 19); off for 7B full parameters, whose trainer stays
+    resident (nothing to overlap) and whose resident estimate is far above the card."""
+    from bench import scale
+    from rlhfkit.hybrid._launch import _overlap_fits
+
+    path = _architecture(tmp_path_factory, arch)
+    monkeypatch.setattr(scale, "model_arch", lambda model: arch)
+    command = scale.ours_command(path, mode, tmp_path, steps=10, tiny=False, engine_memory=0.35, lora_rank=16)
+    from conftest import load_example
+
+    grpo, started = load_example("grpo_hybrid"), {}  # the run's config and trainers, parsed and built as it will run
+    monkeypatch.setattr(grpo.Hybrid, "start", staticmethod(lambda config, trainers: started.update(c=config,
+                                                                                                   t=trainers)))
+    grpo.start(grpo.parse_options(grpo.Options, command[2:]))
+    config = dataclasses.replace(started["c"], device="cuda", gpu_memory_gib=H100["gpu_memory_gib"],
+                                 host_memory_gib=H100["host_memory_gib"])
+    assert _overlap_fits(config, started["t"]) is overlap
+
+
 def test_the_examples_7b_command_fits_one_80_gb_gpu(qwen7b, monkeypatch):
     """The 7B command in examples/grpo_hybrid.py's docstring passes the plan's GPU and host memory check on an H100
     machine (the layout bench/scale.py measured)."""

@@ -136,7 +136,7 @@ class HybridConfig:
             guard lets that wake take the GPU from a role marked as going to sleep): the reference's sleep behind
             the actor's wake, the actor's sleeps behind the engines' wakes. Both models are on the GPU for a moment,
             so it needs room for every role resident at once in the plan's memory estimate. None (default): on
-            for a GPU run where that estimate fits with 35% to spare (``OVERLAP_HEADROOM``: the estimate does
+            for a GPU run where that estimate fits with 15% to spare (``OVERLAP_HEADROOM``: the estimate does
             not count the allocators' caches; :meth:`Hybrid.start` decides and ``hybrid.config`` then holds the
             choice) and no other process holds memory on the GPUs (``Hybrid.gpu_held_gib``), off otherwise; True:
             on, and :meth:`Hybrid.start` refuses a run that does not fit; False: off. The background sleeps'
@@ -930,10 +930,13 @@ def _check_overlap_fits(config: HybridConfig, trainers: Mapping[str, TrainerConf
                          "Turn overlap_switches off (or leave it None: on only where it fits)") from error
 
 
-# overlap_switches=None turns the overlap on only where the resident estimate fits this share of the GPU: the estimate
-# counts allocations, not the caching allocator's blocks, and at a 1.5B shape the overlapped run peaked at 70.0 GiB
-# against a resident estimate of 55.1 (1.27x; docs/benchmarks.md). A speed-up chosen for the user must not cost an OOM.
-OVERLAP_HEADROOM = 1.35
+# overlap_switches=None turns the overlap on only where the resident estimate (every role awake at once) fits this
+# share of the GPU: the estimate counts allocations, not the caching allocators' blocks. Measured overlapped peaks
+# (NVML, whole GPU) against it on an H100 (session 19, docs/benchmarks.md): Qwen2.5-1.5B 54.1 GiB against 47.7
+# (1.13x), Qwen2.5-3B with gradient checkpointing 71.5 against 67.4 (1.06x). (1.35 until then, from a 1.5B peak of
+# 70.0 against 55.1 before the ZeRO-1 step's fp32 copies were cut into parameter groups, which took 12.6 GiB off
+# it.) A speed-up chosen for the user must not cost an OOM.
+OVERLAP_HEADROOM = 1.15
 
 
 def _gpu_memory_gib(config: HybridConfig) -> float | None:
