@@ -81,6 +81,7 @@ class Options:
     kv_cache: str = "batch"  # vLLM's KV cache: "batch" = (192 + --max-new-tokens) x batch, "share" = --engine-memory
     overlap_switches: bool | None = None  # a role's sleep behind the next one's wake; None: on where all fit resident
     defer_optimizer_wake: bool = True  # the actor's Adam states wake behind its first forward-backward
+    micro_batch_tokens: int = 4096  # tokens per forward(-backward) of a trainer (activation memory grows with it)
     tiny: bool = False  # smoke run: 3 steps of a few short samples
 
 
@@ -123,13 +124,15 @@ def start(options: Options) -> Hybrid:
         raise ValueError(f"--reference false with --kl-coef {options.kl_coef}: the KL term needs the reference; "
                          "pass --kl-coef 0")
     trainers = {"actor": TrainerConfig(deepspeed=deepspeed, offload=offload, lora=lora,
+                                       micro_batch_tokens=options.micro_batch_tokens,
                                        defer_optimizer_wake=options.defer_optimizer_wake)}
     if options.reference and not lora:  # with LoRA the reference is the actor's base (its adapters switched off)
         # its cached blocks are only last step's activations: returned at each sleep (behind the actor's wake), they
         # stay off the GPU while the engine generates, the step's peak
         trainers["reference"] = TrainerConfig(deepspeed=dataclasses.replace(
             deepspeed, offload_optimizer=False, offload_optimizer_ratio=1.0,
-            empty_cache_on_sleep=offload or options.empty_caches), offload=offload)
+            empty_cache_on_sleep=offload or options.empty_caches), offload=offload,
+            micro_batch_tokens=options.micro_batch_tokens)
     sleep_level = 0 if options.resident or separated else (1 if lora else 2)  # LoRA pushes adapters: keep the base
     engine_gpus = options.engine_gpus if separated else options.num_gpus * options.num_nodes
     kv_per_seq = KV_PROMPT_TOKENS + options.max_new_tokens if options.kv_cache == "batch" else None  # None: the share
