@@ -485,6 +485,7 @@ def test_the_scale_bench_commands_overlap_switches_by_default_where_measured_to_
     GiB at its overlapped peak, 13% off the step, session 19); off for 7B full parameters, whose trainer stays
     resident (nothing to overlap) and whose resident estimate is far above the card."""
     from bench import scale
+
     from rlhfkit.hybrid._launch import _overlap_fits
 
     path = _architecture(tmp_path_factory, arch)
