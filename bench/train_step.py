@@ -212,16 +212,22 @@ def run_one(name: str, args) -> dict:
                 return compute()
             # as the hybrid's trainer worker: the optimizer's states come back in another thread, on a CUDA stream
             # of its own, in pieces, while this thread computes; the optimizer step waits for them
-            behind = threading.Thread(target=finish_behind)
+            failed: list[BaseException] = []
+            behind = threading.Thread(target=finish_behind, args=(failed,))
             behind.start()
             compute()
             behind.join()
+            if failed:  # the step then finished the wake itself: a bench number that would hide the failure
+                raise RuntimeError("the optimizer states' wake failed in the background") from failed[0]
 
-        def finish_behind():
-            if side is not None:
-                torch.cuda.set_device(device)
-            with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
-                engine.finish_wake(chunk_bytes=args.chunk_mib * 2**20)
+        def finish_behind(failed: list) -> None:
+            try:
+                if side is not None:
+                    torch.cuda.set_device(device)
+                with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+                    engine.finish_wake(chunk_bytes=args.chunk_mib * 2**20)
+            except BaseException as error:  # noqa: BLE001 - raised by the step's thread after the join
+                failed.append(error)
 
         def forward():
             with torch.no_grad():
