@@ -21,12 +21,13 @@ CARRY=${PEERS_CARRY_DIR:-$ROOT/.carry/peers}
 MAX_MIB=${PEERS_MAX_MIB:-58}
 PY=${PYTHON:-python3}
 
-# Versions, checked against the device (Python 3.12, torch 2.11, transformers 5.17 -> huggingface-hub >= 1.5, < 2;
-# the kit's dill 0.4.1) and against each other: trl 1.16.0 wants accelerate>=1.10.1, datasets>=4.7.0,
+# Versions, checked against the device (Python 3.12, torch 2.11, transformers 5.17 -> huggingface-hub >= 1.5, < 2)
+# and against each other (dill 0.4.1 is carried since session 19: the image stopped shipping it, and datasets reads
+# its metadata at import): trl 1.16.0 wants accelerate>=1.10.1, datasets>=4.7.0,
 # pandas>=2.1.1, pyarrow>=21, vllm>=0.22.0,<=0.31.0 (extra); datasets 4.8.5 wants huggingface-hub>=0.25,<2,
 # dill<0.4.2, multiprocess<0.70.20, fsspec<=2026.2.0 (datasets 5.x would need huggingface-hub>=1.31, which the
 # image's transformers 5.17 may not have). pandas 2.3.3 (not 3.x): the series datasets 4.8 was tested against.
-TRL_PKGS="trl==1.16.0 accelerate==1.15.0 datasets==4.8.5 pyarrow==23.0.1 pandas==2.3.3 multiprocess==0.70.19
+TRL_PKGS="trl==1.16.0 accelerate==1.15.0 datasets==4.8.5 pyarrow==23.0.1 pandas==2.3.3 multiprocess==0.70.19 dill==0.4.1
 xxhash==3.6.0 fsspec==2026.2.0 python-dateutil==2.9.0.post0 pytz==2025.2 tzdata==2025.2 six==1.17.0"
 OPENRLHF_PKGS="openrlhf==0.10.4 peft==0.21.2 torchdata==0.11.0 pylatexenc==2.11"
 PLAT="--only-binary=:all: --python-version 3.12 --implementation cp"
