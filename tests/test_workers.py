@@ -61,6 +61,19 @@ class Probe(Worker):
     def add(self, value: int) -> int:
         return self.rank * 100 + value
 
+    def rendezvous(self) -> float:
+        """gloo over the group's env:// rendezvous: the sum of the ranks + 1."""
+        import torch
+        import torch.distributed as dist
+
+        self.init_process_group(backend="gloo", timeout_s=60.0)
+        try:
+            value = torch.tensor([self.rank + 1.0])
+            dist.all_reduce(value)
+            return float(value)
+        finally:
+            dist.destroy_process_group()
+
     def sleep(self, seconds: float) -> float:
         time.sleep(seconds)
         return seconds
@@ -239,6 +252,22 @@ def pair(cluster):
                                           inventory=Inventory.uniform(num_nodes=1, gpus_per_node=2)))
     with materialize(plan, timeout_s=WAIT_S, cpus_per_bundle=0) as placed:
         yield placed
+
+
+def test_a_one_rank_group_binds_its_rendezvous_port_when_it_starts(pair, cluster):
+    """A one-rank group gets MASTER_PORT=0: nobody else connects to its rendezvous, so it binds a port the system
+    picks at that moment. A probed port is free only when probed, and a role that loaded later found it taken
+    (EADDRINUSE in CI, sessions 18 and 19). Two ranks keep a probed port they share."""
+    with WorkerGroup(Probe, pair, WorkerGroupConfig(role="policy", start_timeout_s=WAIT_S)) as group:
+        envs = group.call("env")
+        assert envs[0]["MASTER_PORT"] == envs[1]["MASTER_PORT"] != "0"
+        assert group.call("rendezvous") == [3.0, 3.0]
+    solo_plan = plan_placement(PlacementConfig(roles=(RoleSpec(name="solo", num_gpus=1),),
+                                               inventory=Inventory.uniform(num_nodes=1, gpus_per_node=1)))
+    with materialize(solo_plan, timeout_s=WAIT_S, cpus_per_bundle=0) as placed, \
+            WorkerGroup(Probe, placed, WorkerGroupConfig(role="solo", start_timeout_s=WAIT_S)) as solo:
+        assert solo.call("env")[0]["MASTER_PORT"] == "0"
+        assert solo.call("rendezvous") == [1.0]
 
 
 def test_killed_worker_surfaces_within_timeout(pair):

@@ -3,7 +3,8 @@
 What it does:
   * :class:`WorkerGroup` starts one actor of your class per rank of a role, each pinned to the bundle the plan gave it
     with the plan's fractional ``num_gpus``. ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``,
-    ``MASTER_ADDR`` (rank 0's node) and ``MASTER_PORT`` (a free port found there) are in ``os.environ`` before your
+    ``MASTER_ADDR`` (rank 0's node) and ``MASTER_PORT`` (a free port found there; 0 for a one-rank group, whose
+    ``env://`` rendezvous then binds a port the system picks as it starts) are in ``os.environ`` before your
     ``__init__`` runs; your ``env_vars`` / ``forward_env`` (library paths, NCCL settings) travel explicitly in Ray's
     ``runtime_env``, because Ray workers do not inherit the driver's shell.
   * ``call`` (same arguments on every rank), ``call_scattered`` (one item per rank), ``submit`` + ``gather``,
@@ -145,7 +146,9 @@ class WorkerGroup:
                 )
             return left
 
-        port = self.placement.free_port(role, 0, timeout_s=remaining())
+        # one rank: nobody else connects to its rendezvous, so it binds whatever port is free when it starts (0);
+        # a probed port is only free when probed, and a role that loads later may find it taken (EADDRINUSE)
+        port = 0 if self.world_size == 1 else self.placement.free_port(role, 0, timeout_s=remaining())
         addresses = [self.placement.node_address(role, rank, timeout_s=remaining()) for rank in range(self.world_size)]
         envs = []
         for rank, address in enumerate(addresses):
