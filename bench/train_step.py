@@ -23,13 +23,11 @@ against ``--sleep none`` is what the wake adds to a step.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import statistics
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -195,7 +193,6 @@ def run_one(name: str, args) -> dict:
                                        learning_rate=1e-6, gradient_clipping=1.0,
                                        gradient_accumulation_steps=len(micro))
         engine = DeepSpeedEngine(model, role="actor", config=config)
-        side = torch.cuda.Stream(device) if device.type == "cuda" else None
 
         def compute():
             for batch in micro:
@@ -212,22 +209,9 @@ def run_one(name: str, args) -> dict:
                 return compute()
             # as the hybrid's trainer worker: the optimizer's states come back in another thread, on a CUDA stream
             # of its own, in pieces, while this thread computes; the optimizer step waits for them
-            failed: list[BaseException] = []
-            behind = threading.Thread(target=finish_behind, args=(failed,))
-            behind.start()
+            behind = engine.finish_wake_behind(chunk_bytes=args.chunk_mib * 2**20)
             compute()
-            behind.join()
-            if failed:  # the step then finished the wake itself: a bench number that would hide the failure
-                raise RuntimeError("the optimizer states' wake failed in the background") from failed[0]
-
-        def finish_behind(failed: list) -> None:
-            try:
-                if side is not None:
-                    torch.cuda.set_device(device)
-                with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
-                    engine.finish_wake(chunk_bytes=args.chunk_mib * 2**20)
-            except BaseException as error:  # noqa: BLE001 - raised by the step's thread after the join
-                failed.append(error)
+            behind.result()  # a failure surfaces (the step would otherwise finish the wake itself and hide it)
 
         def forward():
             with torch.no_grad():

@@ -13,7 +13,6 @@ import argparse
 import functools
 import json
 import os
-import threading
 import time
 import traceback
 from pathlib import Path
@@ -168,18 +167,16 @@ def _stream_storages(engine) -> int:
 def _deferred_wake_step(engine, batch) -> dict:
     """From asleep: a wake that leaves the optimizer's states on the host, a sleep with them still there, the same
     wake again, then a training step whose optimizer states come back in another thread while its forward and
-    backward run (the hybrid's trainer worker does that on a CUDA stream of its own)."""
+    backward run (``finish_wake_behind``: on a GPU on a CUDA stream of its own, as the hybrid's trainer worker)."""
     woke = engine.wake_up(defer_optimizer=True)
     away = engine.optimizer_states_away
     engine.sleep()
     resident_asleep, asleep = engine.resident_state_bytes(), engine.is_asleep
     woke_again = engine.wake_up(defer_optimizer=True)
-    finished: dict = {}
     loss = _nll(engine, batch)
-    finishing = threading.Thread(target=lambda: finished.update(engine.finish_wake(chunk_bytes=4096)))
-    finishing.start()
+    finishing = engine.finish_wake_behind(chunk_bytes=4096)
     engine.backward(loss)
-    finishing.join()
+    finished = finishing.result(timeout=120) if finishing is not None else {}
     away_before_step = engine.optimizer_states_away
     stats = engine.step()
     return {"stats": stats, "away": away, "resident_asleep": resident_asleep, "asleep": asleep,

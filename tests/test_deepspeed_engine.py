@@ -310,8 +310,8 @@ def test_sleep_wake_round_trip_is_exact(ds_results, world_size, stage):
 @pytest.mark.parametrize(("world_size", "stage"), TRAIN_CASES)
 def test_wake_may_leave_the_optimizer_states_for_later(ds_results, world_size, stage):
     """wake_up(defer_optimizer=True) leaves the optimizer's states on the host under ZeRO-0/1/2 (not ZeRO-3); a sleep
-    with them still there is a complete sleep; finish_wake() in another thread during the forward and backward brings
-    them back, and the step trains exactly as a plain wake would (the loss comparison above covers that step)."""
+    with them still there is a complete sleep; finish_wake_behind() (finish_wake() in another thread, in 4 KiB pieces)
+    during the backward brings them back, and the step trains exactly as a plain wake would (the loss comparison above covers that step)."""
     deferred = _result(ds_results, world_size, f"train{stage}")["deferred"]
     assert deferred["away"] == (stage < 3)
     assert deferred["asleep"] and deferred["resident_asleep"] == 0

@@ -15,6 +15,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from rlhfkit.deepspeed_engine import DeepSpeedEngine
 from rlhfkit.hybrid import HybridCallError
 from rlhfkit.phase import LocalPhaseStore, PhaseConflictError, PhaseGuard
 
@@ -129,7 +130,11 @@ def test_a_failed_background_sleep_surfaces_on_the_next_call_naming_role_rank_an
 
 class DeferringModel(SlowModel):
     """A trained model whose wake may leave its optimizer's states for a ``finish_wake`` as slow as told (or failing);
-    records the order of what happened to it."""
+    records the order of what happened to it. ``finish_wake_behind`` is DeepSpeedEngine's own (it runs this
+    ``finish_wake`` in a background thread)."""
+
+    finish_wake_behind = DeepSpeedEngine.finish_wake_behind
+    device, name, _wake_stream = torch.device("cpu"), "stand-in", None
 
     def __init__(self, *, finish_s: float = 0.0, fail_finish: bool = False) -> None:
         super().__init__()

@@ -21,22 +21,30 @@ MASTER_ADDR/MASTER_PORT environment. See ``docs/deepspeed_engine.md`` for what r
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import threading
 import time
 from collections.abc import Iterator, Mapping
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from rlhfkit._optional import require
+from rlhfkit.checkpoint import latest_checkpoint
 from rlhfkit.deepspeed_engine import _checkpoint as ckpt
 from rlhfkit.deepspeed_engine import _sleep as sleeping
 from rlhfkit.deepspeed_engine._config import ROLES, DeepSpeedEngineConfig, Role, lr_factor
-from rlhfkit.deepspeed_engine._models import ValueModel, as_value_model, load_hf_model, sequence_scores, token_aligned_values
-from rlhfkit._optional import require
-from rlhfkit.checkpoint import latest_checkpoint
+from rlhfkit.deepspeed_engine._models import (
+    ValueModel,
+    as_value_model,
+    load_hf_model,
+    sequence_scores,
+    token_aligned_values,
+)
 from rlhfkit.losses import model_logprobs
 from rlhfkit.packing import packed_inputs
 from rlhfkit.types import PackedBatch
@@ -45,6 +53,9 @@ __all__ = ["DeepSpeedEngine", "DeepSpeedEngineConfig", "ValueModel", "latest_che
 
 logger = logging.getLogger(__name__)
 _GIB = 1024**3
+# finish_wake_behind() copies in pieces of this size, one in flight at a time: the forward-backward's own small copies
+# (its inputs, a scalar read back) wait behind one piece, not behind the whole transfer (bench/copy_overlap.py)
+WAKE_CHUNK_BYTES = 64 * 1024**2
 
 
 def _deep_merge(base: dict[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
@@ -125,6 +136,7 @@ class DeepSpeedEngine:
         self._weights_kept = False
         self._later_bytes = 0  # bytes of the states a wake_up(defer_optimizer=True) left for finish_wake()
         self._wake_lock = threading.Lock()  # finish_wake() in another thread against sleep() and the step
+        self._wake_stream: Any = None  # the CUDA stream of finish_wake_behind()'s copies
         self._pending_losses: list[torch.Tensor] = []
         logger.info("'%s' (%s) ready: ZeRO-%d, %s, sleep plan: %s", self.name, role, config.zero_stage,
                     "bf16" if config.bf16 else "fp32", self._sleep_plan.note)
@@ -398,6 +410,32 @@ class DeepSpeedEngine:
             seconds = time.perf_counter() - start
             self._offloaded, moved, self._later_bytes = set(), self._later_bytes, 0
             return self._log_transition("optimizer states awake", before, seconds) | {"bytes_moved": float(moved)}
+
+    def finish_wake_behind(self, *, chunk_bytes: int | None = WAKE_CHUNK_BYTES) -> Future | None:
+        """Start :meth:`finish_wake` in a background thread (on a GPU: on a CUDA stream of its own, in pieces of
+        ``chunk_bytes``), so that the optimizer's states come back while this thread runs its forwards and backwards;
+        call it once their inputs are on the device (their copies would wait behind a piece). Returns None when no
+        states are away, else a :class:`concurrent.futures.Future` of ``finish_wake``'s stats whose ``result()``
+        re-raises what it raised. The optimizer step, :meth:`sleep`, saving and loading wait for it by themselves."""
+        if not self.optimizer_states_away:
+            return None
+        device = self.device
+        side = None
+        if device.type == "cuda":
+            self._wake_stream = side = self._wake_stream or torch.cuda.Stream(device)
+        future: Future = Future()
+
+        def finish() -> None:
+            try:
+                if side is not None:
+                    torch.cuda.set_device(device)
+                with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+                    future.set_result(self.finish_wake(chunk_bytes=chunk_bytes))
+            except BaseException as error:  # noqa: BLE001 - handed to whoever reads the future
+                future.set_exception(error)
+
+        threading.Thread(target=finish, name=f"{self.name}-finish-wake", daemon=True).start()
+        return future
 
     def _log_transition(self, what: str, before: dict[str, float], seconds: float) -> dict[str, float]:
         after = sleeping.device_memory(self.device)

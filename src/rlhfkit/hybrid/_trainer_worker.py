@@ -15,6 +15,7 @@ import os
 import threading
 import time
 from collections import defaultdict
+from concurrent.futures import Future, wait
 from typing import Any
 
 import torch
@@ -26,9 +27,6 @@ from rlhfkit.workers import Worker
 
 _GIB = 1024**3
 OUTPUTS = ("logprobs", "values", "rewards")
-# The optimizer states' wake behind a forward-backward copies in pieces of this size (one in flight at a time): the
-# forward-backward's own small host-to-device copies wait behind one piece, not behind the whole transfer.
-WAKE_CHUNK_BYTES = 64 * 1024**2
 SETTLE_TIMEOUT_S = 600.0  # the longest a call waits for the background sleep of the call before it
 
 
@@ -127,10 +125,8 @@ class TrainerWorker(Worker):
         self._stats_lock = threading.Lock()  # the counters above: a background sleep adds while a call reports
         self._weights_written: Any = None  # CUDA event after the step a weights-keeping background sleep follows
         self._send_stream: Any = None  # the CUDA stream a push beside that sleep runs on
-        self._finishing: tuple[threading.Thread, str] | None = None  # the optimizer states' wake, behind a call
-        self._finish_error: tuple[BaseException, str] | None = None  # what it raised, and its phase
+        self._finishing: tuple[Future, str] | None = None  # the optimizer states' wake behind a call, its phase
         self._overlapped_wake_s = 0.0  # seconds of those wakes since the last report
-        self._wake_stream: Any = None  # the CUDA stream their copies run on
 
     @property
     def trains(self) -> bool:
@@ -266,38 +262,29 @@ class TrainerWorker(Worker):
         return 0.0
 
     def _wake_optimizer_behind(self, phase: str) -> None:
-        """Bring the optimizer's states back in a background thread (on a GPU: on a CUDA stream of its own), while
-        this call computes; the next call, or a sleep, waits for it (:meth:`_settle`)."""
-        if not getattr(self.model, "optimizer_states_away", False):
-            return
-        side = None
-        if self.device_kind == "cuda":
-            self._wake_stream = side = self._wake_stream or torch.cuda.Stream(self._cuda_device)
-
-        def finish() -> None:
-            try:
-                if side is not None:
-                    torch.cuda.set_device(self._cuda_device)
-                with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
-                    stats = self.model.finish_wake(chunk_bytes=WAKE_CHUNK_BYTES)
-                with self._stats_lock:
-                    self._moved["bytes_h2d"] += stats.get("bytes_moved", 0.0)
-                    self._overlapped_wake_s += stats.get("seconds", 0.0)
-            except BaseException as error:  # noqa: BLE001 - raised by the next call (_settle), naming the phase
-                self._finish_error = (error, phase)
-
-        thread = threading.Thread(target=finish, name=f"{self.role}-{self.rank}-wake", daemon=True)
-        self._finishing = (thread, phase)
-        thread.start()
+        """Bring the optimizer's states back in the background while this call computes
+        (:meth:`~rlhfkit.deepspeed_engine.DeepSpeedEngine.finish_wake_behind`); the next call, or a sleep, waits for
+        them (:meth:`_settle`)."""
+        start = getattr(self.model, "finish_wake_behind", None)
+        future = start() if start is not None else None
+        if future is not None:
+            self._finishing = (future, phase)
 
     def _join_wake(self, method: str) -> None:
         """Wait for the optimizer states' background wake (:meth:`_wake_optimizer_behind`); raise what it raised."""
         if self._finishing is None:
             return
-        thread, phase = self._finishing
-        self._join(thread, phase, method, what="the wake of its optimizer states in phase")
-        self._finishing, failed, self._finish_error = None, self._finish_error, None
-        self._raise_failed(failed, method, what="the wake of its optimizer states in phase")
+        future, phase = self._finishing
+        what = "the wake of its optimizer states in phase"
+        if not wait([future], timeout=SETTLE_TIMEOUT_S).done:
+            raise HybridCallError(f"{method}() on '{self.role}' rank {self.rank}: {what} '{phase}' did not finish "
+                                  f"within {SETTLE_TIMEOUT_S:g} s", role=self.role, rank=self.rank, phase=phase)
+        self._finishing, error = None, future.exception()
+        self._raise_failed(None if error is None else (error, phase), method, what=what)
+        stats = future.result()
+        with self._stats_lock:
+            self._moved["bytes_h2d"] += stats.get("bytes_moved", 0.0)
+            self._overlapped_wake_s += stats.get("seconds", 0.0)
 
     def _settle(self, method: str) -> None:
         """Wait for a background sleep (``overlap_switches``) or wake of the optimizer's states to finish; raise what
