@@ -159,6 +159,14 @@ def run_one(name: str, args) -> dict:
         torch.cuda.set_device(0)
     micro, whole = make_batches(args, device)
     model = build_model(args.arch, dtype, attn_impl, device)
+    if args.fused_kernels:
+        from rlhfkit.deepspeed_engine._models import apply_fused_kernels
+
+        apply_fused_kernels(model, args.fused_kernels)
+    if args.compile_layers and kind == "torch":  # DeepSpeedEngineConfig.compile_layers does it for the engine
+        from rlhfkit.deepspeed_engine._models import compile_decoder_layers
+
+        compile_decoder_layers(model)
     if kind == "torch":
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6, fused=True)
 
@@ -191,7 +199,7 @@ def run_one(name: str, args) -> dict:
         config = DeepSpeedEngineConfig(zero_stage=stage, bf16=dtype == torch.bfloat16,
                                        optimizer="fused_adam" if device.type == "cuda" else "torch_adamw",
                                        learning_rate=1e-6, gradient_clipping=1.0,
-                                       gradient_accumulation_steps=len(micro))
+                                       gradient_accumulation_steps=len(micro), compile_layers=args.compile_layers)
         engine = DeepSpeedEngine(model, role="actor", config=config)
 
         def compute():
@@ -225,8 +233,15 @@ def run_one(name: str, args) -> dict:
     result = {"config": name, "kind": kind, "zero_stage": stage, "dtype": CONFIGS[name][2], "attention": attn,
               "optimizer_step_s": statistics.median(steps), "optimizer_steps_s": steps,
               "forward_s": statistics.median(forwards), "tokens": int(whole.num_tokens), "sleep": args.sleep,
+              "fused_kernels": args.fused_kernels, "compile_layers": args.compile_layers,
               **({"sleep_s": statistics.median(sleeps)} if sleeps else {}),
               "peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None}
+    if args.compile_layers:
+        from torch._dynamo.utils import counters
+
+        result["dynamo"] = {"unique_graphs": counters["stats"]["unique_graphs"],
+                            "graph_breaks": sum(counters["graph_break"].values()),
+                            "break_reasons": sorted(counters["graph_break"])[:5]}
     if args.profile and device.type == "cuda":
         if before is not None:
             before()
@@ -278,6 +293,12 @@ def main() -> None:
     parser.add_argument("--chunk-mib", type=int, default=64, help="--sleep deferred: the wake's copy pieces (MiB)")
     parser.add_argument("--loss-tokens-only", action="store_true",
                         help="DeepSpeed configurations: logits only at the response tokens (the hybrid's training)")
+    parser.add_argument("--fused-kernels", choices=("liger",), default=None,
+                        help="the trainers' DeepSpeedEngineConfig.fused_kernels: Liger-Kernel's RMSNorm, RoPE and "
+                        "SwiGLU (CUDA, rlhfkit[liger])")
+    parser.add_argument("--compile-layers", action="store_true",
+                        help="torch.compile each decoder layer (dynamic shapes) before the engine wraps the model: "
+                        "what compiling would save against the host-bound eager step; the first steps compile")
     parser.add_argument("--one", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
@@ -291,7 +312,9 @@ def main() -> None:
             f"--{k.replace('_', '-')}={getattr(args, k)}" for k in ("seqs", "prompt_len", "response_len", "micro",
                                                                      "repeats", "warmup", "arch", "sleep",
                                                                      "chunk_mib")] + (
-            ["--profile"] if args.profile else []) + (["--loss-tokens-only"] if args.loss_tokens_only else [])
+            ["--profile"] if args.profile else []) + (["--loss-tokens-only"] if args.loss_tokens_only else []) + (
+            [f"--fused-kernels={args.fused_kernels}"] if args.fused_kernels else []) + (
+            ["--compile-layers"] if args.compile_layers else [])
         start = time.perf_counter()
         try:
             done = subprocess.run(argv, timeout=args.config_timeout_s, capture_output=True, text=True, check=False)

@@ -76,6 +76,7 @@ class Options:
     gradient_checkpointing: bool = False  # True: recompute activations in backward (large models)
     empty_caches: bool = False  # True: the asleep actor returns its cached GPU blocks too (large models: more room)
     fused_kernels: str | None = None  # "liger": Liger-Kernel's RMSNorm, RoPE, SwiGLU in the trainers (rlhfkit[liger])
+    compile_layers: bool = False  # torch.compile the trainers' decoder layers (fewer kernel launches; ZeRO-0/1/2)
     lora_rank: int = 0  # > 0: train LoRA adapters (alpha = 2 * rank, attention + MLP projections) and push only them
     engine_memory: float | None = None  # vLLM's share of a GPU (None: 0.15 colocated, 0.85 on GPUs of its own)
     kv_cache: str = "batch"  # vLLM's KV cache: "batch" = (192 + --max-new-tokens) x batch, "share" = --engine-memory
@@ -116,7 +117,8 @@ def start(options: Options) -> Hybrid:
                                       offload_optimizer_ratio=options.offload_optimizer_ratio,
                                       sub_group_elements=options.sub_group_elements,
                                       gradient_checkpointing=options.gradient_checkpointing,
-                                      empty_cache_on_sleep=options.empty_caches, fused_kernels=options.fused_kernels)
+                                      empty_cache_on_sleep=options.empty_caches, fused_kernels=options.fused_kernels,
+                                      compile_layers=options.compile_layers)
     separated = options.engine_gpus > 0  # the trainers' GPUs are theirs: the engines need not make room
     offload, rank = options.offload_trainers and not options.resident and not separated, options.lora_rank
     lora = LoraConfig(rank=rank, alpha=2.0 * rank, target_modules=LORA_TARGETS) if rank else None

@@ -601,3 +601,76 @@ def test_gpu_liger_kernels_give_transformers_log_probs_and_gradients(tiny_llama_
     result = subprocess.run([sys.executable, "-c", _LIGER_CHECK, str(tiny_llama_path)], capture_output=True, text=True,
                             timeout=300, check=False)
     assert result.returncode == 0 and "ok Liger" in result.stdout, result.stdout[-2000:] + result.stderr[-4000:]
+
+
+# ---------------------------------------------------------------------------------------------- compiled layers
+def test_compile_layers_config_is_a_bool_and_refused_under_zero3():
+    assert DeepSpeedEngineConfig(zero_stage=1, compile_layers=True).compile_layers is True
+    with pytest.raises(TypeError, match=r"compile_layers='yes'"):
+        DeepSpeedEngineConfig(zero_stage=1, compile_layers="yes")
+    with pytest.raises(ValueError, match=r"compile_layers=True with zero_stage=3"):
+        DeepSpeedEngineConfig(zero_stage=3, compile_layers=True)
+
+
+def test_decoder_layers_are_the_no_split_modules_and_a_model_without_them_is_named(tiny_llama_path):
+    transformers = pytest.importorskip("transformers")
+    from rlhfkit.deepspeed_engine._models import decoder_layers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(tiny_llama_path)
+    layers = decoder_layers(model)
+    assert [type(layer).__name__ for layer in layers] == ["LlamaDecoderLayer"] * model.config.num_hidden_layers
+    assert layers == list(model.model.layers)
+    with pytest.raises(ValueError, match=r"no decoder layers in Sequential .*names none"):
+        decoder_layers(torch.nn.Sequential(torch.nn.Linear(2, 2)))
+
+
+_COMPILE_CHECK = """
+import sys, torch
+from torch._dynamo.utils import counters
+from rlhfkit.deepspeed_engine import DeepSpeedEngine, DeepSpeedEngineConfig
+from rlhfkit.deepspeed_engine._models import decoder_layers
+from rlhfkit.packing import VARLEN_ATTENTION
+from rlhfkit.types import PackedBatch
+
+def batch(lengths, seed):
+    ids = torch.randint(0, 200, (sum(lengths),), generator=torch.Generator().manual_seed(seed))
+    cu = torch.tensor([0] + lengths).cumsum(0).to(torch.int32)
+    pos = torch.cat([torch.arange(n) for n in lengths])
+    return PackedBatch(input_ids=ids, position_ids=pos, cu_seqlens=cu, loss_mask=pos > 3)
+
+batches = [batch([17, 29, 9], 1), batch([23, 12], 2), batch([31, 8, 14, 6], 3)]  # a new length every step
+results = []
+for compiled in (False, True):
+    config = DeepSpeedEngineConfig(zero_stage=0, bf16=False, optimizer="torch_adamw", learning_rate=1e-3,
+                                   attn_implementation=VARLEN_ATTENTION, compile_layers=compiled)
+    engine = DeepSpeedEngine.from_pretrained(sys.argv[1], role="actor", config=config, name=f"actor-{compiled}")
+    losses = []
+    for b in batches:
+        logprobs = engine.forward_logprobs(b, loss_tokens_only=True)
+        engine.backward(-(logprobs * b.loss_mask).sum() / b.loss_mask.sum())
+        losses.append(engine.step()["loss"])
+        engine.sleep()  # the hybrid's switches: every state off the device and back between steps
+        engine.wake_up()
+    with torch.no_grad():
+        after = engine.forward_logprobs(batches[0])
+    results.append((losses, after, [layer._compiled_call_impl is not None for layer in decoder_layers(engine.module)]))
+(eager, eager_after, eager_flags), (compiled, compiled_after, compiled_flags) = results
+assert eager_flags == [False, False] and compiled_flags == [True, True], (eager_flags, compiled_flags)
+assert max(abs(a - b) for a, b in zip(eager, compiled)) < 1e-5, (eager, compiled)
+assert (eager_after - compiled_after).abs().max() < 1e-5, (eager_after - compiled_after).abs().max()
+# one graph with its backward for training, one for the no-grad forward: no graph break, no recompile per length
+assert dict(counters["graph_break"]) == {}, dict(counters["graph_break"])
+assert counters["stats"]["unique_graphs"] == 2, counters["stats"]["unique_graphs"]
+print("ok", compiled)
+"""
+
+
+def test_compiled_layers_train_as_eager_ones_with_one_graph_per_kind_of_call(tiny_llama_path):
+    """Real DeepSpeed (ZeRO-0, CPU, fp32) with compile_layers on and off on three packed batches of new lengths,
+    asleep and awake again after each step: the same losses and log-probs after training, every decoder layer
+    compiled, no graph break, and two graphs in all (training and no-grad), whatever the lengths."""
+    env = {**os.environ, **CPU_ENV, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": "0"}
+    result = subprocess.run([sys.executable, "-c", _COMPILE_CHECK, str(tiny_llama_path)], capture_output=True,
+                            text=True, env=env, timeout=300, check=False)
+    assert result.returncode == 0 and "ok [" in result.stdout, result.stdout[-2000:] + result.stderr[-4000:]

@@ -41,6 +41,7 @@ from rlhfkit.deepspeed_engine._config import ROLES, DeepSpeedEngineConfig, Role,
 from rlhfkit.deepspeed_engine._models import (
     ValueModel,
     as_value_model,
+    compile_decoder_layers,
     load_hf_model,
     sequence_scores,
     token_aligned_values,
@@ -111,6 +112,8 @@ class DeepSpeedEngine:
         if config.gradient_checkpointing and self.has_optimizer:
             hf_model = module.backbone if isinstance(module, ValueModel) else module
             hf_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if config.compile_layers:
+            compile_decoder_layers(module)
         if not torch.distributed.is_initialized():
             deepspeed.init_distributed()
         ds_config = _deep_merge(config.to_deepspeed_dict(with_optimizer=self.has_optimizer), ds_config_overrides or {})

@@ -115,6 +115,29 @@ def sequence_scores(raw: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
     return raw[batch.cu_seqlens[1:].long() - 1]
 
 
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The decoder layers of an HF model (also inside a :class:`ValueModel` or a peft wrapper): the modules whose
+    class an HF model names in its ``_no_split_modules``. Raises naming the model when it names none or none is
+    found."""
+    names = {name for module in model.modules() for name in (getattr(module, "_no_split_modules", None) or ())}
+    layers = [module for module in model.modules() if type(module).__name__ in names]
+    if not layers:
+        raise ValueError(f"compile_layers=True: found no decoder layers in {type(model).__name__} (an HF model names "
+                         f"their class in _no_split_modules; this one names {sorted(names) or 'none'}); leave "
+                         "compile_layers False")
+    return layers
+
+
+def compile_decoder_layers(model: torch.nn.Module) -> int:
+    """``torch.compile`` each of ``model``'s :func:`decoder_layers` in place (dynamic shapes: packed batches change
+    length every step). The layers of one class share the compiled code (torch inlines module parameters as graph
+    inputs), so a model compiles once per kind of call, not once per layer. Returns how many layers."""
+    layers = decoder_layers(model)
+    for layer in layers:
+        layer.compile(dynamic=True)
+    return len(layers)
+
+
 def apply_fused_kernels(model: torch.nn.Module, kind: str) -> None:
     """Swap ``model``'s RMSNorm, rotary embedding and SwiGLU MLP for Liger-Kernel's Triton kernels (``kind="liger"``;
     no fused cross-entropy: rlhfkit computes the log-probs). Raises before touching the model when CUDA is missing,
