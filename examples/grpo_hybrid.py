@@ -76,7 +76,7 @@ class Options:
     gradient_checkpointing: bool = False  # True: recompute activations in backward (large models)
     empty_caches: bool = False  # True: the asleep actor returns its cached GPU blocks too (large models: more room)
     fused_kernels: str | None = None  # "liger": Liger-Kernel's RMSNorm, RoPE, SwiGLU in the trainers (rlhfkit[liger])
-    compile_layers: bool = False  # torch.compile the trainers' decoder layers (fewer kernel launches; ZeRO-0/1/2)
+    compile_layers: bool | None = None  # torch.compile the trainers' layers; None: on a GPU, full-parameter, ZeRO<3
     lora_rank: int = 0  # > 0: train LoRA adapters (alpha = 2 * rank, attention + MLP projections) and push only them
     engine_memory: float | None = None  # vLLM's share of a GPU (None: 0.15 colocated, 0.85 on GPUs of its own)
     kv_cache: str = "batch"  # vLLM's KV cache: "batch" = (192 + --max-new-tokens) x batch, "share" = --engine-memory
@@ -111,6 +111,8 @@ def start(options: Options) -> Hybrid:
     model = options.model or str(build_tiny_model(Path(options.out) / "tiny_model", tiny, exist_ok=True))
     # ZeRO-0 + bf16 cannot sleep (DeepSpeed's BF16_Optimizer has no offload_states): bf16 takes stage 1
     stage = options.zero_stage if options.zero_stage is not None else (1 if options.bf16 and not cpu else 0)
+    compile_layers = (not cpu and stage < 3 and not options.lora_rank) if options.compile_layers is None else (
+        options.compile_layers)  # compiled layers launch fewer kernels: 1.5B's training phase -22% (benchmarks.md)
     deepspeed = DeepSpeedEngineConfig(zero_stage=stage, bf16=options.bf16, learning_rate=options.lr,
                                       optimizer="torch_adamw" if cpu else "fused_adam", gradient_clipping=1.0,
                                       offload_optimizer=options.offload_optimizer,
@@ -118,7 +120,7 @@ def start(options: Options) -> Hybrid:
                                       sub_group_elements=options.sub_group_elements,
                                       gradient_checkpointing=options.gradient_checkpointing,
                                       empty_cache_on_sleep=options.empty_caches, fused_kernels=options.fused_kernels,
-                                      compile_layers=options.compile_layers)
+                                      compile_layers=compile_layers)
     separated = options.engine_gpus > 0  # the trainers' GPUs are theirs: the engines need not make room
     offload, rank = options.offload_trainers and not options.resident and not separated, options.lora_rank
     lora = LoraConfig(rank=rank, alpha=2.0 * rank, target_modules=LORA_TARGETS) if rank else None

@@ -206,3 +206,30 @@ def test_examples_are_single_files_of_at_most_250_lines():
     assert not list(EXAMPLES.glob("_*.py"))
     for name in ("grpo_hybrid.py", "ppo_hybrid.py"):
         assert len((EXAMPLES / name).read_text().splitlines()) <= 250, name
+
+
+@pytest.mark.parametrize(("argv", "compiled"), [
+    (["--device", "cuda", "--bf16", "true"], True),  # the GPU default: ZeRO-1, full parameters
+    (["--device", "cuda", "--bf16", "true", "--zero-stage", "3"], False),  # ZeRO-3 refuses compiled layers
+    (["--device", "cuda", "--bf16", "true", "--lora-rank", "8"], False),  # not measured with adapters
+    (["--device", "cuda", "--bf16", "true", "--compile-layers", "false"], False),
+    (["--device", "cpu"], False),  # CPU smoke runs would spend their time compiling
+    (["--device", "cpu", "--compile-layers", "true"], True),
+])
+def test_grpo_hybrid_compiles_the_trainers_layers_by_default_on_a_gpu(argv, compiled, monkeypatch, tmp_path):
+    """The example's --compile-layers default: on for a full-parameter run on a GPU under ZeRO-0/1/2, off on CPU,
+    with LoRA and under ZeRO-3; an explicit value wins. Read from the trainer configs the example hands to
+    Hybrid.start (stopped there: nothing starts)."""
+    from rlhfkit.options import parse_options
+
+    grpo = load_example("grpo_hybrid")
+    seen = {}
+
+    def capture(config, trainers):
+        seen.update({role: trainer.deepspeed.compile_layers for role, trainer in trainers.items()})
+        raise SystemExit(0)
+
+    monkeypatch.setattr(grpo.Hybrid, "start", capture)
+    with pytest.raises(SystemExit):
+        grpo.start(parse_options(grpo.Options, [*argv, "--out", str(tmp_path)]))
+    assert seen and set(seen.values()) == {compiled}, seen
