@@ -112,7 +112,7 @@ def start(options: Options) -> Hybrid:
     # ZeRO-0 + bf16 cannot sleep (DeepSpeed's BF16_Optimizer has no offload_states): bf16 takes stage 1
     stage = options.zero_stage if options.zero_stage is not None else (1 if options.bf16 and not cpu else 0)
     compile_layers = (not cpu and stage < 3 and not options.lora_rank) if options.compile_layers is None else (
-        options.compile_layers)  # compiled layers launch fewer kernels: 1.5B's training phase -22% (benchmarks.md)
+        options.compile_layers)  # fewer kernel launches for a host-bound step (docs/benchmarks.md, session 20)
     deepspeed = DeepSpeedEngineConfig(zero_stage=stage, bf16=options.bf16, learning_rate=options.lr,
                                       optimizer="torch_adamw" if cpu else "fused_adam", gradient_clipping=1.0,
                                       offload_optimizer=options.offload_optimizer,

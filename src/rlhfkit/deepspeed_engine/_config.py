@@ -98,11 +98,11 @@ class DeepSpeedEngineConfig:
             (its rotary function and layer classes), so every model of that architecture built afterwards in the
             process gets the kernels too. None keeps transformers' modules.
         compile_layers: ``torch.compile`` each decoder layer (the model's ``_no_split_modules`` classes) with dynamic
-            shapes before DeepSpeed wraps it: the layers share one compiled graph, whose fused kernels replace the
-            eager layer's ~40 elementwise launches, for the same host-bound steps as ``fused_kernels``, with nothing
-            to install (a C compiler and, on a GPU, Triton: both come with torch's CUDA wheels). The first forward
-            and backward of each kind (training, no-grad) compile, which delays the first step. ZeRO-0/1/2 only
-            (ZeRO-3's parameter hooks run inside the layers).
+            shapes before DeepSpeed wraps it. The layers share one compiled graph per kind of call (training,
+            no-grad), whose fused kernels replace most of an eager layer's small elementwise launches: for steps that
+            are host-bound, as ``fused_kernels``, with nothing to install (a C compiler and, on a GPU, Triton: both
+            come with torch's CUDA wheels). The first call of each kind compiles, which delays the first step.
+            ZeRO-0/1/2 only (ZeRO-3's parameter hooks run inside the layers).
         bucket_elements: DeepSpeed's ``reduce_bucket_size`` and ``allgather_bucket_size`` (ZeRO-1/2; ZeRO-3's
             ``reduce_bucket_size``), in elements. ZeRO-1/2 keep a gradient bucket of this many elements on the GPU
             while training: DeepSpeed's default (5e8) is 2 GiB of fp32, 5e7 is 200 MiB.
