@@ -620,6 +620,16 @@ def test_decoder_layers_are_the_no_split_modules_and_a_model_without_them_is_nam
     layers = decoder_layers(model)
     assert [type(layer).__name__ for layer in layers] == ["LlamaDecoderLayer"] * model.config.num_hidden_layers
     assert layers == list(model.model.layers)
+    # a critic's value model and a LoRA actor's peft wrapper: the same layers, found inside
+    from rlhfkit.deepspeed_engine._models import as_value_model
+    from rlhfkit.lora import LoraConfig, apply_lora
+
+    critic = as_value_model(transformers.AutoModelForSequenceClassification.from_pretrained(tiny_llama_path,
+                                                                                            num_labels=1))
+    assert [type(layer).__name__ for layer in decoder_layers(critic)] == ["LlamaDecoderLayer"] * len(layers)
+    adapted = apply_lora(transformers.AutoModelForCausalLM.from_pretrained(tiny_llama_path),
+                         LoraConfig(rank=4, target_modules=("q_proj", "v_proj")))
+    assert len(decoder_layers(adapted)) == len(layers)
     with pytest.raises(ValueError, match=r"no decoder layers in Sequential .*names none"):
         decoder_layers(torch.nn.Sequential(torch.nn.Linear(2, 2)))
 
