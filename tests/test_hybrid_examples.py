@@ -93,6 +93,16 @@ def test_grpo_hybrid_on_cpu(ray_not_started, tiny_llama_path, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.ray
+def test_grpo_hybrid_with_compiled_layers_on_cpu(ray_not_started, tiny_llama_path, tmp_path):
+    """--compile-layers true (the GPU default) in the trainers' Ray workers: the run trains and its trainers'
+    log-probs still equal the HF engine's (fp32) at every step, across the sleeps between them."""
+    rows = load_example("grpo_hybrid").main(["--model", str(tiny_llama_path), "--out", str(tmp_path), "--device", "cpu",
+                                             "--tiny", "true", "--compile-layers", "true"])
+    check_rows(rows, steps=3)
+
+
+@pytest.mark.slow
+@pytest.mark.ray
 def test_grpo_hybrid_with_the_engines_on_gpus_of_their_own_on_cpu(ray_not_started, tiny_llama_path, tmp_path):
     """Issue 24's separated layout in the example (--engine-gpus): 2 logical GPUs for the trainers (2 actor ranks and
     the reference), 1 for the engine, which never sleeps; rank 0 broadcasts the weights (gloo here, NCCL on GPUs)
