@@ -137,7 +137,8 @@ def make_generate(hybrid: Hybrid, options: Options, made: dict):
         index = next(counter)
         batch = made.pop(index)
         sampling = SamplingConfig(n=options.samples_per_prompt, max_new_tokens=options.max_new_tokens,
-                                  ignore_eos=options.ignore_eos, seed=SEED * 1_000_003 + index)
+                                  ignore_eos=options.ignore_eos, seed=SEED * 1_000_003 + index,
+                                  seed_scope="call")  # vLLM samples the batch at once
         rollouts = hybrid.engines.generate(prompts, sampling)
         base = index * len(batch.token_ids)
         return [dataclasses.replace(r, prompt_index=base + r.prompt_index, prompt_text=batch.texts[r.prompt_index],

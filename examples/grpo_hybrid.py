@@ -177,8 +177,9 @@ def main(argv=None) -> list[dict]:
                 timer.start_step()
                 count = options.prompts_per_step  # problems step * count ... of the task, as chat prompts
                 prompts = prompt_batch(task.records(count, start=step * count), tokenizer, chat)
+                # one random stream per engine and step: vLLM samples the batch at once, not sample by sample
                 sampling = SamplingConfig(n=options.samples_per_prompt, max_new_tokens=options.max_new_tokens,
-                                          seed=SEED * 1_000_003 + step)
+                                          seed=SEED * 1_000_003 + step, seed_scope="call")
                 # 1. The engines generate holding the GPU, then sleep.
                 with timer.phase("generate"):
                     rollouts = engines.generate(prompts.token_ids, sampling)

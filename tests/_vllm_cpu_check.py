@@ -291,6 +291,19 @@ def check_pausable(engine, hf_a, hf_b, prompts, sampled) -> None:
            versions=sorted({r.weight_version for r in mine}),
            spans=[r.response_weight_versions is not None for r in mine])
 
+    # seed_scope="call": unseeded requests drawn from the worker's generators seeded for the call (restored after)
+    called = dataclasses.replace(sampled, seed_scope="call")
+    state = torch.random.get_rng_state()
+    first, again = engine.generate(prompts, called), engine.generate(prompts, called)
+    other = engine.generate(prompts, dataclasses.replace(called, seed=sampled.seed + 1))
+    mine = stepped.generate(prompts, called)
+    same = lambda xs, ys: all(torch.equal(a.response_token_ids, b.response_token_ids) for a, b in zip(xs, ys, strict=True))
+    record("call_scope", repeat_equal=same(first, again), pausable_equal=same(first, mine),
+           seed_matters=not same(first, other), samples_differ=not torch.equal(first[0].response_token_ids,
+                                                                                first[1].response_token_ids),
+           rng_restored=torch.equal(state, torch.random.get_rng_state()),
+           logprobs=all(r.response_logprobs is not None for r in first))
+
     steps, step = {"n": 0}, stepped.llm.llm_engine.step
 
     def counted_step():

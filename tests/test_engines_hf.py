@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 
 import pytest
@@ -126,6 +127,20 @@ def test_seed_reproducible_and_batch_invariant(engine, prompt_ids):
     assert tokens[0] != tokens[3]
     unseeded = [engine.generate(prompt_ids, SamplingConfig(n=2, max_new_tokens=8)) for _ in range(2)]
     assert [r.response_token_ids.tolist() for r in unseeded[0]] != [r.response_token_ids.tolist() for r in unseeded[1]]
+
+
+def test_call_scoped_seed_draws_the_call_from_one_stream(engine, prompt_ids):
+    """seed_scope="call": one generator for the whole call, seeded from the seed: the same call repeats, another seed
+    differs, the samples of a prompt differ, and the engine's own generator is left alone."""
+    sampling = SamplingConfig(n=3, max_new_tokens=8, seed=42, seed_scope="call")
+    state = engine._generator.get_state()
+    first, second = engine.generate(prompt_ids, sampling), engine.generate(prompt_ids, sampling)
+    other = engine.generate(prompt_ids, dataclasses.replace(sampling, seed=43))
+    per_sample = engine.generate(prompt_ids, dataclasses.replace(sampling, seed_scope="sample"))
+    tokens = [[r.response_token_ids.tolist() for r in rollouts] for rollouts in (first, second, other, per_sample)]
+    assert tokens[0] == tokens[1] and tokens[0] != tokens[2] and tokens[0] != tokens[3]
+    assert len({tuple(t) for t in tokens[0][:3]}) > 1
+    assert torch.equal(engine._generator.get_state(), state)
 
 
 def test_stop_tokens_and_eos(engine, prompt_ids):

@@ -512,6 +512,41 @@ def test_seeded_requests_are_seeded_per_prompt_and_shard_independent():
     assert engine.llm.calls[-1][2] == [None] * 4  # one shared SamplingParams, engine-seeded
 
 
+@pytest.mark.parametrize("pausable", [False, True])
+def test_call_scoped_seed_seeds_the_workers_for_the_call_and_restores_them(pausable):
+    """seed_scope="call": the requests go unseeded (vLLM samples them at once) while the workers' generators are
+    seeded from (seed, the first prompt index) for the call; their states come back afterwards, also on failure."""
+    engine = make_engine(pausable=pausable)
+    seen = []
+    if pausable:
+        fake, add = engine.llm.llm_engine, engine.llm.llm_engine.add_request
+        fake.add_request = lambda rid, prompt, params, **kw: (seen.append((params.seed, torch.random.initial_seed())),
+                                                               add(rid, prompt, params, **kw))
+    else:
+        generate = engine.llm.generate
+        engine.llm.generate = lambda prompts, params, **kw: (seen.extend(
+            (p.seed, torch.random.initial_seed()) for p in (params if isinstance(params, list) else [params])),
+            generate(prompts, params, **kw))[1]
+    sampling = SamplingConfig(n=2, max_new_tokens=3, seed=42, seed_scope="call")
+    torch.manual_seed(1234)
+    before = torch.random.get_rng_state()
+    rollouts = engine.generate([[1, 2], [3, 4]], sampling, prompt_indices=[5, 6])
+    assert [(r.prompt_index, r.sample_index) for r in rollouts] == [(5, 0), (5, 1), (6, 0), (6, 1)]
+    assert seen and all(seed is None and current == compat.request_seed(42, 5) for seed, current in seen)
+    assert torch.equal(torch.random.get_rng_state(), before) and torch.random.initial_seed() == 1234
+    seen.clear()
+    engine.generate([[1, 2]], dataclasses.replace(sampling, seed_scope="sample"), prompt_indices=[5])
+    assert [seed for seed, _ in seen] == [compat.request_seed(42, 5)]
+    assert torch.random.initial_seed() == 1234  # the per-sample path leaves the workers' generators alone
+    if not pausable:  # a failed call restores the generators too
+        engine.llm.generate = lambda *a, **kw: (_ for _ in ()).throw(RuntimeError("boom"))
+        with pytest.raises(RuntimeError, match="boom"):
+            engine.generate([[1, 2]], sampling)
+        assert torch.equal(torch.random.get_rng_state(), before)
+    with pytest.raises(ValueError, match="seed_scope='prompt'"):
+        SamplingConfig(seed=1, seed_scope="prompt")
+
+
 def test_sleep_wake_state_machine_and_prefix_cache_reset():
     engine = make_engine(enable_sleep_mode=True)
     llm = engine.llm
@@ -1014,6 +1049,8 @@ def test_real_vllm_cpu_generate_and_weight_updates(tmp_path):
     equal = checks["pausable_equal"]
     assert equal["tokens_equal"] and equal["packed_equal"] and equal["max_abs_logprob_delta"] < 1e-6
     assert not any(equal["spans"])
+    assert checks["call_scope"] == {"repeat_equal": True, "pausable_equal": True, "seed_matters": True,
+                                    "samples_differ": True, "rng_restored": True, "logprobs": True}
     # ... and a pause after 8 steps holds the engine while new weights load; the requests go on under them. With
     # final outputs only (this vLLM's progress is readable) and with per-step outputs, the same cut
     for name, first, version, final_only in (("pausable_inflight", 21, 22, True),

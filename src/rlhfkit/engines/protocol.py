@@ -125,6 +125,15 @@ class SamplingConfig:
             unless ``ignore_eos`` is set.
         ignore_eos: do not stop at the model's EOS token.
         seed: seed for reproducible sampling; None draws from the engine's generator.
+        seed_scope: what ``seed`` seeds. ``"sample"``: each sample draws from its own stream, a function of the
+            seed, its prompt's index and its sample index, so it does not depend on the rest of the batch or on
+            which engine of a group served it. ``"call"``: each engine draws the whole call from one stream, seeded
+            from the seed and what tells the engines of a group apart (vLLM: the index of the first prompt it serves;
+            HF: the engine's own seed): the same call (same prompts, same order, same engines) gives the same
+            samples, but a sample depends on its batch. vLLM then samples the batch at once instead of sample by
+            sample (its per-request generators cost a kernel launch per sample and decode step; docs/engines-vllm.md
+            has the cost), and restores its generators after the call. SGLang seeds each sample at no extra cost and
+            keeps doing so under ``"call"``.
         logprobs: return per-token log-probs of the sampled tokens.
     """
 
@@ -136,9 +145,12 @@ class SamplingConfig:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     seed: int | None = None
+    seed_scope: str = "sample"
     logprobs: bool = True
 
     def __post_init__(self) -> None:
+        if self.seed_scope not in ("sample", "call"):
+            raise ValueError(f"SamplingConfig.seed_scope={self.seed_scope!r}; must be 'sample' or 'call'")
         if self.n < 1:
             raise ValueError(f"SamplingConfig.n={self.n}; need at least one sample per prompt")
         if self.max_new_tokens < 1:

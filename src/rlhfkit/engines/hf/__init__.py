@@ -38,7 +38,7 @@ import torch
 
 from rlhfkit._optional import require
 from rlhfkit.engines._pause import GenerationPause, GenerationPausedTimeout, PausableGeneration
-from rlhfkit.engines.hf._sampling import make_generators, sample_next_tokens
+from rlhfkit.engines.hf._sampling import make_generators, request_seed, sample_next_tokens
 from rlhfkit.engines.hf._state import EngineWeightState
 from rlhfkit.engines.protocol import WAKE_TAGS, SamplingConfig, next_weight_version
 from rlhfkit.types import Rollout
@@ -165,6 +165,7 @@ class HFEngine(PausableGeneration):
         self.device = self._state.device
         self._generator = torch.Generator(device=self.device)
         self._generator.manual_seed(seed)
+        self._seed = seed  # tells the engines of a group apart in a call-scoped stream
         self._kv_awake = True
         self._version = 0
         self._merger = None  # set by the first load_adapter()
@@ -253,7 +254,8 @@ class HFEngine(PausableGeneration):
 
         Requests are sorted by prompt length and decoded in chunks of ``max_batch_size`` (less padding); the order
         of the result does not depend on it. With ``sampling.seed`` set, request ``i = prompt_index * n +
-        sample_index`` draws from its own generator seeded from ``(seed, i)``: same seed, same outputs.
+        sample_index`` draws from its own generator seeded from ``(seed, i)``: same seed, same outputs
+        (``seed_scope="call"``: the call draws from one generator seeded from ``seed`` and the engine's own seed).
 
         A :meth:`pause_generation` from another thread stops the call at its next decode step; after
         :meth:`resume_generation` it resubmits each unfinished sample (prompt + tokens so far, the remaining
@@ -267,8 +269,12 @@ class HFEngine(PausableGeneration):
             self._check_can_generate()
             prompts = self._validate_prompts(prompt_token_ids)
             requests = [(p, s) for p in range(len(prompts)) for s in range(sampling.n)]
-            generators = (make_generators(sampling.seed, range(len(requests)), self.device)
-                          if sampling.seed is not None else None)
+            generators: list[torch.Generator] | torch.Generator | None = None
+            if sampling.seed is not None and sampling.seed_scope == "call":  # one stream for the whole call
+                generators = torch.Generator(device=self.device)
+                generators.manual_seed(request_seed(sampling.seed, self._seed))
+            elif sampling.seed is not None:
+                generators = make_generators(sampling.seed, range(len(requests)), self.device)
             samples = [_Sample(tokens=[], logprobs=[], versions=[]) for _ in requests]
             pending = list(range(len(requests)))
             while pending:
@@ -289,14 +295,16 @@ class HFEngine(PausableGeneration):
         return [self._to_rollout(prompts[p], s, p, samples[i], sampling) for i, (p, s) in enumerate(requests)]
 
     def _decode(self, contexts: list[list[int]], budgets: list[int], request_indices: list[int],
-                generators: list[torch.Generator] | None, sampling: SamplingConfig) -> list[_ChunkOutput]:
+                generators: list[torch.Generator] | torch.Generator | None,
+                sampling: SamplingConfig) -> list[_ChunkOutput]:
         """One decode round of ``contexts`` (in order), by length-sorted chunks; stops early at a pause."""
         order = sorted(range(len(contexts)), key=lambda i: len(contexts[i]))
         outputs: list[_ChunkOutput | None] = [None] * len(contexts)
         with torch.no_grad(), self._eval_mode():
             for start in range(0, len(order), self.max_batch_size):
                 chunk = order[start:start + self.max_batch_size]
-                chunk_generators = (self._generator if generators is None
+                chunk_generators = (self._generator if generators is None else generators
+                                    if isinstance(generators, torch.Generator)
                                     else [generators[request_indices[i]] for i in chunk])
                 chunk_out = self._generate_chunk([contexts[i] for i in chunk], [budgets[i] for i in chunk],
                                                  chunk_generators, sampling)

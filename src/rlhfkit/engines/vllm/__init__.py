@@ -222,7 +222,9 @@ class VLLMEngine(PausableGeneration, EngineState):
 
         ``prompt_indices`` (default ``0..P-1``) become ``Rollout.prompt_index`` and, when ``sampling.seed`` is set,
         seed each prompt with :func:`~rlhfkit.engines.vllm._compat.request_seed` — so a prompt's samples do not depend
-        on which engine of a group served it.
+        on which engine of a group served it. With ``sampling.seed_scope="call"`` the requests carry no seed: the
+        workers' generators are seeded with ``request_seed(seed, prompt_indices[0])`` for the call (their states are
+        restored after it), and vLLM samples the batch at once.
         """
         prompts, indices, outputs = self._run(prompt_token_ids, sampling, prompt_indices)
         return [rollout for output, prompt, index in zip(outputs, prompts, indices)
@@ -270,6 +272,9 @@ class VLLMEngine(PausableGeneration, EngineState):
         if not prompts:
             return [], [], []
         self._reset_prefix_cache_if_stale()  # prefixes cached before a weight change would reuse stale KV
+        call_seed = None  # seed_scope="call": the workers' generators, seeded here, sample the unseeded requests
+        if sampling.seed is not None and sampling.seed_scope == "call":
+            call_seed, sampling = request_seed(sampling.seed, indices[0]), dataclasses.replace(sampling, seed=None)
         make = lambda seed: make_sampling_params(
             sampling, sampling_params_cls=self._vllm.SamplingParams, features=self.features, seed=seed)
         params = make(None) if sampling.seed is None else [make(request_seed(sampling.seed, i)) for i in indices]
@@ -279,13 +284,19 @@ class VLLMEngine(PausableGeneration, EngineState):
         try:
             extra = {} if adapter_id is None else {"lora_request": lora_request_class(self._vllm)(
                 lora_name=f"rlhfkit-v{adapter_id}", lora_int_id=adapter_id, lora_path=adapter_path(adapter_id))}
+            if call_seed is not None:
+                self._rpc("rlhfkit_seed_sampling", call_seed)
             if self.config.pausable:
                 outputs = self._step_requests(requests, indices, sampling, extra)
             else:
                 outputs = self._llm.generate(requests, params, use_tqdm=False, **extra)
         finally:  # both paths return once this call's requests have finished (or failed)
-            if self._adapters is not None:
-                self._remove_adapters(self._adapters.release(adapter_id))
+            try:
+                if call_seed is not None:
+                    self._rpc("rlhfkit_seed_sampling", None)
+            finally:
+                if self._adapters is not None:
+                    self._remove_adapters(self._adapters.release(adapter_id))
         if len(outputs) != len(prompts):
             raise RuntimeError(f"engine {self.engine_index}: vLLM returned {len(outputs)} outputs for "
                                f"{len(prompts)} prompts")

@@ -500,6 +500,31 @@ class WeightSyncExtension:
         """Bytes of this worker's parameters (what a level-1 sleep copies to host)."""
         return sum(p.numel() * p.element_size() for p in self._rlhfkit_model().parameters())
 
+    def rlhfkit_seed_sampling(self, seed: int | None) -> bool:
+        """``seed``: save the states of the generators vLLM's sampler draws unseeded requests from (the CPU one and
+        this worker's GPU's) and seed both with ``seed``; None: restore the saved states (returns whether any were
+        saved). A call under ``SamplingConfig(seed_scope="call")`` runs between the two, so its samples depend on
+        its seed alone and the process's own random streams go on as if it had not run."""
+        state = self._rlhfkit_state()
+        device = getattr(self, "device", None)
+        cuda = (torch.device(device) if isinstance(device, (str, torch.device)) and torch.device(device).type == "cuda"
+                else None)
+        if seed is None:
+            saved, state["rng"] = state.get("rng"), None
+            if saved is None:
+                return False
+            torch.random.set_rng_state(saved[0])
+            if cuda is not None:
+                torch.cuda.set_rng_state(saved[1], cuda)
+            return True
+        if state.get("rng") is None:  # a call that failed before restoring keeps the first saved states
+            state["rng"] = (torch.random.get_rng_state(), None if cuda is None else torch.cuda.get_rng_state(cuda))
+        torch.random.default_generator.manual_seed(int(seed))
+        if cuda is not None:
+            torch.cuda.default_generators[cuda.index if cuda.index is not None else torch.cuda.current_device()
+                                          ].manual_seed(int(seed))
+        return True
+
     def rlhfkit_worker_info(self) -> dict[str, Any]:
         return {"rank": int(getattr(self, "rank", 0)), "pid": os.getpid(), "device": str(getattr(self, "device", "")),
                 "version": int(self._rlhfkit_state()["version"])}
