@@ -543,6 +543,19 @@ def test_call_scoped_seed_seeds_the_workers_for_the_call_and_restores_them(pausa
         with pytest.raises(RuntimeError, match="boom"):
             engine.generate([[1, 2]], sampling)
         assert torch.equal(torch.random.get_rng_state(), before)
+        rpc = engine.llm.collective_rpc  # a restore that fails as well does not hide the call's own failure
+
+        def failing_restore(method, *args, **kwargs):
+            if method == "rlhfkit_seed_sampling" and kwargs.get("args") == (None,):
+                raise OSError("the worker is gone")
+            return rpc(method, *args, **kwargs)
+
+        engine.llm.collective_rpc = failing_restore
+        with pytest.raises(RuntimeError, match="boom"):
+            engine.generate([[1, 2]], sampling)
+        engine.llm.collective_rpc = rpc
+        assert engine.llm.collective_rpc("rlhfkit_seed_sampling", args=(None,)) == [True]
+        assert torch.equal(torch.random.get_rng_state(), before)
     with pytest.raises(ValueError, match="seed_scope='prompt'"):
         SamplingConfig(seed=1, seed_scope="prompt")
 

@@ -286,17 +286,21 @@ class VLLMEngine(PausableGeneration, EngineState):
                 lora_name=f"rlhfkit-v{adapter_id}", lora_int_id=adapter_id, lora_path=adapter_path(adapter_id))}
             if call_seed is not None:
                 self._rpc("rlhfkit_seed_sampling", call_seed)
-            if self.config.pausable:
-                outputs = self._step_requests(requests, indices, sampling, extra)
-            else:
-                outputs = self._llm.generate(requests, params, use_tqdm=False, **extra)
-        finally:  # both paths return once this call's requests have finished (or failed)
             try:
+                if self.config.pausable:
+                    outputs = self._step_requests(requests, indices, sampling, extra)
+                else:
+                    outputs = self._llm.generate(requests, params, use_tqdm=False, **extra)
+            except BaseException:
                 if call_seed is not None:
-                    self._rpc("rlhfkit_seed_sampling", None)
-            finally:
-                if self._adapters is not None:
-                    self._remove_adapters(self._adapters.release(adapter_id))
+                    with contextlib.suppress(Exception):  # the failure is the error; restore the states if we can
+                        self._rpc("rlhfkit_seed_sampling", None)
+                raise
+            if call_seed is not None:
+                self._rpc("rlhfkit_seed_sampling", None)
+        finally:  # both paths return once this call's requests have finished (or failed)
+            if self._adapters is not None:
+                self._remove_adapters(self._adapters.release(adapter_id))
         if len(outputs) != len(prompts):
             raise RuntimeError(f"engine {self.engine_index}: vLLM returned {len(outputs)} outputs for "
                                f"{len(prompts)} prompts")
