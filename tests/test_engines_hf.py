@@ -125,6 +125,12 @@ def test_seed_reproducible_and_batch_invariant(engine, prompt_ids):
     tokens = [[r.response_token_ids.tolist() for r in rollouts] for rollouts in (first, second, one_chunk, other_seed)]
     assert tokens[0] == tokens[1] == tokens[2]
     assert tokens[0] != tokens[3]
+    # a share of the batch, as an engine group sends it (global prompt indices), samples what the whole batch did
+    shard = engine.generate(prompt_ids[1:], sampling, prompt_indices=range(1, len(prompt_ids)))
+    assert [r.response_token_ids.tolist() for r in shard] == tokens[0][sampling.n:]
+    assert [r.prompt_index for r in shard] == [p for p in range(1, len(prompt_ids)) for _ in range(sampling.n)]
+    with pytest.raises(ValueError, match="prompt_indices has 1 entries for 2 prompts"):
+        engine.generate(prompt_ids[:2], sampling, prompt_indices=[0])
     unseeded = [engine.generate(prompt_ids, SamplingConfig(n=2, max_new_tokens=8)) for _ in range(2)]
     assert [r.response_token_ids.tolist() for r in unseeded[0]] != [r.response_token_ids.tolist() for r in unseeded[1]]
 

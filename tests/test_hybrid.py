@@ -417,6 +417,27 @@ def test_generating_with_weights_the_actor_moved_past_is_refused(hybrid):
 
 @pytest.mark.slow
 @pytest.mark.ray
+def test_hf_engine_actors_seed_each_prompt_by_its_global_index(hybrid):
+    """The group sends each engine its share of a batch with the prompts' global indices; the HF engine actor seeds
+    by them, so a share samples what the whole batch did (engines of a group would otherwise share noise streams)."""
+    import ray
+
+    from rlhfkit.engines import SamplingConfig
+
+    prompts, sampling = [[5, 6, 7], [8, 9, 10, 11], [12, 13]], SamplingConfig(n=2, max_new_tokens=4, seed=3)
+    engines = hybrid.engines
+    whole = engines.generate(prompts, sampling)  # the engine sleeps after it (it shares the GPU with the trainers)
+    engines.wake()
+    try:
+        share = ray.get(engines.handles[0].generate.remote(prompts[1:], sampling, [1, 2]), timeout=120)
+    finally:
+        engines.sleep()
+    assert [r.prompt_index for r in share] == [1, 1, 2, 2]
+    assert [r.response_token_ids.tolist() for r in share] == [r.response_token_ids.tolist() for r in whole[2:]]
+
+
+@pytest.mark.slow
+@pytest.mark.ray
 def test_pushing_weights_while_the_engines_generate_is_refused(hybrid):
     from rlhfkit.engines import SamplingConfig
 

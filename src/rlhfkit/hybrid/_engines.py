@@ -125,7 +125,7 @@ class HFEngineActor(GuardedEngineMixin):
         return {"engine_index": self.engine_index, "pid": os.getpid()}
 
     def generate(self, prompts: Any, sampling: Any, prompt_indices: Any = None) -> Any:
-        return self.engine.generate(prompts, sampling)  # the EngineGroup maps prompt indices back
+        return self.engine.generate(prompts, sampling, prompt_indices=prompt_indices)  # global: seeds per prompt
 
     def sleep(self, level: int = 1) -> None:
         self.engine.sleep(level)

@@ -40,7 +40,7 @@ from rlhfkit._optional import require
 from rlhfkit.engines._pause import GenerationPause, GenerationPausedTimeout, PausableGeneration
 from rlhfkit.engines.hf._sampling import make_generators, request_seed, sample_next_tokens
 from rlhfkit.engines.hf._state import EngineWeightState
-from rlhfkit.engines.protocol import WAKE_TAGS, SamplingConfig, next_weight_version
+from rlhfkit.engines.protocol import WAKE_TAGS, SamplingConfig, next_weight_version, prompt_lists
 from rlhfkit.types import Rollout
 
 if TYPE_CHECKING:
@@ -249,13 +249,16 @@ class HFEngine(PausableGeneration):
         return count
 
     # ------------------------------------------------------------------ protocol: generate
-    def generate(self, prompt_token_ids: Sequence[Sequence[int]], sampling: SamplingConfig) -> list[Rollout]:
+    def generate(self, prompt_token_ids: Sequence[Sequence[int]], sampling: SamplingConfig, *,
+                 prompt_indices: Sequence[int] | None = None) -> list[Rollout]:
         """Sample ``sampling.n`` responses per prompt. Returns ``len(prompts) * n`` rollouts, prompt-major.
 
-        Requests are sorted by prompt length and decoded in chunks of ``max_batch_size`` (less padding); the order
-        of the result does not depend on it. With ``sampling.seed`` set, request ``i = prompt_index * n +
-        sample_index`` draws from its own generator seeded from ``(seed, i)``: same seed, same outputs
-        (``seed_scope="call"``: the call draws from one generator seeded from ``seed`` and the engine's own seed).
+        ``prompt_indices`` (default ``0..P-1``: the prompts' global indices when an engine group shares a batch out)
+        become ``Rollout.prompt_index``. Requests are sorted by prompt length and decoded in chunks of
+        ``max_batch_size`` (less padding); the order of the result does not depend on it. With ``sampling.seed`` set,
+        request ``i = prompt_index * n + sample_index`` draws from its own generator seeded from ``(seed, i)``: same
+        seed, same outputs, whichever engine of a group served the prompt (``seed_scope="call"``: the call draws from
+        one generator seeded from ``seed`` and the engine's own seed).
 
         A :meth:`pause_generation` from another thread stops the call at its next decode step; after
         :meth:`resume_generation` it resubmits each unfinished sample (prompt + tokens so far, the remaining
@@ -268,13 +271,15 @@ class HFEngine(PausableGeneration):
             self._pause.park()  # a call that arrives during a pause starts with the new weights
             self._check_can_generate()
             prompts = self._validate_prompts(prompt_token_ids)
+            _, indices = prompt_lists(prompts, prompt_indices)
             requests = [(p, s) for p in range(len(prompts)) for s in range(sampling.n)]
             generators: list[torch.Generator] | torch.Generator | None = None
             if sampling.seed is not None and sampling.seed_scope == "call":  # one stream for the whole call
                 generators = torch.Generator(device=self.device)
                 generators.manual_seed(request_seed(sampling.seed, self._seed))
             elif sampling.seed is not None:
-                generators = make_generators(sampling.seed, range(len(requests)), self.device)
+                generators = make_generators(sampling.seed, [indices[p] * sampling.n + s for p, s in requests],
+                                             self.device)
             samples = [_Sample(tokens=[], logprobs=[], versions=[]) for _ in requests]
             pending = list(range(len(requests)))
             while pending:
@@ -292,7 +297,7 @@ class HFEngine(PausableGeneration):
                 if pending:
                     self._pause.park()
                     self._check_can_generate()
-        return [self._to_rollout(prompts[p], s, p, samples[i], sampling) for i, (p, s) in enumerate(requests)]
+        return [self._to_rollout(prompts[p], s, indices[p], samples[i], sampling) for i, (p, s) in enumerate(requests)]
 
     def _decode(self, contexts: list[list[int]], budgets: list[int], request_indices: list[int],
                 generators: list[torch.Generator] | torch.Generator | None,
