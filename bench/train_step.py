@@ -159,7 +159,7 @@ def run_one(name: str, args) -> dict:
         torch.cuda.set_device(0)
     micro, whole = make_batches(args, device)
     model = build_model(args.arch, dtype, attn_impl, device)
-    if args.fused_kernels:
+    if args.fused_kernels:  # for both kinds: the engine applies them only to a model it loads (read_pretrained)
         from rlhfkit.deepspeed_engine._models import apply_fused_kernels
 
         apply_fused_kernels(model, args.fused_kernels)
