@@ -5,6 +5,7 @@ come from a twin model loaded the plain way."""
 
 from __future__ import annotations
 
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -142,6 +143,43 @@ def test_a_kept_mapping_reuses_its_source_views_and_copies_current_values():
     del weights, cached, view, q_view  # (the loop variable holds the last view too)
     assert len(plan._sources) == 0  # entries die with the tensors they were cut from
     assert plan._replay is None  # and so does the replay of a batch whose tensors are gone
+
+
+def mapped_weights(seed: int) -> tuple[list[tuple[str, torch.Tensor]], torch.UntypedStorage]:
+    """:func:`hf_weights` as a zero-copy receiver hands them over: each tensor built over the sender's mapped
+    allocation with ``set_`` (a tensor of its own, not a view of another Python tensor), new objects at every sync."""
+    weights = hf_weights(seed)
+    storage = weights[0][1].untyped_storage()
+    return [(name, torch.empty(0).set_(storage, view.storage_offset(), view.shape, view.stride()))
+            for name, view in weights], storage
+
+
+def test_the_plan_lets_go_of_a_sync_s_mapped_sources_once_they_are_dropped():
+    """A zero-copy receiver that unmaps after each sync drops its tensors, and the sender can free that memory only
+    once no view of it is left: the plan's cut source views must not keep the received tensors alive (a view made
+    while autograd records keeps its base's Python object alive, and with it the weak reference that would drop the
+    entry). Autograd stays on here, as in vLLM's worker RPCs."""
+    import gc
+    import weakref
+
+    model, twin = FusedModel(), FusedModel()
+    plan = CopyPlan(model)
+    first, _ = mapped_weights(0)
+    plan.record(first[:8], model.load_weights)
+    del first
+    for seed in (1, 2, 3):
+        weights, storage = mapped_weights(seed)
+        batch = weights[:8]
+        plan.apply(batch, model.load_weights)
+        twin.load_weights(batch)
+        assert all(torch.equal(a, b) for a, b in zip(model.parameters(), twin.parameters(), strict=True)), seed
+        assert plan._sources and plan._replay is not None
+        alive = weakref.ref(batch[0][1])
+        del weights, batch
+        gc.collect()
+        assert alive() is None, "a received tensor outlived its sync"
+        assert len(plan._sources) == 0 and plan._replay is None, seed
+        assert sys.getrefcount(storage) == 2, seed  # our name and the call's argument: no view of it remains
 
 
 def test_a_write_from_a_temporary_unplans_its_whole_batch():

@@ -285,8 +285,12 @@ class CopyPlan:
         entry = table.get(key)
         if entry is not None and entry[0]() is tensor:
             return entry[1]
-        base = tensor.storage_offset()
-        sources = [tensor.as_strided(size, stride, base + offset) for _, _, offset, size, stride in self.steps[name]]
+        # over its storage, not views of it: a view made while autograd records keeps its base's Python object
+        # alive, and with it this entry's weak reference (a zero-copy receiver's tensors, new at every sync, would
+        # then keep the sender's memory mapped)
+        base, storage = tensor.storage_offset(), tensor.untyped_storage()
+        sources = [torch.empty(0, dtype=tensor.dtype, device=tensor.device).set_(storage, base + offset, size, stride)
+                   for _, _, offset, size, stride in self.steps[name]]
         self._sources[key] = (weakref.ref(tensor, lambda _ref: table.pop(key, None)), sources)
         return sources
 
