@@ -10,6 +10,8 @@ layout TRL trains on).
         --prompt-len 45 --response-len 128 --profile --out ts15.json     # the 1.5B scale run's default trainer
     python bench/train_step.py --arch qwen2.5-1.5b --configs zero1_bf16_varlen --seqs 64 --micro 3 --prompt-len 40 \
         --response-len 128 --loss-tokens-only --sleep deferred --out ts15d.json   # a hybrid step's actor, waking
+    DS_ACCELERATOR=cpu python bench/train_step.py --arch smollm2 --configs zero1_bf16_varlen torch_bf16_varlen \
+        --seqs 16 --repeats 2 --warmup 1 --count-ops --out ops.json      # the operators a step dispatches (CPU too)
 
 Each configuration runs in a fresh process (ZeRO-3 leaves hooks and partitioned parameters behind). Per
 configuration: median wall time of one optimizer step (2 micro-batches: packed forward, token-mean loss on the
@@ -246,7 +248,36 @@ def run_one(name: str, args) -> dict:
         if before is not None:
             before()
         result["profile"] = profile(train_step)
+    if args.count_ops:
+        if before is not None:
+            before()
+        result["ops"] = count_ops(train_step, num_params=sum(1 for _ in model.parameters()), micro=len(micro))
     return result
+
+
+def count_ops(fn, *, num_params: int, micro: int) -> dict:
+    """The aten operators one more call of ``fn`` dispatches (each is a kernel launch or a host-side tensor op on a
+    GPU): a device-independent count of the host's work, which runs on CPU too. Per parameter and micro-batch, and the
+    ten most frequent, so that a configuration's per-parameter bookkeeping shows against plain torch."""
+    from collections import Counter
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ops: Counter[str] = Counter()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops[str(func.overloadpacket)] += 1
+            return func(*args, **(kwargs or {}))
+
+    counter = Count()
+    with counter:
+        fn()
+    total = sum(counter.ops.values())
+    return {"dispatched": total, "per_param_per_micro_batch": total / num_params / micro, "num_params": num_params,
+            "top": counter.ops.most_common(10)}
 
 
 def profile(fn) -> dict:
@@ -299,6 +330,8 @@ def main() -> None:
     parser.add_argument("--compile-layers", action="store_true",
                         help="torch.compile each decoder layer (dynamic shapes) before the engine wraps the model: "
                         "what compiling would save against the host-bound eager step; the first steps compile")
+    parser.add_argument("--count-ops", action="store_true", help="count the operators one more optimizer step "
+                        "dispatches (kernel launches and host-side tensor ops; on CPU too)")
     parser.add_argument("--one", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
@@ -314,7 +347,7 @@ def main() -> None:
                                                                      "chunk_mib")] + (
             ["--profile"] if args.profile else []) + (["--loss-tokens-only"] if args.loss_tokens_only else []) + (
             [f"--fused-kernels={args.fused_kernels}"] if args.fused_kernels else []) + (
-            ["--compile-layers"] if args.compile_layers else [])
+            ["--compile-layers"] if args.compile_layers else []) + (["--count-ops"] if args.count_ops else [])
         start = time.perf_counter()
         try:
             done = subprocess.run(argv, timeout=args.config_timeout_s, capture_output=True, text=True, check=False)
@@ -324,7 +357,8 @@ def main() -> None:
             result = {"error": f"timed out after {args.config_timeout_s} s"}
         result["wall_s"] = time.perf_counter() - start
         results["runs"][name] = result
-        print(name, {k: v for k, v in result.items() if k in ("optimizer_step_s", "forward_s", "error")}, flush=True)
+        print(name, {k: v for k, v in result.items() if k in ("optimizer_step_s", "forward_s", "error")},
+              {k: v for k, v in result.get("ops", {}).items() if k != "top"}, flush=True)
         if "profile" in result:
             summary = {k: v for k, v in result["profile"].items() if k != "top"}
             print(summary, "\n" + result["profile"]["top"], flush=True)

@@ -333,6 +333,25 @@ def test_train_step_builds_scale_architectures(tmp_path):
     assert result["args"]["arch"] == "toy" and run["optimizer_step_s"] > 0 and run["tokens"] > 4 * 12, run
 
 
+def test_train_step_counts_the_operators_a_step_dispatches(tmp_path):
+    """bench/train_step.py --count-ops: the aten operators of one more optimizer step (a device-independent count of
+    the host's work), per parameter and micro-batch; DeepSpeed's ZeRO-1 (real, on CPU) dispatches more of them than
+    plain torch on the same model and batches (its per-parameter gradient bookkeeping)."""
+    out = tmp_path / "ops.json"
+    done = subprocess.run([sys.executable, str(ROOT / "bench" / "train_step.py"), "--arch", "toy", "--configs",
+                           "zero1_tf32_varlen", "torch_fp32_varlen", "--seqs", "4", "--prompt-len", "12",
+                           "--response-len", "6", "--repeats", "1", "--warmup", "1", "--count-ops", "--out", str(out)],
+                          timeout=300, capture_output=True, text=True, check=False,
+                          env={**os.environ, "DS_ACCELERATOR": "cpu"})
+    assert done.returncode == 0, done.stderr[-2000:]
+    runs = json.loads(out.read_text())["runs"]
+    ds, plain = runs["zero1_tf32_varlen"]["ops"], runs["torch_fp32_varlen"]["ops"]
+    assert ds["num_params"] == plain["num_params"] > 0
+    assert plain["dispatched"] > 0 and ds["dispatched"] > plain["dispatched"], (ds, plain)
+    assert ds["per_param_per_micro_batch"] == ds["dispatched"] / ds["num_params"] / 2  # --micro's default: 2
+    assert {name for name, _ in plain["top"]} >= {"aten.mm"}
+
+
 def test_train_step_times_a_wake_before_each_step_deferred_or_not(tmp_path):
     """bench/train_step.py --sleep: each timed step of a DeepSpeed configuration starts asleep and wakes (everything
     first, or the optimizer's states behind the micro-batches as the hybrid's worker does); real DeepSpeed on CPU."""
