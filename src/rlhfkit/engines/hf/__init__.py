@@ -308,9 +308,10 @@ class HFEngine(PausableGeneration):
         with torch.no_grad(), self._eval_mode():
             for start in range(0, len(order), self.max_batch_size):
                 chunk = order[start:start + self.max_batch_size]
-                chunk_generators = (self._generator if generators is None else generators
-                                    if isinstance(generators, torch.Generator)
-                                    else [generators[request_indices[i]] for i in chunk])
+                if isinstance(generators, list):  # seed_scope="sample": each request its own stream
+                    chunk_generators = [generators[request_indices[i]] for i in chunk]
+                else:  # the call's one stream, or (unseeded) the engine's own
+                    chunk_generators = self._generator if generators is None else generators
                 chunk_out = self._generate_chunk([contexts[i] for i in chunk], [budgets[i] for i in chunk],
                                                  chunk_generators, sampling)
                 for index, out in zip(chunk, chunk_out):
