@@ -131,7 +131,8 @@ def ours_command(model: Path | None, mode: str, out: Path, *, steps: int, tiny: 
     hidden = ARCHITECTURES[model_arch(model)]["hidden_size"]
     if hidden < MID_HIDDEN:
         return command  # the example's defaults (ZeRO-1, every state offloaded while asleep) fit 1.5B
-    if hidden < LARGE_HIDDEN:  # 3B: the defaults' training phase needs ~83 GiB by the plan's estimate; ~67 with this
+    if hidden < LARGE_HIDDEN:  # 3B: without checkpointing the plan's estimate of every role resident is too large for
+        # the overlapped switches (~74 GiB; measured training peaks run 10-35% above the estimate)
         return command + ["--gradient-checkpointing", "true"]
     large = [arg for arg in command if arg not in ("--offload-trainers", "false")]
     large[large.index("--engine-memory") + 1] = str(LARGE_FULL["engine_memory"])

@@ -82,7 +82,7 @@ class Options:
     kv_cache: str = "batch"  # vLLM's KV cache: "batch" = (192 + --max-new-tokens) x batch, "share" = --engine-memory
     overlap_switches: bool | None = None  # a role's sleep behind the next one's wake; None: on where all fit resident
     defer_optimizer_wake: bool = True  # the actor's Adam states wake behind its first forward-backward
-    micro_batch_tokens: int = 4096  # tokens per forward(-backward) of a trainer (activation memory grows with it)
+    micro_batch_tokens: int | None = None  # tokens per trainer forward(-backward); None: the largest that fits
     tiny: bool = False  # smoke run: 3 steps of a few short samples
 
 

@@ -576,7 +576,7 @@ def test_driver_threads_are_set_for_the_run_and_restored_after_it(monkeypatch, t
     seen = []
 
     def failing_start(self, trainers, started, checks):
-        self._pass_checks(checks.result())  # the checks passed: the run takes its settings, then fails
+        self._pass_checks(checks.result(), trainers)  # the checks passed: the run takes its settings, then fails
         seen.append(torch.get_num_threads())
         raise RuntimeError("the start failed")
 

@@ -30,6 +30,8 @@ from typing import Any
 
 import torch
 
+from rlhfkit.losses._logprobs import DEFAULT_CHUNK_ELEMENTS
+
 __all__ = ["ModelShape", "engines_may_build_during_loads", "estimate_hybrid_memory", "kv_cache_bytes", "model_shape",
            "offloaded_fraction"]
 
@@ -86,18 +88,25 @@ def kv_cache_bytes(shape: ModelShape, *, tokens: int, dtype_bytes: int, tensor_p
     return blocks * KV_BLOCK_TOKENS * shape.num_layers * 2 * heads * shape.head_dim * dtype_bytes
 
 
-def _activation_gib(shape: ModelShape, *, tokens: int, bytes_per_value: int, trains: bool, checkpointing: bool) -> float:
-    """First-order activation floor of one micro-batch of ``tokens`` tokens. A decoder layer keeps about 10 hidden-
-    and 4 intermediate-sized values per token for its backward (norm inputs and outputs, q, k, v before and after
-    the rotary embedding, the attention output, the residual; gate, up, their activation and product)."""
-    layer = tokens * (10 * shape.hidden_size + 4 * shape.intermediate_size) * bytes_per_value  # one layer's set
+def _activation_gib(shape: ModelShape, *, tokens: int, bytes_per_value: int, trains: bool, checkpointing: bool,
+                    compiled: bool = False) -> float:
+    """First-order activation floor of one micro-batch of ``tokens`` tokens. An eager decoder layer keeps about 10
+    hidden- and 4 intermediate-sized values per token for its backward (norm inputs and outputs, q, k, v before and
+    after the rotary embedding, the attention output, the residual; gate, up, their activation and product). A
+    compiled layer (``DeepSpeedEngineConfig.compile_layers``) keeps about half: the partitioner of torch.compile saves
+    the matmuls' inputs and recomputes the elementwise work in the backward (5 hidden- and 2 intermediate-sized).
+    The logits are the model's, in its dtype, for every token of the micro-batch (an upper bound: the losses need
+    only the responses'), plus one float32 chunk of the log-prob pass."""
+    hidden, intermediate = (5, 2) if compiled else (10, 4)
+    layer = tokens * (hidden * shape.hidden_size + intermediate * shape.intermediate_size) * bytes_per_value
     if not trains:
         kept = layer
     elif checkpointing:
         kept = shape.num_layers * tokens * shape.hidden_size * bytes_per_value + layer
     else:
         kept = shape.num_layers * layer
-    logits = tokens * shape.vocab_size * 4  # float32 logits of the log-prob pass
+    chunk = min(tokens * shape.vocab_size, DEFAULT_CHUNK_ELEMENTS["other"]) * 4
+    logits = tokens * shape.vocab_size * bytes_per_value + chunk
     return (kept + logits) / _GIB
 
 
@@ -133,7 +142,8 @@ def _trainer_memory(shape: ModelShape, trainer: Any, role: str, *, world: int) -
                         * (shape.hidden_size + shape.intermediate_size) * 2)
     bytes_per_value = 2 if ds.bf16 else 4
     activations = _activation_gib(shape, tokens=trainer.micro_batch_tokens, bytes_per_value=bytes_per_value,
-                                  trains=trains, checkpointing=ds.gradient_checkpointing)
+                                  trains=trains, checkpointing=ds.gradient_checkpointing,
+                                  compiled=ds.compile_layers)
     ratio = ds.offload_optimizer_ratio
     if ratio < 1 and trainable is None:
         ratio = offloaded_fraction(shape.param_sizes, ratio=ratio, sub_group_elements=ds.sub_group_elements,
@@ -216,12 +226,13 @@ def _engine_memory(config: Any, shape: ModelShape) -> Any:
 
 def estimate_hybrid_memory(config: Any, trainers: Mapping[str, Any], *, plan: Any, gpu_memory_gib: float,
                            host_memory_gib: float | None = None,
-                           meta_model: Callable[[str], torch.nn.Module] | None = None, read_ahead: bool = False) -> Any:
+                           meta_model: Callable[[str], torch.nn.Module] | None = None, read_ahead: bool = False,
+                           log_warnings: bool = True) -> Any:
     """The per-GPU, per-phase :class:`~rlhfkit.placement.MemoryEstimate` of a hybrid run (see the module docs), with
     host memory per node when ``host_memory_gib`` is given (load phases in the order of ``trainers``; ``read_ahead``:
     every role has read its model into host memory before the first places its own, ``MemoryConfig.read_ahead``);
     ``meta_model``: path -> the model built on the meta device (default :func:`rlhfkit.lora.meta_model`), called
-    once per distinct path."""
+    once per distinct path; ``log_warnings``: as for :func:`~rlhfkit.placement.estimate_memory`."""
     from rlhfkit.lora import meta_model as build_meta_model
     from rlhfkit.placement import MemoryConfig, estimate_memory
 
@@ -239,7 +250,8 @@ def estimate_hybrid_memory(config: Any, trainers: Mapping[str, Any], *, plan: An
     return estimate_memory(plan, models, MemoryConfig(gpu_memory_gib=gpu_memory_gib,
                                                       engine_memory_fraction=config.engine_memory_fraction,
                                                       phases=phases, host_memory_gib=host_memory_gib,
-                                                      load_order=tuple(trainers), read_ahead=read_ahead))
+                                                      load_order=tuple(trainers), read_ahead=read_ahead),
+                           log_warnings=log_warnings)
 
 
 def engines_may_build_during_loads(config: Any, estimate: Any) -> bool:

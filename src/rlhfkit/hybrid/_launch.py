@@ -433,7 +433,7 @@ class Hybrid:
         # call before the checks passed, so a refusal stops the actors and Ray with no thread still inside Ray.
         self._start_gate = f"engines-build-{uuid.uuid4().hex[:12]}"
         self._handles = self._create_engines(configs["actor"].lora)
-        self._pass_checks(checks.result())
+        configs = self._pass_checks(checks.result(), configs)
         self._engine_group()
         gated = self.config.colocate and not self._build_during_loads
         if not gated:
@@ -486,9 +486,11 @@ class Hybrid:
             self.engines.wake(phase="generate")
         self.startup["wake_s"] = time.perf_counter() - mark
 
-    def _pass_checks(self, outcome: tuple[_Checked, float]) -> None:
+    def _pass_checks(self, outcome: tuple[_Checked, float],
+                     configs: dict[str, TrainerConfig]) -> dict[str, TrainerConfig]:
         """Take the checks' outcome (they passed): the config with ``overlap_switches`` resolved, the engines'
-        KV-cache size, whether the roles read ahead and the engines may build during the loads."""
+        KV-cache size, whether the roles read ahead and the engines may build during the loads; returns the roles'
+        ``configs`` with their micro-batch budgets sized."""
         checked, self.startup["checks_s"] = outcome
         self.gpu_held_gib = checked.gpu_held_gib
         self.config, self._read_ahead = checked.config, checked.read_ahead
@@ -496,6 +498,8 @@ class Hybrid:
         if self.config.driver_threads is not None:
             self._threads_before = torch.get_num_threads()
             torch.set_num_threads(self.config.driver_threads)
+        return {role: dataclasses.replace(trainer, micro_batch_tokens=checked.micro_batch_tokens.get(
+            role, trainer.micro_batch_tokens)) for role, trainer in configs.items()}
 
     def _open_gate(self, started: float) -> None:
         """Let the engines build their models, with the KV-cache size the checks worked out (vLLM); ``gate_s``:
@@ -726,14 +730,15 @@ class Hybrid:
 @dataclass(frozen=True)
 class _Checked:
     """What :meth:`Hybrid.start` takes from the checks: the config (``overlap_switches=None`` resolved), whether every
-    role reads its model ahead, the engines' KV-cache bytes, and whether the engines may build while the trainers
-    load."""
+    role reads its model ahead, the engines' KV-cache bytes, whether the engines may build while the trainers load,
+    and each role's micro-batch token budget (``TrainerConfig.micro_batch_tokens=None`` sized)."""
 
     config: HybridConfig
     read_ahead: bool
     kv_cache_bytes: int | None
     build_during_loads: bool
     gpu_held_gib: float = 0.0
+    micro_batch_tokens: Mapping[str, int] = dataclasses.field(default_factory=dict)
 
 
 def _checks(config: HybridConfig, trainers: Mapping[str, TrainerConfig]) -> _Checked:
@@ -744,6 +749,7 @@ def _checks(config: HybridConfig, trainers: Mapping[str, TrainerConfig]) -> _Che
     built = functools.cache(meta_model)  # each model built on the meta device once, for every check
     _check_lora(config, trainers, meta_model=built)
     held = _held_by_others_gib(config)
+    trainers = size_micro_batches(config, trainers, meta_model=built, held_gib=held)
     estimate = check_fit(config, trainers, meta_model=built, held_gib=held)
     if config.overlap_switches is None:  # not beside another process's memory: the overlap's headroom is not there
         config = dataclasses.replace(config, overlap_switches=not held and _overlap_fits(config, trainers,
@@ -755,7 +761,8 @@ def _checks(config: HybridConfig, trainers: Mapping[str, TrainerConfig]) -> _Che
         kv_cache_bytes = hybrid_kv_cache_bytes(config, model_shape(config.model, model=built(config.model)))
     return _Checked(config=config, read_ahead=_reads_ahead(config, trainers, meta_model=built),
                     kv_cache_bytes=kv_cache_bytes, gpu_held_gib=held,
-                    build_during_loads=kv_cache_bytes is not None and engines_may_build_during_loads(config, estimate))
+                    build_during_loads=kv_cache_bytes is not None and engines_may_build_during_loads(config, estimate),
+                    micro_batch_tokens={role: trainer.micro_batch_tokens for role, trainer in trainers.items()})
 
 
 # GPU memory in use before a run starts, above which the fit check counts it as held by other processes: below it is
@@ -872,16 +879,19 @@ def _slowest(who: str, parts: list[dict[str, float]]) -> dict[str, float]:
 
 
 def check_fit(config: HybridConfig, trainers: Mapping[str, TrainerConfig], *,
-              meta_model: Callable[[str], Any] | None = None, read_ahead: bool = False, held_gib: float = 0.0) -> Any:
+              meta_model: Callable[[str], Any] | None = None, read_ahead: bool = False, held_gib: float = 0.0,
+              log_warnings: bool = True) -> Any:
     """Raise :class:`~rlhfkit.placement.MemoryFitError` when the plan's memory estimate says a phase cannot fit one
     GPU of ``config.gpu_memory_gib`` or one node's ``config.host_memory_gib`` of host memory (``error.memory`` says
     which), or the engines' share leaves no room for a KV cache (see :mod:`rlhfkit.hybrid._fit`); returns the
     :class:`~rlhfkit.placement.MemoryEstimate` (None when the GPU size is unknown: no check). ``meta_model`` and
     ``read_ahead``: as for :func:`~rlhfkit.hybrid._fit.estimate_hybrid_memory`. ``held_gib``: GiB of each GPU that
     other processes hold: the phases must fit in what is left (the engines' share stays a share of the whole GPU,
-    as vLLM and SGLang size it)."""
+    as vLLM and SGLang size it). ``log_warnings=False``: a probe (the estimate's shortfalls are not logged)."""
     from rlhfkit.hybrid._fit import estimate_hybrid_memory
 
+    if any(trainer.micro_batch_tokens is None for trainer in trainers.values()):
+        trainers = size_micro_batches(config, trainers, meta_model=meta_model, held_gib=held_gib)
     gpu_gib, host_gib = _gpu_memory_gib(config), config.host_memory_gib
     if host_gib is None and config.device == "cuda":
         physical = physical_memory_gib()
@@ -890,7 +900,7 @@ def check_fit(config: HybridConfig, trainers: Mapping[str, TrainerConfig], *,
         return None
     estimate = estimate_hybrid_memory(config, trainers, plan=plan_gpus(config, tuple(trainers)),
                                       gpu_memory_gib=gpu_gib, host_memory_gib=host_gib, meta_model=meta_model,
-                                      read_ahead=read_ahead)
+                                      read_ahead=read_ahead, log_warnings=log_warnings)
     what = f"the hybrid run of {config.model!r} on {config.total_gpus} GPU(s)"
     if held_gib > 0:
         what += (f", beside {held_gib:.1f} GiB of a {gpu_gib:.1f} GiB GPU held by other processes (give the run free "
@@ -939,6 +949,48 @@ def _check_overlap_fits(config: HybridConfig, trainers: Mapping[str, TrainerConf
 OVERLAP_HEADROOM = 1.15
 
 
+# TrainerConfig.micro_batch_tokens=None: the largest of these budgets with which the run keeps the overlap's headroom
+# (and the overlap of switches, where the smallest keeps it on). Fewer, larger micro-batches launch fewer kernels and
+# run DeepSpeed's per-gradient work fewer times in a host-bound step (docs/benchmarks.md, sessions 21-23).
+MICRO_BATCH_LADDER = (16384, 12288, 8192, 4096)
+
+
+def size_micro_batches(config: HybridConfig, trainers: Mapping[str, TrainerConfig], *,
+                       meta_model: Callable[[str], Any] | None = None,
+                       held_gib: float = 0.0) -> dict[str, TrainerConfig]:
+    """``trainers`` with every ``micro_batch_tokens=None`` sized (the others as given): the largest budget of
+    ``MICRO_BATCH_LADDER`` whose memory estimate fits every phase within ``1 / OVERLAP_HEADROOM`` of the GPU and, when
+    the switches overlap (``overlap_switches=True``, or None where it fits at the smallest budget), fits every role
+    resident there too; the smallest where none does, on CPU and where the GPU size is unknown (the fit check then
+    decides as for a given budget). Every unsized role gets the same budget."""
+    from rlhfkit.placement import MemoryFitError
+
+    unsized = [role for role, trainer in trainers.items() if trainer.micro_batch_tokens is None]
+
+    def sized(tokens: int) -> dict[str, TrainerConfig]:
+        return {role: dataclasses.replace(trainer, micro_batch_tokens=tokens) if role in unsized else trainer
+                for role, trainer in trainers.items()}
+
+    smallest = sized(MICRO_BATCH_LADDER[-1])
+    gpu_gib = _gpu_memory_gib(config)
+    if not unsized or config.device != "cuda" or gpu_gib is None:
+        return smallest
+    overlap = config.overlap_switches
+    if overlap is None:
+        overlap = not held_gib and _overlap_fits(config, smallest, meta_model=meta_model)
+    roomy = dataclasses.replace(config, gpu_memory_gib=gpu_gib / OVERLAP_HEADROOM)
+    for tokens in MICRO_BATCH_LADDER[:-1]:
+        candidate = sized(tokens)
+        try:
+            check_fit(roomy, candidate, meta_model=meta_model, held_gib=held_gib, log_warnings=False)
+            if overlap:
+                _check_resident_fit(roomy, candidate, meta_model=meta_model, log_warnings=False)
+        except MemoryFitError:
+            continue
+        return candidate
+    return smallest
+
+
 def _gpu_memory_gib(config: HybridConfig) -> float | None:
     """``config.gpu_memory_gib``, else (on CUDA) the size of this process's first GPU; None when unknown."""
     if config.gpu_memory_gib is not None or config.device != "cuda":
@@ -960,17 +1012,18 @@ def _overlap_fits(config: HybridConfig, trainers: Mapping[str, TrainerConfig], *
         return False
     try:
         _check_resident_fit(dataclasses.replace(config, gpu_memory_gib=gpu_gib / OVERLAP_HEADROOM), trainers,
-                            meta_model=meta_model)
+                            meta_model=meta_model, log_warnings=False)
     except MemoryFitError:
         return False
     return True
 
 
 def _check_resident_fit(config: HybridConfig, trainers: Mapping[str, TrainerConfig], *,
-                        meta_model: Callable[[str], Any] | None = None) -> Any:
+                        meta_model: Callable[[str], Any] | None = None, log_warnings: bool = True) -> Any:
     """:func:`check_fit` of ``config`` with every role resident (engine level 0, no trainer offloaded)."""
     resident = {role: dataclasses.replace(trainer, offload=False) for role, trainer in trainers.items()}
-    return check_fit(dataclasses.replace(config, engine_sleep_level=0), resident, meta_model=meta_model)
+    return check_fit(dataclasses.replace(config, engine_sleep_level=0), resident, meta_model=meta_model,
+                     log_warnings=log_warnings)
 
 
 def ray_memory_threshold() -> float:

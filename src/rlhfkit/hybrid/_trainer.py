@@ -55,8 +55,11 @@ class TrainerConfig:
         offload: sleep by moving every state to pinned host memory (True, the hybrid engine) or stay on the GPU and
             only return cached blocks (False, when memory is plentiful); the phase guard orders phases either way.
         micro_batch_tokens: token budget of one micro-batch (forward and training). Activation memory grows with
-            it; 4096 keeps a sleeping hybrid step's peak below TRL's (which checkpoints activations) without
-            recomputation (see docs/benchmarks.md).
+            it, and a host-bound step takes less time in fewer, larger micro-batches. None: :meth:`Hybrid.start
+            <rlhfkit.hybrid.Hybrid.start>` sizes it from the plan's memory estimate, the largest of 16,384, 12,288,
+            8,192 and 4,096 tokens that leaves the GPU the headroom the overlapped switches need
+            (``rlhfkit.hybrid._launch.size_micro_batches``; 4,096 on CPU); a group built outside ``Hybrid.start``
+            needs a number.
         tf32_backward: float32 backward passes on TF32 tensor cores (the forwards, log-probs and the engine-vs-trainer
             gap stay float32).
         tf32_frozen_forward: TF32 in the no-grad forwards of frozen roles (reference, reward).
@@ -74,7 +77,7 @@ class TrainerConfig:
     deepspeed: Any
     model: str | None = None
     offload: bool = True
-    micro_batch_tokens: int = 4096
+    micro_batch_tokens: int | None = 4096
     tf32_backward: bool = True
     tf32_frozen_forward: bool = True
     seed: int = 0
@@ -90,9 +93,10 @@ class TrainerConfig:
 
         if not isinstance(self.deepspeed, DeepSpeedEngineConfig):
             raise TypeError(f"TrainerConfig.deepspeed={self.deepspeed!r}; expected a DeepSpeedEngineConfig")
-        if isinstance(self.micro_batch_tokens, bool) or not isinstance(self.micro_batch_tokens, int) \
-                or self.micro_batch_tokens < 1:
-            raise ValueError(f"TrainerConfig.micro_batch_tokens={self.micro_batch_tokens!r}; must be an int >= 1")
+        if self.micro_batch_tokens is not None and (isinstance(self.micro_batch_tokens, bool) or not isinstance(
+                self.micro_batch_tokens, int) or self.micro_batch_tokens < 1):
+            raise ValueError(f"TrainerConfig.micro_batch_tokens={self.micro_batch_tokens!r}; must be an int >= 1, or "
+                             "None for Hybrid.start to size it")
         for name in ("offload", "tf32_backward", "tf32_frozen_forward", "defer_optimizer_wake"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"TrainerConfig.{name}={getattr(self, name)!r}; must be True or False")
@@ -144,6 +148,9 @@ class TrainerGroup:
     def __init__(self, workers: Any, config: TrainerConfig, *, timer: PhaseTimer | None = None) -> None:
         self.workers, self.config, self.timer = workers, config, timer
         self.role, self.world_size = workers.role, workers.world_size
+        if config.micro_batch_tokens is None:
+            raise ValueError(f"'{self.role}': TrainerConfig.micro_batch_tokens=None is sized by Hybrid.start; a "
+                             "TrainerGroup built without it needs a number of tokens")
         self.peak_gib = 0.0
         self.steps_since_push = 0  # optimizer steps whose weights the engines do not have yet
         # (any rank awake, any rank asleep but for its weights) after the last call, or None when not known (before

@@ -468,9 +468,11 @@ def _host_estimate(plan: PlacementPlan, models: Mapping[str, ModelMemory], confi
     return per_node, breakdown, warnings
 
 
-def estimate_memory(plan: PlacementPlan, models: Mapping[str, ModelMemory], config: MemoryConfig) -> MemoryEstimate:
+def estimate_memory(plan: PlacementPlan, models: Mapping[str, ModelMemory], config: MemoryConfig, *,
+                    log_warnings: bool = True) -> MemoryEstimate:
     """Estimate every used GPU's memory in every phase, and with ``config.host_memory_gib`` every used node's host
-    memory; warns (and logs) for each phase/GPU or phase/node over its memory."""
+    memory; warns (and logs, unless ``log_warnings=False``: a probe of what would fit) for each phase/GPU or
+    phase/node over its memory."""
     names = [role.name for role in plan.config.roles]
     for role in models:
         if role not in names:
@@ -494,7 +496,7 @@ def estimate_memory(plan: PlacementPlan, models: Mapping[str, ModelMemory], conf
     if config.host_memory_gib is not None:
         host_per_node, host_breakdown, host_warnings = _host_estimate(plan, models, config, tuple(phases))
     warnings += gpu_warnings + host_warnings
-    for warning in warnings:
+    for warning in warnings if log_warnings else ():
         logger.warning("%s", warning)
     return MemoryEstimate(
         phases=tuple(phases), gpu_memory_gib=config.gpu_memory_gib,
