@@ -171,6 +171,7 @@ def main(argv=None) -> list[dict]:
     loss_fn = functools.partial(grpo_loss, kl_coef=options.kl_coef)
     print(f"started in {hybrid.startup['total_s']:.1f} s:", {k: round(v, 1) for k, v in hybrid.startup.items()},
           flush=True)
+    print("micro-batch tokens:", {role: group.config.micro_batch_tokens for role, group in hybrid.trainers.items()})
     try:
         with MetricsLogger(out) as metrics:
             for step in range(options.steps):
