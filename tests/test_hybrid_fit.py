@@ -577,6 +577,14 @@ def test_compiled_layers_keep_about_half_an_eager_layers_activations(tmp_path_fa
     assert training[False] - training[True] == pytest.approx(saved)
 
 
+def test_the_estimates_logprob_chunk_is_the_losses_chunk():
+    """The estimate counts one float32 chunk of the log-prob pass: the size rlhfkit.losses uses on a GPU."""
+    from rlhfkit.hybrid._fit import LOGPROB_CHUNK_ELEMENTS
+    from rlhfkit.losses._logprobs import DEFAULT_CHUNK_ELEMENTS
+
+    assert LOGPROB_CHUNK_ELEMENTS == DEFAULT_CHUNK_ELEMENTS["other"]
+
+
 def _sized(config, trainers):
     from rlhfkit.hybrid._launch import size_micro_batches
 

@@ -30,12 +30,12 @@ from typing import Any
 
 import torch
 
-from rlhfkit.losses._logprobs import DEFAULT_CHUNK_ELEMENTS
-
 __all__ = ["ModelShape", "engines_may_build_during_loads", "estimate_hybrid_memory", "kv_cache_bytes", "model_shape",
            "offloaded_fraction"]
 
 _GIB = 1024**3
+# the float32 chunk of rlhfkit.losses' log-prob pass on a GPU (its DEFAULT_CHUNK_ELEMENTS["other"]), in elements
+LOGPROB_CHUNK_ELEMENTS = 1 << 24
 
 
 @dataclass(frozen=True)
@@ -105,7 +105,7 @@ def _activation_gib(shape: ModelShape, *, tokens: int, bytes_per_value: int, tra
         kept = shape.num_layers * tokens * shape.hidden_size * bytes_per_value + layer
     else:
         kept = shape.num_layers * layer
-    chunk = min(tokens * shape.vocab_size, DEFAULT_CHUNK_ELEMENTS["other"]) * 4
+    chunk = min(tokens * shape.vocab_size, LOGPROB_CHUNK_ELEMENTS) * 4
     logits = tokens * shape.vocab_size * bytes_per_value + chunk
     return (kept + logits) / _GIB
 
