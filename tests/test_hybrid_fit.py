@@ -600,6 +600,7 @@ def test_unsized_micro_batches_get_the_largest_budget_that_keeps_the_overlaps_he
     from rlhfkit.hybrid._launch import _overlap_fits, check_fit
 
     qwen15, qwen3 = (_architecture(tmp_path_factory, arch) for arch in ("qwen2.5-1.5b", "qwen2.5-3b"))
+
     def roles(**deepspeed):  # as examples/grpo_hybrid.py: the asleep actor keeps its cached blocks
         keeps = _trainers(zero_stage=1, compile_layers=True, empty_cache_on_sleep=False, **deepspeed)
         return {"actor": TrainerConfig(deepspeed=keeps, micro_batch_tokens=None),

@@ -4,12 +4,12 @@ Ray and of the engine processes).
 
 Phases follow the hybrid engine: ``generating`` (the engines awake), ``training`` (the actor; ``training_critic``),
 ``forward_<role>`` (reference, reward); a role with ``TrainerConfig.offload=False`` holds its weights, gradients and
-optimizer states on the GPU in every phase (its activations only in its own).
-Counts come from the model's config built on the meta device (no weights read). Activations are a first-order
-guess from the micro-batch token budget (layer inputs kept by gradient checkpointing, or every layer's working set
-without it, plus float32 logits): the estimate is a floor, so a run it refuses cannot fit, and one it passes may
-still run out of memory. An engine share (vLLM, SGLang) that the engine's weights fill, leaving no KV cache, is
-refused by the same estimate (:meth:`rlhfkit.placement.MemoryEstimate.check_fit`); with a sized KV cache
+optimizer states on the GPU in every phase (its activations only in its own). Counts come from the model's config
+built on the meta device (no weights read). Activations are a first-order guess from the micro-batch token budget
+(layer inputs kept by gradient checkpointing, or every layer's working set without it, a compiled layer's about half
+of it, plus the logits): the estimate is a floor, so a run it refuses cannot fit, and one it passes may still run
+out of memory. An engine share (vLLM, SGLang) that the engine's weights fill, leaving no KV cache, is refused by the
+same estimate (:meth:`rlhfkit.placement.MemoryEstimate.check_fit`); with a sized KV cache
 (``HybridConfig.engine_kv_tokens``) a vLLM engine is counted as what it holds instead (:func:`engine_awake_gib`). An
 asleep vLLM / SGLang engine keeps ``ENGINE_ASLEEP_GIB`` on its GPU; a trainer with ``empty_cache_on_sleep=False``
 keeps its activations' blocks.
