@@ -981,10 +981,10 @@ def size_micro_batches(config: HybridConfig, trainers: Mapping[str, TrainerConfi
     roomy = dataclasses.replace(config, gpu_memory_gib=gpu_gib / OVERLAP_HEADROOM)
     for tokens in MICRO_BATCH_LADDER[:-1]:
         candidate = sized(tokens)
+        if overlap and not _overlap_fits(config, candidate, meta_model=meta_model):
+            continue
         try:
             check_fit(roomy, candidate, meta_model=meta_model, held_gib=held_gib, log_warnings=False)
-            if overlap:
-                _check_resident_fit(roomy, candidate, meta_model=meta_model, log_warnings=False)
         except MemoryFitError:
             continue
         return candidate
