@@ -83,6 +83,7 @@ class Options:
     overlap_switches: bool | None = None  # a role's sleep behind the next one's wake; None: on where all fit resident
     defer_optimizer_wake: bool = True  # the actor's Adam states wake behind its first forward-backward
     micro_batch_tokens: int | None = None  # tokens per trainer forward(-backward); None: the largest that fits
+    sleep_optimizer: bool | None = None  # the actor's sleeps move its Adam states too; None: not where they fit
     tiny: bool = False  # smoke run: 3 steps of a few short samples
 
 
@@ -129,7 +130,8 @@ def start(options: Options) -> Hybrid:
                          "pass --kl-coef 0")
     trainers = {"actor": TrainerConfig(deepspeed=deepspeed, offload=offload, lora=lora,
                                        micro_batch_tokens=options.micro_batch_tokens,
-                                       defer_optimizer_wake=options.defer_optimizer_wake)}
+                                       defer_optimizer_wake=options.defer_optimizer_wake,
+                                       sleep_optimizer=options.sleep_optimizer)}
     if options.reference and not lora:  # with LoRA the reference is the actor's base (its adapters switched off)
         # its cached blocks are only last step's activations: returned at each sleep (behind the actor's wake), they
         # stay off the GPU while the engine generates, the step's peak
@@ -171,7 +173,9 @@ def main(argv=None) -> list[dict]:
     loss_fn = functools.partial(grpo_loss, kl_coef=options.kl_coef)
     print(f"started in {hybrid.startup['total_s']:.1f} s:", {k: round(v, 1) for k, v in hybrid.startup.items()},
           flush=True)
-    print("micro-batch tokens:", {role: group.config.micro_batch_tokens for role, group in hybrid.trainers.items()})
+    print("micro-batch tokens:", {role: group.config.micro_batch_tokens for role, group in hybrid.trainers.items()},
+          "| optimizer states sleep:", {role: group.config.sleep_optimizer for role, group in hybrid.trainers.items()
+                                        if role in ("actor", "critic")})
     try:
         with MetricsLogger(out) as metrics:
             for step in range(options.steps):

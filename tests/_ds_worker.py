@@ -210,11 +210,18 @@ def check_train(stage: int, ctx) -> dict:
         (root / "step-000099").mkdir(parents=True)  # a half-written checkpoint: no COMPLETE marker
         (root / "step-000099" / "junk").write_text("partial")
     dist.barrier()
+    # a sleep that keeps the optimizer's states, and a wake from it, before this step: it trains on exactly
+    kept_optimizer = {"sleep": engine.sleep(keep_optimizer=True), "offloaded": sorted(engine._offloaded)}
+    kept_optimizer["wake"] = engine.wake_up(defer_optimizer=True)
+    kept_optimizer["away"] = engine.optimizer_states_away  # nothing was left on the host for later
     stats.append(_train_step(engine, batch))
     awake_stream = _stream_dict(engine)
-    engine.sleep(keep_weights=True)
+    engine.sleep(keep_weights=True, keep_optimizer=True)
     kept_stream = _compare(_stream_dict(engine, bucket_bytes=3000), awake_stream)
-    engine.sleep()
+    kept_optimizer["deepened"] = engine.sleep(keep_optimizer=True)  # the weights go, the optimizer's states stay
+    kept_optimizer["deepened_offloaded"] = sorted(engine._offloaded)
+    kept_optimizer["weights_kept"] = engine._weights_kept
+    kept_optimizer["moved_at_last"] = engine.sleep()  # and now they go too
     deep_asleep_stream = _expect_error(lambda: engine.named_parameters_for_sync(), "is asleep")
     deferred = _deferred_wake_step(engine, batch)
     stats.append(deferred.pop("stats"))
@@ -240,6 +247,7 @@ def check_train(stage: int, ctx) -> dict:
             "latest": latest.name if latest else None, "saved": saved.name, "partial_load": partial_load,
             "round_trip": round_trip, "kept_stream": kept_stream, "initial_stream": initial_stream,
             "deep_asleep_stream": deep_asleep_stream, "resumed_offload_keys": offload_keys, "deferred": deferred,
+            "kept_optimizer": kept_optimizer,
             "stream_storages": storages,
             "export": export, "hf_files": sorted(p.name for p in (saved / "hf").iterdir())}
 

@@ -320,6 +320,21 @@ def test_wake_may_leave_the_optimizer_states_for_later(ds_results, world_size, s
 
 
 @pytest.mark.parametrize(("world_size", "stage"), TRAIN_CASES)
+def test_a_sleep_may_keep_the_optimizer_states_on_the_device(ds_results, world_size, stage):
+    """sleep(keep_optimizer=True) moves the weights and gradients but not the fp32 masters and optimizer states; the
+    wake from it has nothing to leave for later, and the step after it trains exactly as without sleeping (the loss
+    comparison above); a later sleep(keep_optimizer=True) deepens a keep-weights sleep without moving them, and a plain
+    sleep() then moves them (rlhfkit's own optimizer-state copies on every stage here: bytes counted on CPU too)."""
+    from rlhfkit.deepspeed_engine._sleep import OPTIMIZER_STATES
+
+    kept = _result(ds_results, world_size, f"train{stage}")["kept_optimizer"]
+    assert kept["offloaded"] and not set(kept["offloaded"]) & OPTIMIZER_STATES, kept["offloaded"]
+    assert kept["away"] is False
+    assert not set(kept["deepened_offloaded"]) & OPTIMIZER_STATES and kept["weights_kept"] is False
+    assert kept["moved_at_last"]["bytes_moved"] > 0 and kept["moved_at_last"]["resident_state_bytes"] == 0
+
+
+@pytest.mark.parametrize(("world_size", "stage"), TRAIN_CASES)
 def test_zero12_stream_lives_in_flat_buffers(ds_results, world_size, stage):
     """What makes zero-copy CUDA-IPC sync pay: under ZeRO-1/2 the 21 streamed parameters are views of DeepSpeed's
     flat buffers (one per parameter group: the worker's config cuts the tiny model into 4), also after a sleep/wake

@@ -649,3 +649,57 @@ def test_an_unsized_micro_batch_needs_hybrid_start():
     for bad in (0, 4096.0, True):
         with pytest.raises(ValueError, match=f"micro_batch_tokens={bad!r}; must be an int >= 1, or None"):
             TrainerConfig(deepspeed=_trainers(zero_stage=1), micro_batch_tokens=bad)
+
+
+def _optimizer_sleeps(config, trainers):
+    from rlhfkit.hybrid._launch import size_micro_batches, size_optimizer_sleep
+
+    sized = size_optimizer_sleep(config, size_micro_batches(config, trainers))
+    return {role: trainer.sleep_optimizer for role, trainer in sized.items()}
+
+
+def test_the_optimizer_states_stay_on_the_gpu_where_the_estimate_fits_them(tmp_path_factory, qwen7b):
+    """TrainerConfig.sleep_optimizer=None: the trained role keeps its optimizer's states on the GPU through its sleeps
+    (False) where the estimate, with them there in every phase, fits within 1 / OVERLAP_HEADROOM of the GPU: at
+    1.5B (17.2 GiB of fp32 masters and Adam moments held through generation), at 3B with gradient checkpointing and
+    for the 7B LoRA adapters; not for 7B full parameters; a role without an optimizer, a given value, CPU and an
+    unknown GPU: sleep (True)."""
+    qwen15, qwen3 = (_architecture(tmp_path_factory, arch) for arch in ("qwen2.5-1.5b", "qwen2.5-3b"))
+
+    def roles(**deepspeed):  # as examples/grpo_hybrid.py: the asleep actor keeps its cached blocks
+        keeps = _trainers(zero_stage=1, compile_layers=True, empty_cache_on_sleep=False, **deepspeed)
+        return {"actor": TrainerConfig(deepspeed=keeps, micro_batch_tokens=None),
+                "reference": TrainerConfig(deepspeed=dataclasses.replace(keeps, empty_cache_on_sleep=True),
+                                           micro_batch_tokens=None)}
+
+    gpu = dict(H100, device="cuda", max_num_seqs=128, kv_tokens_per_seq=320)  # as examples/grpo_hybrid.py
+    config = HybridConfig(model=qwen15, engine_memory=0.35, **gpu)
+    assert _optimizer_sleeps(config, roles()) == {"actor": False, "reference": True}
+    sized = {role: dataclasses.replace(trainer, micro_batch_tokens=16384) for role, trainer in roles().items()}
+    kept = dict(sized, actor=dataclasses.replace(sized["actor"], sleep_optimizer=False))
+    slept, held = check_fit(config, sized).per_gpu[(0, 0)], check_fit(config, kept).per_gpu[(0, 0)]
+    assert held["generating"] - slept["generating"] == pytest.approx(
+        held["forward_reference"] - slept["forward_reference"]) == pytest.approx(1.54e9 * 12 / 2**30, rel=0.01)
+    assert held["training"] == slept["training"]  # awake it holds them anyway
+    given = dict(roles(), actor=dataclasses.replace(roles()["actor"], sleep_optimizer=True))
+    assert _optimizer_sleeps(config, given)["actor"] is True
+
+    config3 = HybridConfig(model=qwen3, engine_memory=0.35, **gpu)
+    three = roles(gradient_checkpointing=True)
+    assert _optimizer_sleeps(config3, three) == {"actor": False, "reference": True}
+    # the overlap's own condition (every role resident within the headroom) is the stronger one: where the switches
+    # overlap, the optimizer's states fit on the GPU through the sleeps
+    from rlhfkit.hybrid._launch import _overlap_fits, size_micro_batches
+
+    assert _overlap_fits(config3, size_micro_batches(config3, three))
+
+    lora = LoraConfig(rank=16, alpha=32.0, target_modules=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                           "up_proj", "down_proj"))
+    keeps = _trainers(zero_stage=1, gradient_checkpointing=True, empty_cache_on_sleep=False)
+    config7 = HybridConfig(model=qwen7b, engine_memory=0.35, **gpu)
+    assert _optimizer_sleeps(config7, {"actor": TrainerConfig(deepspeed=keeps, lora=lora)}) == {"actor": False}
+    assert _optimizer_sleeps(config7, {"actor": TrainerConfig(deepspeed=keeps)}) == {"actor": True}
+
+    cpu = dataclasses.replace(config, device="cpu", engine="hf")
+    assert _optimizer_sleeps(cpu, roles()) == {"actor": True, "reference": True}
+    assert _optimizer_sleeps(dataclasses.replace(cpu, gpu_memory_gib=None), roles())["actor"] is True

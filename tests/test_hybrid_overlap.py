@@ -74,6 +74,7 @@ def _worker(monkeypatch, tiny_llama_path, role: str):
     class Config:
         offload = True
         defer_optimizer_wake = True
+        sleep_optimizer = None
 
     worker.config, worker.overlap = Config(), True
     return worker, store
@@ -176,6 +177,49 @@ def test_a_trained_role_wakes_its_optimizer_states_behind_its_forward_backward(a
     worker.model = DeferringModel()  # a call that does not defer (forward with sleep_after) wakes everything
     worker._begin("forward", "forward_actor", True)
     assert worker.model.order == ["wake(defer=False)"] and worker._finishing is None
+
+
+class Keeping(SlowModel):
+    """Records ``(keep_weights, keep_optimizer)`` of each sleep."""
+
+    def __init__(self, calls: list) -> None:
+        super().__init__()
+        self.calls = calls
+
+    def sleep(self, keep_weights: bool = False, keep_optimizer: bool = False) -> dict:
+        self.calls.append((keep_weights, keep_optimizer))
+        return super().sleep(keep_weights)
+
+
+def test_sleep_optimizer_false_keeps_a_trained_roles_optimizer_states_through_its_sleeps(actor_worker):
+    """TrainerConfig(sleep_optimizer=False): every sleep of a trained role asks its model to keep the optimizer's
+    states (DeepSpeedEngine.sleep(keep_optimizer=True)); True and None (a group built by hand) move them."""
+    calls = []
+    actor, _ = actor_worker
+    actor.overlap = False
+    for setting, keeps in ((False, True), (True, False), (None, False)):
+        actor.config.sleep_optimizer = setting
+        actor.model = Keeping(calls)
+        actor._transition("wake", "train_actor")
+        actor._sleep("train_actor", keep_weights=True)
+        actor._transition("wake", "train_actor")
+        actor._sleep("train_actor")
+        assert calls[-2:] == [(True, keeps), (False, keeps)], (setting, calls)
+    from rlhfkit.deepspeed_engine import DeepSpeedEngineConfig
+    from rlhfkit.hybrid import TrainerConfig
+
+    with pytest.raises(TypeError, match=r"TrainerConfig.sleep_optimizer='no'; must be True, False or None"):
+        TrainerConfig(deepspeed=DeepSpeedEngineConfig(), sleep_optimizer="no")
+
+
+def test_a_role_without_an_optimizer_is_never_asked_to_keep_one(worker):
+    calls = []
+    reference, _ = worker
+    reference.overlap, reference.config.sleep_optimizer = False, False
+    reference.model = Keeping(calls)
+    reference._transition("wake", "forward_reference")
+    reference._sleep("forward_reference")
+    assert calls == [(False, False)]
 
 
 def test_defer_optimizer_wake_false_wakes_everything_before_the_call(actor_worker):
@@ -323,7 +367,7 @@ def test_overlap_switches_default_is_on_only_where_every_role_fits_resident(tiny
     assert _overlap_fits(dataclasses.replace(roomy, gpu_memory_gib=peak * OVERLAP_HEADROOM * 1.01), trainers)
 
 
-def _run(tiny_llama_path, overlap: bool, steps: int = 2) -> list[dict]:
+def _run(tiny_llama_path, overlap: bool, steps: int = 2, sleep_optimizer: bool | None = None) -> list[dict]:
     from rlhfkit.deepspeed_engine import DeepSpeedEngineConfig
     from rlhfkit.engines import SamplingConfig
     from rlhfkit.experience import ExperienceConfig, engine_token_logprobs, make_experience
@@ -338,7 +382,7 @@ def _run(tiny_llama_path, overlap: bool, steps: int = 2) -> list[dict]:
     deepspeed = DeepSpeedEngineConfig(zero_stage=1, bf16=False, optimizer="torch_adamw", learning_rate=1e-3)
     hybrid = Hybrid.start(HybridConfig(model=str(tiny_llama_path), device="cpu", engine="hf", call_timeout_s=120,
                                        sync_timeout_s=60, overlap_switches=overlap),
-                          {"actor": TrainerConfig(deepspeed=deepspeed),
+                          {"actor": TrainerConfig(deepspeed=deepspeed, sleep_optimizer=sleep_optimizer),
                            "reference": TrainerConfig(deepspeed=deepspeed)})
     rows = []
     try:
@@ -369,9 +413,17 @@ def test_the_loop_with_overlapped_switches_trains_exactly_as_without(tiny_llama_
     pytest.importorskip("ray")
     pytest.importorskip("deepspeed")
     plain, overlapped = _run(tiny_llama_path, False), _run(tiny_llama_path, True)
-    for a, b in zip(plain, overlapped, strict=True):
-        assert a["actor/loss"] == b["actor/loss"] and a["actor/grad_norm"] == b["actor/grad_norm"]
-        assert a["engine/weight_version"] == b["engine/weight_version"]
+    kept = _run(tiny_llama_path, True, sleep_optimizer=False)  # the actor's optimizer states stay through its sleeps
+    for a, b, c in zip(plain, overlapped, kept, strict=True):
+        assert a["actor/loss"] == b["actor/loss"] == c["actor/loss"]
+        assert a["actor/grad_norm"] == b["actor/grad_norm"] == c["actor/grad_norm"]
+        assert a["engine/weight_version"] == b["engine/weight_version"] == c["engine/weight_version"]
+    # kept: the switches copied less each way, and no wake had optimizer states to bring back behind the compute
+    assert 0 < kept[-1]["switch/bytes_h2d"] < overlapped[-1]["switch/bytes_h2d"]
+    # (on CPU DeepSpeed's own states stay in its host buffers and are not counted: here only rlhfkit's copies of the
+    # optimizer's states were, and those now stay)
+    assert kept[-1]["switch/bytes_d2h"] < overlapped[-1]["switch/bytes_d2h"]
+    assert "time/overlapped_wake_s" not in kept[-1]
     assert "time/overlapped_sleep_s" not in plain[-1]
     assert overlapped[-1]["time/overlapped_sleep_s"] > 0 and overlapped[-1]["switch/bytes_d2h"] > 0
     # with or without overlap, the actor's optimizer states woke behind its forward-backward, their bytes counted

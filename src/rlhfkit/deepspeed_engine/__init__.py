@@ -137,6 +137,7 @@ class DeepSpeedEngine:
         self._writes_at_wake = -1  # _weight_writes at the last wake_up (-1: never woken)
         self._asleep = False
         self._weights_kept = False
+        self._optimizer_kept = False  # asleep with the optimizer's states on the device (sleep(keep_optimizer=True))
         self._later_bytes = 0  # bytes of the states a wake_up(defer_optimizer=True) left for finish_wake()
         self._wake_lock = threading.Lock()  # finish_wake() in another thread against sleep() and the step
         self._wake_stream: Any = None  # the CUDA stream of finish_wake_behind()'s copies
@@ -299,11 +300,14 @@ class DeepSpeedEngine:
         return float(torch.linalg.vector_norm(torch.stack([n.float() for n in torch._foreach_norm(grads)])))
 
     # ------------------------------------------------------------------ sleep / wake
-    def sleep(self, *, keep_weights: bool = False) -> dict[str, float]:
+    def sleep(self, *, keep_weights: bool = False, keep_optimizer: bool = False) -> dict[str, float]:
         """Move this rank's parameters, gradients and optimizer states to pinned host memory, then empty the CUDA
         cache (unless ``DeepSpeedEngineConfig.empty_cache_on_sleep=False``). ``keep_weights=True`` leaves the bf16
         weights (ZeRO-3: this rank's shards) on the device so that :meth:`named_parameters_for_sync` still works; a
-        later ``sleep()`` moves them too. Returns timing/memory stats
+        later ``sleep()`` moves them too. ``keep_optimizer=True`` leaves the optimizer's states (fp32 master weights,
+        Adam moments: at bf16 with Adam 12 of the 16 bytes a parameter holds) on the device, where the GPU has room
+        for them beside the next phase: the wake then has only the weights and gradients to bring back; a later
+        ``sleep(keep_optimizer=False)`` moves them too. Returns timing/memory stats
         (seconds, and allocated/reserved bytes before and after on CUDA) and ``bytes_moved``: the bytes this call
         copied device -> host (rlhfkit's copies plus the state storages DeepSpeed's ``offload_states`` moved).
 
@@ -313,10 +317,11 @@ class DeepSpeedEngine:
         known from :meth:`load_checkpoint`, from an in-place op on the parameter (its version counter), or from
         :meth:`weights_changed`, which code writing them another way (``param.data.copy_``) must call."""
         with self._wake_lock:  # a finish_wake() running in another thread ends first
-            return self._sleep(keep_weights=keep_weights)
+            return self._sleep(keep_weights=keep_weights, keep_optimizer=keep_optimizer)
 
-    def _sleep(self, *, keep_weights: bool) -> dict[str, float]:
-        if self._asleep and (keep_weights or not self._weights_kept):
+    def _sleep(self, *, keep_weights: bool, keep_optimizer: bool = False) -> dict[str, float]:
+        if (self._asleep and (keep_weights or not self._weights_kept)
+                and (keep_optimizer or not self._optimizer_kept)):
             return {}
         if self._sleep_plan.unsupported or (self.has_optimizer and self.config.zero_stage == 0 and self.config.bf16):
             raise NotImplementedError(f"sleep() of '{self.name}' is not supported: "
@@ -327,28 +332,35 @@ class DeepSpeedEngine:
         self._offloaded, moved, kept = sleeping.offload_engine(
             self.ds_engine, self._sleep_plan, self._offloaders, zero_stage=self.config.zero_stage,
             keep_weights=keep_weights, done=self._offloaded, empty_cache=self.config.empty_cache_on_sleep,
-            trains=self.has_optimizer, fixed_unchanged=self._weight_writes == self._writes_at_wake)
+            trains=self.has_optimizer, fixed_unchanged=self._weight_writes == self._writes_at_wake,
+            keep_optimizer=keep_optimizer)
         seconds = time.perf_counter() - start
         # weights_kept first: a thread streaming the kept weights meanwhile never sees "asleep without its weights"
-        self._weights_kept = keep_weights
+        self._weights_kept = keep_weights and (self._weights_kept or not self._asleep)  # moved weights stay moved
+        self._optimizer_kept = keep_optimizer and self.has_optimizer
         self._asleep = True
         self._offloaded_bytes += moved + kept + self._later_bytes  # the states a wake left for later are still off
         self._later_bytes = 0
-        stats = self._log_transition("asleep" + (" (weights kept)" if keep_weights else ""), before, seconds)
+        kept_what = [what for what, flag in (("weights", keep_weights), ("optimizer", self._optimizer_kept)) if flag]
+        stats = self._log_transition("asleep" + (f" ({' and '.join(kept_what)} kept)" if kept_what else ""), before,
+                                     seconds)
         stats["bytes_moved"] = float(moved)
         stats["bytes_kept_on_host"] = float(kept)
         stats["pin_seconds"] = sum(offloader.last_pin_seconds for offloader in self._offloaders.values())
-        stats["resident_state_bytes"] = float(self.resident_state_bytes(include_weights=not keep_weights))
+        stats["resident_state_bytes"] = float(self.resident_state_bytes(include_weights=not keep_weights,
+                                                                        include_optimizer=not self._optimizer_kept))
         if stats["resident_state_bytes"] and not self.config.offload_params:
             logger.warning("'%s' asleep but %.1f MiB of its states are still on the GPU", self.name,
                            stats["resident_state_bytes"] / 2**20)
         return stats
 
-    def resident_state_bytes(self, *, include_weights: bool = True) -> int:
+    def resident_state_bytes(self, *, include_weights: bool = True, include_optimizer: bool = True) -> int:
         """Bytes of this rank's parameter, gradient, master-weight and optimizer-state storages that are on a GPU
         now (0 after a complete ``sleep()``: checked by storage, not by flags). ``include_weights=False`` leaves out
-        the bf16 weights (what ``sleep(keep_weights=True)`` keeps)."""
-        return sleeping.resident_state_bytes(self.ds_engine, self.config.zero_stage, include_weights=include_weights)
+        the bf16 weights (what ``sleep(keep_weights=True)`` keeps), ``include_optimizer=False`` the fp32 masters and
+        optimizer states (what ``sleep(keep_optimizer=True)`` keeps)."""
+        return sleeping.resident_state_bytes(self.ds_engine, self.config.zero_stage, include_weights=include_weights,
+                                             include_optimizer=include_optimizer)
 
     def prepare_sleep(self) -> dict[str, float]:
         """Allocate the pinned host buffers now by running one sleep/wake cycle (the engine must be awake, and have
@@ -386,7 +398,7 @@ class DeepSpeedEngine:
         later_bytes = min(sleeping.deferred_bytes(self.ds_engine, self._offloaders, later), self._offloaded_bytes)
         sleeping.reload_engine(self.ds_engine, self._offloaders, self._offloaded - later)
         seconds = time.perf_counter() - start
-        self._offloaded, self._asleep, self._weights_kept = later, False, False
+        self._offloaded, self._asleep, self._weights_kept, self._optimizer_kept = later, False, False, False
         self._writes_at_wake = self._weight_writes
         moved, self._offloaded_bytes, self._later_bytes = self._offloaded_bytes - later_bytes, 0, later_bytes
         return self._log_transition("awake" + (" (optimizer states later)" if later else ""), before,

@@ -27,13 +27,17 @@ from dataclasses import dataclass
 import torch
 
 __all__ = ["StorageOffloader", "SleepPlan", "plan_sleep", "offload_engine", "reload_engine", "deferrable_states",
-           "deferred_bytes", "copy_in_chunks", "device_memory", "resident_state_bytes"]
+           "deferred_bytes", "copy_in_chunks", "device_memory", "resident_state_bytes", "OPTIMIZER_STATES"]
 
 logger = logging.getLogger(__name__)
 
 # DeepSpeed's names for the states of a ZeRO optimizer (deepspeed.runtime.zero.offload_config.OffloadStateTypeEnum).
 LP_PARAMS, HP_PARAMS, LP_GRADS, OPTIM_STATES, GRAD_BUFFER = (
     "lp_params", "hp_params", "lp_grads", "optim_states", "contiguous_grad_buffer")
+# What a sleep that keeps the optimizer on the device leaves there: the fp32 master weights (DeepSpeed's
+# ``hp_params``), the optimizer's states (ZeRO-3 with FusedAdam: DeepSpeed's ``optim_states``) and rlhfkit's own copy
+# of either (``own_master``: the ZeRO-0/1/2 Adam moments, ZeRO-3's masters and moments under a torch optimizer).
+OPTIMIZER_STATES = frozenset({HP_PARAMS, OPTIM_STATES, "own_master"})
 
 
 def _pin(tensor: torch.Tensor) -> torch.Tensor:
@@ -346,22 +350,24 @@ def module_tensors(ds_engine, zero_stage: int, *, with_grads: bool) -> list[torc
     return tensors
 
 
-def state_tensors(ds_engine, zero_stage: int, *, include_weights: bool = True) -> list[torch.Tensor]:
+def state_tensors(ds_engine, zero_stage: int, *, include_weights: bool = True,
+                  include_optimizer: bool = True) -> list[torch.Tensor]:
     """Every per-rank state tensor we know of: weights (ZeRO-3 shards, ZeRO-1/2 flat buffers), grads, masters,
-    gradient buffers, optimizer states."""
+    gradient buffers, optimizer states (``include_optimizer=False``: without the masters and optimizer states)."""
     tensors = module_tensors(ds_engine, zero_stage, with_grads=True) if include_weights else []
     wrapper = ds_engine.optimizer
     if wrapper is None:
         return tensors
-    for name in ("fp32_partitioned_groups_flat", "single_partition_of_fp32_groups"):
-        for flat in getattr(wrapper, name, None) or []:
-            tensors += [flat] + ([flat.grad] if isinstance(flat.grad, torch.Tensor) else [])
+    if include_optimizer:
+        for name in ("fp32_partitioned_groups_flat", "single_partition_of_fp32_groups"):
+            for flat in getattr(wrapper, name, None) or []:
+                tensors += [flat] + ([flat.grad] if isinstance(flat.grad, torch.Tensor) else [])
     if include_weights:
         tensors += list(getattr(wrapper, "bit16_groups_flat", None) or [])
     buffer = getattr(wrapper, "grad_partitions_flat_buffer", None)
     tensors += [buffer] if isinstance(buffer, torch.Tensor) else []
     basic = wrapper if zero_stage == 0 else getattr(wrapper, "optimizer", None)
-    if isinstance(getattr(basic, "state", None), Mapping):
+    if include_optimizer and isinstance(getattr(basic, "state", None), Mapping):
         tensors += optimizer_state_tensors(ds_engine, zero_stage)
     return tensors
 
@@ -376,10 +382,12 @@ def _storages(tensors: Iterable[torch.Tensor], device_type: str) -> dict[int, in
     return storages
 
 
-def resident_state_bytes(ds_engine, zero_stage: int, *, include_weights: bool = True) -> int:
+def resident_state_bytes(ds_engine, zero_stage: int, *, include_weights: bool = True,
+                         include_optimizer: bool = True) -> int:
     """Bytes of the distinct CUDA storages behind :func:`state_tensors` (0 after a complete sleep; the check that
     ``sleep()`` really moved the states, not just flagged them)."""
-    return sum(_storages(state_tensors(ds_engine, zero_stage, include_weights=include_weights), "cuda").values())
+    return sum(_storages(state_tensors(ds_engine, zero_stage, include_weights=include_weights,
+                                       include_optimizer=include_optimizer), "cuda").values())
 
 
 def split_fixed(tensors: list[torch.Tensor], fixed_params: list[torch.Tensor], zero_stage: int
@@ -398,8 +406,9 @@ def split_fixed(tensors: list[torch.Tensor], fixed_params: list[torch.Tensor], z
 
 def offload_engine(ds_engine, plan: SleepPlan, offloaders: dict[str, StorageOffloader], *, zero_stage: int,
                    keep_weights: bool, done: set[str], empty_cache: bool = True, trains: bool = True,
-                   fixed_unchanged: bool = False) -> tuple[set[str], int, int]:
-    """Move what ``plan`` says (skipping what is in ``done``); returns the names of the states now offloaded, the
+                   fixed_unchanged: bool = False, keep_optimizer: bool = False) -> tuple[set[str], int, int]:
+    """Move what ``plan`` says (skipping what is in ``done``, and with ``keep_optimizer`` the
+    :data:`OPTIMIZER_STATES`); returns the names of the states now offloaded, the
     bytes copied off the device, and the bytes not copied because the host still held them (see below). Copied:
     :class:`StorageOffloader`'s count, plus, for DeepSpeed's ``offload_states``, the distinct state storages on the
     device before it that no state tensor uses after it. (On a CPU "device" DeepSpeed's ZeRO-1/2 ``reload_states``
@@ -412,7 +421,9 @@ def offload_engine(ds_engine, plan: SleepPlan, offloaders: dict[str, StorageOffl
     now, moved, kept = set(done), 0, 0
     if hasattr(ds_engine, "empty_partition_cache") and zero_stage == 3:
         ds_engine.empty_partition_cache()
-    include = [s for s in plan.deepspeed_states if s not in now and not (keep_weights and s == LP_PARAMS)]
+    kept_here = OPTIMIZER_STATES if keep_optimizer else frozenset()
+    include = [s for s in plan.deepspeed_states
+               if s not in now and s not in kept_here and not (keep_weights and s == LP_PARAMS)]
     if include:
         enum = _offload_state_enum()
         before = _storages(state_tensors(ds_engine, zero_stage), device.type)
@@ -423,10 +434,10 @@ def offload_engine(ds_engine, plan: SleepPlan, offloaders: dict[str, StorageOffl
         after = _storages(state_tensors(ds_engine, zero_stage), device.type)
         moved += sum(nbytes for pointer, nbytes in before.items() if pointer not in after)
         now.update(include)
-    if plan.own_optimizer_states and "own_master" not in now:
+    if plan.own_optimizer_states and "own_master" not in now and not keep_optimizer:
         moved += offloaders["own_master"].offload(optimizer_state_tensors(ds_engine, zero_stage), device=device)
         now.add("own_master")
-    if plan.own_master_and_optimizer and "own_master" not in now:
+    if plan.own_master_and_optimizer and "own_master" not in now and not keep_optimizer:
         moved += offloaders["own_master"].offload(master_and_optimizer_tensors(ds_engine, zero_stage), device=device)
         now.add("own_master")
     fixed_params = [param for param in ds_engine.module.parameters() if not (trains and param.requires_grad)]

@@ -12,7 +12,7 @@ out of memory. An engine share (vLLM, SGLang) that the engine's weights fill, le
 same estimate (:meth:`rlhfkit.placement.MemoryEstimate.check_fit`); with a sized KV cache
 (``HybridConfig.engine_kv_tokens``) a vLLM engine is counted as what it holds instead (:func:`engine_awake_gib`). An
 asleep vLLM / SGLang engine keeps ``ENGINE_ASLEEP_GIB`` on its GPU; a trainer with ``empty_cache_on_sleep=False``
-keeps its activations' blocks.
+keeps its activations' blocks, one with ``sleep_optimizer=False`` its optimizer's states.
 
 Host memory (with a node size): what DeepSpeed's optimizer offload keeps there (``offload_optimizer_ratio`` of the
 fp32 masters, fp32 gradients and Adam moments, placed by whole sub-groups as DeepSpeed does; ZeRO-3's bf16 gradient
@@ -148,13 +148,19 @@ def _trainer_memory(shape: ModelShape, trainer: Any, role: str, *, world: int) -
     if ratio < 1 and trainable is None:
         ratio = offloaded_fraction(shape.param_sizes, ratio=ratio, sub_group_elements=ds.sub_group_elements,
                                    world=world)
+    optimizer_bytes = 12.0 if ds.bf16 else 8.0
+    kept = 0.0  # the optimizer's states a sleep leaves on the GPU (TrainerConfig.sleep_optimizer=False)
+    if trains and trainer.offload and trainer.sleep_optimizer is False:
+        on_gpu = 1.0 - ratio if ds.offload_optimizer else 1.0
+        kept = on_gpu * (trainable or shape.num_params) * optimizer_bytes / (world if ds.zero_stage >= 1 else 1) / 1024**3
+    # (their pinned host buffers are counted as if they slept: an estimate of host memory that errs high)
     return ModelMemory(num_params=shape.num_params, kind="trainable" if trains else "frozen",
                        bytes_per_param=bytes_per_value, grad_bytes_per_param=bytes_per_value,
-                       optimizer_bytes_per_param=12.0 if ds.bf16 else 8.0, zero_stage=ds.zero_stage,
+                       optimizer_bytes_per_param=optimizer_bytes, zero_stage=ds.zero_stage,
                        activation_gib=activations, num_trainable_params=trainable,
                        offload_optimizer=ds.offload_optimizer and trains, offload_params=ds.offload_params,
                        offload_optimizer_ratio=ratio, asleep="host" if trainer.offload else "gpu",
-                       asleep_gib=0.0 if ds.empty_cache_on_sleep else activations,  # kept blocks: its activations
+                       asleep_gib=kept + (0.0 if ds.empty_cache_on_sleep else activations),  # + kept blocks
                        step_group_params=max(sum(shape.param_sizes[i] for i in group)
                                              for group in ds.param_group_ranges(shape.param_sizes))
                        if trains and trainable is None and ds.zero_stage < 3 and shape.param_sizes else None)

@@ -490,7 +490,7 @@ class Hybrid:
                      configs: dict[str, TrainerConfig]) -> dict[str, TrainerConfig]:
         """Take the checks' outcome (they passed): the config with ``overlap_switches`` resolved, the engines'
         KV-cache size, whether the roles read ahead and the engines may build during the loads; returns the roles'
-        ``configs`` with their micro-batch budgets sized."""
+        ``configs`` with their micro-batch budgets sized and their optimizer sleeps decided."""
         checked, self.startup["checks_s"] = outcome
         self.gpu_held_gib = checked.gpu_held_gib
         self.config, self._read_ahead = checked.config, checked.read_ahead
@@ -498,8 +498,10 @@ class Hybrid:
         if self.config.driver_threads is not None:
             self._threads_before = torch.get_num_threads()
             torch.set_num_threads(self.config.driver_threads)
-        return {role: dataclasses.replace(trainer, micro_batch_tokens=checked.micro_batch_tokens.get(
-            role, trainer.micro_batch_tokens)) for role, trainer in configs.items()}
+        return {role: dataclasses.replace(
+            trainer, micro_batch_tokens=checked.micro_batch_tokens.get(role, trainer.micro_batch_tokens),
+            sleep_optimizer=checked.sleep_optimizer.get(role, trainer.sleep_optimizer))
+            for role, trainer in configs.items()}
 
     def _open_gate(self, started: float) -> None:
         """Let the engines build their models, with the KV-cache size the checks worked out (vLLM); ``gate_s``:
@@ -731,7 +733,8 @@ class Hybrid:
 class _Checked:
     """What :meth:`Hybrid.start` takes from the checks: the config (``overlap_switches=None`` resolved), whether every
     role reads its model ahead, the engines' KV-cache bytes, whether the engines may build while the trainers load,
-    and each role's micro-batch token budget (``TrainerConfig.micro_batch_tokens=None`` sized)."""
+    and each role's micro-batch token budget and optimizer sleep (``TrainerConfig.micro_batch_tokens=None`` sized,
+    ``sleep_optimizer=None`` decided)."""
 
     config: HybridConfig
     read_ahead: bool
@@ -739,6 +742,7 @@ class _Checked:
     build_during_loads: bool
     gpu_held_gib: float = 0.0
     micro_batch_tokens: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    sleep_optimizer: Mapping[str, bool] = dataclasses.field(default_factory=dict)
 
 
 def _checks(config: HybridConfig, trainers: Mapping[str, TrainerConfig]) -> _Checked:
@@ -750,6 +754,7 @@ def _checks(config: HybridConfig, trainers: Mapping[str, TrainerConfig]) -> _Che
     _check_lora(config, trainers, meta_model=built)
     held = _held_by_others_gib(config)
     trainers = size_micro_batches(config, trainers, meta_model=built, held_gib=held)
+    trainers = size_optimizer_sleep(config, trainers, meta_model=built, held_gib=held)
     estimate = check_fit(config, trainers, meta_model=built, held_gib=held)
     if config.overlap_switches is None:  # not beside another process's memory: the overlap's headroom is not there
         config = dataclasses.replace(config, overlap_switches=not held and _overlap_fits(config, trainers,
@@ -762,7 +767,8 @@ def _checks(config: HybridConfig, trainers: Mapping[str, TrainerConfig]) -> _Che
     return _Checked(config=config, read_ahead=_reads_ahead(config, trainers, meta_model=built),
                     kv_cache_bytes=kv_cache_bytes, gpu_held_gib=held,
                     build_during_loads=kv_cache_bytes is not None and engines_may_build_during_loads(config, estimate),
-                    micro_batch_tokens={role: trainer.micro_batch_tokens for role, trainer in trainers.items()})
+                    micro_batch_tokens={role: trainer.micro_batch_tokens for role, trainer in trainers.items()},
+                    sleep_optimizer={role: trainer.sleep_optimizer for role, trainer in trainers.items()})
 
 
 # GPU memory in use before a run starts, above which the fit check counts it as held by other processes: below it is
@@ -989,6 +995,37 @@ def size_micro_batches(config: HybridConfig, trainers: Mapping[str, TrainerConfi
             continue
         return candidate
     return smallest
+
+
+def size_optimizer_sleep(config: HybridConfig, trainers: Mapping[str, TrainerConfig], *,
+                         meta_model: Callable[[str], Any] | None = None,
+                         held_gib: float = 0.0) -> dict[str, TrainerConfig]:
+    """``trainers`` with every ``sleep_optimizer=None`` decided (the others as given): False (the optimizer's states
+    stay on the GPU through sleeps) for the trained roles that sleep to host memory when the memory estimate, with
+    all of their optimizers' states on the GPU in every phase, fits within ``1 / OVERLAP_HEADROOM`` of the GPU; True
+    otherwise, for the roles without an optimizer, on CPU and where the GPU size is unknown. The budget the
+    micro-batches were sized to comes first (:func:`size_micro_batches`)."""
+    from rlhfkit.placement import MemoryFitError
+
+    undecided = [role for role, trainer in trainers.items() if trainer.sleep_optimizer is None]
+    if not undecided:
+        return dict(trainers)
+
+    def decided(keep: bool) -> dict[str, TrainerConfig]:
+        return {role: dataclasses.replace(trainer, sleep_optimizer=not (
+            keep and trainer.offload and role in ("actor", "critic"))) if role in undecided else trainer
+            for role, trainer in trainers.items()}
+
+    gpu_gib = _gpu_memory_gib(config)
+    if config.device != "cuda" or gpu_gib is None:
+        return decided(False)
+    candidate = decided(True)
+    roomy = dataclasses.replace(config, gpu_memory_gib=gpu_gib / OVERLAP_HEADROOM)
+    try:
+        check_fit(roomy, candidate, meta_model=meta_model, held_gib=held_gib, log_warnings=False)
+    except MemoryFitError:
+        return decided(False)
+    return candidate
 
 
 def _gpu_memory_gib(config: HybridConfig) -> float | None:

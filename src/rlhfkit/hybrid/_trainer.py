@@ -72,6 +72,14 @@ class TrainerConfig:
             fp32 masters) back in a background thread, on a CUDA stream of its own in 64 MiB pieces, behind its
             compute; ``optim_step`` waits for them (:meth:`rlhfkit.deepspeed_engine.DeepSpeedEngine.finish_wake`).
             False: the whole wake happens before the compute.
+        sleep_optimizer: whether a sleeping (``offload``) trained role's sleeps move its optimizer's states (fp32
+            master weights, Adam moments: at bf16 with Adam three quarters of its states) to host memory too (True),
+            or leave them on the GPU (False: :meth:`rlhfkit.deepspeed_engine.DeepSpeedEngine.sleep` with
+            ``keep_optimizer=True``; the weights and gradients still go), so that no wake waits for them and no
+            sleep copies them. None: :meth:`Hybrid.start <rlhfkit.hybrid.Hybrid.start>` decides from the plan's
+            memory estimate: False where every phase still fits within ``1 / OVERLAP_HEADROOM`` of the GPU with
+            them there (``rlhfkit.hybrid._launch.size_optimizer_sleep``), else True; True on CPU and in a group
+            built outside ``Hybrid.start``.
     """
 
     deepspeed: Any
@@ -83,6 +91,7 @@ class TrainerConfig:
     seed: int = 0
     lora: Any = None
     defer_optimizer_wake: bool = True
+    sleep_optimizer: bool | None = None
 
     def __post_init__(self) -> None:
         from rlhfkit.deepspeed_engine import DeepSpeedEngineConfig
@@ -100,6 +109,9 @@ class TrainerConfig:
         for name in ("offload", "tf32_backward", "tf32_frozen_forward", "defer_optimizer_wake"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"TrainerConfig.{name}={getattr(self, name)!r}; must be True or False")
+        if self.sleep_optimizer is not None and not isinstance(self.sleep_optimizer, bool):
+            raise TypeError(f"TrainerConfig.sleep_optimizer={self.sleep_optimizer!r}; must be True, False or None "
+                            "(Hybrid.start decides)")
         if self.model is not None and not isinstance(self.model, str):
             raise TypeError(f"TrainerConfig.model={self.model!r}; expected a folder path (str) or None")
         if self.offload and self.deepspeed.offload_optimizer_ratio < 1:

@@ -191,11 +191,19 @@ class TrainerWorker(Worker):
         return {"parameters": sum(getattr(p, "ds_numel", p.numel()) for p in self.model.module.parameters()),
                 "copy_rates": rates, "startup_parts": parts}
 
+    def _keeps_optimizer(self) -> bool:
+        """Sleeps leave the optimizer's states on the GPU (``TrainerConfig.sleep_optimizer=False``, a trained role
+        that sleeps to host memory)."""
+        return (self.trains and self.model is not None and self.config is not None and self.config.offload
+                and self.config.sleep_optimizer is False)
+
     def _sleepable(self) -> Any:
         """What the guard wakes and puts to sleep (one object for the whole run: the guard's claim names it)."""
         return self.model if (self.config.offload and self.model is not None) else self._resident
 
     def _transition(self, action: str, phase: str, **kwargs: Any) -> float:
+        if action == "sleep" and self._keeps_optimizer():
+            kwargs["keep_optimizer"] = True
         if action == "wake":
             transition = self.guard.wake(self.role, self._sleepable() if self.model is not None else None,
                                          phase=phase, displace_releasing=self.overlap, **kwargs)
