@@ -585,6 +585,15 @@ def test_the_estimates_logprob_chunk_is_the_losses_chunk():
     assert LOGPROB_CHUNK_ELEMENTS == DEFAULT_CHUNK_ELEMENTS["other"]
 
 
+def _example_roles(**deepspeed) -> dict[str, TrainerConfig]:
+    """The roles as examples/grpo_hybrid.py builds them on a GPU (bf16 ZeRO-1, compiled layers, budgets left to the
+    plan): the asleep actor keeps its cached blocks, the reference returns its own."""
+    keeps = _trainers(zero_stage=1, compile_layers=True, empty_cache_on_sleep=False, **deepspeed)
+    return {"actor": TrainerConfig(deepspeed=keeps, micro_batch_tokens=None),
+            "reference": TrainerConfig(deepspeed=dataclasses.replace(keeps, empty_cache_on_sleep=True),
+                                       micro_batch_tokens=None)}
+
+
 def _sized(config, trainers):
     from rlhfkit.hybrid._launch import size_micro_batches
 
@@ -601,13 +610,7 @@ def test_unsized_micro_batches_get_the_largest_budget_that_keeps_the_overlaps_he
 
     qwen15, qwen3 = (_architecture(tmp_path_factory, arch) for arch in ("qwen2.5-1.5b", "qwen2.5-3b"))
 
-    def roles(**deepspeed):  # as examples/grpo_hybrid.py: the asleep actor keeps its cached blocks
-        keeps = _trainers(zero_stage=1, compile_layers=True, empty_cache_on_sleep=False, **deepspeed)
-        return {"actor": TrainerConfig(deepspeed=keeps, micro_batch_tokens=None),
-                "reference": TrainerConfig(deepspeed=dataclasses.replace(keeps, empty_cache_on_sleep=True),
-                                           micro_batch_tokens=None)}
-
-    unsized, compiled = roles(), _trainers(zero_stage=1, compile_layers=True)
+    unsized, compiled = _example_roles(), _trainers(zero_stage=1, compile_layers=True)
     gpu = dict(H100, device="cuda", max_num_seqs=128, kv_tokens_per_seq=320)  # as examples/grpo_hybrid.py
     config = HybridConfig(model=qwen15, engine_memory=0.35, **gpu)
     assert _sized(config, unsized) == {"actor": 16384, "reference": 16384}
@@ -616,7 +619,7 @@ def test_unsized_micro_batches_get_the_largest_budget_that_keeps_the_overlaps_he
     assert check_fit(config, unsized).per_gpu == check_fit(config, {role: dataclasses.replace(
         trainer, micro_batch_tokens=16384) for role, trainer in unsized.items()}).per_gpu
 
-    three = roles(gradient_checkpointing=True)
+    three = _example_roles(gradient_checkpointing=True)
     config3 = HybridConfig(model=qwen3, engine_memory=0.35, **gpu)
     assert _sized(config3, three) == {"actor": 8192, "reference": 8192}
     at = {tokens: {role: dataclasses.replace(trainer, micro_batch_tokens=tokens) for role, trainer in three.items()}
@@ -666,26 +669,21 @@ def test_the_optimizer_states_stay_on_the_gpu_where_the_estimate_fits_them(tmp_p
     unknown GPU: sleep (True)."""
     qwen15, qwen3 = (_architecture(tmp_path_factory, arch) for arch in ("qwen2.5-1.5b", "qwen2.5-3b"))
 
-    def roles(**deepspeed):  # as examples/grpo_hybrid.py: the asleep actor keeps its cached blocks
-        keeps = _trainers(zero_stage=1, compile_layers=True, empty_cache_on_sleep=False, **deepspeed)
-        return {"actor": TrainerConfig(deepspeed=keeps, micro_batch_tokens=None),
-                "reference": TrainerConfig(deepspeed=dataclasses.replace(keeps, empty_cache_on_sleep=True),
-                                           micro_batch_tokens=None)}
-
     gpu = dict(H100, device="cuda", max_num_seqs=128, kv_tokens_per_seq=320)  # as examples/grpo_hybrid.py
     config = HybridConfig(model=qwen15, engine_memory=0.35, **gpu)
-    assert _optimizer_sleeps(config, roles()) == {"actor": False, "reference": True}
-    sized = {role: dataclasses.replace(trainer, micro_batch_tokens=16384) for role, trainer in roles().items()}
+    assert _optimizer_sleeps(config, _example_roles()) == {"actor": False, "reference": True}
+    sized = {role: dataclasses.replace(trainer, micro_batch_tokens=16384)
+             for role, trainer in _example_roles().items()}
     kept = dict(sized, actor=dataclasses.replace(sized["actor"], sleep_optimizer=False))
     slept, held = check_fit(config, sized).per_gpu[(0, 0)], check_fit(config, kept).per_gpu[(0, 0)]
     assert held["generating"] - slept["generating"] == pytest.approx(
         held["forward_reference"] - slept["forward_reference"]) == pytest.approx(1.54e9 * 12 / 2**30, rel=0.01)
     assert held["training"] == slept["training"]  # awake it holds them anyway
-    given = dict(roles(), actor=dataclasses.replace(roles()["actor"], sleep_optimizer=True))
+    given = dict(_example_roles(), actor=dataclasses.replace(_example_roles()["actor"], sleep_optimizer=True))
     assert _optimizer_sleeps(config, given)["actor"] is True
 
     config3 = HybridConfig(model=qwen3, engine_memory=0.35, **gpu)
-    three = roles(gradient_checkpointing=True)
+    three = _example_roles(gradient_checkpointing=True)
     assert _optimizer_sleeps(config3, three) == {"actor": False, "reference": True}
     # the overlap's own condition (every role resident within the headroom) is the stronger one: where the switches
     # overlap, the optimizer's states fit on the GPU through the sleeps
@@ -701,5 +699,5 @@ def test_the_optimizer_states_stay_on_the_gpu_where_the_estimate_fits_them(tmp_p
     assert _optimizer_sleeps(config7, {"actor": TrainerConfig(deepspeed=keeps)}) == {"actor": True}
 
     cpu = dataclasses.replace(config, device="cpu", engine="hf")
-    assert _optimizer_sleeps(cpu, roles()) == {"actor": True, "reference": True}
-    assert _optimizer_sleeps(dataclasses.replace(cpu, gpu_memory_gib=None), roles())["actor"] is True
+    assert _optimizer_sleeps(cpu, _example_roles()) == {"actor": True, "reference": True}
+    assert _optimizer_sleeps(dataclasses.replace(cpu, gpu_memory_gib=None), _example_roles())["actor"] is True

@@ -337,7 +337,9 @@ class DeepSpeedEngine:
         seconds = time.perf_counter() - start
         # weights_kept first: a thread streaming the kept weights meanwhile never sees "asleep without its weights"
         self._weights_kept = keep_weights and (self._weights_kept or not self._asleep)  # moved weights stay moved
-        self._optimizer_kept = keep_optimizer and self.has_optimizer
+        # kept: this sleep was asked to keep them and none is in host memory (an earlier sleep may have moved them)
+        self._optimizer_kept = (keep_optimizer and self.has_optimizer
+                                and not self._offloaded & sleeping.OPTIMIZER_STATES)
         self._asleep = True
         self._offloaded_bytes += moved + kept + self._later_bytes  # the states a wake left for later are still off
         self._later_bytes = 0

@@ -152,7 +152,8 @@ def _trainer_memory(shape: ModelShape, trainer: Any, role: str, *, world: int) -
     kept = 0.0  # the optimizer's states a sleep leaves on the GPU (TrainerConfig.sleep_optimizer=False)
     if trains and trainer.offload and trainer.sleep_optimizer is False:
         on_gpu = 1.0 - ratio if ds.offload_optimizer else 1.0
-        kept = on_gpu * (trainable or shape.num_params) * optimizer_bytes / (world if ds.zero_stage >= 1 else 1) / 1024**3
+        per_rank = (trainable or shape.num_params) / (world if ds.zero_stage >= 1 else 1)
+        kept = on_gpu * per_rank * optimizer_bytes / 1024**3
     # (their pinned host buffers are counted as if they slept: an estimate of host memory that errs high)
     return ModelMemory(num_params=shape.num_params, kind="trainable" if trains else "frozen",
                        bytes_per_param=bytes_per_value, grad_bytes_per_param=bytes_per_value,
