@@ -969,8 +969,6 @@ def size_micro_batches(config: HybridConfig, trainers: Mapping[str, TrainerConfi
     the switches overlap (``overlap_switches=True``, or None where it fits at the smallest budget), fits every role
     resident there too; the smallest where none does, on CPU and where the GPU size is unknown (the fit check then
     decides as for a given budget). Every unsized role gets the same budget."""
-    from rlhfkit.placement import MemoryFitError
-
     unsized = [role for role, trainer in trainers.items() if trainer.micro_batch_tokens is None]
 
     def sized(tokens: int) -> dict[str, TrainerConfig]:
@@ -984,16 +982,12 @@ def size_micro_batches(config: HybridConfig, trainers: Mapping[str, TrainerConfi
     overlap = config.overlap_switches
     if overlap is None:
         overlap = not held_gib and _overlap_fits(config, smallest, meta_model=meta_model)
-    roomy = dataclasses.replace(config, gpu_memory_gib=gpu_gib / OVERLAP_HEADROOM)
     for tokens in MICRO_BATCH_LADDER[:-1]:
         candidate = sized(tokens)
         if overlap and not _overlap_fits(config, candidate, meta_model=meta_model):
             continue
-        try:
-            check_fit(roomy, candidate, meta_model=meta_model, held_gib=held_gib, log_warnings=False)
-        except MemoryFitError:
-            continue
-        return candidate
+        if _fits_with_headroom(config, candidate, gpu_gib, meta_model=meta_model, held_gib=held_gib):
+            return candidate
     return smallest
 
 
@@ -1005,8 +999,6 @@ def size_optimizer_sleep(config: HybridConfig, trainers: Mapping[str, TrainerCon
     all of their optimizers' states on the GPU in every phase, fits within ``1 / OVERLAP_HEADROOM`` of the GPU; True
     otherwise, for the roles without an optimizer, on CPU and where the GPU size is unknown. The budget the
     micro-batches were sized to comes first (:func:`size_micro_batches`)."""
-    from rlhfkit.placement import MemoryFitError
-
     undecided = [role for role, trainer in trainers.items() if trainer.sleep_optimizer is None]
     if not undecided:
         return dict(trainers)
@@ -1020,12 +1012,22 @@ def size_optimizer_sleep(config: HybridConfig, trainers: Mapping[str, TrainerCon
     if config.device != "cuda" or gpu_gib is None:
         return decided(False)
     candidate = decided(True)
-    roomy = dataclasses.replace(config, gpu_memory_gib=gpu_gib / OVERLAP_HEADROOM)
+    fits = _fits_with_headroom(config, candidate, gpu_gib, meta_model=meta_model, held_gib=held_gib)
+    return candidate if fits else decided(False)
+
+
+def _fits_with_headroom(config: HybridConfig, trainers: Mapping[str, TrainerConfig], gpu_gib: float, *,
+                        meta_model: Callable[[str], Any] | None = None, held_gib: float = 0.0) -> bool:
+    """Whether the memory estimate of ``trainers`` fits every phase within ``1 / OVERLAP_HEADROOM`` of a GPU of
+    ``gpu_gib`` (less ``held_gib``): the margin the plan keeps for a choice it makes for the user."""
+    from rlhfkit.placement import MemoryFitError
+
     try:
-        check_fit(roomy, candidate, meta_model=meta_model, held_gib=held_gib, log_warnings=False)
+        check_fit(dataclasses.replace(config, gpu_memory_gib=gpu_gib / OVERLAP_HEADROOM), trainers,
+                  meta_model=meta_model, held_gib=held_gib, log_warnings=False)
     except MemoryFitError:
-        return decided(False)
-    return candidate
+        return False
+    return True
 
 
 def _gpu_memory_gib(config: HybridConfig) -> float | None:

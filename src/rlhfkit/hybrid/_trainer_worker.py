@@ -194,8 +194,7 @@ class TrainerWorker(Worker):
     def _keeps_optimizer(self) -> bool:
         """Sleeps leave the optimizer's states on the GPU (``TrainerConfig.sleep_optimizer=False``, a trained role
         that sleeps to host memory)."""
-        return (self.trains and self.model is not None and self.config is not None and self.config.offload
-                and self.config.sleep_optimizer is False)
+        return self.trains and self.model is not None and self.config.offload and self.config.sleep_optimizer is False
 
     def _sleepable(self) -> Any:
         """What the guard wakes and puts to sleep (one object for the whole run: the guard's claim names it)."""
