@@ -84,6 +84,7 @@ class Options:
     defer_optimizer_wake: bool = True  # the actor's Adam states wake behind its first forward-backward
     micro_batch_tokens: int | None = None  # tokens per trainer forward(-backward); None: the largest that fits
     sleep_optimizer: bool | None = None  # the actor's sleeps move its Adam states too; None: not where they fit
+    sleep_weights: bool | None = None  # the actor's sleeps move its weights too; None: not where they fit
     tiny: bool = False  # smoke run: 3 steps of a few short samples
 
 
@@ -131,7 +132,8 @@ def start(options: Options) -> Hybrid:
     trainers = {"actor": TrainerConfig(deepspeed=deepspeed, offload=offload, lora=lora,
                                        micro_batch_tokens=options.micro_batch_tokens,
                                        defer_optimizer_wake=options.defer_optimizer_wake,
-                                       sleep_optimizer=options.sleep_optimizer)}
+                                       sleep_optimizer=options.sleep_optimizer,
+                                       sleep_weights=options.sleep_weights)}
     if options.reference and not lora:  # with LoRA the reference is the actor's base (its adapters switched off)
         # its cached blocks are only last step's activations: returned at each sleep (behind the actor's wake), they
         # stay off the GPU while the engine generates, the step's peak
@@ -174,8 +176,9 @@ def main(argv=None) -> list[dict]:
     print(f"started in {hybrid.startup['total_s']:.1f} s:", {k: round(v, 1) for k, v in hybrid.startup.items()},
           flush=True)
     print("micro-batch tokens:", {role: group.config.micro_batch_tokens for role, group in hybrid.trainers.items()},
-          "| optimizer states sleep:", {role: group.config.sleep_optimizer for role, group in hybrid.trainers.items()
-                                        if role in ("actor", "critic")})
+          "| sleeps move optimizer states, weights:", {role: (group.config.sleep_optimizer, group.config.sleep_weights)
+                                                      for role, group in hybrid.trainers.items()
+                                                      if role in ("actor", "critic")})
     try:
         with MetricsLogger(out) as metrics:
             for step in range(options.steps):

@@ -80,8 +80,8 @@ def test_grpo_hybrid_on_cpu(ray_not_started, tiny_llama_path, tmp_path, capsys):
                                       "--tiny", "true"])
     check_rows(rows, steps=3)
     # the example leaves the micro-batch budget to the plan: on CPU the smallest of its ladder
-    assert ("micro-batch tokens: {'actor': 4096, 'reference': 4096} | optimizer states sleep: {'actor': True}"
-            in capsys.readouterr().out)
+    assert ("micro-batch tokens: {'actor': 4096, 'reference': 4096} | sleeps move optimizer states, weights: "
+            "{'actor': (True, True)}" in capsys.readouterr().out)
     assert all(0.0 <= row["reward/min"] <= row["reward/max"] <= 1.0 for row in rows)
     assert {"time/generate_s", "time/forward_reference_s", "time/train_actor_s", "time/weight_sync_s",
             "time/sleep_wake_s"} <= set(rows[0])

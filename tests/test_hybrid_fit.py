@@ -654,50 +654,79 @@ def test_an_unsized_micro_batch_needs_hybrid_start():
             TrainerConfig(deepspeed=_trainers(zero_stage=1), micro_batch_tokens=bad)
 
 
-def _optimizer_sleeps(config, trainers):
-    from rlhfkit.hybrid._launch import size_micro_batches, size_optimizer_sleep
+def _state_sleeps(config, trainers):
+    """Each role's (sleep_optimizer, sleep_weights) as Hybrid.start decides them."""
+    from rlhfkit.hybrid._launch import size_micro_batches, size_state_sleeps
 
-    sized = size_optimizer_sleep(config, size_micro_batches(config, trainers))
-    return {role: trainer.sleep_optimizer for role, trainer in sized.items()}
+    sized = size_state_sleeps(config, size_micro_batches(config, trainers))
+    return {role: (trainer.sleep_optimizer, trainer.sleep_weights) for role, trainer in sized.items()}
 
 
-def test_the_optimizer_states_stay_on_the_gpu_where_the_estimate_fits_them(tmp_path_factory, qwen7b):
-    """TrainerConfig.sleep_optimizer=None: the trained role keeps its optimizer's states on the GPU through its sleeps
-    (False) where the estimate, with them there in every phase, fits within 1 / OVERLAP_HEADROOM of the GPU: at
-    1.5B (17.2 GiB of fp32 masters and Adam moments held through generation), at 3B with gradient checkpointing and
-    for the 7B LoRA adapters; not for 7B full parameters; a role without an optimizer, a given value, CPU and an
-    unknown GPU: sleep (True)."""
+def test_the_optimizer_states_and_weights_stay_on_the_gpu_where_the_estimate_fits_them(tmp_path_factory, qwen7b):
+    """TrainerConfig.sleep_optimizer / sleep_weights None: the trained role keeps its optimizer's states and its
+    weights on the GPU through its sleeps (False) where the estimate, with them there in every phase, fits within
+    1 / OVERLAP_HEADROOM of the GPU: at 1.5B (17.2 GiB of fp32 masters and Adam moments and 2.9 GiB of bf16 weights
+    held through generation), at 3B with gradient checkpointing and for the 7B LoRA adapters and their base; not for
+    7B full parameters; a role without an optimizer, CPU and an unknown GPU: sleep (True). Given values stand, and
+    the other one is decided around them: the weights alone, where the optimizer's states must sleep."""
     qwen15, qwen3 = (_architecture(tmp_path_factory, arch) for arch in ("qwen2.5-1.5b", "qwen2.5-3b"))
 
     gpu = dict(H100, device="cuda", max_num_seqs=128, kv_tokens_per_seq=320)  # as examples/grpo_hybrid.py
     config = HybridConfig(model=qwen15, engine_memory=0.35, **gpu)
-    assert _optimizer_sleeps(config, _example_roles()) == {"actor": False, "reference": True}
+    assert _state_sleeps(config, _example_roles()) == {"actor": (False, False), "reference": (True, True)}
     sized = {role: dataclasses.replace(trainer, micro_batch_tokens=16384)
              for role, trainer in _example_roles().items()}
     kept = dict(sized, actor=dataclasses.replace(sized["actor"], sleep_optimizer=False))
-    slept, held = check_fit(config, sized).per_gpu[(0, 0)], check_fit(config, kept).per_gpu[(0, 0)]
+    both = dict(sized, actor=dataclasses.replace(sized["actor"], sleep_optimizer=False, sleep_weights=False))
+    slept, held, held_both = (check_fit(config, trainers).per_gpu[(0, 0)] for trainers in (sized, kept, both))
     assert held["generating"] - slept["generating"] == pytest.approx(
         held["forward_reference"] - slept["forward_reference"]) == pytest.approx(1.54e9 * 12 / 2**30, rel=0.01)
-    assert held["training"] == slept["training"]  # awake it holds them anyway
+    assert held_both["generating"] - held["generating"] == pytest.approx(
+        held_both["forward_reference"] - held["forward_reference"]) == pytest.approx(1.54e9 * 2 / 2**30, rel=0.01)
+    assert held["training"] == slept["training"] == held_both["training"]  # awake it holds them anyway
     given = dict(_example_roles(), actor=dataclasses.replace(_example_roles()["actor"], sleep_optimizer=True))
-    assert _optimizer_sleeps(config, given)["actor"] is True
+    assert _state_sleeps(config, given)["actor"] == (True, False)
+    given = dict(_example_roles(), actor=dataclasses.replace(_example_roles()["actor"], sleep_weights=True))
+    assert _state_sleeps(config, given)["actor"] == (False, True)
 
     config3 = HybridConfig(model=qwen3, engine_memory=0.35, **gpu)
     three = _example_roles(gradient_checkpointing=True)
-    assert _optimizer_sleeps(config3, three) == {"actor": False, "reference": True}
+    assert _state_sleeps(config3, three) == {"actor": (False, False), "reference": (True, True)}
     # the overlap's own condition (every role resident within the headroom) is the stronger one: where the switches
-    # overlap, the optimizer's states fit on the GPU through the sleeps
+    # overlap, the optimizer's states and weights fit on the GPU through the sleeps
     from rlhfkit.hybrid._launch import _overlap_fits, size_micro_batches
 
     assert _overlap_fits(config3, size_micro_batches(config3, three))
+    # where only a part fits, the ladder's order decides: with the KV cache filling a large engine share generation
+    # is the largest phase; with less of the GPU free (other processes' memory), the optimizer's states stay where
+    # both do not fit, the weights alone where those do not, nothing where nothing does
+    from rlhfkit.hybrid._fit import estimate_hybrid_memory
+    from rlhfkit.hybrid._launch import OVERLAP_HEADROOM, plan_gpus, size_state_sleeps
+
+    wide = dataclasses.replace(config, engine_memory=0.5, kv_tokens_per_seq=None)
+    sized = {role: dataclasses.replace(trainer, micro_batch_tokens=4096) for role, trainer in _example_roles().items()}
+    budget = H100["gpu_memory_gib"] / OVERLAP_HEADROOM
+    peaks = {}
+    for keep in ((True, True), (False, True), (True, False), (False, False)):
+        trainers = {role: dataclasses.replace(trainer, sleep_optimizer=not (keep[1] and role == "actor"),
+                                              sleep_weights=not (keep[0] and role == "actor"))
+                    for role, trainer in sized.items()}
+        peaks[keep] = max(estimate_hybrid_memory(wide, trainers, plan=plan_gpus(wide, tuple(trainers)),
+                                                 gpu_memory_gib=budget, host_memory_gib=125.0)
+                          .per_gpu[(0, 0)].values())
+    assert peaks[(False, False)] < peaks[(True, False)] < peaks[(False, True)] < peaks[(True, True)]
+    for keep, expected in (((True, True), (False, True)), ((False, True), (True, False)),
+                           ((True, False), (False, False))):
+        actor = size_state_sleeps(wide, sized, held_gib=budget - (peaks[keep] + peaks[expected]) / 2)["actor"]
+        assert (not actor.sleep_weights, not actor.sleep_optimizer) == expected, keep
 
     lora = LoraConfig(rank=16, alpha=32.0, target_modules=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
                                                            "up_proj", "down_proj"))
     keeps = _trainers(zero_stage=1, gradient_checkpointing=True, empty_cache_on_sleep=False)
     config7 = HybridConfig(model=qwen7b, engine_memory=0.35, **gpu)
-    assert _optimizer_sleeps(config7, {"actor": TrainerConfig(deepspeed=keeps, lora=lora)}) == {"actor": False}
-    assert _optimizer_sleeps(config7, {"actor": TrainerConfig(deepspeed=keeps)}) == {"actor": True}
+    assert _state_sleeps(config7, {"actor": TrainerConfig(deepspeed=keeps, lora=lora)}) == {"actor": (False, False)}
+    assert _state_sleeps(config7, {"actor": TrainerConfig(deepspeed=keeps)}) == {"actor": (True, True)}
 
     cpu = dataclasses.replace(config, device="cpu", engine="hf")
-    assert _optimizer_sleeps(cpu, _example_roles()) == {"actor": True, "reference": True}
-    assert _optimizer_sleeps(dataclasses.replace(cpu, gpu_memory_gib=None), _example_roles())["actor"] is True
+    assert _state_sleeps(cpu, _example_roles()) == {"actor": (True, True), "reference": (True, True)}
+    assert _state_sleeps(dataclasses.replace(cpu, gpu_memory_gib=None), _example_roles())["actor"] == (True, True)

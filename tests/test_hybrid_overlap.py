@@ -75,6 +75,7 @@ def _worker(monkeypatch, tiny_llama_path, role: str):
         offload = True
         defer_optimizer_wake = True
         sleep_optimizer = None
+        sleep_weights = None
 
     worker.config, worker.overlap = Config(), True
     return worker, store
@@ -212,10 +213,42 @@ def test_sleep_optimizer_false_keeps_a_trained_roles_optimizer_states_through_it
         TrainerConfig(deepspeed=DeepSpeedEngineConfig(), sleep_optimizer="no")
 
 
+def test_sleep_weights_false_keeps_a_trained_roles_weights_through_every_sleep(actor_worker):
+    """TrainerConfig(sleep_weights=False): every sleep of a trained role keeps its weights
+    (DeepSpeedEngine.sleep(keep_weights=True)), a full one too; the worker then reports no weights a later sleep
+    would move, and a sleep after a keeping one makes no call; True and None (a group built by hand) move them."""
+    calls = []
+    actor, _ = actor_worker
+    actor.overlap = False
+    for setting, keeps in ((False, True), (True, False), (None, False)):
+        actor.config.sleep_weights, actor.config.sleep_optimizer = setting, True
+        actor.model = Keeping(calls)
+        actor._transition("wake", "train_actor")
+        actor._sleep("train_actor", keep_weights=True)  # optim_step(sleep_after="keep_weights")
+        assert actor._report()["weights_only"] is not keeps, setting
+        actor.sleep("sync")  # after the push
+        assert calls[-2:] == ([(True, False)] if keeps else [(True, False), (False, False)]), (setting, calls)
+        actor._transition("wake", "forward_actor")
+        actor._sleep("forward_actor")  # forward(sleep_after=True)
+        assert calls[-1] == (keeps, False), (setting, calls)
+    actor.overlap = True  # the same behind a background sleep: nothing is queued behind it
+    actor.config.sleep_weights, actor.model = False, Keeping(calls)
+    actor._transition("wake", "train_actor")
+    actor._sleep("train_actor", keep_weights=True)
+    assert actor.sleep("sync")["switch_s"] == 0.0
+    actor._settle("next")
+    assert calls[-1] == (True, False) and actor._background is None
+    from rlhfkit.deepspeed_engine import DeepSpeedEngineConfig
+    from rlhfkit.hybrid import TrainerConfig
+
+    with pytest.raises(TypeError, match=r"TrainerConfig.sleep_weights=1; must be True, False or None"):
+        TrainerConfig(deepspeed=DeepSpeedEngineConfig(), sleep_weights=1)
+
+
 def test_a_role_without_an_optimizer_is_never_asked_to_keep_one(worker):
     calls = []
     reference, _ = worker
-    reference.overlap, reference.config.sleep_optimizer = False, False
+    reference.overlap, reference.config.sleep_optimizer, reference.config.sleep_weights = False, False, False
     reference.model = Keeping(calls)
     reference._transition("wake", "forward_reference")
     reference._sleep("forward_reference")
@@ -367,7 +400,8 @@ def test_overlap_switches_default_is_on_only_where_every_role_fits_resident(tiny
     assert _overlap_fits(dataclasses.replace(roomy, gpu_memory_gib=peak * OVERLAP_HEADROOM * 1.01), trainers)
 
 
-def _run(tiny_llama_path, overlap: bool, steps: int = 2, sleep_optimizer: bool | None = None) -> list[dict]:
+def _run(tiny_llama_path, overlap: bool, steps: int = 2, sleep_optimizer: bool | None = None,
+         sleep_weights: bool | None = None) -> list[dict]:
     from rlhfkit.deepspeed_engine import DeepSpeedEngineConfig
     from rlhfkit.engines import SamplingConfig
     from rlhfkit.experience import ExperienceConfig, engine_token_logprobs, make_experience
@@ -382,7 +416,8 @@ def _run(tiny_llama_path, overlap: bool, steps: int = 2, sleep_optimizer: bool |
     deepspeed = DeepSpeedEngineConfig(zero_stage=1, bf16=False, optimizer="torch_adamw", learning_rate=1e-3)
     hybrid = Hybrid.start(HybridConfig(model=str(tiny_llama_path), device="cpu", engine="hf", call_timeout_s=120,
                                        sync_timeout_s=60, overlap_switches=overlap),
-                          {"actor": TrainerConfig(deepspeed=deepspeed, sleep_optimizer=sleep_optimizer),
+                          {"actor": TrainerConfig(deepspeed=deepspeed, sleep_optimizer=sleep_optimizer,
+                                                  sleep_weights=sleep_weights),
                            "reference": TrainerConfig(deepspeed=deepspeed)})
     rows = []
     try:
@@ -413,7 +448,8 @@ def test_the_loop_with_overlapped_switches_trains_exactly_as_without(tiny_llama_
     pytest.importorskip("ray")
     pytest.importorskip("deepspeed")
     plain, overlapped = _run(tiny_llama_path, False), _run(tiny_llama_path, True)
-    kept = _run(tiny_llama_path, True, sleep_optimizer=False)  # the actor's optimizer states stay through its sleeps
+    # the actor's optimizer states and weights stay through its sleeps
+    kept = _run(tiny_llama_path, True, sleep_optimizer=False, sleep_weights=False)
     for a, b, c in zip(plain, overlapped, kept, strict=True):
         assert a["actor/loss"] == b["actor/loss"] == c["actor/loss"]
         assert a["actor/grad_norm"] == b["actor/grad_norm"] == c["actor/grad_norm"]

@@ -12,7 +12,8 @@ out of memory. An engine share (vLLM, SGLang) that the engine's weights fill, le
 same estimate (:meth:`rlhfkit.placement.MemoryEstimate.check_fit`); with a sized KV cache
 (``HybridConfig.engine_kv_tokens``) a vLLM engine is counted as what it holds instead (:func:`engine_awake_gib`). An
 asleep vLLM / SGLang engine keeps ``ENGINE_ASLEEP_GIB`` on its GPU; a trainer with ``empty_cache_on_sleep=False``
-keeps its activations' blocks, one with ``sleep_optimizer=False`` its optimizer's states.
+keeps its activations' blocks, one with ``sleep_optimizer=False`` its optimizer's states, one with
+``sleep_weights=False`` its weights.
 
 Host memory (with a node size): what DeepSpeed's optimizer offload keeps there (``offload_optimizer_ratio`` of the
 fp32 masters, fp32 gradients and Adam moments, placed by whole sub-groups as DeepSpeed does; ZeRO-3's bf16 gradient
@@ -149,11 +150,13 @@ def _trainer_memory(shape: ModelShape, trainer: Any, role: str, *, world: int) -
         ratio = offloaded_fraction(shape.param_sizes, ratio=ratio, sub_group_elements=ds.sub_group_elements,
                                    world=world)
     optimizer_bytes = 12.0 if ds.bf16 else 8.0
-    kept = 0.0  # the optimizer's states a sleep leaves on the GPU (TrainerConfig.sleep_optimizer=False)
+    kept = 0.0  # the states a sleep leaves on the GPU (TrainerConfig.sleep_optimizer / sleep_weights False)
     if trains and trainer.offload and trainer.sleep_optimizer is False:
         on_gpu = 1.0 - ratio if ds.offload_optimizer else 1.0
         per_rank = (trainable or shape.num_params) / (world if ds.zero_stage >= 1 else 1)
         kept = on_gpu * per_rank * optimizer_bytes / 1024**3
+    if trains and trainer.offload and trainer.sleep_weights is False and not ds.offload_params:
+        kept += shape.num_params / (world if ds.zero_stage >= 3 else 1) * bytes_per_value / 1024**3
     # (their pinned host buffers are counted as if they slept: an estimate of host memory that errs high)
     return ModelMemory(num_params=shape.num_params, kind="trainable" if trains else "frozen",
                        bytes_per_param=bytes_per_value, grad_bytes_per_param=bytes_per_value,

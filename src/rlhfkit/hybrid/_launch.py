@@ -490,7 +490,7 @@ class Hybrid:
                      configs: dict[str, TrainerConfig]) -> dict[str, TrainerConfig]:
         """Take the checks' outcome (they passed): the config with ``overlap_switches`` resolved, the engines'
         KV-cache size, whether the roles read ahead and the engines may build during the loads; returns the roles'
-        ``configs`` with their micro-batch budgets sized and their optimizer sleeps decided."""
+        ``configs`` with their micro-batch budgets sized and their state sleeps decided."""
         checked, self.startup["checks_s"] = outcome
         self.gpu_held_gib = checked.gpu_held_gib
         self.config, self._read_ahead = checked.config, checked.read_ahead
@@ -500,7 +500,8 @@ class Hybrid:
             torch.set_num_threads(self.config.driver_threads)
         return {role: dataclasses.replace(
             trainer, micro_batch_tokens=checked.micro_batch_tokens.get(role, trainer.micro_batch_tokens),
-            sleep_optimizer=checked.sleep_optimizer.get(role, trainer.sleep_optimizer))
+            sleep_optimizer=checked.sleep_optimizer.get(role, trainer.sleep_optimizer),
+            sleep_weights=checked.sleep_weights.get(role, trainer.sleep_weights))
             for role, trainer in configs.items()}
 
     def _open_gate(self, started: float) -> None:
@@ -733,8 +734,8 @@ class Hybrid:
 class _Checked:
     """What :meth:`Hybrid.start` takes from the checks: the config (``overlap_switches=None`` resolved), whether every
     role reads its model ahead, the engines' KV-cache bytes, whether the engines may build while the trainers load,
-    and each role's micro-batch token budget and optimizer sleep (``TrainerConfig.micro_batch_tokens=None`` sized,
-    ``sleep_optimizer=None`` decided)."""
+    and each role's micro-batch token budget and state sleeps (``TrainerConfig.micro_batch_tokens=None`` sized,
+    ``sleep_optimizer`` and ``sleep_weights`` None decided)."""
 
     config: HybridConfig
     read_ahead: bool
@@ -743,6 +744,7 @@ class _Checked:
     gpu_held_gib: float = 0.0
     micro_batch_tokens: Mapping[str, int] = dataclasses.field(default_factory=dict)
     sleep_optimizer: Mapping[str, bool] = dataclasses.field(default_factory=dict)
+    sleep_weights: Mapping[str, bool] = dataclasses.field(default_factory=dict)
 
 
 def _checks(config: HybridConfig, trainers: Mapping[str, TrainerConfig]) -> _Checked:
@@ -754,7 +756,7 @@ def _checks(config: HybridConfig, trainers: Mapping[str, TrainerConfig]) -> _Che
     _check_lora(config, trainers, meta_model=built)
     held = _held_by_others_gib(config)
     trainers = size_micro_batches(config, trainers, meta_model=built, held_gib=held)
-    trainers = size_optimizer_sleep(config, trainers, meta_model=built, held_gib=held)
+    trainers = size_state_sleeps(config, trainers, meta_model=built, held_gib=held)
     estimate = check_fit(config, trainers, meta_model=built, held_gib=held)
     if config.overlap_switches is None:  # not beside another process's memory: the overlap's headroom is not there
         config = dataclasses.replace(config, overlap_switches=not held and _overlap_fits(config, trainers,
@@ -768,7 +770,8 @@ def _checks(config: HybridConfig, trainers: Mapping[str, TrainerConfig]) -> _Che
                     kv_cache_bytes=kv_cache_bytes, gpu_held_gib=held,
                     build_during_loads=kv_cache_bytes is not None and engines_may_build_during_loads(config, estimate),
                     micro_batch_tokens={role: trainer.micro_batch_tokens for role, trainer in trainers.items()},
-                    sleep_optimizer={role: trainer.sleep_optimizer for role, trainer in trainers.items()})
+                    sleep_optimizer={role: trainer.sleep_optimizer for role, trainer in trainers.items()},
+                    sleep_weights={role: trainer.sleep_weights for role, trainer in trainers.items()})
 
 
 # GPU memory in use before a run starts, above which the fit check counts it as held by other processes: below it is
@@ -991,29 +994,45 @@ def size_micro_batches(config: HybridConfig, trainers: Mapping[str, TrainerConfi
     return smallest
 
 
-def size_optimizer_sleep(config: HybridConfig, trainers: Mapping[str, TrainerConfig], *,
-                         meta_model: Callable[[str], Any] | None = None,
-                         held_gib: float = 0.0) -> dict[str, TrainerConfig]:
-    """``trainers`` with every ``sleep_optimizer=None`` decided (the others as given): False (the optimizer's states
-    stay on the GPU through sleeps) for the trained roles that sleep to host memory when the memory estimate, with
-    all of their optimizers' states on the GPU in every phase, fits within ``1 / OVERLAP_HEADROOM`` of the GPU; True
-    otherwise, for the roles without an optimizer, on CPU and where the GPU size is unknown. The budget the
-    micro-batches were sized to comes first (:func:`size_micro_batches`)."""
-    undecided = [role for role, trainer in trainers.items() if trainer.sleep_optimizer is None]
-    if not undecided:
+# TrainerConfig.sleep_weights / sleep_optimizer None: what a trained role that sleeps to host memory keeps on the GPU
+# through its sleeps, in the order tried: (weights, optimizer states) kept. The weights first among the partial
+# choices: they are few bytes (2 a parameter against 12) and their wake is on the step's path, before the forward,
+# where the optimizer's states come back behind the compute (defer_optimizer_wake).
+STATE_SLEEP_LADDER = ((True, True), (False, True), (True, False))
+
+
+def size_state_sleeps(config: HybridConfig, trainers: Mapping[str, TrainerConfig], *,
+                      meta_model: Callable[[str], Any] | None = None,
+                      held_gib: float = 0.0) -> dict[str, TrainerConfig]:
+    """``trainers`` with every ``sleep_weights=None`` and ``sleep_optimizer=None`` decided (the others as given): for
+    the trained roles that sleep to host memory, the first of ``STATE_SLEEP_LADDER`` (weights and optimizer's states
+    kept on the GPU through sleeps; the optimizer's alone; the weights alone) whose memory estimate, with them held
+    in every phase, fits within ``1 / OVERLAP_HEADROOM`` of the GPU; everything sleeps (True) otherwise, for the
+    roles without an optimizer, on CPU and where the GPU size is unknown. The budget the micro-batches were sized to
+    comes first (:func:`size_micro_batches`)."""
+    if all(trainer.sleep_weights is not None and trainer.sleep_optimizer is not None
+           for trainer in trainers.values()):
         return dict(trainers)
 
-    def decided(keep: bool) -> dict[str, TrainerConfig]:
-        return {role: dataclasses.replace(trainer, sleep_optimizer=not (
-            keep and trainer.offload and role in ("actor", "critic"))) if role in undecided else trainer
-            for role, trainer in trainers.items()}
+    def decided(keep_weights: bool, keep_optimizer: bool) -> dict[str, TrainerConfig]:
+        out = {}
+        for role, trainer in trainers.items():
+            keeps = trainer.offload and role in ("actor", "critic")
+            out[role] = dataclasses.replace(
+                trainer,
+                sleep_weights=(not (keep_weights and keeps) if trainer.sleep_weights is None
+                               else trainer.sleep_weights),
+                sleep_optimizer=(not (keep_optimizer and keeps) if trainer.sleep_optimizer is None
+                                 else trainer.sleep_optimizer))
+        return out
 
     gpu_gib = _gpu_memory_gib(config)
-    if config.device != "cuda" or gpu_gib is None:
-        return decided(False)
-    candidate = decided(True)
-    fits = _fits_with_headroom(config, candidate, gpu_gib, meta_model=meta_model, held_gib=held_gib)
-    return candidate if fits else decided(False)
+    if config.device == "cuda" and gpu_gib is not None:
+        for keep in STATE_SLEEP_LADDER:
+            candidate = decided(*keep)
+            if _fits_with_headroom(config, candidate, gpu_gib, meta_model=meta_model, held_gib=held_gib):
+                return candidate
+    return decided(False, False)
 
 
 def _fits_with_headroom(config: HybridConfig, trainers: Mapping[str, TrainerConfig], gpu_gib: float, *,

@@ -78,8 +78,16 @@ class TrainerConfig:
             ``keep_optimizer=True``; the weights and gradients still go), so that no wake waits for them and no
             sleep copies them. None: :meth:`Hybrid.start <rlhfkit.hybrid.Hybrid.start>` decides from the plan's
             memory estimate: False where every phase still fits within ``1 / OVERLAP_HEADROOM`` of the GPU with
-            them there (``rlhfkit.hybrid._launch.size_optimizer_sleep``), else True; True on CPU and in a group
+            them there (``rlhfkit.hybrid._launch.size_state_sleeps``), else True; True on CPU and in a group
             built outside ``Hybrid.start``.
+        sleep_weights: the same for the weights of a sleeping (``offload``) trained role (bf16: 2 bytes a parameter;
+            ZeRO-3: this rank's shards): True moves them to host memory at every sleep; False leaves them on the GPU
+            (``DeepSpeedEngine.sleep(keep_weights=True)``), so that no wake brings them back before the role's
+            forward. The phases it sleeps through (generation, the other roles' forwards, the engines' wake after a
+            push) hold them; the plan's estimate counts them in those phases. None:
+            ``Hybrid.start`` decides with ``sleep_optimizer`` (``rlhfkit.hybrid._launch.size_state_sleeps``): both
+            kept where the estimate fits, else the optimizer's states, else the weights alone; True on CPU and in a
+            group built outside ``Hybrid.start``.
     """
 
     deepspeed: Any
@@ -92,6 +100,7 @@ class TrainerConfig:
     lora: Any = None
     defer_optimizer_wake: bool = True
     sleep_optimizer: bool | None = None
+    sleep_weights: bool | None = None
 
     def __post_init__(self) -> None:
         from rlhfkit.deepspeed_engine import DeepSpeedEngineConfig
@@ -109,9 +118,10 @@ class TrainerConfig:
         for name in ("offload", "tf32_backward", "tf32_frozen_forward", "defer_optimizer_wake"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"TrainerConfig.{name}={getattr(self, name)!r}; must be True or False")
-        if self.sleep_optimizer is not None and not isinstance(self.sleep_optimizer, bool):
-            raise TypeError(f"TrainerConfig.sleep_optimizer={self.sleep_optimizer!r}; must be True, False or None "
-                            "(Hybrid.start decides)")
+        for name in ("sleep_optimizer", "sleep_weights"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
+                raise TypeError(f"TrainerConfig.{name}={getattr(self, name)!r}; must be True, False or None "
+                                "(Hybrid.start decides)")
         if self.model is not None and not isinstance(self.model, str):
             raise TypeError(f"TrainerConfig.model={self.model!r}; expected a folder path (str) or None")
         if self.offload and self.deepspeed.offload_optimizer_ratio < 1:

@@ -196,6 +196,11 @@ class TrainerWorker(Worker):
         that sleeps to host memory)."""
         return self.trains and self.model is not None and self.config.offload and self.config.sleep_optimizer is False
 
+    def _keeps_weights(self) -> bool:
+        """Sleeps leave the weights on the GPU (``TrainerConfig.sleep_weights=False``, a trained role that sleeps to
+        host memory): a full sleep is one that keeps them."""
+        return self.trains and self.model is not None and self.config.offload and self.config.sleep_weights is False
+
     def _sleepable(self) -> Any:
         """What the guard wakes and puts to sleep (one object for the whole run: the guard's claim names it)."""
         return self.model if (self.config.offload and self.model is not None) else self._resident
@@ -203,6 +208,8 @@ class TrainerWorker(Worker):
     def _transition(self, action: str, phase: str, **kwargs: Any) -> float:
         if action == "sleep" and self._keeps_optimizer():
             kwargs["keep_optimizer"] = True
+        if action == "sleep" and self._keeps_weights():
+            kwargs["keep_weights"] = True
         if action == "wake":
             transition = self.guard.wake(self.role, self._sleepable() if self.model is not None else None,
                                          phase=phase, displace_releasing=self.overlap, **kwargs)
@@ -225,6 +232,7 @@ class TrainerWorker(Worker):
         that would do nothing; ``overlapped_s``: seconds of background sleeps that finished since the last report
         (their bytes are in the byte counts of the report after they finish)."""
         weights_only = self._background[2] if self._background is not None else self._weights_only
+        weights_only = weights_only and not self._keeps_weights()  # no later sleep would move them
         with self._stats_lock:
             overlapped, self._overlapped_s = self._overlapped_s, 0.0
             overlapped_wake, self._overlapped_wake_s = self._overlapped_wake_s, 0.0
@@ -342,6 +350,7 @@ class TrainerWorker(Worker):
         ``switch_s`` and the bytes moved (``bytes_d2h``, ``bytes_h2d``). While a background sleep that keeps the
         weights still runs (``overlap_switches``, after ``optim_step(sleep_after="keep_weights")``), the weights'
         sleep is queued behind it and this returns at once."""
+        keep_weights = keep_weights or self._keeps_weights()
         background = self._background
         if background is not None and background[2] and self.overlap:
             if not keep_weights:
