@@ -54,12 +54,15 @@ def _grpo_step(run, step: int):
 
 @pytest.mark.slow
 @pytest.mark.ray
-@pytest.mark.parametrize("overlap", [False, True], ids=["switches", "overlapped-switches"])
-def test_hybrid_grpo_with_lora_trains_adapters_and_pushes_only_them(tiny_llama_path, overlap):
+@pytest.mark.parametrize("overlap, kept", [(False, False), (True, False), (True, True)],
+                         ids=["switches", "overlapped-switches", "states-kept"])
+def test_hybrid_grpo_with_lora_trains_adapters_and_pushes_only_them(tiny_llama_path, overlap, kept):
     """Two GRPO steps with a LoRA actor: each push carries only the adapter (12 tensors, a few KiB, not the model),
     the engine's weight version follows, and after the push the engine samples from the trained policy: its
     log-probs of fresh rollouts equal the actor's (adapter merged on the engine, unmerged on the trainer). The same
-    with the trainers' sleeps behind the next wakes (``overlap_switches``, on by default on a GPU where it fits)."""
+    with the trainers' sleeps behind the next wakes (``overlap_switches``, on by default on a GPU where it fits), and
+    with the actor's weights and optimizer states kept on the device through its sleeps (what the plan chooses for
+    a 7B LoRA actor on an 80 GB GPU)."""
     from rlhfkit.engines import SamplingConfig
     from rlhfkit.experience import engine_token_logprobs
     from rlhfkit.packing import pack_rollouts
@@ -67,7 +70,8 @@ def test_hybrid_grpo_with_lora_trains_adapters_and_pushes_only_them(tiny_llama_p
     if ray.is_initialized():
         ray.shutdown()
     run = Hybrid.start(_config(tiny_llama_path, overlap_switches=overlap),
-                       {"actor": TrainerConfig(deepspeed=DEEPSPEED, lora=LORA),
+                       {"actor": TrainerConfig(deepspeed=DEEPSPEED, lora=LORA, sleep_optimizer=not kept,
+                                               sleep_weights=not kept),
                         "reference": TrainerConfig(deepspeed=DEEPSPEED)})
     try:
         adapter_bytes = 2 * 4 * 4 * (64 + 64) + 2 * 4 * 4 * (64 + 32) + 2 * 4 * 4 * (64 + 128)  # fp32 A and B
