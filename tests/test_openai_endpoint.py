@@ -269,7 +269,8 @@ def test_routes_methods_and_size_limits(hf_engine, tokenizer):
         code, answer = post(endpoint.url + "/chat/completions", {"messages": MESSAGES, "pad": "x" * 5000})
         assert code == 413 and "max_request_bytes" in answer["error"]["message"]
         with socket.create_connection(("127.0.0.1", endpoint.port), timeout=10) as raw:   # a body that never comes
-            raw.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 50\r\n\r\n{")
+            raw.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1:{endpoint.port}\r\nContent-Type: "
+                        "application/json\r\nContent-Length: 50\r\n\r\n{".encode())
             start = time.monotonic()
             reply = raw.recv(4096).decode()
             assert reply.startswith("HTTP/1.1 408") and time.monotonic() - start < 5
@@ -368,3 +369,142 @@ def test_an_unexpected_error_is_a_json_500_not_a_dropped_connection(hf_engine):
         assert "RuntimeError: tokenizer defect (simulated)" in answer["error"]["message"]
         code, _ = post(endpoint.url + "/chat/completions", {"messages": MESSAGES})   # still serving
         assert code == 500
+
+
+def test_only_json_posts_addressed_to_this_server_reach_the_engine(served):
+    """Issue 50: a text/plain POST (what a web page may send cross-origin without a CORS preflight), a foreign Host
+    (DNS rebinding) or a foreign Origin reached the engine and wrote into a training session."""
+    endpoint, spy = served
+    url, port = endpoint.url + "/chat/completions", endpoint.port
+    body = {"model": "tiny", "messages": MESSAGES, "max_tokens": 2, "user": "web-page"}
+    for headers, status, fragment in [
+        ({"Content-Type": "text/plain"}, 415, "'Content-Type: application/json'"),
+        ({"Content-Type": "application/x-www-form-urlencoded"}, 415, "'Content-Type: application/json'"),
+        ({"Content-Type": "application/json; charset=latin-1"}, 415, "'Content-Type: application/json'"),
+        ({"Host": f"rebound.example:{port}"}, 421, "does not name this server"),
+        ({"Host": "127.0.0.1:1"}, 421, "does not name this server"),
+        ({"Origin": "http://evil.example"}, 403, "cross-origin requests (from a web page) are refused"),
+        ({"Origin": f"http://rebound.example:{port}"}, 403, "cross-origin"),
+        ({"Origin": "null"}, 403, "cross-origin"),
+    ]:
+        code, answer = post(url, body, headers)
+        assert code == status and fragment in answer["error"]["message"], (headers, code, answer)
+    assert not spy.calls and "web-page" not in endpoint.session_ids()
+    # this server's own names and a same-origin Origin are served
+    for headers in ({"Host": f"localhost:{port}"}, {"Origin": f"http://127.0.0.1:{port}"},
+                    {"Content-Type": "application/json; charset=utf-8"}):
+        code, answer = post(url, body, headers)
+        assert code == 200, (headers, answer)
+    assert len(endpoint.records("web-page")) == 3
+
+
+def test_a_bearer_key_is_asked_when_configured_and_always_beyond_loopback(hf_engine, tokenizer, caplog):
+    """Issue 50: the endpoint had no authentication. A configured key is required on loopback too; bound beyond
+    loopback without one, the endpoint makes a key, exposes it as ``api_key`` and never logs it."""
+    spy = SpyEngine(hf_engine)
+    body = {"model": "tiny", "messages": MESSAGES, "max_tokens": 2}
+    key = "test-key-0123456789"
+    config = OpenAIEndpointConfig(model_name="tiny", api_key=key)
+    assert key not in repr(config)
+    with OpenAIEndpoint(spy, tokenizer, config) as endpoint:
+        assert endpoint.api_key == key
+        for headers in ({}, {"Authorization": "Bearer wrong-key"}, {"Authorization": key},
+                        {"Authorization": f"Basic {key}"}):
+            code, answer = post(endpoint.url + "/chat/completions", body, headers)
+            assert code == 401 and answer["error"]["type"] == "authentication_error", (headers, answer)
+        with pytest.raises(urllib.error.HTTPError) as info:
+            urllib.request.urlopen(endpoint.url + "/models", timeout=30)
+        assert info.value.code == 401 and info.value.headers["WWW-Authenticate"].startswith("Bearer")
+        assert not spy.calls
+        assert post(endpoint.url + "/chat/completions", body, {"Authorization": f"Bearer {key}"})[0] == 200
+    with caplog.at_level("DEBUG", logger="rlhfkit.openai_endpoint"):
+        with OpenAIEndpoint(hf_engine, tokenizer, OpenAIEndpointConfig(model_name="tiny", host="0.0.0.0")) as wide:
+            made = wide.api_key
+            assert isinstance(made, str) and len(made) >= 32
+            url = f"http://127.0.0.1:{wide.port}/v1/chat/completions"   # a wildcard bind takes any address of ours
+            assert post(url, body)[0] == 401
+            assert post(url, body, {"Authorization": f"Bearer {made}"})[0] == 200
+    assert made not in caplog.text and "bearer key required" in caplog.text
+    loopback = OpenAIEndpoint(hf_engine, tokenizer)
+    assert loopback.api_key is None   # on loopback without a configured key, none is asked
+    loopback.close()
+    with pytest.raises(ValueError, match=r"OpenAIEndpointConfig.host='localhost'; must be an IP address literal"):
+        OpenAIEndpointConfig(host="localhost")
+    with pytest.raises(ValueError, match=r"api_key \(a str of length 7, not shown\)") as info:
+        OpenAIEndpointConfig(api_key="has spc")
+    assert "has spc" not in str(info.value)
+
+
+def _body(messages: str = json.dumps(MESSAGES), **fields: str) -> bytes:
+    """A request body, its fields given as JSON text; valid but for what a test puts in."""
+    fields = {"messages": messages, "max_tokens": "2", **fields}
+    return ("{" + ", ".join(f'"{name}": {value}' for name, value in fields.items()) + "}").encode()
+
+
+def _tools(default: str) -> str:
+    return f'[{{"type": "function", "function": {{"name": "f", "parameters": {{"default": {default}}}}}}}]'
+
+
+@pytest.mark.parametrize("body, fragment, param", [
+    (_body(messages="[" * 100_000 + "]" * 100_000), "nested too deeply", None),
+    (_body(messages="[" * 70 + "]" * 70), "nested more than 64 levels deep", None),
+    (_body(seed="1" * 5000), "an integer of 5000 digits", None),
+    (_body(temperature="9" * 400), "an integer of 400 digits", None),
+    (_body(messages='[{"role": "user", "content": "\\ud800"}]'), "lone surrogate (U+D800)", "messages[0].content"),
+    (_body(tools=_tools("NaN")), "holds NaN, which is not valid JSON", None),
+    (_body(tools=_tools("-Infinity")), "holds -Infinity", None),
+    (_body(tools=_tools("1e999")), "'1e999', which is not a finite float", None),
+    (_body().replace(b"2 + 3", "2 \u2795 3".encode("utf-8")).decode().encode("utf-16"), "not UTF-8", None),
+    (_body().replace(b"2 + 3", "caf\xe9".encode("latin-1")), "not UTF-8", None),
+    (_body().replace(b"2 + 3", b"\xed\xa0\x80"), "not UTF-8", None),   # a surrogate encoded as if it were UTF-8
+], ids=["100000-deep", "70-deep", "5000-digits", "400-digit-temperature", "lone-surrogate", "nan", "infinity", "1e999",
+        "utf-16", "latin-1", "encoded-surrogate"])
+def test_malformed_bodies_are_400s_naming_the_problem(served, body, fragment, param):
+    """Issue 50: deep nesting, huge integers and lone surrogates were 500s (a RecursionError, int() refusing 4300+
+    digits, the tokenizer refusing a surrogate), NaN and non-UTF-8 bodies were accepted."""
+    endpoint, spy = served
+    code, answer = post(endpoint.url + "/chat/completions", body)
+    assert code == 400 and answer["error"]["type"] == "invalid_request_error", answer
+    assert fragment in answer["error"]["message"] and answer["error"]["param"] == param, answer
+    assert not spy.calls
+    with urllib.request.urlopen(endpoint.url + "/models", timeout=30) as response:   # still serving
+        assert response.status == 200
+
+
+TOOLS_TEMPLATE = ("{% if tools %}<|system|>tools:{% for tool in tools %} {{ tool['function']['name'] }}{% endfor %}"
+                  "<|end|>{% endif %}{% for message in messages %}<|{{ message['role'] }}|>{{ message['content'] }}"
+                  "<|end|>{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+def _tool(name: str) -> dict:
+    return {"type": "function", "function": {"name": name, "parameters": {"type": "object", "properties": {}}}}
+
+
+def test_a_change_of_tools_between_turns_re_renders_the_prompt(hf_engine, tiny_llama_path):
+    """Issue 50: token-in/token-out continuation reused the previous turn's prompt ids although the request's tools
+    (rendered before the messages) had changed: the engine and the record got the old tool list."""
+    transformers = pytest.importorskip("transformers")
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tiny_llama_path)
+    tokenizer.chat_template = TOOLS_TEMPLATE
+    spy = SpyEngine(hf_engine)
+    tool_lists = [[_tool("get_weather")], [_tool("get_time")], [_tool("get_time")]]
+    messages = [{"role": "user", "content": "What time is it?"}]
+    with OpenAIEndpoint(spy, tokenizer, OpenAIEndpointConfig(model_name="tiny")) as endpoint:
+        for turn, tools in enumerate(tool_lists):
+            status, answer = chat(endpoint, messages=messages, tools=tools, max_tokens=4, seed=turn, session="agent")
+            assert status == 200, answer
+            messages += [answer["choices"][0]["message"], {"role": "user", "content": "go on"}]
+        records = endpoint.pop_records("agent")
+    engine_prompts = [prompts[0] for prompts, _, _ in spy.calls]
+    assert "get_weather" in tokenizer.decode(engine_prompts[0])
+    changed = tokenizer.decode(engine_prompts[1])
+    assert "get_time" in changed and "get_weather" not in changed
+    # the changed turn is the whole conversation rendered with the new tools, tokenised once
+    rendered = tokenizer.apply_chat_template(records[1].messages, tools=tool_lists[1], add_generation_prompt=True,
+                                             tokenize=False)
+    assert engine_prompts[1] == tokenizer.encode(rendered, add_special_tokens=False)
+    for record, prompt, tools in zip(records, engine_prompts, tool_lists):
+        assert record.prompt_token_ids.tolist() == prompt and record.tools == tools
+    # the next turn kept the tools: it continues the previous prompt and the sampled answer token for token
+    previous = records[1].prompt_token_ids.tolist() + records[1].response_token_ids.tolist()
+    assert engine_prompts[2][:len(previous)] == previous

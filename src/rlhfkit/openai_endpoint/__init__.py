@@ -14,12 +14,21 @@ one-token stop string stops the engine, a longer one is cut after generation), `
 ``return_token_ids``; OpenAI-style JSON errors (400 naming the field for a malformed request, 404 for an unknown
 model or path, 503 while closing, 504 when the engine does not answer within ``request_timeout_s``, 500 when it
 fails). Concurrent requests with equal sampling parameters are batched into one engine call (see
-:class:`OpenAIEndpoint`). It binds 127.0.0.1 only, on an ephemeral port by default, in a daemon thread;
-:meth:`OpenAIEndpoint.close` returns in bounded time.
+:class:`OpenAIEndpoint`). It binds exactly ``OpenAIEndpointConfig.host`` (127.0.0.1 by default), on an ephemeral
+port by default, in a daemon thread; :meth:`OpenAIEndpoint.close` returns in bounded time.
+
+Who may call it, checked on the headers before the body is read: ``Host`` must name this server (421 otherwise: DNS
+rebinding), an ``Origin`` header must be this server's (403 otherwise: a web page in a browser on this machine), a
+POST must be ``Content-Type: application/json`` (415 otherwise: a browser sends ``text/plain`` cross-origin without
+asking), and ``Authorization: Bearer <key>`` must carry :attr:`OpenAIEndpoint.api_key` when there is one (401
+otherwise): always beyond loopback (a random key unless ``api_key`` is configured), on loopback only when configured.
+Bodies are bounded (413) and must be strict JSON in UTF-8; too deep nesting, huge integers, NaN/Infinity and lone
+surrogates are 400s naming the problem.
 
 What it does not do: streaming, tool-call parsing (the assistant's text comes back as ``content``; parse tool calls
 in your agent), ``top_logprobs``, penalties or logit bias (refused with a 400, never silently ignored: the recorded
-log-probs must describe the distribution the tokens came from), authentication, or serve anything beyond this machine.
+log-probs must describe the distribution the tokens came from), or TLS (the key crosses the network in clear text
+beyond loopback: put a TLS proxy in front on an untrusted network).
 It does not stitch a session's turns into one sequence with a loss mask (that is ``rlhfkit.multiturn``'s job).
 
 Why not vLLM's own OpenAI server: it needs vLLM's engine process (``AsyncLLM``) and drives vLLM only; this endpoint
@@ -30,14 +39,15 @@ the tokenizer you pass needs ``rlhfkit[hf]`` (transformers, with jinja2 for chat
 
 from __future__ import annotations
 
-import json
+import ipaddress
 import logging
 import math
+import secrets
 import threading
 import time
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
@@ -46,11 +56,13 @@ from rlhfkit._optional import require
 from rlhfkit.engines.protocol import SamplingConfig
 from rlhfkit.engines.router import EngineError, EngineGroup, EngineGroupConfig, EngineTimeoutError
 from rlhfkit.openai_endpoint._batching import BatcherClosedError, BatchFailedError, BatchTimeoutError, RequestBatcher
-from rlhfkit.openai_endpoint._http import HOST, Reply, start_server
+from rlhfkit.openai_endpoint._guard import RequestGuard, is_loopback, url_host
+from rlhfkit.openai_endpoint._http import Reply, start_server
 from rlhfkit.openai_endpoint._requests import (
     ChatRequest,
     EndpointError,
     cut_at_stop,
+    decode_body,
     error_body,
     parse_chat_request,
     single_token_stops,
@@ -68,7 +80,15 @@ class OpenAIEndpointConfig:
 
     Attributes:
         model_name: the id ``GET /v1/models`` lists; a request naming another model gets a 404.
-        port: port on 127.0.0.1; 0 picks a free ephemeral port (read it from :attr:`OpenAIEndpoint.url`).
+        host: the IP address the server binds, exactly (``"0.0.0.0"``/``"::"``: every interface). Beyond loopback
+            every request needs the bearer key (``api_key``, generated when not given).
+        port: port on ``host``; 0 picks a free ephemeral port (read it from :attr:`OpenAIEndpoint.url`).
+        api_key: when set, every request must send ``Authorization: Bearer <api_key>`` (401 otherwise). None: no key
+            on a loopback ``host``; beyond loopback, a random key the endpoint makes (:attr:`OpenAIEndpoint.api_key`).
+            Visible ASCII, no spaces; never shown in the config's repr or in logs.
+        allowed_hosts: more names a request's ``Host`` (and ``Origin``) may give for this server, e.g. its DNS
+            name when ``host`` is beyond loopback. Always accepted: ``host`` itself; ``localhost`` for a loopback or
+            wildcard ``host``; any IP address for a wildcard ``host``.
         default_max_tokens: ``max_tokens`` of a request that gives none.
         max_tokens_limit: the largest ``max_tokens`` accepted.
         max_n: the largest ``n`` accepted.
@@ -90,7 +110,10 @@ class OpenAIEndpointConfig:
     """
 
     model_name: str = "rlhfkit"
+    host: str = "127.0.0.1"
     port: int = 0
+    api_key: str | None = field(default=None, repr=False)
+    allowed_hosts: tuple[str, ...] = ()
     default_max_tokens: int = 256
     max_tokens_limit: int = 4096
     max_n: int = 64
@@ -109,6 +132,7 @@ class OpenAIEndpointConfig:
         for name in ("model_name", "session_header", "default_session_id"):
             if not isinstance(getattr(self, name), str) or not getattr(self, name):
                 raise ValueError(f"OpenAIEndpointConfig.{name}={getattr(self, name)!r}; must be a non-empty string")
+        self._check_network()
         port = self.port
         if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
             raise ValueError(f"OpenAIEndpointConfig.port={port!r}; must be an int in [0, 65535] (0: ephemeral)")
@@ -135,6 +159,26 @@ class OpenAIEndpointConfig:
             raise ValueError(f"OpenAIEndpointConfig.max_batch_wait_s={wait!r}; must be a finite number of seconds "
                              ">= 0 (a batch waits at least batch_window_s anyway)")
 
+    def _check_network(self) -> None:
+        try:
+            ipaddress.ip_address(self.host if isinstance(self.host, str) else "")
+        except ValueError:
+            raise ValueError(f"OpenAIEndpointConfig.host={self.host!r}; must be an IP address literal "
+                             "('127.0.0.1', '::1', this machine's address, or '0.0.0.0' for every interface): the "
+                             "server binds exactly this address") from None
+        key = self.api_key
+        if key is not None and (not isinstance(key, str) or not key
+                                or not all(33 <= ord(character) <= 126 for character in key)):
+            # the value itself is a secret: name its type and length, never the value
+            raise ValueError(f"OpenAIEndpointConfig.api_key (a {type(key).__name__} of length "
+                             f"{len(key) if isinstance(key, str) else '?'}, not shown) must be a non-empty string of "
+                             "visible ASCII characters without spaces, or None")
+        names = self.allowed_hosts
+        if not isinstance(names, tuple) or not all(isinstance(name, str) and name and name.isascii()
+                                                   and not any(c in name for c in " /:[]@") for name in names):
+            raise ValueError(f"OpenAIEndpointConfig.allowed_hosts={names!r:.200}; must be a tuple of host names "
+                             "(e.g. ('trainer-0.cluster',)), without ports or schemes")
+
 
 @dataclass(frozen=True, kw_only=True)
 class ChatRecord:
@@ -156,6 +200,7 @@ class ChatRecord:
             log-probs are the raw model's, as at temperature 1).
         weight_version: the engine's weight version when it sampled.
         content: the assistant text returned to the caller.
+        tools: the request's ``tools`` (rendered into the prompt by the chat template), None if it gave none.
     """
 
     session_id: str
@@ -170,6 +215,7 @@ class ChatRecord:
     temperature: float
     weight_version: int
     content: str
+    tools: list[Any] | None = None
 
     def to_rollout(self, *, prompt_index: int = 0, sample_index: int | None = None,
                    label: str | None = None) -> Rollout:
@@ -240,22 +286,29 @@ def session_to_rollout(records: Sequence[ChatRecord], *, prompt_index: int = 0, 
 
 @dataclass(frozen=True)
 class _LastTurn:
-    """A session's last request: its messages, prompt ids and each choice's (content, sampled ids)."""
+    """A session's last request: its messages, rendered prompt text and prompt ids, and each choice's (content,
+    sampled ids)."""
 
     messages: list[dict[str, Any]]
+    text: str
     prompt: list[int]
     answers: list[tuple[str, list[int]]]
 
 
 class OpenAIEndpoint:
-    """An OpenAI-compatible chat endpoint over ``engine`` on 127.0.0.1 (see the module docstring).
+    """An OpenAI-compatible chat endpoint over ``engine`` on ``config.host`` (see the module docstring).
 
     Args:
         engine: a :class:`~rlhfkit.engines.protocol.RolloutEngine` (its calls then run on one worker thread, one at a
             time, with ``request_timeout_s``) or an :class:`~rlhfkit.engines.router.EngineGroup` (used as is, e.g.
             vLLM actors).
         tokenizer: the model's tokenizer, with a chat template (``apply_chat_template``, ``encode``, ``decode``).
-        config: ports, limits, timeouts and batching.
+        config: address, key, limits, timeouts and batching.
+
+    Attributes:
+        api_key: the key every request must send as ``Authorization: Bearer <api_key>``: ``config.api_key``, or one
+            made with :mod:`secrets` when ``config.host`` is beyond loopback and none was given; None when no key is
+            asked (loopback, no ``config.api_key``).
 
     Use as a context manager, or :meth:`start` and :meth:`close`. Records stay readable after close.
 
@@ -284,6 +337,9 @@ class OpenAIEndpoint:
                              "Jinja template) before serving chat requests")
         self.config = config
         self.tokenizer = tokenizer
+        self.api_key = config.api_key
+        if self.api_key is None and not is_loopback(config.host):
+            self.api_key = secrets.token_urlsafe(32)
         self._owns_group = not isinstance(engine, EngineGroup)
         self._group = (EngineGroup([engine], config=EngineGroupConfig(generate_timeout_s=config.request_timeout_s))
                        if self._owns_group else engine)
@@ -299,7 +355,7 @@ class OpenAIEndpoint:
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> OpenAIEndpoint:
-        """Bind 127.0.0.1 and serve in a daemon thread; returns self."""
+        """Bind ``config.host`` and serve in a daemon thread; returns self."""
         if self._state != "new":
             raise RuntimeError(f"OpenAIEndpoint.start() called on an endpoint that is {self._state}; build a new one")
         timeout_s = self.config.request_timeout_s
@@ -309,15 +365,17 @@ class OpenAIEndpoint:
                                        max_wait_s=max(self.config.max_batch_wait_s, self.config.batch_window_s),
                                        max_batch_prompts=self.config.max_batch_prompts,
                                        max_in_flight=self._group.num_engines)
+        guard = RequestGuard(bind_host=self.config.host, allowed_hosts=self.config.allowed_hosts, api_key=self.api_key)
         try:
-            self._server, self._thread = start_server(self._serve, port=self.config.port,
-                                                      read_timeout_s=self.config.read_timeout_s,
+            self._server, self._thread = start_server(self._serve, host=self.config.host, port=self.config.port,
+                                                      guard=guard, read_timeout_s=self.config.read_timeout_s,
                                                       max_request_bytes=self.config.max_request_bytes)
         except BaseException:
             self._batcher.close()
             raise
         self._state = "serving"
-        logger.info("openai endpoint serving %r at %s", self.config.model_name, self.url)
+        logger.info("openai endpoint serving %r at %s (%s)", self.config.model_name, self.url,
+                    "bearer key required" if self.api_key is not None else "no key asked")
         return self
 
     @property
@@ -328,8 +386,8 @@ class OpenAIEndpoint:
 
     @property
     def url(self) -> str:
-        """The API base URL, ``http://127.0.0.1:<port>/v1`` (what OpenAI clients take as ``base_url``)."""
-        return f"http://{HOST}:{self.port}/v1"
+        """The API base URL, ``http://<host>:<port>/v1`` (what OpenAI clients take as ``base_url``)."""
+        return f"http://{url_host(self.config.host)}:{self.port}/v1"
 
     def close(self) -> None:
         """Stop accepting requests (new ones get 503), wait up to ``shutdown_timeout_s`` for those in flight, close
@@ -410,23 +468,20 @@ class OpenAIEndpoint:
                 self._lock.notify_all()
 
     def _complete(self, headers: dict[str, str], body: bytes) -> dict[str, Any]:
-        try:
-            payload = json.loads(body)
-        except (UnicodeDecodeError, json.JSONDecodeError) as error:
-            raise EndpointError(400, f"the request body is not valid JSON: {error}") from error
+        payload = decode_body(body)
         config = self.config
         request = parse_chat_request(payload, model_name=config.model_name, max_n=config.max_n,
                                      default_max_tokens=config.default_max_tokens,
                                      max_tokens_limit=config.max_tokens_limit)
         session_id = headers.get(config.session_header.lower()) or request.user or config.default_session_id
-        prompt = self._prompt_ids(request, session_id)
+        prompt, text = self._prompt_ids(request, session_id)
         sampling = SamplingConfig(n=request.n, max_new_tokens=request.max_tokens, temperature=request.temperature,
                                   top_p=request.top_p, seed=request.seed, logprobs=True,
                                   stop_token_ids=single_token_stops(self.tokenizer, request.stop))
         rollouts = self._generate(prompt, sampling)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         choices = [self._choice(request, rollout) for rollout in rollouts]
-        records = self._record(session_id, request_id, request, prompt, rollouts, choices)
+        records = self._record(session_id, request_id, request, prompt, text, rollouts, choices)
         return self._answer(request, request_id, session_id, prompt, records)
 
     def _generate(self, prompt: list[int], sampling: SamplingConfig) -> list[Rollout]:
@@ -458,7 +513,8 @@ class OpenAIEndpoint:
             raise EndpointError(400, f"messages: the chat template rejected them: {type(error).__name__}: {error}",
                                 param="messages") from error
 
-    def _prompt_ids(self, request: ChatRequest, session_id: str) -> list[int]:
+    def _prompt_ids(self, request: ChatRequest, session_id: str) -> tuple[list[int], str]:
+        """The prompt's token ids and the rendered text they stand for."""
         text = self._render(request.messages, request)
         ids = self._continued(request, session_id, text)
         if ids is None:
@@ -471,13 +527,15 @@ class OpenAIEndpoint:
             raise EndpointError(400, f"messages: the prompt has {len(ids)} tokens and max_tokens={request.max_tokens}; "
                                 f"together they exceed max_model_len={limit}: shorten the conversation or lower "
                                 "max_tokens", param="messages", code="context_length_exceeded")
-        return ids
+        return ids, text
 
     def _continued(self, request: ChatRequest, session_id: str, text: str) -> list[int] | None:
         """Token in, token out across turns: when this request repeats the session's previous request and appends
         one of its answers unchanged (then more messages), the prompt is the previous prompt's ids + the answer's
         sampled ids + the ids of the text the template adds after them, so no sampled token is re-tokenised (a
-        sampled segmentation is often not the tokenizer's own). None: tokenise ``text`` whole."""
+        sampled segmentation is often not the tokenizer's own). The previous messages must also render now as they
+        did then: a changed ``tools`` list (or anything else the template writes before them) changes the prefix the
+        previous ids stand for. None: tokenise ``text`` whole."""
         with self._lock:
             last = self._last.get(session_id)
         messages = request.messages
@@ -486,8 +544,10 @@ class OpenAIEndpoint:
         said = messages[len(last.messages)]
         answer = next((ids for content, ids in last.answers
                        if said.get("role") == "assistant" and said.get("content") == content), None)
+        if answer is None:
+            return None
         before = self._render(last.messages, request)
-        if answer is None or not text.startswith(before + said["content"]):
+        if before != last.text or not text.startswith(before + said["content"]):
             return None
         rest = text[len(before) + len(said["content"]):]  # the answer's closing markup, the new messages, the prompt
         sampled = self.tokenizer.decode(answer, skip_special_tokens=False)
@@ -507,7 +567,7 @@ class OpenAIEndpoint:
             return ids[:keep].clone(), logprobs[:keep].clone(), content, "stop"
         return ids, logprobs, self.tokenizer.decode(ids.tolist(), skip_special_tokens=True), finish
 
-    def _record(self, session_id: str, request_id: str, request: ChatRequest, prompt: list[int],
+    def _record(self, session_id: str, request_id: str, request: ChatRequest, prompt: list[int], text: str,
                 rollouts: list[Rollout], choices: list[tuple]) -> list[ChatRecord]:
         prompt_ids = torch.tensor(prompt, dtype=torch.long)
         with self._lock:
@@ -516,10 +576,10 @@ class OpenAIEndpoint:
             records = [ChatRecord(session_id=session_id, turn_index=turn, choice_index=index, request_id=request_id,
                                   messages=request.messages, prompt_token_ids=prompt_ids, response_token_ids=ids,
                                   response_logprobs=logprobs, finish_reason=finish, temperature=request.temperature,
-                                  weight_version=rollout.weight_version, content=content)
+                                  weight_version=rollout.weight_version, content=content, tools=request.tools)
                        for index, (rollout, (ids, logprobs, content, finish)) in enumerate(zip(rollouts, choices))]
             self._records.setdefault(session_id, []).extend(records)
-            self._last[session_id] = _LastTurn(messages=request.messages, prompt=list(prompt),
+            self._last[session_id] = _LastTurn(messages=request.messages, text=text, prompt=list(prompt),
                                                answers=[(r.content, r.response_token_ids.tolist()) for r in records])
         return records
 

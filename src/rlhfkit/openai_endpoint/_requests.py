@@ -3,21 +3,30 @@
 
 Every field that would change the sampled distribution and that the engines cannot honour (penalties, logit bias,
 structured output, top log-probs) is refused with a 400 naming it, rather than ignored: the recorded log-probs must be
-those of the distribution the tokens were drawn from.
+those of the distribution the tokens were drawn from. A body that is not strict JSON in UTF-8 (too deeply nested, an
+integer of thousands of digits, NaN or Infinity, a lone surrogate) is a 400 naming the problem.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import operator
+import re
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["MESSAGE_ROLES", "ChatRequest", "EndpointError", "cut_at_stop", "error_body", "parse_chat_request",
-           "single_token_stops"]
+__all__ = ["MESSAGE_ROLES", "ChatRequest", "EndpointError", "cut_at_stop", "decode_body", "error_body",
+           "parse_chat_request", "single_token_stops"]
 
 MESSAGE_ROLES = ("system", "developer", "user", "assistant", "tool")
 _MAX_STOP = 4
+# Far beyond what a chat request (messages, tool schemas) needs; the walks over a body (json's, the template's,
+# repr's) recurse, and Python's recursion limit is about 1000.
+MAX_JSON_DEPTH = 64
+# A seed is at most 19 digits; int() of a longer digit string costs quadratic time (Python refuses 4300+ digits).
+_MAX_INT_DIGITS = 64
+_SURROGATE = re.compile("[\ud800-\udfff]")
 # Accepted only at their neutral value: anything else changes the distribution in a way the engines do not implement.
 _NEUTRAL = {"presence_penalty": (0, 0.0, None), "frequency_penalty": (0, 0.0, None), "logit_bias": (None, {}),
             "top_logprobs": (None, 0), "stream": (None, False), "response_format": (None, {"type": "text"})}
@@ -47,6 +56,68 @@ def _bad(param: str, message: str, code: str | None = None) -> EndpointError:
     return EndpointError(400, f"{param}: {message}", param=param, code=code)
 
 
+def _bounded_int(text: str) -> int:
+    if len(text.lstrip("-")) > _MAX_INT_DIGITS:
+        raise EndpointError(400, f"the request body holds an integer of {len(text.lstrip('-'))} digits "
+                            f"({text[:20]}...); numbers have at most {_MAX_INT_DIGITS} digits")
+    return int(text)
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise EndpointError(400, f"the request body holds the number {text[:40]!r}, which is not a finite float")
+    return value
+
+
+def _no_constant(name: str) -> Any:
+    raise EndpointError(400, f"the request body holds {name}, which is not valid JSON (RFC 8259); send finite numbers")
+
+
+def _path(path: tuple) -> str:
+    return "".join(f"[{part}]" if isinstance(part, int) else (f".{part}" if index else part)
+                   for index, part in enumerate(path)) or "the request body"
+
+
+def _check_tree(value: Any) -> None:
+    """Depth and valid Unicode of a decoded body, walked iteratively (a recursive walk is what deep nesting breaks)."""
+    stack = [(value, ())]
+    while stack:
+        item, path = stack.pop()
+        if len(path) > MAX_JSON_DEPTH:
+            raise EndpointError(400, f"{_path(path[:3])}...: the request body is nested more than {MAX_JSON_DEPTH} "
+                                "levels deep")
+        if isinstance(item, str):
+            surrogate = _SURROGATE.search(item)
+            if surrogate is not None:
+                where = _path(path)
+                raise EndpointError(400, f"{where}: holds a lone surrogate (U+{ord(surrogate.group()):04X}); strings "
+                                    "must be valid Unicode (send UTF-8 text, not an escaped half of a surrogate pair)",
+                                    param=where if path else None)
+        elif isinstance(item, dict):
+            for key, child in item.items():
+                stack += [(key, path), (child, (*path, key))]
+        elif isinstance(item, list):
+            stack += [(child, (*path, index)) for index, child in enumerate(item)]
+
+
+def decode_body(body: bytes) -> Any:
+    """A request body as strict JSON in UTF-8; raises :class:`EndpointError` (400) naming what is wrong with it."""
+    try:
+        text = body.decode("utf-8")   # strict: json.loads(bytes) would also take UTF-16/32 and encoded surrogates
+    except UnicodeDecodeError as error:
+        raise EndpointError(400, f"the request body is not UTF-8: {error}") from error
+    try:
+        value = json.loads(text, parse_int=_bounded_int, parse_float=_finite_float, parse_constant=_no_constant)
+    except RecursionError as error:
+        raise EndpointError(400, f"the request body is nested too deeply (more than {MAX_JSON_DEPTH} levels "
+                            "accepted)") from error
+    except json.JSONDecodeError as error:
+        raise EndpointError(400, f"the request body is not valid JSON: {error}") from error
+    _check_tree(value)
+    return value
+
+
 @dataclass(frozen=True, kw_only=True)
 class ChatRequest:
     """A validated ``POST /v1/chat/completions`` body (fields as in OpenAI's API)."""
@@ -68,11 +139,12 @@ def _number(body: dict, name: str, default: float, low: float, high: float, *, l
     value = body.get(name)
     if value is None:
         return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise _bad(name, f"expected a number, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (isinstance(value, float)
+                                                                          and not math.isfinite(value)):
+        raise _bad(name, f"expected a number, got {value!r:.80}")
     if value > high or value < low or (low_open and value == low):
         interval = f"{'(' if low_open else '['}{low:g}, {high:g}]"
-        raise _bad(name, f"{value!r} is outside {interval}")
+        raise _bad(name, f"{value!r:.80} is outside {interval}")
     return float(value)
 
 
