@@ -237,3 +237,44 @@ def test_with_the_hf_engine_and_grpo(tiny_llama_path):
     # backfilled from a later round: its prompt_index was renumbered, so GRPO does not merge it with a round-0 group
     assert batch.stats.num_rounds >= 2 and max(origin[0] for origin in batch.origins) >= 1
     assert batch.stats.num_rounds <= config.max_rounds
+
+
+def test_next_prompts_running_dry_is_named_as_the_cause(tiny_llama_path):
+    """Issue 50 item 10: when the data source ran out, generate([]) was called and the engine's "got no prompts"
+    error blamed generate. Now the sampler stops before generate with PromptsExhaustedError naming next_prompts."""
+    transformers = pytest.importorskip("transformers")
+    from rlhfkit.engines import SamplingConfig
+    from rlhfkit.engines.hf import HFEngine, HFEngineConfig
+
+    engine = HFEngine(HFEngineConfig(model=str(tiny_llama_path), seed=0))
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tiny_llama_path)
+    dataset = [tokenizer(f"say {word}").input_ids for word in ("apple", "pear", "plum")]
+    cursor, calls = [0], []
+
+    def next_prompts(count):   # a finite data source: the last prompts, then nothing
+        start = cursor[0]
+        cursor[0] += count
+        return dataset[start:start + count]
+
+    def generate(prompts):
+        calls.append(len(prompts))
+        return engine.generate(prompts, SamplingConfig(n=2, max_new_tokens=3, seed=len(calls)))
+
+    uniform = lambda prompts, rollouts: [0.0] * len(rollouts)   # nothing informative: every round asks for more
+    sampler = DynamicSampler(DynamicSamplingConfig(num_groups=2, max_rounds=5))
+    with pytest.raises(RuntimeError, match=r"round 2: next_prompts\(2\) returned \[\], no prompts: the prompt source "
+                                           r"ran out, not generate \(0 of num_groups=2 groups kept; 4 prompts asked "
+                                           r"for in the 2 rounds before\)") as info:
+        sampler.sample(next_prompts, generate, uniform)
+    from rlhfkit.dynamic_sampling import PromptsExhaustedError
+
+    assert type(info.value) is PromptsExhaustedError and info.value.round_index == 2
+    assert calls == [2, 1]   # generate never saw an empty batch
+    assert (info.value.stats.num_rounds, info.value.stats.num_groups_dropped) == (2, 3)
+
+    def from_iterator(count, prompts=iter(dataset)):
+        return [next(prompts) for _ in range(count)]   # StopIteration once the iterator ends
+
+    with pytest.raises(PromptsExhaustedError, match=r"round 1: next_prompts\(2\) raised StopIteration") as info:
+        sampler.sample(from_iterator, generate, uniform)
+    assert isinstance(info.value.__cause__, StopIteration)

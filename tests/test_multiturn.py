@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import re
+import threading
 import time
 
 import pytest
@@ -355,6 +357,91 @@ def test_tool_call_parser_calculator_and_config_errors():
     with pytest.raises(ValueError, match="response_loss_mask has shape"):
         Rollout(prompt_token_ids=torch.tensor([1]), response_token_ids=torch.tensor([2, 3]),
                 response_loss_mask=torch.tensor([True]))
+
+
+class Observes:
+    """Answers turn 0 with the observation its prompt is given in ``OBSERVATIONS``, then ends the conversation."""
+
+    def reset(self, episode):
+        self.prompt_index = episode.prompt_index
+
+    def step(self, action):
+        if action.turn > 0:
+            return StepResult(done=True)
+        return StepResult(observation=OBSERVATIONS[self.prompt_index](action))
+
+
+OBSERVATIONS = [
+    lambda action: b"result 12",                                   # bytes: refused, not read as ids 114, 101, ...
+    lambda action: ["result", "12"],                               # a list of strings
+    lambda action: [5, 10_000_000],                                # an id outside the vocabulary
+    lambda action: torch.tensor(action.token_ids[:2]),             # a 1-D integer tensor of ids: accepted
+    lambda action: OBSERVATION,                                    # text: accepted
+    lambda action: list(action.token_ids[:2]),                     # a list of ids: accepted
+]
+
+
+def test_an_invalid_observation_fails_only_its_trajectory_and_names_it(setup):
+    """Issue 50 item 8: bytes were taken as token ids, a list of strings or an out-of-vocabulary id ended the whole
+    batch with a message naming neither the environment nor the trajectory. Now each fails only its trajectory."""
+    _, tokenizer, engine = setup
+    config = MultiTurnConfig(max_turns=3, max_total_tokens=256, max_attempts=1)
+    trajectories = _run(engine, tokenizer, config, Observes, num_prompts=len(OBSERVATIONS))
+    assert [t.status for t in trajectories] == ["failed"] * 6 + ["ok"] * 6   # n=2: trajectory 2p + s
+    expected = [(TypeError, r"bytes; return text \(str\) or token ids"),
+                (TypeError, r"observation\[0\]='result' \(str\); return text"),
+                (ValueError, rf"observation\[1\]=10000000, outside the tokenizer's vocabulary \[0, {len(tokenizer)}\)")]
+    for index, trajectory in enumerate(trajectories[:6]):
+        error_type, message = expected[index // 2]
+        assert trajectory.end_reason == "error" and type(trajectory.error) is error_type
+        where = (f"Observes.step() of trajectory {index} (prompt_index={index // 2}, sample_index={index % 2}, "
+                 "attempt 0), turn 0,")
+        assert str(trajectory.error).startswith(where) and re.search(message, str(trajectory.error))
+    for trajectory in trajectories[6:]:   # the others completed, their observations appended with loss mask 0
+        assert (trajectory.end_reason, trajectory.num_turns) == ("done", 2) and trajectory.turns[0].num_observation
+    tensor_turn = trajectories[6].turns[0]
+    observed = trajectories[6].response_token_ids[tensor_turn.num_sampled:][:tensor_turn.num_observation]
+    assert observed.tolist() == trajectories[6].response_token_ids[:2].tolist()
+
+
+def test_a_failing_or_hanging_make_environment_fails_only_its_trajectory(setup):
+    """Issue 50 item 8: make_environment() ran without a timeout (one blocking factory hung generate_trajectories)
+    and its exception ended the whole batch. Now each call is bounded by make_environment_timeout_s and a failure is
+    recorded on its trajectory alone."""
+    _, tokenizer, engine = setup
+    release, lock, calls = threading.Event(), threading.Lock(), []
+
+    def make_environment(behaviour):
+        with lock:
+            calls.append(None)
+            number = len(calls)
+        if number == 1:
+            if behaviour == "raise":
+                raise ConnectionError("sandbox pool exhausted")
+            release.wait(30)   # a factory blocked on a sandbox that never comes
+        return Fixed()
+
+    try:
+        config = MultiTurnConfig(max_turns=2, max_total_tokens=256, max_attempts=1)
+        raised = _run(engine, tokenizer, config, lambda: make_environment("raise"), num_prompts=2)
+        calls.clear()
+        config = dataclasses.replace(config, make_environment_timeout_s=0.5)
+        hung = _run(engine, tokenizer, config, lambda: make_environment("hang"), num_prompts=2)
+    finally:
+        release.set()
+    for trajectories, error_type, end_reason in ((raised, ConnectionError, "error"),
+                                                 (hung, StepTimeoutError, "timeout")):
+        failed = [t for t in trajectories if t.status == "failed"]
+        assert len(failed) == 1 and type(failed[0].error) is error_type and failed[0].end_reason == end_reason
+        assert failed[0].num_turns == 0 and failed[0].response_token_ids.numel() == 0
+        assert sorted(t.status for t in trajectories) == ["dropped", "failed", "ok", "ok"]   # its group: dropped
+        assert [t.num_turns for t in trajectories if t.status == "ok"] == [2, 2]
+    index = hung.index(next(t for t in hung if t.status == "failed"))
+    assert re.match(rf"make_environment\(\) of trajectory {index} \(prompt_index={index // 2}, sample_index="
+                    rf"{index % 2}, attempt 0\) \(make_environment=.*<lambda>\) did not return within "
+                    r"make_environment_timeout_s=0.5 s", str(hung[index].error))
+    with pytest.raises(ValueError, match="make_environment_timeout_s=0"):
+        MultiTurnConfig(make_environment_timeout_s=0)
 
 
 def test_grpo_tools_example_runs_two_steps_on_cpu(tiny_llama_path, tmp_path):

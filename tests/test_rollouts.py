@@ -376,3 +376,71 @@ def test_token_staleness_and_the_buffer_count_each_token_at_its_own_version():
     assert metrics["token_staleness_mean"] == pytest.approx(5 / 6)
     with pytest.raises(ValueError, match="older than weight_version=4"):
         buffer.put(rollouts, weight_version=4)  # a stamp newer than a token it covers is a bookkeeping error
+
+
+# --- group ids, a failed hand-out, finished producers (issue 50 item 5) ----------------------------------------------
+def test_groups_of_different_batches_get_distinct_group_ids_and_grpo_advantages(tiny_llama_path):
+    """Issue 50 item 5: an engine numbers each call's prompts from 0, so a get spanning two producer batches handed
+    out two groups per prompt_index and GRPO merged them (here the same prompts in both batches: no error, wrong
+    advantages). The buffer gives every group a fresh id: its serial number."""
+    from rlhfkit.engines import SamplingConfig
+    from rlhfkit.engines.hf import HFEngine, HFEngineConfig
+    from rlhfkit.engines.router import EngineGroup
+    from rlhfkit.experience import ExperienceConfig, make_experience
+    from rlhfkit.losses import model_logprobs
+
+    engine = HFEngine(HFEngineConfig(model=str(tiny_llama_path), seed=0))
+    group = EngineGroup([engine])
+    batches = [[[5, 6, 7], [8, 9]], [[5, 6, 7], [8, 9]]]   # a second epoch over the same prompts
+    buffer = RolloutBuffer(RolloutBufferConfig(max_staleness=0, capacity=4))
+    with RolloutProducer(buffer, group, iter(batches), current_version=lambda: 0,
+                         sampling=SamplingConfig(n=4, max_new_tokens=4)):
+        groups = buffer.get(4, trainer_version=0, timeout_s=60)
+    group.close()
+    assert [[r.prompt_index for r in g] for g in groups] == [[k] * 4 for k in range(4)]
+    assert [g[0].prompt_token_ids.tolist() for g in groups] == [[5, 6, 7], [8, 9], [5, 6, 7], [8, 9]]
+    rollouts = [r for g in groups for r in g]
+    rewards = torch.arange(16, dtype=torch.float32)   # each group: a, a + 1, a + 2, a + 3
+    experience, _ = make_experience(rollouts, rewards, config=ExperienceConfig(estimator="grpo"),
+                                    policy_logprobs_fn=lambda b: model_logprobs(engine.model, b))
+    batch = experience.batch
+    first = [int(torch.nonzero(batch.loss_mask & (batch.seq_ids == i))[0]) for i in range(16)]  # a token a sample
+    # by hand: deviations -1.5, -0.5, 0.5, 1.5 from the group mean over the unbiased std sqrt(5/3), in every group
+    expected = torch.tensor([-1.5, -0.5, 0.5, 1.5]).repeat(4) / (5 / 3) ** 0.5
+    torch.testing.assert_close(experience.advantages[first], expected, atol=1e-5, rtol=0)
+
+
+def test_a_get_that_fails_its_token_check_keeps_the_groups_queued():
+    """Issue 50 item 5: get popped the groups, then token_staleness refused a token newer than trainer_version: the
+    groups were lost. Now the check comes first and they stay queued for a get with a consistent version."""
+    buffer = RolloutBuffer(RolloutBufferConfig(max_staleness=2, capacity=4))
+    buffer.put([spanning_rollout([1, 2])], weight_version=1)
+    with pytest.raises(ValueError, match="rollout 0 has a token of weight version 2, newer than trainer_version=1"):
+        buffer.get(1, trainer_version=1, timeout_s=1)
+    assert len(buffer) == 1 and buffer.metrics()["groups_out"] == 0
+    (group,) = buffer.get(1, trainer_version=2, timeout_s=1)
+    assert group[0].token_weight_versions.tolist() == [1, 2]
+
+
+def test_get_raises_at_once_when_every_producer_has_finished():
+    """Issue 50 item 5: after the producers' prompts ran out, a get the queue could not fill waited its whole
+    timeout. Now a waiting get wakes when the last producer ends and raises RolloutBufferExhaustedError (not a
+    RolloutTimeoutError: the timeout below is far from spent)."""
+    from rlhfkit.rollouts import RolloutBufferExhaustedError
+
+    release = threading.Event()
+
+    def generate(prompts, version):
+        release.wait(30)
+        return fake_rollouts(prompts, version)
+
+    buffer = RolloutBuffer(RolloutBufferConfig(max_staleness=0, capacity=4))
+    with RolloutProducer(buffer, generate, prompt_batches(count=1), current_version=lambda: 0, name="last"):
+        threading.Timer(0.2, release.set).start()   # the only batch lands while get waits
+        with pytest.raises(RolloutBufferExhaustedError, match=r"every producer has finished \('last': finished: "
+                                                              r"its prompt iterator is exhausted\)") as info:
+            buffer.get(3, trainer_version=0, timeout_s=60)
+        assert (info.value.num_groups, info.value.num_queued) == (3, 2)
+        assert len(buffer.get(2, trainer_version=0, timeout_s=1)) == 2   # what is left is still handed out
+        with pytest.raises(RolloutBufferExhaustedError):
+            buffer.get(1, trainer_version=0, timeout_s=60)

@@ -14,8 +14,10 @@ most ``max_rounds`` rounds; groups are kept or dropped whole, in arrival order, 
 requested number are discarded (counted as surplus, never carried into the next batch: they would be off-policy
 after the next weight update). A group of the wrong size is an error (a partial group is never mixed in). When the
 bound is hit the sampler raises :class:`DynamicSamplingError`, or returns the whole groups it has
-(``on_shortfall="partial"``). The kept rollouts are renumbered: ``prompt_index`` is the group's position in the batch,
-so the groups of different rounds never share an index.
+(``on_shortfall="partial"``). When ``next_prompts`` runs dry (returns no prompts, or raises ``StopIteration``) it
+raises :class:`PromptsExhaustedError`, naming ``next_prompts``, before calling ``generate``. The kept rollouts are
+renumbered: ``prompt_index`` is the group's position in the batch, so the groups of different rounds never share an
+index.
 
 Reward shaping: the sampler filters on what ``reward`` returns. Filter on the *task* reward (correctness), then add
 :func:`rlhfkit.rewards.overlong_penalty` to the kept groups' rewards (DAPO's order): filtering on length-shaped rewards
@@ -43,6 +45,7 @@ __all__ = [
     "DynamicSamplingConfig",
     "DynamicSamplingError",
     "DynamicSamplingStats",
+    "PromptsExhaustedError",
     "group_reward_std",
     "informative_groups",
 ]
@@ -180,6 +183,18 @@ class DynamicSamplingError(RuntimeError):
         self.stats = stats
 
 
+class PromptsExhaustedError(RuntimeError):
+    """``next_prompts`` ran dry during :meth:`DynamicSampler.sample`: it returned no prompts (an empty sequence or
+    None) or raised ``StopIteration`` (then the ``__cause__``). Raised whatever ``on_shortfall`` says, before
+    ``generate`` is called; the groups kept so far are discarded. ``round_index`` is the round that asked, ``stats``
+    what the call generated before it (``num_rounds`` counts the rounds that generated)."""
+
+    def __init__(self, message: str, *, round_index: int, stats: DynamicSamplingStats) -> None:
+        super().__init__(message)
+        self.round_index = round_index
+        self.stats = stats
+
+
 @dataclass(frozen=True, kw_only=True)
 class DynamicBatch:
     """The whole groups :meth:`DynamicSampler.sample` kept.
@@ -222,7 +237,8 @@ class DynamicSampler:
     ``sampler.sample(next_prompts, generate, reward)`` with:
 
     - ``next_prompts(count) -> prompts``: the next ``count`` prompts, any type (token-id lists, a
-      :class:`rlhfkit.data.PromptBatch`, ...); called once per round.
+      :class:`rlhfkit.data.PromptBatch`, ...); called once per round. Fewer than ``count`` are used as they come;
+      none (an empty sequence or None) or ``StopIteration`` raises :class:`PromptsExhaustedError`.
     - ``generate(prompts) -> list[Rollout]``: all ``n`` samples of each prompt, ``prompt_index`` naming the prompt
       (e.g. ``lambda p: engine.generate(p.token_ids, sampling)``).
     - ``reward(prompts, rollouts) -> [N]``: one float per rollout, the reward to filter on (the task reward; add
@@ -249,7 +265,10 @@ class DynamicSampler:
             if missing == 0:
                 break
             count = math.ceil(missing * config.oversample_factor)
-            prompts = next_prompts(count)
+            so_far = DynamicSamplingStats(num_groups_requested=config.num_groups, num_groups_kept=len(kept),
+                                          num_groups_dropped=dropped, num_groups_surplus=surplus,
+                                          num_rounds=len(prompts_per_round), num_prompts=num_prompts)
+            prompts = _ask_prompts(next_prompts, count, round_index, so_far)
             prompts_per_round.append(prompts)
             num_prompts += count
             rollouts = list(generate(prompts))
@@ -284,6 +303,24 @@ class DynamicSampler:
         return DynamicBatch(rollouts=rollouts_out, rewards=rewards_out,
                             origins=tuple((g.round, g.prompt_index) for g, _, _ in kept),
                             prompts=tuple(prompts_per_round), stats=stats)
+
+
+def _ask_prompts(next_prompts: Callable[[int], Any], count: int, round_index: int,
+                 so_far: DynamicSamplingStats) -> Any:
+    """``next_prompts(count)``; :class:`PromptsExhaustedError` when it returns none or raises ``StopIteration``."""
+    cause = None
+    try:
+        prompts = next_prompts(count)
+    except StopIteration as error:  # next(iterator) in a plain function: the data source, not a generator, ended
+        prompts, cause = None, error
+    if prompts is not None and not (hasattr(prompts, "__len__") and len(prompts) == 0):
+        return prompts
+    what = "raised StopIteration" if cause is not None else f"returned {prompts!r:.40}, no prompts"
+    raise PromptsExhaustedError(
+        f"dynamic sampling round {round_index}: next_prompts({count}) {what}: the prompt source ran out, not "
+        f"generate ({so_far.num_groups_kept} of num_groups={so_far.num_groups_requested} groups kept; "
+        f"{so_far.num_prompts} prompts asked for in the {so_far.num_rounds} rounds before); start the next epoch of "
+        "prompts (e.g. a fresh iterator) or end training", round_index=round_index, stats=so_far) from cause
 
 
 def _round_rewards(values: Any, rollouts: list[Rollout], round_index: int) -> torch.Tensor:

@@ -4,11 +4,14 @@ versions, and a :class:`RolloutProducer` thread that keeps it filled while the t
 What it does: the producer calls your ``generate_fn(prompts, weight_version)`` (or an
 :class:`~rlhfkit.engines.router.EngineGroup`-like object's ``.generate(prompts, sampling)``) on batches from your
 prompt iterator and puts each prompt's rollouts (one *group*: all ``n`` samples) into the buffer, stamped with
-``current_version()`` read when the request started. The trainer's ``buffer.get(num_groups, trainer_version=v)``
-hands out only groups with ``v - weight_version <= max_staleness``. Older groups are dropped and counted
-(``on_stale="drop"``), or the producer is held back before generating so that they do not arise
-(``on_stale="wait"``, see :class:`RolloutBufferConfig`). Every wait is bounded and its timeout names what was waited
-for; a producer's exception reaches the trainer's next ``get``; :meth:`RolloutBuffer.close` wakes every waiter.
+``current_version()`` read when the request started and given a group id of its own (``Rollout.prompt_index``, the
+group's serial number in the buffer), so groups of different batches never merge in a group estimator. The trainer's
+``buffer.get(num_groups, trainer_version=v)`` hands out only groups with ``v - weight_version <= max_staleness``.
+Older groups are dropped and counted (``on_stale="drop"``), or the producer is held back before generating so that
+they do not arise (``on_stale="wait"``, see :class:`RolloutBufferConfig`). Every wait is bounded and its timeout
+names what was waited for; a producer's exception reaches the trainer's next ``get``; once every producer has
+finished, a ``get`` the queue cannot fill raises :class:`RolloutBufferExhaustedError` at once;
+:meth:`RolloutBuffer.close` wakes every waiter.
 
 Versions per token: a rollout continued after an in-flight weight update (:meth:`rlhfkit.hybrid.Hybrid.push_weights`
 with ``HybridConfig(overlap=True)``, :meth:`rlhfkit.engines.hf.HFEngine.pause_generation`) carries the version of each
@@ -37,8 +40,8 @@ from rlhfkit._checks import version_lag
 from rlhfkit._cu_seqlens import repeat_counts
 from rlhfkit.types import Rollout
 
-__all__ = ["RolloutBuffer", "RolloutBufferClosedError", "RolloutBufferConfig", "RolloutProducer",
-           "RolloutProducerError", "RolloutTimeoutError", "staleness", "token_staleness"]
+__all__ = ["RolloutBuffer", "RolloutBufferClosedError", "RolloutBufferConfig", "RolloutBufferExhaustedError",
+           "RolloutProducer", "RolloutProducerError", "RolloutTimeoutError", "staleness", "token_staleness"]
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +50,17 @@ _POLL_S = 0.02  # how often a waiting producer re-reads current_version() (the t
 
 class RolloutBufferClosedError(RuntimeError):
     """The buffer was closed (:meth:`RolloutBuffer.close`) while, or before, a caller waited on it."""
+
+
+class RolloutBufferExhaustedError(RuntimeError):
+    """Every producer started on the buffer has finished (its prompts ran out, or it was stopped) and fewer groups
+    than a ``get`` asked for are queued within the staleness bound: no more will come. ``num_groups`` is what was
+    asked, ``num_queued`` what is left (``get(num_queued)`` takes them when it is > 0)."""
+
+    def __init__(self, message: str, *, num_groups: int, num_queued: int) -> None:
+        super().__init__(message)
+        self.num_groups = num_groups
+        self.num_queued = num_queued
 
 
 class RolloutProducerError(RuntimeError):
@@ -157,6 +171,14 @@ class RolloutBuffer:
     A group is the rollouts of one prompt (all its samples). ``put`` stamps every rollout of a group with the group's
     ``weight_version`` (``Rollout.weight_version`` is replaced where it differs): the version your bookkeeping
     reports is the one the bound uses, so report the version of the weights the engines hold (completed pushes).
+
+    Group ids: every queued group gets a fresh id as the ``prompt_index`` of all its rollouts: its serial number in
+    the buffer (0, 1, 2, ... in the order groups are queued, dropped ones included). An engine numbers the prompts
+    of each call from 0, so two batches' groups would otherwise share ids and merge in a group estimator
+    (:func:`rlhfkit.advantages.grpo_advantages` groups by ``prompt_index``). With one producer, a group's id is its
+    prompt's position in the stream of prompts the producer read (batch ``k``'s prompt ``i``: the sizes of batches
+    ``0 .. k-1`` plus ``i``); carry labels and texts on the rollouts (``Rollout.label``, ``prompt_text``).
+
     After :meth:`close`, ``get`` and ``put`` raise; groups still queued are not handed out.
     """
 
@@ -170,6 +192,9 @@ class RolloutBuffer:
         self._closed = False
         self._error: BaseException | None = None
         self._producers: dict[str, str] = {}  # name -> what it is doing, quoted by timeout errors
+        self._num_producers_started = 0
+        self._num_producers_running = 0
+        self._next_group_id = 0
         self._last_get_version = -1
         self._handed_at_last_version = 0
         self._histogram = torch.zeros(config.max_staleness + 1, dtype=torch.int64)
@@ -202,7 +227,7 @@ class RolloutBuffer:
                                 lambda: f"put() of a group (weight_version={stamped.weight_version}) waited for room: "
                                         f"the buffer holds {len(self._queue)} of capacity={self.config.capacity} "
                                         f"groups ({self._reserved} reserved by producers)")
-            self._queue.append(stamped)
+            self._queue.append(self._number(stamped))
             self._counts["groups_in"] += 1
             self._cond.notify_all()
 
@@ -219,6 +244,13 @@ class RolloutBuffer:
             weight_version = min(int(r.weight_version) for r in group)
         _check_version("weight_version", weight_version)
         return _Group([self._restamp(r, weight_version) for r in group], weight_version)
+
+    def _number(self, group: _Group) -> _Group:
+        """``group`` with the next group id as every rollout's ``prompt_index`` (lock held)."""
+        group_id, self._next_group_id = self._next_group_id, self._next_group_id + 1
+        rollouts = [r if r.prompt_index == group_id else dataclasses.replace(r, prompt_index=group_id)
+                    for r in group.rollouts]
+        return _Group(rollouts, group.weight_version)
 
     @staticmethod
     def _restamp(rollout: Rollout, weight_version: int) -> Rollout:
@@ -310,7 +342,7 @@ class RolloutBuffer:
         with self._cond:
             self._reserved -= num_reserved
             self._raise_if_closed()
-            self._queue.extend(groups)
+            self._queue.extend(self._number(group) for group in groups)
             self._counts["groups_in"] += len(groups)
             self._cond.notify_all()
 
@@ -322,6 +354,18 @@ class RolloutBuffer:
     def _set_status(self, producer: str, status: str) -> None:
         with self._cond:
             self._producers[producer] = status
+
+    def _producer_started(self, producer: str) -> None:
+        with self._cond:
+            self._producers[producer] = "starting"
+            self._num_producers_started += 1
+            self._num_producers_running += 1
+
+    def _producer_finished(self) -> None:
+        """A producer's thread ends (done, stopped or failed): a ``get`` waiting for more may be unable to fill."""
+        with self._cond:
+            self._num_producers_running -= 1
+            self._cond.notify_all()
 
     def _fail(self, error: BaseException) -> None:
         """A producer failed: every waiter (and every later ``get``/``put``) raises ``error``."""
@@ -335,7 +379,9 @@ class RolloutBuffer:
         """The ``num_groups`` oldest groups with ``trainer_version - weight_version <= max_staleness``, FIFO; waits
         (at most ``timeout_s``, default ``config.get_timeout_s``) until that many are queued. Staler groups are dropped
         and counted. Raises a producer's :class:`RolloutProducerError`, :class:`RolloutBufferClosedError` after
-        :meth:`close`, :class:`RolloutTimeoutError` naming what it waited for."""
+        :meth:`close`, :class:`RolloutTimeoutError` naming what it waited for, and (at once, without waiting out the
+        timeout) :class:`RolloutBufferExhaustedError` when producers were started on the buffer, all have finished
+        and fewer than ``num_groups`` groups are queued. With no producer ever started it waits for ``put``."""
         capacity = self.config.capacity
         if isinstance(num_groups, bool) or not isinstance(num_groups, int) or not 1 <= num_groups <= capacity:
             raise ValueError(f"get(num_groups={num_groups!r}); must be an int in [1, capacity={self.config.capacity}]")
@@ -356,6 +402,9 @@ class RolloutBuffer:
                     self._drop_stale(trainer_version)
                     if len(self._queue) >= num_groups:
                         return self._hand_out(num_groups, trainer_version)
+                    if self._num_producers_started and not self._num_producers_running:
+                        raise RolloutBufferExhaustedError(self._exhausted_message(num_groups, trainer_version),
+                                                          num_groups=num_groups, num_queued=len(self._queue))
                     remaining = start + timeout - time.monotonic()
                     if remaining <= 0:
                         raise RolloutTimeoutError(self._get_timeout_message(num_groups, trainer_version, timeout))
@@ -385,21 +434,32 @@ class RolloutBuffer:
             self._cond.notify_all()
 
     def _hand_out(self, num_groups: int, trainer_version: int) -> list[list[Rollout]]:
-        handed = [self._queue.popleft() for _ in range(num_groups)]
+        handed = [self._queue[index] for index in range(num_groups)]
         groups = [group.rollouts for group in handed]
+        # token_staleness raises on a token newer than trainer_version: check before popping, so that the groups
+        # stay queued for a get with a consistent version.
+        token_ages = token_staleness([r for group in groups for r in group], trainer_version)
+        for _ in range(num_groups):
+            self._queue.popleft()
         # A group's rollouts all carry its stamp, which _drop_stale checked against trainer_version: each rollout's
         # staleness is its group's, and only the tokens (a version each) go through token_staleness.
         ages = repeat_counts(torch.tensor([trainer_version - group.weight_version for group in handed]),
                              torch.tensor([len(group.rollouts) for group in handed]))
         assert 0 <= int(ages.min()) and int(ages.max()) <= self.config.max_staleness
         self._histogram += torch.bincount(ages, minlength=self.config.max_staleness + 1)
-        token_ages = token_staleness([r for group in groups for r in group], trainer_version)
         self._token_histogram += torch.bincount(token_ages, minlength=self.config.max_staleness + 1)
         self._handed_at_last_version += num_groups
         self._counts["groups_out"] += num_groups
         self._counts["rollouts_out"] += int(ages.numel())
         self._cond.notify_all()
         return groups
+
+    def _exhausted_message(self, num_groups: int, trainer_version: int) -> str:
+        producers = "; ".join(f"{name!r}: {status}" for name, status in self._producers.items())
+        return (f"get(num_groups={num_groups}, trainer_version={trainer_version}): every producer has finished "
+                f"({producers}) and {len(self._queue)} groups with weight_version >= "
+                f"{trainer_version - self.config.max_staleness} are queued, so no more will come; take the rest "
+                f"with get({len(self._queue)}) if any, or start a producer with more prompts")
 
     def _get_timeout_message(self, num_groups: int, trainer_version: int, timeout_s: float) -> str:
         producers = "; ".join(f"{name!r}: {status}" for name, status in self._producers.items()) or "none started"
@@ -462,7 +522,10 @@ class RolloutProducer:
 
     A batch admitted before :meth:`stop` but finished after it is discarded. An exception in the thread (the
     engine died, the iterator raised) is handed to the buffer: the trainer's next ``get`` raises
-    :class:`RolloutProducerError` chained to it, naming the producer and the batch.
+    :class:`RolloutProducerError` chained to it, naming the producer and the batch. When the thread ends (prompts
+    exhausted, stopped) and no other producer of the buffer runs, a ``get`` the queue cannot fill raises
+    :class:`RolloutBufferExhaustedError`. The groups it puts get the buffer's group ids (``prompt_index``), whatever
+    ``generate`` numbered them.
     """
 
     def __init__(self, buffer: RolloutBuffer, generate: Callable[[list[list[int]], int], list[Rollout]] | Any,
@@ -498,7 +561,7 @@ class RolloutProducer:
         if self._started:
             raise RuntimeError(f"producer {self.name!r} was already started; make a new RolloutProducer")
         self._started = True
-        self.buffer._set_status(self.name, "starting")
+        self.buffer._producer_started(self.name)
         self._thread.start()
         return self
 
@@ -567,6 +630,8 @@ class RolloutProducer:
             failure.__cause__ = error
             logger.debug("%s", failure)
             self.buffer._fail(failure)
+        finally:
+            self.buffer._producer_finished()
 
     def _split(self, rollouts: Any, num_prompts: int, version: int) -> list[_Group]:
         if not isinstance(rollouts, list) or not rollouts or len(rollouts) % num_prompts:

@@ -7,11 +7,13 @@ the trainer sees exactly what the engine sampled. Each :class:`Trajectory` keeps
 log-prob of every sampled token, a loss mask that is False on observation tokens, and its status; ``to_rollout()``
 gives a :class:`~rlhfkit.types.Rollout` (with ``response_loss_mask``) for :func:`rlhfkit.experience.make_experience`.
 Limits: turns per conversation and total tokens (a context overflow ends the trajectory and is recorded). Every
-environment call has a timeout; an exception or a timeout fails the attempt (recorded with its type), the trajectory
-is retried from scratch up to ``max_attempts`` times, and a GRPO group with a member that still failed is retried or
-dropped as a whole (``group_policy``), never mixed. Every trajectory comes back, with its status. With an
-:class:`~rlhfkit.engines.router.EngineGroup`, each group is pinned to one engine for all its turns
-(``assign_sessions`` + ``generate(engine_indices=...)``) so that engine's prefix cache serves the conversation.
+environment call (``make_environment()``, ``reset``, ``step``) has a timeout; an exception, a timeout or an invalid
+observation (not text or in-vocabulary token ids) fails that trajectory's attempt alone (recorded with its type, the
+environment and the trajectory named), the trajectory is retried from scratch up to ``max_attempts`` times, and a
+GRPO group with a member that still failed is retried or dropped as a whole (``group_policy``), never mixed. Every
+trajectory comes back, with its status. With an :class:`~rlhfkit.engines.router.EngineGroup`, each group is pinned
+to one engine for all its turns (``assign_sessions`` + ``generate(engine_indices=...)``) so that engine's prefix
+cache serves the conversation.
 
 What it does not do: advance conversations independently of each other (a turn waits for the slowest live
 environment, at most ``step_timeout_s``), render chat templates (observations are text or ids you format), or
@@ -73,6 +75,9 @@ class MultiTurnConfig:
             ``"context_overflow"``. ``SamplingConfig.max_new_tokens`` is the per-turn limit.
         step_timeout_s: bound of every ``reset``/``step`` call; past it the attempt fails with
             :class:`StepTimeoutError` (the hung call is abandoned in its daemon thread).
+        make_environment_timeout_s: bound of the ``make_environment()`` calls of an attempt (made at once, one per
+            trajectory, e.g. starting a sandbox); a factory past it, or one that raises, fails only its trajectory's
+            attempt (a :class:`StepTimeoutError`, or the factory's exception).
         max_attempts: attempts of one trajectory (each from scratch, with a fresh environment and new sampling
             seeds) before it counts as failed.
         group_policy: what happens to a group (the ``n`` samples of one prompt) with a failed member: ``"drop"``
@@ -84,6 +89,7 @@ class MultiTurnConfig:
     max_turns: int = 4
     max_total_tokens: int = 2048
     step_timeout_s: float = 30.0
+    make_environment_timeout_s: float = 60.0
     max_attempts: int = 2
     group_policy: Literal["drop", "retry"] = "drop"
     max_group_attempts: int = 2
@@ -93,12 +99,27 @@ class MultiTurnConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"MultiTurnConfig.{name}={value!r}; must be an int >= 1")
-        if isinstance(self.step_timeout_s, bool) or not isinstance(self.step_timeout_s, (int, float)) \
-                or not (self.step_timeout_s > 0 and math.isfinite(self.step_timeout_s)):
-            raise ValueError(f"MultiTurnConfig.step_timeout_s={self.step_timeout_s!r}; must be a finite number of "
-                             "seconds > 0 (a hanging tool must not hang the run)")
+        for name in ("step_timeout_s", "make_environment_timeout_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                    or not (value > 0 and math.isfinite(value)):
+                raise ValueError(f"MultiTurnConfig.{name}={value!r}; must be a finite number of seconds > 0 (a "
+                                 "hanging tool or environment must not hang the run)")
         if self.group_policy not in ("drop", "retry"):
             raise ValueError(f"MultiTurnConfig.group_policy={self.group_policy!r}; choose 'drop' or 'retry'")
+
+
+def _vocab_size(tokenizer: Any) -> int:
+    """Token ids an observation may hold: ``len(tokenizer)`` (an HF tokenizer's vocabulary with its added tokens),
+    else its ``vocab_size``."""
+    try:
+        size = len(tokenizer)
+    except TypeError:
+        size = getattr(tokenizer, "vocab_size", None)
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise TypeError(f"tokenizer={tokenizer!r:.80} has neither len() nor an int vocab_size; pass the model's (HF) "
+                        "tokenizer (its vocabulary bounds the token ids of observations)")
+    return size
 
 
 def _check_inputs(prompts: Sequence[Sequence[int]], sampling: Any, config: Any, tokenizer: Any,
@@ -139,15 +160,21 @@ def generate_trajectories(engine: Any, prompt_token_ids: Sequence[Sequence[int]]
             :class:`~rlhfkit.engines.router.EngineGroup` (each group then stays on one engine).
         prompt_token_ids: the first prompts, e.g. chat-templated with the generation prompt open.
         sampling: ``n`` is the group size, ``max_new_tokens`` the per-turn limit; log-probs are always requested.
-        make_environment: returns a fresh environment; called once per attempt of every trajectory.
+        make_environment: returns a fresh environment; called once per attempt of every trajectory, bounded by
+            ``config.make_environment_timeout_s``.
         tokenizer: decodes turns for the environment and encodes text observations (each on its own).
         config: limits, timeouts, retries and the group rule.
         prompt_texts, labels: one per prompt, handed to ``Environment.reset`` and kept on the trajectories.
 
-    Engine errors (:class:`~rlhfkit.engines.router.EngineError`) are not a trajectory's failure: they propagate.
+    A trajectory whose environment fails (``make_environment()``, ``reset`` or ``step`` raises or times out, or
+    ``step`` answers an observation that is neither text nor token ids within the tokenizer's vocabulary; bytes are
+    refused) ends with ``status="failed"`` after its attempts, the exceptions in ``Trajectory.errors``, each naming
+    the environment and the trajectory's index; the other trajectories complete. Engine errors
+    (:class:`~rlhfkit.engines.router.EngineError`) are not a trajectory's failure: they propagate.
     """
     prompts = _check_inputs(prompt_token_ids, sampling, config, tokenizer, make_environment,
                             {"prompt_texts": prompt_texts, "labels": labels})
+    vocab_size = _vocab_size(tokenizer)
     pinned = callable(getattr(engine, "assign_sessions", None))  # an EngineGroup: keep each group on one engine
     engines: list[int | None] = [None] * len(prompts)
     if pinned:
@@ -155,7 +182,8 @@ def generate_trajectories(engine: Any, prompt_token_ids: Sequence[Sequence[int]]
         engines = list(engine.assign_sessions(work))
 
     def job(prompt_index: int, sample_index: int, attempt: int) -> Job:
-        return Job(prompt_index, sample_index, prompts[prompt_index], attempt, engines[prompt_index],
+        return Job(prompt_index * sampling.n + sample_index, prompt_index, sample_index, prompts[prompt_index], attempt,
+                   engines[prompt_index],
                    None if prompt_texts is None else prompt_texts[prompt_index],
                    None if labels is None else labels[prompt_index])
 
@@ -167,8 +195,9 @@ def generate_trajectories(engine: Any, prompt_token_ids: Sequence[Sequence[int]]
         for attempt in range(config.max_attempts):
             done = run_attempt([job(p, s, first_attempt + attempt) for p, s in pending], engine=engine,
                                sampling=sampling, make_environment=make_environment, tokenizer=tokenizer,
-                               max_turns=config.max_turns, max_total_tokens=config.max_total_tokens,
-                               step_timeout_s=config.step_timeout_s, pinned=pinned)
+                               vocab_size=vocab_size, max_turns=config.max_turns,
+                               max_total_tokens=config.max_total_tokens, step_timeout_s=config.step_timeout_s,
+                               make_environment_timeout_s=config.make_environment_timeout_s, pinned=pinned)
             for key, trajectory in zip(pending, done):
                 errors[key] += trajectory.errors
                 results[key] = replace(trajectory, errors=errors[key], num_attempts=attempt + 1)

@@ -1,5 +1,5 @@
 """The environment interface of :mod:`rlhfkit.multiturn` (private; re-exported there): what an environment is told
-(:class:`Episode`, :class:`Action`) and what it answers (:class:`StepResult`). Needs only the standard library.
+(:class:`Episode`, :class:`Action`) and what it answers (:class:`StepResult`). Needs only torch.
 """
 
 from __future__ import annotations
@@ -7,6 +7,8 @@ from __future__ import annotations
 from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol, runtime_checkable
+
+import torch
 
 __all__ = ["Action", "Environment", "Episode", "StepResult"]
 
@@ -52,23 +54,26 @@ class StepResult:
 
     Attributes:
         observation: what the model reads next: text (tokenised on its own with the tokenizer given to
-            ``generate_trajectories``, never together with the context) or token ids (used as they are). Its tokens
-            are appended to the context with loss mask 0. Ignored when ``done``.
+            ``generate_trajectories``, never together with the context) or token ids (a list of ints or a 1-D integer
+            tensor, each in ``[0, len(tokenizer))``, used as they are; ``bytes`` are refused, never read as ids).
+            Its tokens are appended to the context with loss mask 0. Ignored when ``done``. ``generate_trajectories``
+            checks it: anything else fails the trajectory, naming the environment and the trajectory.
         done: the conversation is over (the model gave its final answer, or the environment ended it).
         num_tool_calls: well-formed tool calls this turn made (for statistics).
         num_tool_errors: of those, calls whose arguments the tool refused (:class:`ToolArgumentError`).
         malformed: the error message when the turn's tool call could not be parsed, else None.
     """
 
-    observation: str | Sequence[int] = ""
+    observation: str | Sequence[int] | torch.Tensor = ""
     done: bool = False
     num_tool_calls: int = 0
     num_tool_errors: int = 0
     malformed: str | None = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.observation, (str, Sequence)):
-            raise TypeError(f"StepResult.observation={self.observation!r}; pass text or a sequence of token ids")
+        if not isinstance(self.observation, (str, Sequence, torch.Tensor)):
+            raise TypeError(f"StepResult.observation={self.observation!r:.80}; pass text or token ids (a list or a "
+                            "1-D integer tensor)")
         if not isinstance(self.done, bool):
             raise TypeError(f"StepResult.done={self.done!r}; must be a bool")
         for name in ("num_tool_calls", "num_tool_errors"):
@@ -81,11 +86,12 @@ class StepResult:
 class Environment(Protocol):
     """One conversation's environment, written in plain Python. ``reset`` and ``step`` may be ``def`` or
     ``async def``; each call is bounded by ``MultiTurnConfig.step_timeout_s``. A fresh object serves every attempt of
-    every trajectory (``make_environment()`` is called once per attempt), so it may keep per-conversation state.
+    every trajectory (``make_environment()`` is called once per attempt, bounded by
+    ``MultiTurnConfig.make_environment_timeout_s``), so it may keep per-conversation state.
 
-    An exception raised by ``reset`` or ``step`` fails the trajectory (recorded with its type, then retried); a
-    problem that is the model's doing (a malformed call, bad tool arguments) should instead come back as an
-    observation or a ``StepResult(done=True, malformed=...)``.
+    An exception raised by ``make_environment()``, ``reset`` or ``step`` fails the trajectory (recorded with its
+    type, then retried); a problem that is the model's doing (a malformed call, bad tool arguments) should instead
+    come back as an observation or a ``StepResult(done=True, malformed=...)``.
     """
 
     def reset(self, episode: Episode) -> None | Awaitable[None]:

@@ -1,13 +1,18 @@
 """The turn loop of :mod:`rlhfkit.multiturn` (private): one attempt of a batch of trajectories, turn by turn.
 
-Every turn: the contexts of the live trajectories go to the engine in one ``generate`` call per per-turn token cap
-(pinned to their engine when the engine is an ``EngineGroup``), then every environment's ``step`` runs at once under
-the step timeout, then observation ids are appended. Needs only torch (engines and tokenizers are passed in).
+An attempt first makes every trajectory's environment (``make_environment()``, all at once under
+``make_environment_timeout_s``) and resets it. Every turn: the contexts of the live trajectories go to the engine in
+one ``generate`` call per per-turn token cap (pinned to their engine when the engine is an ``EngineGroup``), then
+every environment's ``step`` runs at once under the step timeout, then observation ids are checked and appended. A
+factory, ``reset`` or ``step`` that raises or times out, and an observation that is not text or in-vocabulary token
+ids, fail that one trajectory (recorded on it); the others go on. Needs only torch (engines and tokenizers are passed
+in).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -15,7 +20,7 @@ import torch
 
 from rlhfkit._calls import CallOutcome, call_all
 from rlhfkit.engines.protocol import SamplingConfig
-from rlhfkit.multiturn._env import Action, Episode, StepResult
+from rlhfkit.multiturn._env import Action, Environment, Episode, StepResult
 from rlhfkit.multiturn._trajectory import StepTimeoutError, Trajectory, Turn
 
 __all__ = ["Job", "run_attempt"]
@@ -23,8 +28,10 @@ __all__ = ["Job", "run_attempt"]
 
 @dataclasses.dataclass(frozen=True)
 class Job:
-    """One trajectory to (re-)run: its place, its prompt, its attempt number and its engine (or None)."""
+    """One trajectory to (re-)run: its place (``index`` in the returned list, ``prompt_index``, ``sample_index``), its
+    prompt, its attempt number and its engine (or None)."""
 
+    index: int
     prompt_index: int
     sample_index: int
     prompt: tuple[int, ...]
@@ -35,8 +42,8 @@ class Job:
 
 
 class _State:
-    def __init__(self, job: Job, environment: Any) -> None:
-        self.job, self.environment = job, environment
+    def __init__(self, job: Job, environment: Any, factory: Callable[[], Any]) -> None:
+        self.job, self.environment, self.factory = job, environment, factory
         self.context = list(job.prompt)
         self.tokens: list[int] = []
         self.logprobs: list[float] = []
@@ -48,13 +55,19 @@ class _State:
         self.final_text = ""
 
     def where(self) -> str:
-        return (f"trajectory (prompt_index={self.job.prompt_index}, sample_index={self.job.sample_index}, "
-                f"attempt {self.job.attempt})")
+        return (f"trajectory {self.job.index} (prompt_index={self.job.prompt_index}, sample_index="
+                f"{self.job.sample_index}, attempt {self.job.attempt})")
 
-    def fail(self, outcome: CallOutcome, call: str, timeout_s: float) -> bool:
+    def environment_name(self) -> str:
+        """The environment's class, or the factory when it made none."""
+        if self.environment is not None:
+            return type(self.environment).__name__
+        return f"make_environment={getattr(self.factory, '__qualname__', repr(self.factory))}"
+
+    def fail(self, outcome: CallOutcome, call: str, timeout_s: float, timeout_field: str = "step_timeout_s") -> bool:
         if outcome.timed_out:
-            self.error = StepTimeoutError(f"{call} of {self.where()} did not return within step_timeout_s="
-                                          f"{timeout_s:g} s (a hanging tool or environment)")
+            self.error = StepTimeoutError(f"{call} of {self.where()} ({self.environment_name()}) did not return "
+                                          f"within {timeout_field}={timeout_s:g} s (a hanging tool or environment)")
             self.end_reason = "timeout"
         elif outcome.error is not None:
             self.error, self.end_reason = outcome.error, "error"
@@ -109,19 +122,54 @@ def _generate(engine: Any, states: list[_State], sampling: SamplingConfig, turn:
             state.final_text = tokenizer.decode(ids, skip_special_tokens=True)
 
 
+def _observation_ids(observation: Any, tokenizer: Any, vocab_size: int, where: str) -> list[int]:
+    """The ids of an observation: text encoded on its own, or token ids (a sequence or a 1-D integer tensor) each in
+    ``[0, vocab_size)``. ``TypeError``/``ValueError`` naming ``where`` otherwise; bytes are refused, never read as
+    ids (``list(b"12")`` is ``[49, 50]``, not the text)."""
+    if isinstance(observation, str):
+        return tokenizer.encode(observation, add_special_tokens=False)
+    fix = "return text (str) or token ids (a list or 1-D integer tensor)"
+    if isinstance(observation, (bytes, bytearray, memoryview)):
+        raise TypeError(f"{where} returned observation={bytes(observation)!r:.80}, bytes; {fix}: decode the bytes "
+                        "to str first")
+    if isinstance(observation, torch.Tensor):
+        if observation.dim() != 1 or observation.dtype.is_floating_point or observation.dtype.is_complex \
+                or observation.dtype == torch.bool:
+            raise TypeError(f"{where} returned an observation tensor of shape {tuple(observation.shape)} and dtype "
+                            f"{observation.dtype}; {fix}")
+        ids = observation.tolist()
+    elif isinstance(observation, Sequence):
+        ids = list(observation)
+        for position, token in enumerate(ids):
+            if isinstance(token, bool) or not isinstance(token, numbers.Integral):
+                raise TypeError(f"{where} returned observation[{position}]={token!r:.80} ({type(token).__name__}); "
+                                f"{fix}, not a list of {type(token).__name__}")
+        ids = [int(token) for token in ids]
+    else:
+        raise TypeError(f"{where} returned observation={observation!r:.80} ({type(observation).__name__}); {fix}")
+    for position, token in enumerate(ids):
+        if not 0 <= token < vocab_size:
+            raise ValueError(f"{where} returned observation[{position}]={token}, outside the tokenizer's vocabulary "
+                             f"[0, {vocab_size}); return ids the model knows, or text")
+    return ids
+
+
 def _observe(state: _State, result: StepResult, turn: int, max_turns: int, max_total_tokens: int,
-             tokenizer: Any) -> None:
+             tokenizer: Any, vocab_size: int) -> None:
     state.turns[-1] = dataclasses.replace(state.turns[-1], num_tool_calls=result.num_tool_calls,
                                           num_tool_errors=result.num_tool_errors, malformed=result.malformed)
     if result.done:
         state.end_reason = "malformed_call" if result.malformed is not None else "done"
         return
+    try:  # checked even on the last turn: the environment could not know, and a bad answer is its bug
+        ids = _observation_ids(result.observation, tokenizer, vocab_size,
+                               f"{state.environment_name()}.step() of {state.where()}, turn {turn},")
+    except (TypeError, ValueError) as error:
+        state.error, state.end_reason = error, "error"
+        return
     if turn + 1 >= max_turns:
         state.end_reason = "max_turns"
         return
-    observation = result.observation
-    ids = (tokenizer.encode(observation, add_special_tokens=False) if isinstance(observation, str)
-           else [int(token) for token in observation])
     if len(state.context) + len(ids) >= max_total_tokens:  # no room for the observation and one more token
         state.end_reason = "context_overflow"
         return
@@ -134,16 +182,34 @@ def _observe(state: _State, result: StepResult, turn: int, max_turns: int, max_t
     state.context += ids
 
 
+def _make_environments(jobs: Sequence[Job], make_environment: Callable[[], Any], timeout_s: float) -> list[_State]:
+    """Every job's state with a fresh environment; a factory that raises, hangs or returns no environment fails only
+    its trajectory."""
+    outcomes = call_all([make_environment] * len(jobs), timeout_s=timeout_s, name="make-environment")
+    states = []
+    for job, outcome in zip(jobs, outcomes):
+        made = outcome.value if outcome.error is None and not outcome.timed_out else None
+        state = _State(job, made if isinstance(made, Environment) else None, make_environment)
+        if not state.fail(outcome, "make_environment()", timeout_s, "make_environment_timeout_s") \
+                and state.environment is None:
+            state.error = TypeError(f"{state.environment_name()} returned {type(made).__name__} for "
+                                    f"{state.where()}; it must return an Environment (reset and step methods)")
+            state.end_reason = "error"
+        states.append(state)
+    return states
+
+
 def run_attempt(jobs: Sequence[Job], *, engine: Any, sampling: SamplingConfig, make_environment: Callable[[], Any],
-                tokenizer: Any, max_turns: int, max_total_tokens: int, step_timeout_s: float,
-                pinned: bool) -> list[Trajectory]:
+                tokenizer: Any, vocab_size: int, max_turns: int, max_total_tokens: int, step_timeout_s: float,
+                make_environment_timeout_s: float, pinned: bool) -> list[Trajectory]:
     """One attempt of every job, turn by turn; returns one trajectory per job, in order (``num_attempts == 1``)."""
-    states = [_State(job, make_environment()) for job in jobs]
+    states = _make_environments(jobs, make_environment, make_environment_timeout_s)
+    made = [s for s in states if s.end_reason is None]
     episodes = [Episode(prompt_index=s.job.prompt_index, sample_index=s.job.sample_index, attempt=s.job.attempt,
-                        prompt_text=s.job.prompt_text, label=s.job.label) for s in states]
-    outcomes = call_all([lambda s=s, e=e: s.environment.reset(e) for s, e in zip(states, episodes)],
+                        prompt_text=s.job.prompt_text, label=s.job.label) for s in made]
+    outcomes = call_all([lambda s=s, e=e: s.environment.reset(e) for s, e in zip(made, episodes)],
                         timeout_s=step_timeout_s, name="reset")
-    for state, outcome in zip(states, outcomes):
+    for state, outcome in zip(made, outcomes):
         state.fail(outcome, "reset", step_timeout_s)
     for turn in range(max_turns):
         live = [s for s in states if s.end_reason is None]
@@ -162,9 +228,10 @@ def run_attempt(jobs: Sequence[Job], *, engine: Any, sampling: SamplingConfig, m
             if state.fail(outcome, f"step of turn {turn}", step_timeout_s):
                 continue
             if not isinstance(outcome.value, StepResult):
-                state.error = TypeError(f"step() of {state.where()} returned {type(outcome.value).__name__}; it "
-                                        "must return a rlhfkit.multiturn.StepResult")
+                state.error = TypeError(f"{state.environment_name()}.step() of {state.where()} returned "
+                                        f"{type(outcome.value).__name__}; it must return a "
+                                        "rlhfkit.multiturn.StepResult")
                 state.end_reason = "error"
                 continue
-            _observe(state, outcome.value, turn, max_turns, max_total_tokens, tokenizer)
+            _observe(state, outcome.value, turn, max_turns, max_total_tokens, tokenizer, vocab_size)
     return [state.result() for state in states]

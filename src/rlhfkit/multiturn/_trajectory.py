@@ -22,7 +22,8 @@ _FINISH = {"done": "stop", "malformed_call": "stop", "max_turns": "length", "con
 
 
 class StepTimeoutError(TimeoutError):
-    """An environment call (``reset`` or ``step``) did not return within ``MultiTurnConfig.step_timeout_s``."""
+    """An environment call did not return in time: ``reset`` or ``step`` within ``MultiTurnConfig.step_timeout_s``,
+    ``make_environment()`` within ``MultiTurnConfig.make_environment_timeout_s``."""
 
 
 @dataclass(frozen=True, kw_only=True)
