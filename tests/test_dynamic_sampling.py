@@ -13,6 +13,7 @@ from rlhfkit.dynamic_sampling import (
     DynamicSampler,
     DynamicSamplingConfig,
     DynamicSamplingError,
+    PromptsExhaustedError,
     group_reward_std,
     informative_groups,
 )
@@ -278,3 +279,31 @@ def test_next_prompts_running_dry_is_named_as_the_cause(tiny_llama_path):
     with pytest.raises(PromptsExhaustedError, match=r"round 1: next_prompts\(2\) raised StopIteration") as info:
         sampler.sample(from_iterator, generate, uniform)
     assert isinstance(info.value.__cause__, StopIteration)
+
+
+def test_partial_returns_the_kept_groups_when_next_prompts_runs_dry(tiny_llama_path):
+    """With on_shortfall="partial", prompts running dry return the groups kept so far instead of losing them."""
+    from rlhfkit.engines import SamplingConfig
+    from rlhfkit.engines.hf import HFEngine, HFEngineConfig
+
+    engine = HFEngine(HFEngineConfig(model=str(tiny_llama_path), seed=0))
+    dataset, cursor = [[5, 6, 7], [8, 9, 10], [11, 12, 13]], [0]
+
+    def next_prompts(count):
+        start = cursor[0]
+        cursor[0] += count
+        return dataset[start:start + count]
+
+    def generate(prompts):
+        return engine.generate(prompts, SamplingConfig(n=2, max_new_tokens=3, seed=0))
+
+    def first_prompt_informative(prompts, rollouts):   # only the group of prompt [5, 6, 7] varies
+        return [float(r.sample_index) if list(prompts[r.prompt_index]) == [5, 6, 7] else 0.0 for r in rollouts]
+
+    config = DynamicSamplingConfig(num_groups=2, max_rounds=5, on_shortfall="partial")
+    batch = DynamicSampler(config).sample(next_prompts, generate, first_prompt_informative)
+    assert batch.stats.num_groups_kept == 1 and len(batch.rollouts) == 2
+    with pytest.raises(PromptsExhaustedError):
+        cursor[0] = 0
+        DynamicSampler(DynamicSamplingConfig(num_groups=2, max_rounds=5)).sample(
+            next_prompts, generate, first_prompt_informative)

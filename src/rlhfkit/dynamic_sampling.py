@@ -185,8 +185,8 @@ class DynamicSamplingError(RuntimeError):
 
 class PromptsExhaustedError(RuntimeError):
     """``next_prompts`` ran dry during :meth:`DynamicSampler.sample`: it returned no prompts (an empty sequence or
-    None) or raised ``StopIteration`` (then the ``__cause__``). Raised whatever ``on_shortfall`` says, before
-    ``generate`` is called; the groups kept so far are discarded. ``round_index`` is the round that asked, ``stats``
+    None) or raised ``StopIteration`` (then the ``__cause__``), before ``generate`` is called. With
+    ``on_shortfall="partial"`` and some groups kept, :meth:`DynamicSampler.sample` returns those instead. ``round_index`` is the round that asked, ``stats``
     what the call generated before it (``num_rounds`` counts the rounds that generated)."""
 
     def __init__(self, message: str, *, round_index: int, stats: DynamicSamplingStats) -> None:
@@ -268,7 +268,13 @@ class DynamicSampler:
             so_far = DynamicSamplingStats(num_groups_requested=config.num_groups, num_groups_kept=len(kept),
                                           num_groups_dropped=dropped, num_groups_surplus=surplus,
                                           num_rounds=len(prompts_per_round), num_prompts=num_prompts)
-            prompts = _ask_prompts(next_prompts, count, round_index, so_far)
+            try:
+                prompts = _ask_prompts(next_prompts, count, round_index, so_far)
+            except PromptsExhaustedError as error:
+                if config.on_shortfall == "raise" or not kept:
+                    raise
+                logger.warning("%s; returning the groups kept so far (on_shortfall='partial')", error)
+                break
             prompts_per_round.append(prompts)
             num_prompts += count
             rollouts = list(generate(prompts))
