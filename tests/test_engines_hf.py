@@ -387,6 +387,75 @@ def test_weight_versions_strictly_increase(tiny_llama_path, prompt_ids):
     assert engine.weight_version == 6
 
 
+# --- LoRA adapters merged into the weights ---------------------------------------------------------------------------
+def _adapter(model, lora, *, seed=1, rank=None):
+    """Random adapter tensors for ``lora`` on ``model`` (peft's names), of rank ``rank`` (default: the config's)."""
+    from rlhfkit.lora import describe_adapter
+
+    generator = torch.Generator().manual_seed(seed)
+    out = []
+    for name, (rows, cols), _ in describe_adapter(model, lora, dtype=torch.float32):
+        shape = (rank or rows, cols) if name.endswith("lora_A.weight") else (rows, rank or cols)
+        out.append((name, 0.3 * torch.randn(shape, generator=generator)))
+    return out
+
+
+def _weights(engine):
+    return {name: param.detach().clone() for name, param in engine.model.named_parameters()}
+
+
+def test_load_adapter_checks_every_shape_before_merging_any(tiny_llama_path, prompt_ids):
+    """Regression (issue 50 item 7): load_adapter checked names only. An adapter of twice the config's rank merged
+    without error (a doubled update); a mis-shaped tensor of the last module failed mid-merge and left the first
+    modules merged while generate kept serving. Now each is a ValueError naming the tensor, its shape and the
+    expected one, and the weights, the version and the output are exactly as before."""
+    from rlhfkit.lora import LoraConfig
+
+    lora = LoraConfig(rank=4, alpha=8.0, target_modules=("q_proj", "v_proj"))
+    engine = HFEngine(HFEngineConfig(model=str(tiny_llama_path)))
+    greedy = SamplingConfig(temperature=0.0, max_new_tokens=6)
+    before, weights = engine.generate(prompt_ids, greedy), _weights(engine)
+    with pytest.raises(ValueError, match=r"'base_model\.model\.model\.layers\.0\.self_attn\.q_proj\.lora_A\.weight' "
+                                         r"has shape \(8, 64\); expected \(4, 64\)"):
+        engine.load_adapter(_adapter(engine.model, lora, rank=8), lora=lora)
+    bad = _adapter(engine.model, lora)
+    name, tensor = bad[-1]  # the last module's lora_B: every module before it would merge first
+    bad[-1] = (name, tensor[:-1])
+    with pytest.raises(ValueError, match=rf"'{name}' has shape \({tensor.shape[0] - 1}, 4\); "
+                                         rf"expected \({tensor.shape[0]}, 4\)"):
+        engine.load_adapter(bad, lora=lora)
+    assert engine.weight_version == 0
+    assert all(torch.equal(param, weights[name]) for name, param in engine.model.named_parameters())
+    after = engine.generate(prompt_ids, greedy)
+    assert [r.response_token_ids.tolist() for r in after] == [r.response_token_ids.tolist() for r in before]
+    assert engine.load_adapter(_adapter(engine.model, lora), lora=lora) == 8 and engine.weight_version == 1
+
+
+def test_load_adapter_under_a_new_config_replaces_the_previous_adapter(tiny_llama_path):
+    """Regression (issue 50 item 7, sibling): a load_adapter with another LoraConfig built a new merger whose base
+    was the already merged weights, so the new adapter came on top of the old one (and the old one stayed on
+    modules the new config does not target). Now the engine holds exactly what a fresh engine given only the new
+    adapter holds."""
+    from rlhfkit.lora import LoraConfig
+
+    first = LoraConfig(rank=4, alpha=8.0, target_modules=("q_proj", "v_proj"))
+    second = LoraConfig(rank=2, alpha=4.0, target_modules=("q_proj", "down_proj"))
+    engine = HFEngine(HFEngineConfig(model=str(tiny_llama_path)))
+    fresh = HFEngine(HFEngineConfig(model=str(tiny_llama_path)))
+    base = _weights(engine)
+    engine.load_adapter(_adapter(engine.model, first, seed=1), lora=first)
+    assert not torch.equal(engine.model.model.layers[0].self_attn.v_proj.weight,
+                           base["model.layers.0.self_attn.v_proj.weight"])
+    with pytest.raises(ValueError, match="has shape"):  # a refused adapter under the new config changes nothing
+        engine.load_adapter(_adapter(engine.model, second, rank=3), lora=second)
+    engine.load_adapter(_adapter(engine.model, second, seed=2), lora=second)
+    fresh.load_adapter(_adapter(fresh.model, second, seed=2), lora=second)
+    want = _weights(fresh)
+    assert all(torch.equal(param, want[name]) for name, param in engine.model.named_parameters())
+    engine.load_adapter(_adapter(engine.model, first, seed=3), lora=first)  # and back: down_proj is base again
+    assert torch.equal(engine.model.model.layers[1].mlp.down_proj.weight, base["model.layers.1.mlp.down_proj.weight"])
+
+
 # --- in-flight weight updates: pause, load, resume (abort and resubmit) ----------------------------------------------
 def _perturbed(model, scale=0.05, seed=1):
     generator = torch.Generator().manual_seed(seed)

@@ -130,3 +130,16 @@ def test_lora_with_vllm_engine_is_accepted(tiny_llama_path):
     with pytest.raises(ValueError, match="c_attn"):
         _check_lora(config, {"actor": TrainerConfig(deepspeed=DEEPSPEED,
                                                      lora=LoraConfig(rank=4, target_modules=("c_attn",)))})
+
+
+def test_output_layer_target_is_refused_before_ray_starts(tiny_llama_path):
+    """Regression (issue 50 item 7): an lm_head target passed Hybrid.start's LoRA check and failed at the first
+    push (the engines' adapter manifests leave the output layer out); now the check refuses it, naming the module
+    and why, for both engines."""
+    from rlhfkit.hybrid._launch import _check_lora
+
+    lora = LoraConfig(rank=4, target_modules=("q_proj", "lm_head"))
+    for engine in ("hf", "vllm"):
+        config = HybridConfig(model=str(tiny_llama_path), engine=engine, engine_sleep_level=1)
+        with pytest.raises(ValueError, match=r"'lm_head' targets the output layer 'lm_head'.*not supported"):
+            _check_lora(config, {"actor": TrainerConfig(deepspeed=DEEPSPEED, lora=lora)})

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -41,6 +44,11 @@ def _trained_adapter(path, config: LoraConfig, seed: int = 1):
     ({"target_modules": "q_proj"}, TypeError, r"write|give a tuple.*\('q_proj',\)"),
     ({"target_modules": ()}, TypeError, "non-empty tuple"),
     ({"dropout": 1.0}, ValueError, "LoraConfig.dropout=1.0"),
+    # regression (issue 50 item 7): alpha=inf was accepted
+    ({"alpha": math.inf}, ValueError, "LoraConfig.alpha=inf; must be a finite number > 0"),
+    ({"alpha": math.nan}, ValueError, "LoraConfig.alpha=nan"),
+    ({"dropout": True}, ValueError, "LoraConfig.dropout=True"),
+    ({"rank": True}, ValueError, "LoraConfig.rank=True"),
 ])
 def test_config_names_the_bad_field(kwargs, error, match):
     with pytest.raises(error, match=match):
@@ -159,3 +167,57 @@ def test_describe_adapter_of_checks_the_targets_once_and_names_the_folder(tiny_l
     with pytest.raises(ValueError, match=rf"\['nope'\] match no Linear module of the model at '{tiny_llama_path}'"):
         lora_module.describe_adapter_of(str(tiny_llama_path), LoraConfig(rank=4, target_modules=("nope",)),
                                         dtype=torch.float32)
+
+
+def test_output_layer_target_is_refused_up_front_with_the_reason(tiny_model_factory):
+    """Regression (issue 50 item 7): target_modules=('lm_head',) passed check_target_modules (so Hybrid.start) and
+    peft adapted the head, but the engines' adapter manifest leaves it out: the first push failed. Now the target
+    checks (on the saved config, and apply_lora before peft runs) refuse it, naming the module and why; the
+    adapter description never lists the head. Tied and untied heads alike."""
+    for tie in (False, True):
+        path = str(tiny_model_factory("llama", tie_word_embeddings=tie))
+        config = LoraConfig(rank=4, target_modules=("q_proj", "lm_head"))
+        with pytest.raises(ValueError, match=r"'lm_head' targets the output layer 'lm_head' of the model at .*not "
+                                             r"supported.*remove 'lm_head' from target_modules"):
+            check_target_modules_of(path, config)
+        model = transformers.AutoModelForCausalLM.from_pretrained(path)
+        with pytest.raises(ValueError, match="output layer 'lm_head'"):
+            apply_lora(model, config)
+        assert not any("lora" in name for name, _ in model.named_parameters())
+        with pytest.raises(ValueError, match="candidates: \\[(?!.*lm_head)"):  # the head is no candidate either
+            check_target_modules(model, LoraConfig(rank=4, target_modules=("nope",)))
+
+
+def _stub_vllm_worker(capacity=2):
+    """What register_adapter reads of a vLLM worker before it builds anything (no vLLM needed)."""
+    adapters = SimpleNamespace(capacity=capacity, model=SimpleNamespace())
+    manager = SimpleNamespace(_adapter_manager=adapters, list_adapters=lambda: {})
+    return SimpleNamespace(rank=0, model_runner=SimpleNamespace(lora_manager=manager))
+
+
+def test_both_engines_check_adapter_shapes_against_the_rank(tiny_llama_path):
+    """Regression (issue 50 item 7, vLLM sibling): the vLLM worker paired adapter names but built the LoRA model
+    from tensors of any rank (up to max_lora_rank vLLM serves it, scaled by alpha / r of the config: the wrong
+    update). check_adapter_shapes, shared with the HF engine, refuses it before anything is built, naming the
+    tensor, its shape and the expected one."""
+    from rlhfkit.engines.vllm._lora import check_adapter_support, register_adapter
+
+    config = LoraConfig(rank=4, alpha=8.0, target_modules=("q_proj",))
+    adapter = dict(lora_parameters(_trained_adapter(tiny_llama_path, LoraConfig(rank=8, target_modules=("q_proj",)))))
+    with pytest.raises(ValueError, match=r"q_proj.lora_A.weight' has shape \(8, 64\); expected \(4, \*\)"):
+        register_adapter(_stub_vllm_worker(), 1, adapter, config.peft_dict())
+    from rlhfkit.lora import check_adapter_shapes
+
+    good = {name: tensor.detach() for name, tensor in lora_parameters(_trained_adapter(tiny_llama_path, config))}
+    pairs = check_adapter_shapes({name: tensor.shape for name, tensor in good.items()}, rank=4)
+    assert len(pairs) == 2  # two layers' q_proj
+    a_name, b_name = pairs["model.layers.1.self_attn.q_proj"]
+    features = {module: (64, 64) for module in pairs}
+    with pytest.raises(ValueError, match=rf"'{b_name}' has shape \(64, 3\); expected \(64, 4\)"):
+        check_adapter_shapes({**{n: t.shape for n, t in good.items()}, b_name: (64, 3)}, rank=4, features=features)
+    with pytest.raises(ValueError, match=rf"'{a_name}' has shape \(4, 64, 1\); expected \(4, 64\)"):
+        check_adapter_shapes({**{n: t.shape for n, t in good.items()}, a_name: (4, 64, 1)}, rank=4,
+                             features=features)
+    head = [f"base_model.model.lm_head.lora_{part}.weight" for part in "AB"]  # e.g. an `expected` given by hand
+    with pytest.raises(ValueError, match=r"output layer \['lm_head'\] are not supported"):
+        check_adapter_support(_stub_vllm_worker(), config.peft_dict(), head)

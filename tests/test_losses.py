@@ -164,6 +164,78 @@ def test_logprob_bad_inputs():
         packed_logprobs(logits, batch)
 
 
+def _poison_outside_the_loss(batch, vocab: int) -> torch.Tensor:
+    """``[T, V]``: zero, but NaN / +inf / a row of -inf on logits rows whose prediction no loss reads (rows that
+    predict a prompt token, and the padding tail)."""
+    mask = batch.loss_mask
+    rows = [t for t in range(batch.num_tokens - 1) if not mask[t + 1]] + [batch.num_tokens - 1]
+    poison = torch.zeros(batch.num_tokens, vocab)
+    poison[rows[0], 3] = math.nan
+    poison[rows[1], 5] = math.inf
+    poison[rows[2]] = -math.inf
+    poison[rows[3:], 7] = math.nan
+    return poison
+
+
+@pytest.mark.parametrize("inplace_backward", [False, True])
+@pytest.mark.parametrize("temperature,chunk_size", [(1.0, None), (0.7, None), (1.0, 1), (0.7, 3)])
+def test_non_finite_logits_outside_the_loss_mask_never_reach_the_parameters(temperature, chunk_size,
+                                                                            inplace_backward):
+    """Regression (issue 50 item 9): a NaN or inf logit on a row no loss reads (a prompt row, padding) made the
+    head's gradient NaN through the log-softmax backward (0 * NaN). Now the parameters' gradients are finite and
+    equal, bit for bit, those with finite logits there; for log-probs (one chunk or several, gradient in place or
+    not) and entropy alike."""
+    batch, gen = _batch(4, pad=8)
+    hidden = torch.randn(batch.num_tokens, 8, generator=gen)
+    old = -torch.rand(batch.num_tokens, generator=gen)
+    advantages = torch.randn(batch.num_tokens, generator=gen)
+    poison = _poison_outside_the_loss(batch, 40)
+    grads = []
+    for extra in (torch.zeros_like(poison), poison):
+        head = torch.randn(8, 40, generator=torch.Generator().manual_seed(9), requires_grad=True)
+        logits = hidden @ head + extra
+        logprobs = packed_logprobs(logits, batch, temperature=temperature, chunk_size=chunk_size,
+                                   inplace_backward=inplace_backward)
+        loss, _ = policy_loss(logprobs, old, advantages, batch.loss_mask, batch.cu_seqlens)
+        (grad,) = torch.autograd.grad(loss, head)
+        logits = hidden @ head + extra
+        entropy = shift_to_tokens(entropy_from_logits(logits, temperature=temperature, chunk_size=chunk_size), batch)
+        (entropy_grad,) = torch.autograd.grad(aggregate(entropy, batch.loss_mask, batch.cu_seqlens), head)
+        grads.append((grad, entropy_grad))
+    for clean, dirty in zip(grads[0], grads[1], strict=True):
+        assert torch.isfinite(dirty).all() and clean.abs().sum() > 0
+        assert torch.equal(dirty, clean)
+
+
+@pytest.mark.parametrize("return_entropy", [False, True])
+def test_model_logprobs_gradient_ignores_a_nan_logit_on_a_prompt_row(tiny_llama_path, return_entropy):
+    """Regression (issue 50 item 9): a real model whose head gives NaN / inf on prompt rows; every parameter's
+    gradient of a policy loss (plus entropy) equals the one with finite logits there."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_path, attn_implementation="sdpa", dtype=torch.float32)
+    gen = torch.Generator().manual_seed(12)
+    seqs = [torch.randint(3, model.config.vocab_size, (n,), generator=gen) for n in (9, 5, 12)]
+    masks = [torch.arange(len(s)) >= p for s, p in zip(seqs, (4, 2, 6), strict=True)]
+    batch = pack_sequences(seqs, loss_masks=masks, pad_to_multiple_of=8)
+    old = -torch.rand(batch.num_tokens, generator=gen)
+    advantages = torch.randn(batch.num_tokens, generator=gen)
+    poison = _poison_outside_the_loss(batch, model.config.vocab_size)
+    grads = []
+    for extra in (torch.zeros_like(poison), poison):
+        hook = model.lm_head.register_forward_hook(lambda _module, _args, out, extra=extra: out + extra)
+        model.zero_grad()
+        out = model_logprobs(model, batch, return_entropy=return_entropy)
+        logprobs, entropy = out if return_entropy else (out, torch.zeros(batch.num_tokens))
+        loss, _ = policy_loss(logprobs, old, advantages, batch.loss_mask, batch.cu_seqlens)
+        (loss - 0.01 * aggregate(entropy, batch.loss_mask, batch.cu_seqlens)).backward()
+        hook.remove()
+        grads.append({name: param.grad.clone() for name, param in model.named_parameters()})
+    for name, clean in grads[0].items():
+        assert torch.isfinite(grads[1][name]).all(), name
+        torch.testing.assert_close(grads[1][name], clean, rtol=0, atol=0, msg=name)
+
+
 # ------------------------------------------------------------------------------------ real tiny models
 
 

@@ -2,12 +2,14 @@
 
 What it does: :class:`LoraConfig` (rank, alpha, target modules, dropout), checked against a model before anything
 expensive starts (:func:`check_target_modules`, :func:`check_target_modules_of`: an unknown target is a ValueError
-listing the candidates); :func:`apply_lora` wraps an HF model with HF ``peft`` so that only the adapters train;
-the adapter-only weight-sync contract: :func:`adapter_name` (peft's saved-adapter names,
-``base_model.model.<module>.lora_A.weight``, what vLLM parses too), :func:`describe_adapter` (the ``(name, shape,
-dtype)`` a receiver expects, computed from the *base* model, so a rank or shape mismatch fails the sync's manifest
-check before any byte moves) and :class:`AdapterMerger` (the HF engine's way to apply a received adapter: the
-targeted weights become ``W0 + (alpha / r) * B @ A``, as ``peft``'s ``merge_and_unload`` computes them).
+listing the candidates, a target on the output layer a ValueError saying why); :func:`apply_lora` wraps an HF model
+with HF ``peft`` so that only the adapters train; the adapter-only weight-sync contract: :func:`adapter_name`
+(peft's saved-adapter names, ``base_model.model.<module>.lora_A.weight``, what vLLM parses too),
+:func:`describe_adapter` (the ``(name, shape, dtype)`` a receiver expects, computed from the *base* model, so a rank
+or shape mismatch fails the sync's manifest check before any byte moves), :func:`check_adapter_shapes` (every
+received tensor's shape, checked by both engines before anything is applied) and :class:`AdapterMerger` (the HF
+engine's way to apply a received adapter: the targeted weights become ``W0 + (alpha / r) * B @ A``, as ``peft``'s
+``merge_and_unload`` computes them).
 
 What it does not do: DoRA, rsLoRA, bias or embedding adapters, LoRA on critics or reward models, full-weight sync of
 a LoRA-wrapped model (the base stays frozen: the engines keep theirs). Needs ``rlhfkit[lora]`` (peft) for
@@ -17,7 +19,8 @@ See ``docs/lora.md``.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import math
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,8 +29,10 @@ import torch
 from rlhfkit._optional import require
 
 __all__ = [
+    "OUTPUT_LAYER_NAMES",
     "LoraConfig",
     "apply_lora",
+    "check_adapter_shapes",
     "check_target_modules",
     "check_target_modules_of",
     "describe_adapter",
@@ -36,6 +41,9 @@ __all__ = [
 ]
 
 _PREFIX = "base_model.model."
+# Output layers by name (causal LM head, sequence-classification head), never adapted; so is the module a model's
+# get_output_embeddings() returns.
+OUTPUT_LAYER_NAMES = ("lm_head", "score")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -58,8 +66,9 @@ class LoraConfig:
     def __post_init__(self) -> None:
         if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1:
             raise ValueError(f"LoraConfig.rank={self.rank!r}; must be an int >= 1 (e.g. 16)")
-        if isinstance(self.alpha, bool) or not isinstance(self.alpha, (int, float)) or not self.alpha > 0:
-            raise ValueError(f"LoraConfig.alpha={self.alpha!r}; must be a number > 0 (e.g. 2 * rank)")
+        if isinstance(self.alpha, bool) or not isinstance(self.alpha, (int, float)) or not self.alpha > 0 \
+                or not math.isfinite(self.alpha):
+            raise ValueError(f"LoraConfig.alpha={self.alpha!r}; must be a finite number > 0 (e.g. 2 * rank)")
         if isinstance(self.target_modules, str):
             raise TypeError(f"LoraConfig.target_modules={self.target_modules!r} is a str; give a tuple of module "
                             f"names, e.g. ({self.target_modules!r},)")
@@ -67,8 +76,10 @@ class LoraConfig:
                 or not all(isinstance(name, str) and name for name in self.target_modules):
             raise TypeError(f"LoraConfig.target_modules={self.target_modules!r}; give a non-empty tuple of module "
                             "names, e.g. ('q_proj', 'v_proj')")
-        if not isinstance(self.dropout, (int, float)) or not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"LoraConfig.dropout={self.dropout!r}; must be in [0, 1)")
+        if isinstance(self.dropout, bool) or not isinstance(self.dropout, (int, float)) \
+                or not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"LoraConfig.dropout={self.dropout!r}; must be a number in [0, 1) (0 keeps trainer and "
+                             "engine outputs equal)")
 
     @property
     def scaling(self) -> float:
@@ -89,20 +100,45 @@ def _linear_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Linear]]
     return [(name, module) for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)]
 
 
+def _output_layers(model: torch.nn.Module) -> set[str]:
+    """Names of ``model``'s output layers: Linear modules named ``lm_head`` / ``score``, and the module
+    ``get_output_embeddings()`` returns (e.g. GPT-NeoX's ``embed_out``)."""
+    names = {name for name, _ in _linear_modules(model) if name.rpartition(".")[2] in OUTPUT_LAYER_NAMES}
+    get_output = getattr(model, "get_output_embeddings", None)
+    output = get_output() if callable(get_output) else None
+    if isinstance(output, torch.nn.Module):
+        names.update(name for name, module in model.named_modules() if module is output)
+    return names
+
+
 def _targeted(model: torch.nn.Module, config: LoraConfig) -> list[tuple[str, torch.nn.Linear]]:
-    """The Linear modules ``config`` adapts, in ``named_modules`` order (lm_head / score never: peft skips them
-    only when asked, and an adapter on the output layer is not something we support)."""
+    """The Linear modules ``config`` adapts, in ``named_modules`` order (never an output layer:
+    :func:`check_target_modules` refuses targets on it)."""
+    output = _output_layers(model)
     return [(name, module) for name, module in _linear_modules(model)
-            if _matches(name, config.target_modules) and name.rpartition(".")[2] not in ("lm_head", "score")]
+            if _matches(name, config.target_modules) and name not in output]
 
 
 def check_target_modules(model: torch.nn.Module, config: LoraConfig, *, where: str = "the model") -> None:
     """Raise ValueError naming every target of ``config`` that matches no Linear module of ``model``, with the
-    candidates (the distinct last names of its Linear modules)."""
+    candidates (the distinct last names of its Linear modules), or that matches its output layer (``lm_head``:
+    not supported, see below)."""
     names = [name for name, _ in _linear_modules(model)]
+    output = _output_layers(model)
+    # An adapter on the output layer cannot be pushed: the engines' adapter manifests (describe_adapter) and the
+    # merge cover hidden-layer projections only, and in a model with tied embeddings merging into the output layer
+    # would change the input embeddings too, which the trainer's adapter leaves alone.
+    on_output = [(target, name) for target in config.target_modules for name in sorted(output)
+                 if _matches(name, (target,))]
+    if on_output:
+        target, name = on_output[0]
+        raise ValueError(f"LoraConfig.target_modules={config.target_modules!r}: {target!r} targets the output layer "
+                         f"{name!r} of {where}; adapters on the output layer are not supported (the adapter push and "
+                         "the engines' merge cover the hidden-layer projections only, and a tied output layer shares "
+                         f"its weight with the input embeddings); remove {target!r} from target_modules")
     missing = [target for target in config.target_modules if not any(_matches(name, (target,)) for name in names)]
     if missing:
-        candidates = sorted({name.rpartition(".")[2] for name in names} - {"lm_head", "score"})
+        candidates = sorted({name.rpartition(".")[2] for name in names if name not in output})
         raise ValueError(f"LoraConfig.target_modules={config.target_modules!r}: {missing} match no Linear module of "
                          f"{where}; candidates: {candidates}")
 
@@ -195,6 +231,27 @@ def describe_adapter(model: torch.nn.Module, config: LoraConfig, *, dtype: torch
     return specs
 
 
+def check_adapter_shapes(shapes: Mapping[str, Sequence[int]], *, rank: int,
+                         features: Mapping[str, tuple[int, int]] | None = None) -> dict[str, tuple[str, str]]:
+    """Pair adapter tensors (:func:`adapter_modules`) and check every shape: ``lora_A`` is ``[rank, in]``,
+    ``lora_B`` is ``[out, rank]``, with ``(in, out)`` the module's from ``features`` (``{module name: (in_features,
+    out_features)}``, names as :func:`adapter_modules` gives them) when it lists the module, else any. Raises
+    ValueError naming the first tensor whose shape differs, its shape and the expected one: an adapter of another
+    rank would otherwise apply with the wrong scale (``alpha / rank`` of the config). Returns the pairs. Torch-free:
+    both engines call it on the received adapter before anything is applied."""
+    pairs = adapter_modules(shapes)
+    for module, (name_a, name_b) in pairs.items():
+        in_features, out_features = features.get(module, (None, None)) if features is not None else (None, None)
+        for name, want in ((name_a, (rank, in_features)), (name_b, (out_features, rank))):
+            shape = tuple(int(size) for size in shapes[name])
+            if len(shape) != 2 or any(size != expected for size, expected in zip(shape, want) if expected is not None):
+                expected = "(" + ", ".join("*" if size is None else str(size) for size in want) + ")"
+                raise ValueError(f"adapter tensor {name!r} has shape {shape}; expected {expected} (LoraConfig.rank="
+                                 f"{rank}: lora_A is [rank, in_features], lora_B [out_features, rank]); send the "
+                                 "adapter of the LoraConfig the receiver was given")
+    return pairs
+
+
 class AdapterMerger:
     """Applies adapters to a plain (unwrapped) model in place: each targeted weight becomes ``W0 + scaling * B @ A``
     computed in float32 from a kept copy of ``W0``, so successive adapters never accumulate. Used by the HF engine.
@@ -202,24 +259,37 @@ class AdapterMerger:
     Args:
         model: the engine's causal LM (its base weights stay the ones it holds when the merger is built).
         config: the adapter's LoRA configuration.
+        previous: the merger of the adapter applied so far under another config, if any: its kept base weights are
+            this merger's base (the model holds its merged ones), and its modules that ``config`` does not target
+            get their base weights back at this merger's first successful merge.
     """
 
-    def __init__(self, model: torch.nn.Module, config: LoraConfig) -> None:
+    def __init__(self, model: torch.nn.Module, config: LoraConfig, *, previous: AdapterMerger | None = None) -> None:
         self.config = config
         self.modules = dict(_targeted(model, config))  # keyed as adapter_modules names them (no prefix)
         if not self.modules:
             check_target_modules(model, config)
-        self.base = {name: module.weight.detach().float().cpu().clone() for name, module in self.modules.items()}
+        kept = previous.base if previous is not None else {}
+        self.base = {name: kept[name] if name in kept else module.weight.detach().float().cpu().clone()
+                     for name, module in self.modules.items()}
+        self._restore = {} if previous is None else {
+            name: (module, previous.base[name]) for name, module in previous.modules.items()
+            if name not in self.modules}
 
     def merge(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
         """Merge the adapter in ``tensors`` (sync names; every targeted module's ``lora_A`` and ``lora_B``, each
-        copied as it arrives). Every tensor is taken and checked (:func:`adapter_modules`, then against the
-        targeted modules) before any weight changes. Returns how many tensors were taken."""
+        copied as it arrives). All or nothing: every tensor is taken, its name checked (:func:`adapter_modules`,
+        then against the targeted modules) and its shape checked (:func:`check_adapter_shapes`), and every new
+        weight computed, before any weight changes; an error leaves the model as it was. Returns how many tensors
+        were taken."""
         received: dict[str, torch.Tensor] = {}
-        count = 0
         for name, tensor in tensors:
+            if str(name) in received:
+                raise ValueError(f"adapter tensor {str(name)!r} arrived twice; send each adapter tensor once")
+            if not isinstance(tensor, torch.Tensor) or not tensor.is_floating_point():
+                raise TypeError(f"adapter tensor {str(name)!r} is {getattr(tensor, 'dtype', type(tensor).__name__)}; "
+                                "expected a floating-point torch.Tensor")
             received[str(name)] = tensor.detach().float().cpu().clone()
-            count += 1
         pairs = adapter_modules(received)
         unknown = [module for module in pairs if module not in self.modules]
         if unknown:
@@ -229,9 +299,19 @@ class AdapterMerger:
         missing = [name for name in self.modules if name not in pairs]
         if missing:
             raise ValueError(f"adapter incomplete: no lora_A/lora_B for {missing[:4]} ({len(missing)} modules)")
+        check_adapter_shapes({name: tensor.shape for name, tensor in received.items()}, rank=self.config.rank,
+                             features={name: (module.in_features, module.out_features)
+                                       for name, module in self.modules.items()})
+        # Every new weight exists (in host memory, in the weight's dtype) before the first copy: nothing left to
+        # fail between the first copy and the last but the copies themselves.
+        updates = []
+        for name, module in self.modules.items():
+            name_a, name_b = pairs[name]
+            delta = received[name_b] @ received[name_a] * self.config.scaling
+            updates.append((module, (self.base[name] + delta).to(module.weight.dtype)))
+        updates += [(module, base.to(module.weight.dtype)) for module, base in self._restore.values()]
         with torch.no_grad():
-            for name, module in self.modules.items():
-                name_a, name_b = pairs[name]
-                delta = received[name_b] @ received[name_a] * self.config.scaling
-                module.weight.copy_((self.base[name] + delta).to(module.weight.dtype))
-        return count
+            for module, weight in updates:
+                module.weight.copy_(weight)
+        self._restore = {}
+        return len(received)

@@ -5,7 +5,9 @@ backward allocates two more ``[T, V]`` float32 tensors; at V ≈ 150k that domin
 custom autograd Function works on chunks of rows: forward upcasts one chunk at a time and keeps only the ``[T]``
 log-sum-exp; backward recomputes the softmax of each chunk and writes its gradient straight into a ``[T, V]`` buffer
 of the logits' dtype (or, with ``inplace_backward=True``, into the logits themselves). Peak extra memory is one
-float32 chunk in forward and the gradient buffer plus one float32 chunk in backward. Torch only.
+float32 chunk in forward and the gradient buffer plus one float32 chunk in backward. A row whose output gradient is
+zero (a masked-out prompt or padding row) gets an exactly zero gradient even when its logits hold NaN or inf: its
+softmax is not used there, so a non-finite logit outside the loss mask never reaches the parameters. Torch only.
 """
 
 from __future__ import annotations
@@ -84,6 +86,10 @@ class _ChunkedLogProbs(torch.autograd.Function):
             g = grad_out[start:stop, None]
             # d logp[label] / d x = onehot(label) - softmax(x); x = logits / temperature
             probs = _scaled_chunk(logits, start, stop, ctx.temperature).sub_(lse[start:stop, None]).exp_()
+            # rows with no gradient (outside the loss mask) must give 0, not 0 * NaN from a non-finite logit; a
+            # finite row's softmax times a zero gradient is the same signed zero as 0 times it, so finite inputs
+            # give the same bits as without this fill
+            probs.masked_fill_(g == 0, 0.0)
             probs.mul_(-g).scatter_add_(1, labels[start:stop, None], g)
             if ctx.temperature != 1.0:
                 probs.div_(ctx.temperature)
@@ -119,7 +125,11 @@ class _ChunkedEntropy(torch.autograd.Function):
             probs = torch.softmax(chunk, dim=-1)
             mean_x = (probs * chunk).sum(-1, keepdim=True)
             # dH/dx_j = -p_j (x_j - E_p[x]); chain rule through x = logits / temperature
-            chunk.sub_(mean_x).mul_(probs).mul_(-grad_out[start:stop, None] / ctx.temperature)
+            g = grad_out[start:stop, None]
+            chunk.sub_(mean_x).mul_(probs).mul_(-g / ctx.temperature)
+            # a row with no gradient (outside the loss mask) gives 0 even with a non-finite logit (0 * NaN there);
+            # finite rows never hold NaN here, so their bits are unchanged
+            chunk.masked_fill_(chunk.isnan() & (g == 0), 0.0)
             grad[start:stop].copy_(chunk)
         return grad, None, None
 

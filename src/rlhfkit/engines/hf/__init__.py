@@ -231,20 +231,28 @@ class HFEngine(PausableGeneration):
                      lora: LoraConfig, version: int | None = None) -> int:
         """Apply a LoRA adapter (peft's saved names, e.g. ``base_model.model.<module>.lora_A.weight``) by merging it
         into the targeted weights: ``W = W0 + (alpha / r) * B @ A`` from the base weights held when the first adapter
-        came (successive adapters replace each other, they never accumulate). Generation uses it from the next call
-        (requests run one at a time in this engine: none is in flight during a load). Every tensor is taken before
-        any weight changes; an incomplete or unknown adapter raises ValueError and leaves the weights as they were.
-        Returns how many tensors were taken; the weight version rules are those of :meth:`load_weights`."""
-        from rlhfkit.lora import AdapterMerger
+        came (successive adapters replace each other, they never accumulate, also when ``lora`` changes: a module
+        the new config does not target gets its base weight back). Generation uses it from the next call (requests
+        run one at a time in this engine: none is in flight during a load). All or nothing: every tensor is taken,
+        its name and shape checked (``lora_A``: ``[rank, in_features]``, ``lora_B``: ``[out_features, rank]``) and
+        every merged weight computed before any weight changes; a bad adapter (incomplete, unknown module, another
+        rank, a mis-shaped tensor: ValueError naming the tensor, its shape and the expected one) leaves the weights
+        and the version as they were. Returns how many tensors were taken; the weight version rules are those of
+        :meth:`load_weights`."""
+        from rlhfkit.lora import AdapterMerger, LoraConfig
 
+        if not isinstance(lora, LoraConfig):
+            raise TypeError(f"load_adapter(lora={lora!r}); expected an rlhfkit.lora.LoraConfig")
         new_version = next_weight_version(f"hf engine on {self.device}", self._version, version)
         if not self._state.awake:
             raise RuntimeError("load_adapter() called while the engine's weights are asleep; call "
                                "wake_up(['weights']) first")
-        if self._merger is None or self._merger.config != lora:
-            self._merger = AdapterMerger(self.model, lora)
+        merger = self._merger
+        if merger is None or merger.config != lora:
+            merger = AdapterMerger(self.model, lora, previous=merger)
         items = tensors.items() if isinstance(tensors, Mapping) else tensors
-        count = self._merger.merge(items)
+        count = merger.merge(items)
+        self._merger = merger  # only once merged: a refused adapter leaves the engine's merger as it was
         self._version = new_version
         return count
 

@@ -1,15 +1,16 @@
 """LoRA adapters pushed into vLLM in memory: the engine's bookkeeping of adapter ids (:class:`AdapterSlots`) and the
 worker-side registration (:func:`register_adapter`, :func:`remove_adapters`), which the worker extension
-(:mod:`rlhfkit.engines.vllm._worker`) calls. The adapter names are paired and checked by
-:func:`rlhfkit.lora.adapter_modules`, as the HF engine's :class:`rlhfkit.lora.AdapterMerger` does.
+(:mod:`rlhfkit.engines.vllm._worker`) calls. The adapter names are paired and the shapes checked by
+:func:`rlhfkit.lora.check_adapter_shapes`, as the HF engine's :class:`rlhfkit.lora.AdapterMerger` does.
 
 How an adapter gets in (no filesystem): the trainer's adapter tensors (peft's saved names,
 ``base_model.model.<module>.lora_A.weight``) arrive through the weight-sync receiver; the worker builds vLLM's
 ``LoRAModel.from_lora_tensors`` with a ``PEFTHelper`` made from :meth:`rlhfkit.lora.LoraConfig.peft_dict` and adds it
 to the worker's LoRA manager (``model_runner.lora_manager._adapter_manager.add_adapter``: vLLM's own
 ``add_adapter(LoRARequest)`` would read the adapter from ``lora_path``) under the integer id = the sync's weight
-version. Generation then asks for that id with a ``LoRARequest`` whose ``lora_path`` is never read (the id is
-registered, so vLLM only activates it).
+version, once every tensor's shape agrees with the config's rank (:func:`rlhfkit.lora.check_adapter_shapes`, shared
+with the HF engine). Generation then asks for that id with a ``LoRARequest`` whose ``lora_path`` is never read (the id
+is registered, so vLLM only activates it).
 
 What it does not do: load adapters from disk, serve several different adapters at once, DoRA / rsLoRA / embedding
 adapters. Needs vLLM only in the worker functions (imported there, inside the worker process).
@@ -23,7 +24,7 @@ from typing import Any
 
 import torch
 
-from rlhfkit.lora import adapter_modules
+from rlhfkit.lora import OUTPUT_LAYER_NAMES, adapter_modules, check_adapter_shapes
 
 __all__ = ["AdapterSlots", "adapter_path", "check_adapter_support", "register_adapter", "remove_adapters"]
 
@@ -140,13 +141,18 @@ def check_adapter_support(worker: Any, peft: Mapping[str, Any], names: Iterable[
     ``PEFTHelper.validate_legal`` and every module of ``names`` is one vLLM can adapt in this model. Raises
     ValueError naming what does not fit."""
     manager = _lora_manager(worker)
+    targets = {module.rpartition(".")[2] for module in adapter_modules(names)}
+    on_output = sorted(targets & set(OUTPUT_LAYER_NAMES))  # vLLM may list lm_head; rlhfkit never adapts it
+    if on_output:
+        raise ValueError(f"LoraConfig.target_modules: adapters on the output layer {on_output} are not supported; "
+                         "remove it from target_modules (rlhfkit.lora.check_target_modules says why)")
     _peft_helper(manager, peft)
     adapters = manager._adapter_manager
     packed = getattr(adapters, "packed_modules_mapping", {}) or {}
     supported: set[str] = set()
     for module in getattr(adapters, "supported_lora_modules", ()):
         supported.update(packed.get(module, [module]))
-    unsupported = sorted({module.rpartition(".")[2] for module in adapter_modules(names)} - supported)
+    unsupported = sorted(targets - supported)
     if supported and unsupported:
         raise ValueError(f"LoraConfig.target_modules: vLLM cannot serve adapters on {unsupported} in this model; "
                          f"it adapts {sorted(supported)}")
@@ -159,10 +165,12 @@ def register_adapter(worker: Any, adapter_id: int, tensors: Mapping[str, torch.T
     """Build vLLM's ``LoRAModel`` from ``tensors`` (peft names, full unsharded shapes: each tensor-parallel rank
     slices its part when the adapter is activated) and register it under ``adapter_id``; the tensors stay on the
     device they arrived on. Returns the registered ids. Refuses (RuntimeError) when the manager is full, rather than
-    let vLLM's LRU cache silently evict an adapter a request may still use."""
+    let vLLM's LRU cache silently evict an adapter a request may still use. Raises ValueError, before anything is
+    built, for a tensor whose shape does not fit ``peft["r"]`` (vLLM would serve an adapter of another rank up to
+    ``max_lora_rank`` scaled by ``lora_alpha / r``: the wrong update)."""
     manager = _lora_manager(worker)
     adapters = manager._adapter_manager
-    adapter_modules(tensors)
+    check_adapter_shapes({name: tensor.shape for name, tensor in tensors.items()}, rank=int(peft["r"]))
     registered = set(manager.list_adapters())
     if adapter_id in registered:
         raise RuntimeError(f"adapter id {adapter_id} is already registered in vLLM worker rank "
