@@ -7,7 +7,6 @@ import asyncio
 import dataclasses
 import re
 import threading
-import time
 
 import pytest
 import torch
@@ -174,9 +173,17 @@ def _boom():
     raise RuntimeError("the tool's backend is down")
 
 
-def _hang():
-    time.sleep(30)
-    return "late"
+class Hang:
+    """A tool (or step) that blocks until released, 60 s at most (a hang guard); ``returned`` is set once a call
+    ended, so a run seen to end while it is unset did not wait for the hanging call."""
+
+    def __init__(self):
+        self.release, self.returned = threading.Event(), threading.Event()
+
+    def __call__(self):
+        self.release.wait(60)
+        self.returned.set()
+        return "late"
 
 
 def _refuse(expression: str):
@@ -195,8 +202,8 @@ SCRIPTS = {  # (prompt_index, sample_index) -> the text "written" at each turn (
 class Scripted:
     """A ToolEnvironment driven by scripted turn texts; (2, 0) calls a hanging tool."""
 
-    def __init__(self, on_malformed="observe"):
-        tools = {"calculator": calculator, "boom": _boom, "hang": _hang}
+    def __init__(self, on_malformed="observe", hang=None):
+        tools = {"calculator": calculator, "boom": _boom, "hang": hang or Hang()}
         self.tools = ToolEnvironment(tools, ToolEnvironmentConfig(on_malformed=on_malformed))
 
     def reset(self, episode):
@@ -217,9 +224,11 @@ def _run(engine, tokenizer, config, make_environment=Scripted, num_prompts=4):
 
 def test_raising_hanging_and_malformed_tools_are_recorded_per_trajectory_and_groups_drop_whole(setup):
     _, tokenizer, engine = setup
-    start = time.monotonic()
-    trajectories = _run(engine, tokenizer, MultiTurnConfig(max_turns=3, step_timeout_s=1.0, max_attempts=2))
-    assert time.monotonic() - start < 20, "a hanging tool hung the run"
+    hang = Hang()
+    trajectories = _run(engine, tokenizer, MultiTurnConfig(max_turns=3, step_timeout_s=1.0, max_attempts=2),
+                        lambda: Scripted(hang=hang))
+    assert not hang.returned.is_set(), "the run waited for the hanging tool"
+    hang.release.set()
     assert [(t.prompt_index, t.sample_index) for t in trajectories] == [(p, s) for p in range(4) for s in range(2)]
     by_key = {(t.prompt_index, t.sample_index): t for t in trajectories}
     for s in range(2):  # a calculator call, then the answer
@@ -280,19 +289,23 @@ def test_group_retry_reruns_the_whole_group_and_keeps_the_failures_on_record(set
 
 
 class AsyncHang:
+    def __init__(self, hang):
+        self.hang = hang
+
     async def reset(self, episode):
         pass
 
     async def step(self, action):
-        time.sleep(30)  # noqa: ASYNC251 - blocks its own event loop on purpose: still bounded by the timeout
+        self.hang()  # blocks its own event loop on purpose: still bounded by the timeout
 
 
 def test_async_environment_that_blocks_its_loop_times_out(setup):
     _, tokenizer, engine = setup
-    start = time.monotonic()
-    trajectories = _run(engine, tokenizer, MultiTurnConfig(step_timeout_s=0.5, max_attempts=1), AsyncHang,
-                        num_prompts=1)
-    assert time.monotonic() - start < 10
+    hang = Hang()
+    trajectories = _run(engine, tokenizer, MultiTurnConfig(step_timeout_s=0.5, max_attempts=1),
+                        lambda: AsyncHang(hang), num_prompts=1)
+    assert not hang.returned.is_set(), "the run waited for the blocked event loop"
+    hang.release.set()
     assert all(t.status == "failed" and isinstance(t.error, StepTimeoutError) for t in trajectories)
 
 

@@ -78,16 +78,15 @@ def endpoint_for(engine, tokenizer, **config):
 
 
 def test_concurrent_requests_share_one_engine_call_and_answer_as_a_batch_of_one(hf_engine, tokenizer):
-    """Six concurrent greedy clients: one engine call of six prompts (the batch is full, so the long window is not
-    waited out), and each client's answer is its own prompt's, token for token what a batch-of-1 call gives."""
+    """Six concurrent greedy clients: one engine call of six prompts, sent because the batch is full (the window is an
+    hour, far past the clients' 60 s guard, so waiting it out would fail the test), and each client's answer is its own
+    prompt's, token for token what a batch-of-1 call gives."""
     log = CallLog(hf_engine)
-    with endpoint_for(log, tokenizer, batch_window_s=10.0, max_batch_prompts=6) as endpoint:
-        start = time.monotonic()
+    with endpoint_for(log, tokenizer, batch_window_s=3600.0, max_batch_prompts=6) as endpoint:
         answers = concurrently([lambda i=i: post(endpoint.url, {"messages": question(i), "max_tokens": 6,
                                                                 "temperature": 0, "return_token_ids": True,
                                                                 "user": f"c{i}"})
                                 for i in range(6)])
-        assert time.monotonic() - start < 8   # sent when full, not after the 10 s window
     assert [status for status, _ in answers] == [200] * 6, answers
     assert len(log.calls) == 1 and len(log.calls[0][0]) == 6
     sampling = SamplingConfig(max_new_tokens=6, temperature=0.0, logprobs=True)
@@ -220,71 +219,104 @@ def test_an_engine_group_of_two_gets_batches_spread_over_its_engines(tiny_llama_
 
 
 class HangingEngine:
-    """Hangs every call until released; remembers the prompts it was sent."""
+    """Hangs every call until released (60 s at most, a hang guard); remembers the prompts it was sent, in order.
+    ``returned`` is set once a call ended: a reply seen while it is unset did not wait for the engine."""
 
     def __init__(self):
-        self.release, self.prompts = threading.Event(), []
+        self.release, self.returned, self.prompts = threading.Event(), threading.Event(), []
 
     def generate(self, prompts, sampling):
         self.prompts += [list(p) for p in prompts]
-        self.release.wait(30)
+        self.release.wait(60)
+        self.returned.set()
         return [Rollout(prompt_token_ids=torch.tensor(p), response_token_ids=torch.tensor([1]),
                         response_logprobs=torch.tensor([-0.5])) for p in prompts for _ in range(sampling.n)]
 
 
+def wait_until(condition, what, timeout_s=60.0):
+    """Poll ``condition`` until it holds; the deadline is a hang guard, not a speed check."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"gave up after {timeout_s:g} s waiting for {what}"
+        time.sleep(0.01)
+
+
+class NotingTokenizer:
+    """The real tokenizer; ``encoded`` is set once a text holding ``marker`` was encoded: that request is then past
+    the endpoint's closing check and in flight."""
+
+    def __init__(self, tokenizer, marker):
+        self._tokenizer, self.marker, self.encoded = tokenizer, marker, threading.Event()
+
+    def __getattr__(self, name):
+        return getattr(self._tokenizer, name)
+
+    def encode(self, text, **kwargs):
+        ids = self._tokenizer.encode(text, **kwargs)
+        if self.marker in text:
+            self.encoded.set()
+        return ids
+
+
 def test_a_hanging_engine_gives_every_waiting_request_a_504(tokenizer):
-    """The engine hangs. Requests A, B, C (different temperatures, so three calls) arrive 0.2 s apart: A's call
-    hangs, B is sent when A's call times out, C expires while still queued behind B. All three get a 504 within
-    request_timeout_s of arriving, and C, dropped from the queue, never reaches the engine."""
+    """The engine hangs. Request 1's call hangs in the engine; requests 2 and 3 (other temperatures, so calls of their
+    own) arrive while it does and queue, one call running at a time. When 1's call times out the older of 2 and 3 is
+    sent and hangs too; the other expires while still queued. All three get a 504 naming request_timeout_s, and the
+    one dropped from the queue never reaches the engine."""
     hanging = HangingEngine()
     results = {}
 
     def client(index, temperature):
-        start = time.monotonic()
-        results[index] = (*post(endpoint.url, {"messages": question(index), "temperature": temperature}),
-                          time.monotonic() - start)
+        results[index] = post(endpoint.url, {"messages": question(index), "temperature": temperature})
 
-    with endpoint_for(hanging, tokenizer, request_timeout_s=1.0, batch_window_s=0) as endpoint:
-        threads = []
-        for index, temperature in ((1, 1.0), (2, 0.5), (3, 0.3)):
-            threads.append(threading.Thread(target=client, args=(index, temperature), daemon=True))
-            threads[-1].start()
-            time.sleep(0.2)
+    # request_timeout_s must fire (the engine hangs); 2 and 3 have that long to be queued behind request 1
+    with endpoint_for(hanging, tokenizer, request_timeout_s=3.0, batch_window_s=0) as endpoint:
+        threads = [threading.Thread(target=client, args=(1, 1.0), daemon=True)]
+        threads[0].start()
+        wait_until(lambda: len(hanging.prompts) == 1, "request 1 to reach the engine")
+        threads += [threading.Thread(target=client, args=args, daemon=True) for args in ((2, 0.5), (3, 0.3))]
+        for thread in threads[1:]:
+            thread.start()
         for thread in threads:
-            thread.join(timeout=10)
+            thread.join(timeout=60)
+        assert sorted(results) == [1, 2, 3], results
         for index in (1, 2, 3):
-            status, answer, seconds = results[index]
+            status, answer = results[index]
             assert status == 504 and answer["error"]["type"] == "timeout_error", answer
-            assert "request_timeout_s=1" in answer["error"]["message"] and seconds < 4
+            assert "request_timeout_s=3" in answer["error"]["message"]
+        assert not hanging.returned.is_set()   # every 504 came while the engine still hung
         hanging.release.set()
-        time.sleep(0.5)   # B's call, queued in the engine's thread, now runs; C was never sent
+        # the engine runs calls in order, so a call of the dropped request would come before this one's
+        status, answer = post(endpoint.url, {"messages": question(4), "temperature": 0.9})
+        assert status == 200, answer
         sent = [tokenizer.decode(prompt) for prompt in hanging.prompts]
-        assert len(sent) == 2 and "What is 1 + 3?" in sent[0] and "What is 2 + 6?" in sent[1], sent
+        assert len(sent) == 3 and "What is 1 + 3?" in sent[0] and "What is 4 + 12?" in sent[2], sent
+        assert ("What is 2 + 6?" in sent[1]) != ("What is 3 + 9?" in sent[1]), sent
 
 
 def test_close_is_bounded_and_answers_queued_requests_503(tokenizer):
     hanging = HangingEngine()
-    endpoint = endpoint_for(hanging, tokenizer, request_timeout_s=60, shutdown_timeout_s=0.5, batch_window_s=0)
+    noting = NotingTokenizer(tokenizer, "What is 2 + 6?")
+    endpoint = endpoint_for(hanging, noting, request_timeout_s=60, shutdown_timeout_s=0.5, batch_window_s=0)
     endpoint.start()
     results = {}
 
-    def client(name, temperature):
-        results[name] = post(endpoint.url, {"messages": question(1), "temperature": temperature}, timeout=20)
+    def client(name, index, temperature):
+        results[name] = post(endpoint.url, {"messages": question(index), "temperature": temperature}, timeout=90)
 
-    threads = [threading.Thread(target=client, args=("running", 1.0), daemon=True)]
+    threads = [threading.Thread(target=client, args=("running", 1, 1.0), daemon=True)]
     threads[0].start()
-    time.sleep(0.3)   # in the engine
-    threads.append(threading.Thread(target=client, args=("queued", 0.5), daemon=True))
+    wait_until(lambda: len(hanging.prompts) == 1, "the first request to reach the engine")
+    threads.append(threading.Thread(target=client, args=("queued", 2, 0.5), daemon=True))
     threads[1].start()
-    time.sleep(0.3)   # queued behind it
-    start = time.monotonic()
+    assert noting.encoded.wait(60), "the second request never reached the endpoint"
     endpoint.close()
-    assert time.monotonic() - start < 3
-    threads[1].join(timeout=5)
+    assert not hanging.returned.is_set()   # close() did not wait for the engine call in flight
+    threads[1].join(timeout=60)
     assert results["queued"][0] == 503 and "shutting down" in results["queued"][1]["error"]["message"]
-    assert len(hanging.prompts) == 1
+    assert len(hanging.prompts) == 1   # the waiting request never reached the engine
     hanging.release.set()
-    threads[0].join(timeout=20)
+    threads[0].join(timeout=60)
 
 
 def test_concurrent_sessions_continue_token_for_token_in_shared_calls(hf_engine, tokenizer):
@@ -338,7 +370,7 @@ def test_batching_config_errors_name_field_and_value(field, value):
 def _trickle(batcher, count: int, gap_s: float) -> list[threading.Thread]:
     """``count`` requests of equal sampling, one every ``gap_s`` seconds, each on its own thread."""
     sampling = SamplingConfig(n=1, max_new_tokens=2)
-    threads = [threading.Thread(target=batcher.generate, args=([i + 1], sampling), kwargs={"timeout_s": 10.0})
+    threads = [threading.Thread(target=batcher.generate, args=([i + 1], sampling), kwargs={"timeout_s": 60.0})
                for i in range(count)]
     for thread in threads:
         thread.start()
@@ -359,11 +391,11 @@ def test_a_trickle_of_requests_joins_one_call_while_the_gaps_stay_below_the_wind
     from rlhfkit.openai_endpoint._batching import RequestBatcher
 
     calls: list[int] = []
-    batcher = RequestBatcher(_counting_generate(calls), window_s=0.05, max_wait_s=5.0, max_batch_prompts=64,
+    batcher = RequestBatcher(_counting_generate(calls), window_s=0.5, max_wait_s=60.0, max_batch_prompts=64,
                              max_in_flight=1)
     try:
-        for thread in _trickle(batcher, 12, gap_s=0.01):  # spans 0.12 s > window_s; every gap < window_s
-            thread.join(timeout=10)
+        for thread in _trickle(batcher, 12, gap_s=0.05):  # spans >= 0.55 s > window_s; gaps a tenth of window_s
+            thread.join(timeout=60)
     finally:
         batcher.close()
     assert calls == [12]
@@ -376,10 +408,8 @@ def test_max_batch_wait_bounds_how_long_a_request_waits_for_others():
     batcher = RequestBatcher(_counting_generate(calls), window_s=0.05, max_wait_s=0.1, max_batch_prompts=64,
                              max_in_flight=1)
     try:
-        started = time.monotonic()
-        for thread in _trickle(batcher, 15, gap_s=0.02):  # never quiet for 0.05 s, spans 0.3 s
-            thread.join(timeout=10)
+        for thread in _trickle(batcher, 15, gap_s=0.02):  # spans >= 0.28 s, well past max_wait_s
+            thread.join(timeout=60)
     finally:
         batcher.close()
     assert sum(calls) == 15 and len(calls) >= 2, calls  # the first call left at max_wait_s, not at the end
-    assert time.monotonic() - started < 5

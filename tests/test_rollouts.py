@@ -39,6 +39,14 @@ def fake_rollouts(prompts, version, *, n=2, delay_s=0.0):
             for i, prompt in enumerate(prompts) for s in range(n)]
 
 
+def wait_until(condition, what, timeout_s=60.0):
+    """Poll ``condition`` until it holds; the deadline is a hang guard, not a speed check."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"gave up after {timeout_s:g} s waiting for {what}"
+        time.sleep(0.01)
+
+
 def prompt_batches(batch_size=2, count=None):
     index = 0
     while count is None or index < count:
@@ -46,7 +54,7 @@ def prompt_batches(batch_size=2, count=None):
         index += 1
 
 
-def train(buffer, *, steps, groups_per_step, step_s=0.0, timeout_s=10.0):
+def train(buffer, *, steps, groups_per_step, step_s=0.0, timeout_s=60.0):
     """A trainer that takes groups_per_step groups per version and bumps its version after each step; returns the
     largest staleness it saw and the version counter the producer reads."""
     version, seen = [0], []
@@ -160,12 +168,11 @@ def test_a_failing_generate_fn_ends_get_with_its_error_in_bounded_time():
 
     buffer = RolloutBuffer(RolloutBufferConfig(max_staleness=4, capacity=4))  # batch 2 waits for the first get
     with RolloutProducer(buffer, generate, prompt_batches(), current_version=lambda: 0, name="actor-rollouts"):
-        assert len(buffer.get(4, trainer_version=0, timeout_s=10)) == 4
-        start = time.monotonic()
+        assert len(buffer.get(4, trainer_version=0, timeout_s=60)) == 4
+        # the producer's error, not a RolloutTimeoutError: the failure woke the get (60 s would be its timeout)
         with pytest.raises(RolloutProducerError, match=r"producer 'actor-rollouts' failed on prompt batch 2 "
                                                        r"\(2 prompts\): ConnectionError: engine 0 died") as info:
-            buffer.get(1, trainer_version=0, timeout_s=30)
-        assert time.monotonic() - start < 5
+            buffer.get(1, trainer_version=0, timeout_s=60)
         assert isinstance(info.value.__cause__, ConnectionError) and info.value.batch_index == 2
         with pytest.raises(RolloutProducerError):   # sticky: every later get raises it too
             buffer.get(1, trainer_version=0, timeout_s=30)
@@ -174,10 +181,10 @@ def test_a_failing_generate_fn_ends_get_with_its_error_in_bounded_time():
 def test_an_admission_timeout_fails_the_producer_naming_what_it_waited_for():
     buffer = RolloutBuffer(RolloutBufferConfig(max_staleness=0, capacity=2))
     with RolloutProducer(buffer, fake_rollouts, prompt_batches(), current_version=lambda: 0, name="p",
-                         admission_timeout_s=0.1):
-        time.sleep(0.5)
+                         admission_timeout_s=0.1) as producer:   # the buffer stays full: this timeout must fire
+        wait_until(lambda: not producer.running, "the producer to fail its admission")
         with pytest.raises(RolloutProducerError, match="producer 'p' failed on prompt batch 1") as info:
-            buffer.get(2, trainer_version=0, timeout_s=5)
+            buffer.get(2, trainer_version=0, timeout_s=60)
     assert isinstance(info.value.__cause__, RolloutTimeoutError)
     assert "waited to generate 2 groups at weight_version=0: the buffer holds 2" in str(info.value.__cause__)
 
@@ -186,7 +193,7 @@ def test_a_batch_that_can_never_be_admitted_fails_the_producer():
     buffer = RolloutBuffer(RolloutBufferConfig(max_staleness=0, capacity=8, on_stale="wait", groups_per_step=2))
     with (RolloutProducer(buffer, fake_rollouts, prompt_batches(batch_size=3), current_version=lambda: 0),
           pytest.raises(RolloutProducerError, match="on prompt batch 0") as info):
-        buffer.get(2, trainer_version=0, timeout_s=5)
+        buffer.get(2, trainer_version=0, timeout_s=60)
     assert isinstance(info.value.__cause__, ValueError)
     assert "a batch of 3 prompts can never be admitted (at most 2 groups" in str(info.value.__cause__)
 
@@ -198,20 +205,28 @@ def test_close_wakes_a_blocked_get_and_a_blocked_put():
 
     def blocked_put():
         try:
-            full.put(fake_rollouts([[2]], 0), timeout_s=30)
+            full.put(fake_rollouts([[2]], 0), timeout_s=60)
         except RolloutBufferClosedError as error:
             errors.append(error)
 
     putter = threading.Thread(target=blocked_put, daemon=True)
     putter.start()
     empty = RolloutBuffer(RolloutBufferConfig(max_staleness=0, capacity=1))
-    threading.Timer(0.2, empty.close).start()
-    threading.Timer(0.2, full.close).start()
-    start = time.monotonic()
+
+    def close_once_both_wait():   # the counts rise under the buffer's lock, just before its wait releases it
+        wait_until(lambda: empty.metrics()["trainer_waits"] == 1 and full.metrics()["producer_waits"] == 1,
+                   "the get and the put to block")
+        empty.close()
+        full.close()
+
+    closer = threading.Thread(target=close_once_both_wait, daemon=True)
+    closer.start()
+    # closed errors, not RolloutTimeoutErrors: close() woke both (60 s would be their timeout)
     with pytest.raises(RolloutBufferClosedError, match="close\\(\\) was called"):
-        empty.get(1, trainer_version=0, timeout_s=30)
-    putter.join(5)
-    assert time.monotonic() - start < 5 and len(errors) == 1 and empty.closed and full.closed
+        empty.get(1, trainer_version=0, timeout_s=60)
+    putter.join(60)
+    closer.join(60)
+    assert len(errors) == 1 and empty.closed and full.closed
     with pytest.raises(RolloutBufferClosedError):   # queued groups are not handed out after close
         full.get(1, trainer_version=0, timeout_s=1)
 
@@ -219,27 +234,28 @@ def test_close_wakes_a_blocked_get_and_a_blocked_put():
 def test_stop_joins_a_producer_blocked_on_admission():
     buffer = RolloutBuffer(RolloutBufferConfig(max_staleness=0, capacity=2))
     producer = RolloutProducer(buffer, fake_rollouts, prompt_batches(), current_version=lambda: 0).start()
-    deadline = time.monotonic() + 5
-    while len(buffer) < 2 and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert len(buffer) == 2 and producer.running   # full: the producer waits for room
-    start = time.monotonic()
-    producer.stop(timeout_s=5)
-    assert time.monotonic() - start < 1 and not producer.running and producer.num_batches == 1
+    wait_until(lambda: buffer.metrics()["producer_waits"] == 1, "the producer to wait for room")
+    assert len(buffer) == 2 and producer.running   # full: the producer waits for room (600 s at most)
+    producer.stop(timeout_s=60)   # raises if the thread is still alive: stop() woke the admission wait
+    assert not producer.running and producer.num_batches == 1
     assert buffer.metrics()["reserved_groups"] == 0
 
 
 def test_stop_names_a_hung_generate_and_returns_within_its_bound():
-    release = threading.Event()
+    release, entered = threading.Event(), threading.Event()
+
+    def hung(prompts, version):
+        entered.set()
+        return release.wait(60) and fake_rollouts(prompts, version)
+
     buffer = RolloutBuffer(RolloutBufferConfig(max_staleness=0, capacity=2))
-    producer = RolloutProducer(buffer, lambda prompts, v: release.wait(30) and fake_rollouts(prompts, v),
-                               prompt_batches(), current_version=lambda: 0, name="hung").start()
-    time.sleep(0.1)
+    producer = RolloutProducer(buffer, hung, prompt_batches(), current_version=lambda: 0, name="hung").start()
+    assert entered.wait(60), "generate was never called"
     with pytest.raises(RolloutTimeoutError, match="producer 'hung' did not stop within 0.2 s; it is generating "
                                                   "batch 0 at weight_version=0"):
         producer.stop(timeout_s=0.2)
     release.set()
-    producer.stop(timeout_s=5)   # the batch finished after stop: discarded
+    producer.stop(timeout_s=60)   # the batch finished after stop: discarded
     assert not producer.running and len(buffer) == 0
 
 
@@ -258,18 +274,18 @@ def test_the_process_exits_while_producers_are_blocked():
         full = RolloutBuffer(RolloutBufferConfig(max_staleness=0, capacity=1))
         RolloutProducer(full, make, batches(), current_version=lambda: 0, name="admission").start()
         hung = RolloutBuffer(RolloutBufferConfig(max_staleness=0, capacity=1))
-        RolloutProducer(hung, lambda p, v: threading.Event().wait(), batches(), current_version=lambda: 0,
-                        name="generate").start()
+        entered = threading.Event()
+        RolloutProducer(hung, lambda p, v: entered.set() or threading.Event().wait(), batches(),
+                        current_version=lambda: 0, name="generate").start()
         while len(full) < 1:
             time.sleep(0.01)
-        time.sleep(0.1)
+        assert entered.wait(60)   # the second producer is inside its never-ending generate
         print("exiting", flush=True)
     """)
-    start = time.monotonic()
+    # the subprocess timeout is the hang guard: a producer keeping the interpreter alive makes it fire
     result = subprocess.run([sys.executable, "-c", script], check=False, capture_output=True, text=True,
-                            timeout=60, env={"PYTHONPATH": str(SRC), "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
+                            timeout=120, env={"PYTHONPATH": str(SRC), "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
     assert result.returncode == 0 and "exiting" in result.stdout, result.stderr[-2000:]
-    assert time.monotonic() - start < 30
 
 
 # --- on-policy equivalence with a real engine ---------------------------------------------------------------------
@@ -436,7 +452,11 @@ def test_get_raises_at_once_when_every_producer_has_finished():
 
     buffer = RolloutBuffer(RolloutBufferConfig(max_staleness=0, capacity=4))
     with RolloutProducer(buffer, generate, prompt_batches(count=1), current_version=lambda: 0, name="last"):
-        threading.Timer(0.2, release.set).start()   # the only batch lands while get waits
+        def release_once_get_waits():   # the only batch lands while get waits
+            wait_until(lambda: buffer.metrics()["trainer_waits"] == 1, "the get to wait")
+            release.set()
+
+        threading.Thread(target=release_once_get_waits, daemon=True).start()
         with pytest.raises(RolloutBufferExhaustedError, match=r"every producer has finished \('last': finished: "
                                                               r"its prompt iterator is exhausted\)") as info:
             buffer.get(3, trainer_version=0, timeout_s=60)
