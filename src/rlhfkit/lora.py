@@ -29,10 +29,8 @@ import torch
 from rlhfkit._optional import require
 
 __all__ = [
-    "OUTPUT_LAYER_NAMES",
     "LoraConfig",
     "apply_lora",
-    "check_adapter_shapes",
     "check_target_modules",
     "check_target_modules_of",
     "describe_adapter",
