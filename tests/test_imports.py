@@ -160,6 +160,8 @@ SHARED_PRIVATE: dict[str, frozenset[str] | None] = {
     "rlhfkit.engines._pause": frozenset({"rlhfkit.engines.hf", "rlhfkit.engines.vllm"}),
     # free TCP ports outside the ephemeral range, for ports bound seconds later (MASTER_PORT, SGLang's server)
     "rlhfkit._ports": frozenset({"rlhfkit.placement", "rlhfkit.engines.sglang"}),
+    # TCPStore servers bound to one address, and the signed (HMAC) store wrapper both stores share
+    "rlhfkit._store": frozenset({"rlhfkit.weight_sync", "rlhfkit.phase"}),
 }
 # Blocks that must import (at module level) nothing beyond the standard library, torch, einops and each other.
 CORE_BLOCKS = ("rlhfkit", "rlhfkit.types", "rlhfkit.packing", "rlhfkit.advantages", "rlhfkit.losses",

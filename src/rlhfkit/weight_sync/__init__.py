@@ -19,7 +19,9 @@ Backends (``WeightSyncConfig.backend``):
         in a few allocations: ZeRO-1/2 flat buffers, :func:`flatten_parameters`).
 
 The sender (rank 0) owns a ``torch.distributed.TCPStore`` that carries every control message, so the channel works
-between plain processes, Ray actors and vLLM workers alike, and never touches the default process group. What the
+between plain processes, Ray actors and vLLM workers alike, and never touches the default process group. It listens
+on exactly ``SyncEndpoint.host``; every key on it is hashed and every value signed with the group's per-run secret
+(``SyncEndpoint.secret``), and nothing read from it is unpickled (CUDA IPC handles travel as JSON). What the
 trainer side and the engine side share is only this module and :class:`SyncEndpoint`, a small picklable dataclass.
 
 Memory: the sender holds ``num_buffers`` bucket buffers of ``max(bucket_bytes, largest tensor) + 16`` bytes (on CPU
@@ -38,17 +40,19 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 import torch
 
+from rlhfkit._store import check_secret
 from rlhfkit.weight_sync._buckets import Fingerprinter
 from rlhfkit.weight_sync._errors import (
     ArmedSyncStillReceiving,
     FingerprintMismatchError,
     ManifestMismatchError,
     WeightSyncAborted,
+    WeightSyncAuthenticationError,
     WeightSyncError,
     WeightSyncRejoinError,
     WeightSyncTimeout,
@@ -75,6 +79,7 @@ __all__ = [
     "WeightSyncRejoinError",
     "WeightSyncVersionError",
     "ArmedSyncStillReceiving",
+    "WeightSyncAuthenticationError",
 ]
 
 logger = logging.getLogger(__name__)
@@ -148,15 +153,23 @@ class WeightSyncConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class SyncEndpoint:
-    """Where a sync group meets, and this process's place in it. Picklable: pass it to Ray actors.
+    """Where a sync group meets, and this process's place in it. Picklable: pass it to Ray actors (or any channel
+    you trust: it carries the group's secret).
 
     Attributes:
-        host: address of the sender's node (the sender's TCPStore listens there).
+        host: the address the sender's control store listens on — exactly that address, no other — and receivers
+            connect to. The default loopback suits receivers on the sender's node (colocated engines); give the
+            node's address only when receivers on other nodes must reach it. With gloo the sender's pair sockets
+            listen there too, and each receiver's on its own address towards it. See docs/security.md.
         port: the store's port; 0 on the sender means "pick a free one" (read it back from ``sender.endpoint``).
         world_size: 1 sender + the number of receivers (for nccl: every engine worker that loads weights).
         rank: 0 for the sender, 1..world_size-1 for receivers.
         group_name: names the group in messages and keys.
         label: who this process is, quoted in the peers' error messages (e.g. ``"engine-0/tp-1"``).
+        secret: the group's per-run secret (bytes, at least 16): every key on the control store is hashed and every
+            value signed with it, so a process without it can neither read the group's messages by name nor write
+            one a peer accepts. A sender without one generates ``secrets.token_bytes(32)``; receivers take it from
+            ``sender.endpoint.for_rank(r)``. Never shown in repr or messages.
     """
 
     host: str = "127.0.0.1"
@@ -165,6 +178,7 @@ class SyncEndpoint:
     rank: int = 0
     group_name: str = "weights"
     label: str = ""
+    secret: bytes | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.world_size, int) or self.world_size < 2:
@@ -175,6 +189,8 @@ class SyncEndpoint:
             raise ValueError(f"SyncEndpoint.port={self.port!r}; must be in [0, 65535] (0: sender picks one)")
         if not self.group_name or "/" in self.group_name:
             raise ValueError(f"SyncEndpoint.group_name={self.group_name!r}; use a non-empty name without '/'")
+        if self.secret is not None:
+            object.__setattr__(self, "secret", check_secret(self.secret, where="SyncEndpoint.secret"))
 
     def for_rank(self, rank: int, label: str = "") -> SyncEndpoint:
         """The endpoint a receiver of this group uses (pass the sender's ``endpoint`` so the port is known)."""
@@ -265,8 +281,9 @@ class WeightSender:
 
     Args:
         config: the channel configuration.
-        endpoint: required unless ``backend="inprocess"``; its ``rank`` must be 0. The store is bound here (cheap,
-            non-blocking); receivers are awaited at the first ``send``.
+        endpoint: required unless ``backend="inprocess"``; its ``rank`` must be 0. The store is bound here, on
+            exactly ``endpoint.host`` (cheap, non-blocking); receivers are awaited at the first ``send``. Without
+            ``endpoint.secret`` the sender generates one; ``sender.endpoint`` carries it to the receivers.
         local_receiver: ``backend="inprocess"`` only: ``(receiver, load_fn)`` living in this process.
         device: nccl/cuda_ipc: the GPU of the bucket buffers (default: the current CUDA device).
     """
@@ -291,7 +308,7 @@ class WeightSender:
         if endpoint.rank != 0:
             raise ValueError(f"endpoint.rank={endpoint.rank}; the sender is rank 0 (use endpoint.for_rank(0))")
         self._side = SenderSide(config, endpoint, _resolve_device(config.backend, device), self._fingerprinter)
-        self._endpoint = replace(endpoint, port=self._side.port)
+        self._endpoint = replace(endpoint, port=self._side.port, secret=self._side.secret)
         logger.info("weight-sync sender of group %r (%s) listening on %s:%d for %d receiver(s)",
                     endpoint.group_name, config.backend, endpoint.host, self._side.port, endpoint.world_size - 1)
 
@@ -401,6 +418,9 @@ class WeightReceiver:
         if endpoint.port == 0:
             raise ValueError("endpoint.port=0; use the sender's endpoint (sender.endpoint.for_rank(r)), which "
                              "carries the port it bound")
+        if endpoint.secret is None:
+            raise ValueError("endpoint.secret is None; use the sender's endpoint (sender.endpoint.for_rank(r)), "
+                             "which carries the group's secret (its control store accepts nothing unsigned)")
         device = _resolve_device(config.backend, device) if config.backend == "nccl" else torch.device("cpu")
         self._side = ReceiverSide(config, endpoint, device, self._hello())
 

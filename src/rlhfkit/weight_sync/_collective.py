@@ -1,7 +1,7 @@
 """gloo / NCCL transport of the weight-sync channel (private to :mod:`rlhfkit.weight_sync`). Needs torch.distributed.
 
 A process group of its own — ``ProcessGroupGloo`` or ``ProcessGroupNCCL`` constructed directly on a prefix of the
-control store — holds the sender (rank 0) and every receiver; the default process group is never touched. Each bucket
+(signed) control store — holds the sender (rank 0) and every receiver; the default process group is never touched. Each bucket
 (payload + 16-byte tail) is one ``broadcast`` from rank 0, so every receiver (e.g. each tensor-parallel worker of an
 engine) gets every full tensor. The sender keeps ``num_slots`` buckets in flight (broadcasts are asynchronous); a
 receiver has one bucket buffer. A receiver that fails mid-stream keeps taking part in the remaining broadcasts without
@@ -10,7 +10,9 @@ loading them (so the sender never blocks on it) and reports its error at the end
 
 from __future__ import annotations
 
+import ipaddress
 import logging
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -23,7 +25,8 @@ from rlhfkit.weight_sync._buckets import STATUS_ABORT, BucketSlots
 from rlhfkit.weight_sync._errors import WeightSyncError, WeightSyncTimeout
 from rlhfkit.weight_sync._manifest import Bucket, Manifest
 
-__all__ = ["CollectiveLink", "CollectiveSender", "CollectiveReceiver", "run_bounded", "poll_until"]
+__all__ = ["CollectiveLink", "CollectiveSender", "CollectiveReceiver", "run_bounded", "poll_until",
+           "local_address_towards"]
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +40,23 @@ def _nccl_backend_class() -> type:
     if nccl is None:
         raise WeightSyncError("backend='nccl' needs a torch built with NCCL; this one has none (use 'gloo')")
     return nccl
+
+
+def local_address_towards(host: str) -> str:
+    """The address of this machine that reaches ``host``: ``host`` itself when it is a loopback address (every peer
+    is on this node), else the source address the kernel picks to route to it (a UDP ``connect`` sends nothing)."""
+    try:
+        family, _, _, _, address = socket.getaddrinfo(host, 9, type=socket.SOCK_DGRAM)[0]
+    except OSError:
+        return host  # gloo will report the unresolvable name itself
+    if ipaddress.ip_address(address[0].split("%")[0]).is_loopback:
+        return address[0]
+    with socket.socket(family, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect(address)
+            return probe.getsockname()[0]
+        except OSError:
+            return host
 
 
 def run_bounded(call: Callable[[], object], timeout_s: float, on_timeout: Callable[[], Exception]) -> object:
@@ -84,11 +104,17 @@ class CollectiveLink:
     makes the current stream wait, so a stuck broadcast would otherwise block the next host sync forever). After a
     timeout the communicator is aborted (``ncclCommAbort``), so nothing later blocks on it. The NCCL watchdog's own
     timeout is set well past ``timeout_s``, so our error, which names the peer, comes first.
+
+    The rendezvous goes through the group's signed control store (the addresses each rank publishes cannot be
+    forged). gloo's pair sockets listen on ``host``: the endpoint's address on the sender, and on a receiver its own
+    address towards the sender (loopback when the sender is on loopback). NCCL opens its own bootstrap and transport
+    sockets on the interface it picks: pin it with ``NCCL_SOCKET_IFNAME`` (docs/security.md).
     """
 
     def __init__(self, store: dist.Store, *, backend: str, rank: int, world_size: int, timeout_s: float,
-                 device: torch.device, describe_group: Callable[[], str]) -> None:
+                 device: torch.device, describe_group: Callable[[], str], host: str = "127.0.0.1") -> None:
         self.store, self.backend, self.rank, self.world_size = store, backend, rank, world_size
+        self.host = host
         self.timeout_s = timeout_s
         self.timeout = timedelta(seconds=timeout_s)
         self.device = device
@@ -107,7 +133,7 @@ class CollectiveLink:
         started = time.monotonic()
         try:
             if self.backend == "gloo":
-                self.group = dist.ProcessGroupGloo(prefix, self.rank, self.world_size, self.timeout)
+                self.group = self._gloo_group(prefix)
             else:
                 self.group = self._nccl_group(prefix)
         except WeightSyncError:
@@ -121,6 +147,14 @@ class CollectiveLink:
                                         f"(each must be in its first send/receive)") from error
             raise WeightSyncError(f"could not form the {self.backend} group of {self.describe_group()}: {error}") \
                 from error
+
+    def _gloo_group(self, prefix: dist.Store) -> object:
+        """gloo's pair sockets listen on ``host`` (this rank's address towards the sender), not on whatever the
+        machine's hostname resolves to."""
+        options = dist.ProcessGroupGloo._Options()
+        options._timeout = self.timeout
+        options._devices = [dist.ProcessGroupGloo.create_device(hostname=self.host)]
+        return dist.ProcessGroupGloo(prefix, self.rank, self.world_size, options)
 
     def _nccl_group(self, prefix: dist.Store) -> object:
         nccl = _nccl_backend_class()

@@ -11,6 +11,8 @@ __all__ = [
     "WeightSyncRejoinError",
     "WeightSyncVersionError",
     "ArmedSyncStillReceiving",
+    "WeightSyncAuthenticationError",
+    "WeightSyncProtocolError",
     "error_from_report",
     "error_kind",
 ]
@@ -51,6 +53,16 @@ class WeightSyncVersionError(WeightSyncError, ValueError):
 class ArmedSyncStillReceiving(WeightSyncTimeout):
     """``ArmedReceive.settle`` ran past its timeout while the sync was still being received; the receive goes on
     (settle again to wait for it)."""
+
+
+class WeightSyncAuthenticationError(WeightSyncError):
+    """A value on the group's control store is not signed with the group's secret: a process without it (another
+    host that reached the port, or another run) wrote it. It is refused, never parsed; the message names the key."""
+
+
+class WeightSyncProtocolError(WeightSyncError, ValueError):
+    """A control message does not have the shape the protocol allows (e.g. a CUDA IPC handle naming a class outside
+    the allow-list, or anything that is not the expected JSON); refused before anything in it is used."""
 
 
 _KINDS: dict[str, type[WeightSyncError]] = {

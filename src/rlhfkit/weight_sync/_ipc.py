@@ -20,8 +20,8 @@ alive (``num_slots`` buckets), not a buffer.
 
 from __future__ import annotations
 
-import pickle
 import weakref
+from typing import Any
 
 import torch
 
@@ -31,8 +31,10 @@ from rlhfkit.weight_sync._errors import (
     FingerprintMismatchError,
     WeightSyncAborted,
     WeightSyncError,
+    WeightSyncProtocolError,
     error_from_report,
 )
+from rlhfkit.weight_sync._handles import decode_bytes, decode_tensor_args, encode_bytes, encode_tensor_args
 from rlhfkit.weight_sync._manifest import Bucket, Manifest
 from rlhfkit.weight_sync._zero_copy import MappedSources, SourceHandles, decode, encode
 
@@ -57,22 +59,24 @@ class CudaOps:
             f"(or that GPU visible to it) — use backend='nccl' for engines on other GPUs")
 
     @staticmethod
-    def share(tensor: torch.Tensor) -> tuple:
-        from torch.multiprocessing.reductions import reduce_tensor
+    def share(tensor: torch.Tensor) -> dict[str, Any]:
+        """A CUDA IPC handle of ``tensor`` as plain JSON (:mod:`rlhfkit.weight_sync._handles`)."""
+        from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
 
-        return reduce_tensor(tensor)
+        function, args = reduce_tensor(tensor)
+        if function is not rebuild_cuda_tensor:
+            raise WeightSyncError(f"cannot share a {tensor.device} tensor over CUDA IPC ({function.__name__})")
+        return encode_tensor_args(args)
 
     @staticmethod
-    def open(handle: tuple, device: torch.device) -> torch.Tensor:
-        """Map a :meth:`share` handle in this process, pointing it at our index of the sender's GPU."""
+    def open(handle: Any, device: torch.device) -> torch.Tensor:
+        """Map a :meth:`share` handle in this process, pointing it at our index of the sender's GPU. The handle is
+        checked field by field; only ``rebuild_cuda_tensor`` is ever called on it."""
         from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
-        function, args = handle
-        if function is not rebuild_cuda_tensor:
-            raise WeightSyncError(f"unexpected CUDA IPC handle rebuilder {function!r}")
-        args = list(args)
+        args = list(decode_tensor_args(handle))
         args[6] = device.index  # rebuild_cuda_tensor's storage_device
-        return function(*args)
+        return rebuild_cuda_tensor(*args)
 
     @staticmethod
     def new_events(count: int, device: torch.device) -> list:
@@ -104,6 +108,13 @@ class CudaOps:
     @staticmethod
     def event_synchronize(event: torch.cuda.Event) -> None:
         event.synchronize()
+
+
+def _event_handles(message: Any) -> list[bytes]:
+    """CUDA IPC event handles from their JSON form (a list of base64 strings)."""
+    if not isinstance(message, list) or not 0 < len(message) <= 64:
+        raise WeightSyncProtocolError("refused a CUDA IPC event-handles message: not a list of 1 to 64 handles")
+    return [decode_bytes(handle, "event handle") for handle in message]
 
 
 class IpcSender:
@@ -139,18 +150,18 @@ class IpcSender:
         shared = {
             "uuid": self.cuda.uuid(device),
             "buffers": [self.cuda.share(buffer) for buffer in self.slots.buffers],
-            "events": [self.cuda.event_handle(event) for event in self._send_events],
+            "events": [encode_bytes(self.cuda.event_handle(event)) for event in self._send_events],
         }
-        self.control.put_bytes(f"ipc/{self.generation}", pickle.dumps(shared))
+        self.control.put(f"ipc/{self.generation}", shared)
         return self.generation
 
     def _receiver_events(self) -> dict[int, list]:
         if self._recv_events is None:
             events = {}
             for rank in self.peers:
-                data = self.control.get_bytes(f"ipc/{self.generation}/recv/{rank}", peer=rank,
-                                              what="its CUDA IPC event handles")
-                events[rank] = [self.cuda.open_event(h, self.slots.device) for h in pickle.loads(data)]
+                handles = _event_handles(self.control.get(f"ipc/{self.generation}/recv/{rank}", peer=rank,
+                                                          what="its CUDA IPC event handles"))
+                events[rank] = [self.cuda.open_event(h, self.slots.device) for h in handles]
             self._recv_events = events
         return self._recv_events
 
@@ -278,17 +289,22 @@ class IpcReceiver:
         self._manifest = manifest
         if manifest.generation == self.generation:
             return
-        shared = pickle.loads(self.control.get_bytes(f"ipc/{manifest.generation}", peer=0,
-                                                     what="the CUDA IPC handles of its bucket buffers"))
+        shared = self.control.get(f"ipc/{manifest.generation}", peer=0,
+                                  what="the CUDA IPC handles of its bucket buffers")
+        if not (isinstance(shared, dict) and isinstance(shared.get("uuid"), str)
+                and isinstance(shared.get("buffers"), list)):
+            raise WeightSyncProtocolError("refused the sender's CUDA IPC buffers message: not a JSON object with "
+                                          "a GPU uuid, buffer handles and event handles")
+        send_events = _event_handles(shared.get("events"))
         device = self.cuda.device_of_uuid(shared["uuid"])
         self.slots.release()  # unmap the old generation first: torch caches mappings by (handle, offset)
         self.slots.device = device
         self.slots.adopt([self.cuda.open(handle, device) for handle in shared["buffers"]])
-        self._send_events = [self.cuda.open_event(h, device) for h in shared["events"]]
-        self.num_slots = len(shared["events"])
+        self._send_events = [self.cuda.open_event(h, device) for h in send_events]
+        self.num_slots = len(send_events)
         self._recv_events = self.cuda.new_events(self.num_slots, device)
-        self.control.put_bytes(f"ipc/{manifest.generation}/recv/{self.rank}",
-                               pickle.dumps([self.cuda.event_handle(event) for event in self._recv_events]))
+        self.control.put(f"ipc/{manifest.generation}/recv/{self.rank}",
+                         [encode_bytes(self.cuda.event_handle(event)) for event in self._recv_events])
         self.generation = manifest.generation
 
     def receive(self, version: int, bucket: Bucket) -> None:

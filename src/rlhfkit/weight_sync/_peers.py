@@ -26,8 +26,14 @@ from typing import Any, NamedTuple
 
 import torch
 
+from rlhfkit._store import new_secret
 from rlhfkit.weight_sync._buckets import STATUS_OK, BucketSlots, Fingerprinter
-from rlhfkit.weight_sync._collective import CollectiveLink, CollectiveReceiver, CollectiveSender
+from rlhfkit.weight_sync._collective import (
+    CollectiveLink,
+    CollectiveReceiver,
+    CollectiveSender,
+    local_address_towards,
+)
 from rlhfkit.weight_sync._control import ControlChannel, open_store
 from rlhfkit.weight_sync._errors import (
     ManifestMismatchError,
@@ -83,8 +89,9 @@ class SenderSide:
 
     def __init__(self, config: Any, endpoint: Any, device: torch.device, fingerprinter: Fingerprinter) -> None:
         self.config, self.endpoint, self.fingerprinter = config, endpoint, fingerprinter
+        self.secret = endpoint.secret if endpoint.secret is not None else new_secret()
         self.store = open_store(host=endpoint.host, port=endpoint.port, is_master=True, timeout_s=config.timeout_s,
-                                peer=f"group {endpoint.group_name!r}")
+                                peer=f"group {endpoint.group_name!r}", secret=self.secret)
         self.port = self.store.port
         self.peers = list(range(1, endpoint.world_size))
         self.labels: dict[int, str] = {}
@@ -124,7 +131,8 @@ class SenderSide:
         # joined in send(), after the first manifest is out: receivers waiting for it join then
         self.link = CollectiveLink(self.store, backend=self.config.backend, rank=0,
                                    world_size=self.endpoint.world_size, timeout_s=self.config.timeout_s,
-                                   device=self.slots.device, describe_group=self.describe_group)
+                                   device=self.slots.device, describe_group=self.describe_group,
+                                   host=self.endpoint.host)
         self.transport = CollectiveSender(self.link, self.slots)
 
     def send(self, specs: list[TensorSpec], iterator: Iterator, *,
@@ -354,7 +362,7 @@ class ReceiverSide:
         if self.control is None:
             e = self.endpoint
             store = open_store(host=e.host, port=e.port, is_master=False, timeout_s=self.config.timeout_s,
-                               peer=self._sender_name(0))
+                               peer=self._sender_name(0), secret=e.secret)
             control = ControlChannel(store, timeout_s=self.config.timeout_s, peer_name=self._sender_name)
             if control.peek("formed") is not None:
                 raise WeightSyncRejoinError(
@@ -417,7 +425,7 @@ class ReceiverSide:
         # a client of its own: the waiting thread is using the control store's connection
         e = self.endpoint
         store = open_store(host=e.host, port=e.port, is_master=False, timeout_s=self.config.timeout_s,
-                           peer=self._sender_name(0))
+                           peer=self._sender_name(0), secret=e.secret)
         mark = CALLED_OFF + self.who.encode()
         current = store.compare_set(f"{version}/manifest", b"", mark)
         if current != mark:
@@ -437,7 +445,8 @@ class ReceiverSide:
             return
         self.link = CollectiveLink(store, backend=self.config.backend, rank=e.rank, world_size=e.world_size,
                                    timeout_s=self.config.timeout_s, device=self.slots.device,
-                                   describe_group=lambda: f"{self.who} and {self._sender_name(0)}")
+                                   describe_group=lambda: f"{self.who} and {self._sender_name(0)}",
+                                   host=local_address_towards(e.host))
         self.link.connect()
         self.transport = CollectiveReceiver(self.link, self.slots)
 

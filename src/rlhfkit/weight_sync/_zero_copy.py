@@ -16,18 +16,20 @@ open would hold it in torch's IPC limbo. Each allocation then costs one ``cudaIp
 ``keep_mapped`` the mappings stay; every message lists the allocations still alive on the sender, and
 the receiver drops the others.
 
-Needs only torch (CUDA for real handles; the protocol tests substitute the CUDA calls).
+Messages are JSON (:func:`encode` / :func:`decode`, checked field by field); nothing is unpickled. Needs only torch
+(CUDA for real handles; the protocol tests substitute the CUDA calls).
 """
 
 from __future__ import annotations
 
-import base64
-import pickle
+import json
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
+from rlhfkit.weight_sync._errors import WeightSyncProtocolError
+from rlhfkit.weight_sync._handles import check_int
 from rlhfkit.weight_sync._manifest import TensorSpec
 
 __all__ = ["SourceHandles", "MappedSources", "encode", "decode"]
@@ -36,18 +38,55 @@ Placement = tuple[int, int, tuple[int, ...], tuple[int, ...]]  # allocation id, 
 
 
 def encode(body: dict[str, Any]) -> str:
-    return base64.b64encode(pickle.dumps(body)).decode("ascii")
+    """A zero-copy bucket message as JSON text: ``handles`` (allocation id -> what ``CudaOps.share`` returned, itself
+    plain JSON), ``placements``, ``fingerprint`` (int or None) and ``live`` (allocation ids)."""
+    return json.dumps({"handles": {str(ident): handle for ident, handle in body["handles"].items()},
+                       "placements": [[ident, offset, list(shape), list(stride)]
+                                      for ident, offset, shape, stride in body["placements"]],
+                       "fingerprint": body["fingerprint"], "live": list(body["live"])}, separators=(",", ":"))
 
 
-def decode(text: str) -> dict[str, Any]:
-    return pickle.loads(base64.b64decode(text))
+def decode(text: Any) -> dict[str, Any]:
+    """:func:`encode`'s message back, checked: anything else (another encoding, another shape) raises
+    :class:`WeightSyncProtocolError`. The handles are checked where they are opened (``CudaOps.open``)."""
+    try:
+        body = json.loads(text) if isinstance(text, str) else None
+    except ValueError:
+        body = None
+    if not isinstance(body, dict) or set(body) != {"handles", "placements", "fingerprint", "live"}:
+        raise WeightSyncProtocolError("refused a zero-copy bucket message: not the JSON object the sender writes")
+    handles, placements, live = body["handles"], body["placements"], body["live"]
+    fingerprint = body["fingerprint"]
+    if not (isinstance(handles, dict) and isinstance(placements, list) and isinstance(live, list)):
+        raise WeightSyncProtocolError("refused a zero-copy bucket message: handles, placements or live of the "
+                                      "wrong type")
+    if fingerprint is not None:
+        fingerprint = check_int(fingerprint, "fingerprint", minimum=-(2**63))
+    decoded: list[Placement] = []
+    for placement in placements:
+        if not (isinstance(placement, list) and len(placement) == 4):
+            raise WeightSyncProtocolError("refused a zero-copy bucket message: a placement is not "
+                                          "[allocation, offset, shape, stride]")
+        ident, offset, shape, stride = placement
+        if not (isinstance(shape, list) and isinstance(stride, list) and len(shape) == len(stride) <= 64):
+            raise WeightSyncProtocolError("refused a zero-copy bucket message: a placement's shape and stride differ")
+        decoded.append((check_int(ident, "allocation id", minimum=-1), check_int(offset, "offset"),
+                        tuple(check_int(d, "shape") for d in shape), tuple(check_int(d, "stride") for d in stride)))
+    return {"handles": {_ident(key): handle for key, handle in handles.items()}, "placements": decoded,
+            "fingerprint": fingerprint, "live": [check_int(ident, "allocation id") for ident in live]}
+
+
+def _ident(key: str) -> int:
+    if not (key.isascii() and key.isdigit() and len(key) < 19):
+        raise WeightSyncProtocolError(f"refused a zero-copy bucket message: allocation id {key[:40]!r}")
+    return int(key)
 
 
 class SourceHandles:
     """The sender's cache of shared allocations: ``data_ptr → (weak ref, id, handle, nbytes)``."""
 
     def __init__(self, share) -> None:
-        self._share = share  # CudaOps.share: tensor -> picklable handle
+        self._share = share  # CudaOps.share: tensor -> a handle as plain JSON
         self._entries: dict[int, tuple[Any, int, Any, int]] = {}
         self._next_id = 0
 
