@@ -3,17 +3,26 @@
 Ray and of the engine processes).
 
 Phases follow the hybrid engine: ``generating`` (the engines awake), ``training`` (the actor; ``training_critic``),
-``forward_<role>`` (reference, reward); a role with ``TrainerConfig.offload=False`` holds its weights, gradients and
-optimizer states on the GPU in every phase (its activations only in its own). Counts come from the model's config
-built on the meta device (no weights read). Activations are a first-order guess from the micro-batch token budget
-(layer inputs kept by gradient checkpointing, or every layer's working set without it, a compiled layer's about half
-of it, plus the logits): the estimate is a floor, so a run it refuses cannot fit, and one it passes may still run
-out of memory. An engine share (vLLM, SGLang) that the engine's weights fill, leaving no KV cache, is refused by the
-same estimate (:meth:`rlhfkit.placement.MemoryEstimate.check_fit`); with a sized KV cache
-(``HybridConfig.engine_kv_tokens``) a vLLM engine is counted as what it holds instead (:func:`engine_awake_gib`). An
-asleep vLLM / SGLang engine keeps ``ENGINE_ASLEEP_GIB`` on its GPU; a trainer with ``empty_cache_on_sleep=False``
-keeps its activations' blocks, one with ``sleep_optimizer=False`` its optimizer's states, one with
-``sleep_weights=False`` its weights.
+``forward_<role>`` (reference, reward) and, colocated, ``syncing``: the engines' wake after the weight push, the
+actor still holding what it held while training (its states, and the blocks its allocator cached, which a sleep
+returns only at its end, if at all) beside the awake engines. A role with ``TrainerConfig.offload=False`` holds its
+weights, gradients and optimizer states on the GPU in every phase (its activations only in its own). Counts come
+from the model's config built on the meta device (no weights read). Activations are counted from the micro-batch
+token budget (layer inputs kept by gradient checkpointing, or every layer's working set without it, a compiled
+layer's about half of it, plus the logits of every token).
+
+The estimate is an upper bound with a stated margin: every trainer's bytes are multiplied by
+``TRAINER_RESERVE_FACTOR`` (what its caching allocator reserves over what it allocates), every process on a GPU
+counts ``CONTEXT_GIB`` of CUDA context, and an engine counts what it holds outside its share (CUDA graphs). A run it
+passes fits with that margin; one it refuses may still fit without it, and the refusal names the phase, the
+shortfall and, from :mod:`rlhfkit.hybrid`'s launcher, a layout the same estimate accepts. An engine share (vLLM,
+SGLang) that the engine's weights fill, leaving no KV cache, is refused by the same estimate
+(:meth:`rlhfkit.placement.MemoryEstimate.check_fit`); with a sized KV cache (``HybridConfig.engine_kv_tokens``) a
+vLLM engine is counted as what it holds instead (:func:`engine_awake_gib`), else as its ``engine_memory`` share of
+the whole GPU plus ``ENGINE_ASLEEP_GIB``. An asleep vLLM / SGLang engine keeps ``ENGINE_ASLEEP_GIB`` on its GPU; a
+trainer with ``empty_cache_on_sleep=False`` keeps everything it held awake (the blocks its sleep freed stay cached;
+not where its sleep goes through DeepSpeed's ``offload_states``, which empties the cache), one with
+``sleep_optimizer=False`` its optimizer's states, one with ``sleep_weights=False`` its weights.
 
 Host memory (with a node size): what DeepSpeed's optimizer offload keeps there (``offload_optimizer_ratio`` of the
 fp32 masters, fp32 gradients and Adam moments, placed by whole sub-groups as DeepSpeed does; ZeRO-3's bf16 gradient
@@ -150,6 +159,11 @@ def _trainer_memory(shape: ModelShape, trainer: Any, role: str, *, world: int) -
         ratio = offloaded_fraction(shape.param_sizes, ratio=ratio, sub_group_elements=ds.sub_group_elements,
                                    world=world)
     optimizer_bytes = 12.0 if ds.bf16 else 8.0
+    # empty_cache_on_sleep=False: asleep it holds what it held awake (its freed blocks stay cached), unless its sleep
+    # goes through DeepSpeed's offload_states (a trained role that sleeps to host memory under ZeRO-1/2/3), which
+    # empties the cache at its end whatever rlhfkit asks
+    emptied_by_deepspeed = trainer.offload and trains and (ds.zero_stage >= 1 or ds.offload_params)
+    keeps_blocks = not ds.empty_cache_on_sleep and not emptied_by_deepspeed
     kept = 0.0  # the states a sleep leaves on the GPU (TrainerConfig.sleep_optimizer / sleep_weights False)
     if trains and trainer.offload and trainer.sleep_optimizer is False:
         on_gpu = 1.0 - ratio if ds.offload_optimizer else 1.0
@@ -164,11 +178,19 @@ def _trainer_memory(shape: ModelShape, trainer: Any, role: str, *, world: int) -
                        activation_gib=activations, num_trainable_params=trainable,
                        offload_optimizer=ds.offload_optimizer and trains, offload_params=ds.offload_params,
                        offload_optimizer_ratio=ratio, asleep="host" if trainer.offload else "gpu",
-                       asleep_gib=kept + (0.0 if ds.empty_cache_on_sleep else activations),  # + kept blocks
+                       asleep_gib=0.0 if keeps_blocks else kept, keeps_blocks=keeps_blocks,
                        step_group_params=max(sum(shape.param_sizes[i] for i in group)
                                              for group in ds.param_group_ranges(shape.param_sizes))
                        if trains and trainable is None and ds.zero_stage < 3 and shape.param_sizes else None)
 
+
+# The upper bound's margin. Every trainer's bytes times this: its caching allocator reserves more than the estimate's
+# allocations (fragmentation of the activations' and the optimizer step's blocks); the hybrid actor's reserved peak
+# was measured at up to 1.23x its own allocated peak, and the estimate's allocations at 0.93-1.07x of that peak
+# (docs/benchmarks.md, the Scale section).
+TRAINER_RESERVE_FACTOR = 1.25
+# CUDA context, NCCL and cuBLAS state of each process on a GPU, outside its allocator's blocks.
+CONTEXT_GIB = 1.0
 
 # GPU memory a vLLM / SGLang engine keeps while asleep besides its CUDA context: CUDA graphs and buffers outside its
 # sleep pool (the 1.5B scale run on an H100: ~1.3 GiB more than the trainers' states and contexts with it asleep).
@@ -257,8 +279,13 @@ def estimate_hybrid_memory(config: Any, trainers: Mapping[str, Any], *, plan: An
     phases = {"generating": ("rollout",)}  # an asleep trainer with offload=False keeps its states (asleep="gpu")
     for role in trainers:
         phases[names.get(role, f"forward_{role}")] = (role,)
+    if config.colocate and "actor" in trainers:
+        # the push and the engines' wake after it: the actor as it trained (its states, its cached blocks: its sleep
+        # after the step runs beside or after the push), the engines awake
+        phases["syncing"] = ("actor", "rollout")
     return estimate_memory(plan, models, MemoryConfig(gpu_memory_gib=gpu_memory_gib,
                                                       engine_memory_fraction=config.engine_memory_fraction,
+                                                      context_gib=CONTEXT_GIB, reserve_factor=TRAINER_RESERVE_FACTOR,
                                                       phases=phases, host_memory_gib=host_memory_gib,
                                                       load_order=tuple(trainers), read_ahead=read_ahead),
                            log_warnings=log_warnings)

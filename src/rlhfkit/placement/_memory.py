@@ -1,9 +1,12 @@
 """A per-GPU and per-node host memory, per-phase estimate for a :class:`~rlhfkit.placement.PlacementPlan` (pure
 arithmetic).
 
-The estimate is a first-order budget, not a measurement: weights, gradients and optimizer states from parameter
-counts, ZeRO sharding over a role's ranks, a fixed engine budget (vLLM's ``gpu_memory_utilization``), a CUDA context per
-process, and the activation peak you supply. Host memory (when ``MemoryConfig.host_memory_gib`` is given) counts what
+The estimate is a budget, not a measurement: weights, gradients and optimizer states from parameter counts, ZeRO
+sharding over a role's ranks, a fixed engine budget (vLLM's ``gpu_memory_utilization``, plus what the engine keeps
+outside it), a CUDA context per process, and the activation peak you supply; ``MemoryConfig.reserve_factor`` scales
+every trainer's bytes up to what its caching allocator reserves. It is an upper bound only as far as its inputs are
+(:mod:`rlhfkit.hybrid` feeds it margins measured on real runs). Host memory (when ``MemoryConfig.host_memory_gib``
+is given) counts what
 DeepSpeed's optimizer offload keeps there (fp32 master weights, fp32 gradients and Adam moments; ZeRO-3's gradient
 partitions too), offloaded weights, the pinned buffers of roles that sleep to host memory, extra host bytes you name
 (an engine's level-1 weight backup), each process's own footprint, a fixed reserve per node, and, with
@@ -65,11 +68,15 @@ class ModelMemory:
         host_gib: other host GiB one rank holds in every phase (an engine's level-1 weight backup, kept by the
             pinned-memory cache after a wake).
         asleep_gib: GPU GiB one rank keeps while asleep besides its CUDA context (a vLLM engine's CUDA graphs and
-            buffers outside its sleep pool).
+            buffers outside its sleep pool; an engine whose footprint is its share keeps them beside the share while
+            awake too).
         step_group_params: ZeRO-1/2, 16-bit weights, optimizer on the GPU: the parameter count of the largest
             optimizer parameter group (:class:`~rlhfkit.deepspeed_engine.DeepSpeedEngineConfig`'s
             ``param_group_elements``); the step builds the flattened 16-bit copy and the fp32 gradients of one group
             at a time. None: every trainable parameter in one group.
+        keeps_blocks: its sleeps return no cached blocks to the driver (DeepSpeed's ``empty_cache_on_sleep=False``):
+            asleep it holds on the GPU what it holds awake (its states and ``activation_gib``, ``asleep_gib`` on
+            top), whatever its sleep moves to host memory, as the freed blocks stay in its allocator's cache.
     """
 
     num_params: int
@@ -88,6 +95,7 @@ class ModelMemory:
     host_gib: float = 0.0
     asleep_gib: float = 0.0
     step_group_params: int | None = None
+    keeps_blocks: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.num_params, bool) or not isinstance(self.num_params, int):
@@ -120,7 +128,7 @@ class ModelMemory:
                              "[0, 1] (1: every optimizer state in host memory)")
         if self.asleep not in ("freed", "gpu", "host"):
             raise ValueError(f"ModelMemory.asleep={self.asleep!r}; use 'freed', 'gpu' or 'host'")
-        for name in ("offload_optimizer", "offload_params"):
+        for name in ("offload_optimizer", "offload_params", "keeps_blocks"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"ModelMemory.{name}={getattr(self, name)!r}; must be True or False")
         if self.engine_gib is not None and not _check_real("ModelMemory", "engine_gib", self.engine_gib) >= 0:
@@ -153,6 +161,9 @@ class MemoryConfig:
             theirs. None: no load phases.
         read_ahead: with ``load_order``, every role reads its host copy before the first one moves its model to the
             GPU (they read in parallel), so in ``load_<role>`` the roles after it hold their whole copies too.
+        reserve_factor: every trainer role's (not an engine's) GPU bytes, awake and asleep, times this: a caching
+            allocator reserves more than it allocates (fragmentation, blocks cached between phases). 1: the
+            allocations alone.
     """
 
     gpu_memory_gib: float = 80.0
@@ -164,6 +175,7 @@ class MemoryConfig:
     host_reserved_gib: float = 8.0
     load_order: tuple[str, ...] | None = None
     read_ahead: bool = False
+    reserve_factor: float = 1.0
 
     def __post_init__(self) -> None:
         if not _check_real("MemoryConfig", "gpu_memory_gib", self.gpu_memory_gib) > 0:
@@ -188,6 +200,8 @@ class MemoryConfig:
             object.__setattr__(self, "load_order", tuple(self.load_order))
         if not isinstance(self.read_ahead, bool):
             raise TypeError(f"MemoryConfig.read_ahead={self.read_ahead!r}; must be True or False")
+        if not _check_real("MemoryConfig", "reserve_factor", self.reserve_factor) >= 1:
+            raise ValueError(f"MemoryConfig.reserve_factor={self.reserve_factor}; must be >= 1 (1: allocations alone)")
 
 
 def _checked_phases(phases: object) -> dict[str, tuple[str, ...]]:
@@ -305,11 +319,14 @@ def _worst(per_place: Mapping, limit: float) -> tuple[float, str, object] | None
 
 class MemoryFitError(ValueError):
     """A plan whose memory estimate exceeds a GPU (``memory="gpu"``) or a node's host memory (``"host"``) in some
-    phase; ``phase`` and ``shortfall_gib`` say where and how much."""
+    phase; ``phase`` and ``shortfall_gib`` say where and how much. ``suggestion``: a layout the same estimate
+    accepts, where the launcher that raised worked one out (its message names the change), else None."""
 
-    def __init__(self, message: str, *, phase: str, shortfall_gib: float, memory: str = "gpu") -> None:
+    def __init__(self, message: str, *, phase: str, shortfall_gib: float, memory: str = "gpu",
+                 suggestion: object = None) -> None:
         super().__init__(message)
         self.phase, self.shortfall_gib, self.memory = phase, shortfall_gib, memory
+        self.suggestion = suggestion
 
 
 def _awake_gib(plan: PlacementPlan, role: str, model: ModelMemory, config: MemoryConfig) -> float:
@@ -317,8 +334,10 @@ def _awake_gib(plan: PlacementPlan, role: str, model: ModelMemory, config: Memor
     if model.kind == "engine":
         if model.engine_gib is not None:
             return model.engine_gib / plan.config.role(role).gpus_per_rank
-        return config.engine_memory_fraction * config.gpu_memory_gib
-    return _states_gib(plan, role, model) + model.activation_gib
+        # the share covers weights, KV cache and working memory; CUDA graphs and buffers outside the sleep pool
+        # (asleep_gib) come on top
+        return config.engine_memory_fraction * config.gpu_memory_gib + model.asleep_gib
+    return (_states_gib(plan, role, model) + model.activation_gib) * config.reserve_factor
 
 
 def _states_gib(plan: PlacementPlan, role: str, model: ModelMemory) -> float:
@@ -412,9 +431,13 @@ def _gpu_estimate(plan: PlacementPlan, models: Mapping[str, ModelMemory], config
                     held = 0.0
                     if model is not None and (role in awake or role not in colocated):
                         held = _awake_gib(plan, role, model, config)
+                    elif model is not None and model.kind == "engine":
+                        held = model.asleep_gib
+                    elif model is not None and model.keeps_blocks:
+                        held = _awake_gib(plan, role, model, config) + model.asleep_gib * config.reserve_factor
                     elif model is not None:
-                        held = model.asleep_gib + (_states_gib(plan, role, model)
-                                                   if model.asleep == "gpu" and model.kind != "engine" else 0.0)
+                        held = (model.asleep_gib + (_states_gib(plan, role, model) if model.asleep == "gpu"
+                                                    else 0.0)) * config.reserve_factor
                     parts[role] = held + config.context_gib
                 total = sum(parts.values())
                 per_gpu.setdefault((node, gpu), {})[phase] = total
