@@ -514,7 +514,38 @@ def check_normalization(stage: int, ctx) -> dict:
     return result
 
 
+def check_discard(stage: int, ctx) -> dict:
+    """discard_gradients() after two micro-batches' backwards (a step given up part-way), then a clean step: the
+    same gradient norm and weights as the clean step alone, under the hybrid's caller-owned accumulation."""
+    from rlhfkit.deepspeed_engine import DeepSpeedEngine
+
+    first, second = _batch(400 + ctx.rank, ctx.vocab), _batch(500 + ctx.rank, ctx.vocab, (6, 10, 8))
+
+    def run(discard: bool) -> tuple[float, list[torch.Tensor]]:
+        engine = DeepSpeedEngine.from_pretrained(ctx.model, role="actor", config=_config(stage),
+                                                 ds_config_overrides={"managed_gradient_accumulation": False})
+        engine.backward(_nll(engine, first))
+        engine.optimizer_step()  # the optimizer's states exist, as in a run
+        if discard:
+            engine.backward(_nll(engine, second))
+            engine.backward(_nll(engine, first))
+            engine.discard_gradients()
+        engine.backward(_nll(engine, first))
+        engine.backward(_nll(engine, second))
+        norm = engine.optimizer_step()
+        weights = [tensor.detach().cpu().clone() for tensor in _state_tensors(engine)["weights"]]
+        engine.destroy()
+        _release()
+        return norm, weights
+
+    clean_norm, clean = run(False)
+    norm, weights = run(True)
+    return {"clean_norm": clean_norm, "norm": norm,
+            "max_weight_diff": max(float((a - b).abs().max()) for a, b in zip(weights, clean, strict=True))}
+
+
 CHECKS = {
+    **{f"discard{s}": (lambda s: lambda ctx: check_discard(s, ctx))(s) for s in (0, 1, 2, 3)},
     **{f"train{s}": (lambda s: lambda ctx: check_train(s, ctx))(s) for s in (0, 1, 2, 3)},
     **{f"stream{s}": (lambda s: lambda ctx: check_stream(s, ctx))(s) for s in (0, 1, 2, 3)},
     "stream3_bf16": lambda ctx: check_stream(3, ctx, bf16=True),

@@ -260,8 +260,9 @@ def _run_worker(num_ranks: int, checks: list[str], model: Path, workdir: Path, e
 
 
 WS1_CHECKS = ["train0", "train1", "train2", "train3", "stream0", "stream3", "stream3_bf16", "critic3", "groups2",
-              "zero3views"]
-WS2_CHECKS = ["train1", "train3", "stream0", "stream3", "critic2", "norm1", "norm3", "groups1", "zero3views"]
+              "zero3views", "discard0", "discard1", "discard2", "discard3"]
+WS2_CHECKS = ["train1", "train3", "stream0", "stream3", "critic2", "norm1", "norm3", "groups1", "zero3views",
+              "discard2", "discard3"]
 
 
 @pytest.fixture(scope="module")
@@ -290,6 +291,15 @@ def test_training_decreases_loss_with_scheduled_lr(ds_results, world_size, stage
         base * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (k - 2) / 8))) for k in (2, 3)]
     assert result["ref_lrs"] == pytest.approx(expected, rel=1e-6)
     assert all(math.isfinite(g) and g > 0 for g in result["grad_norms"])
+
+
+@pytest.mark.parametrize(("world_size", "stage"), [(1, s) for s in (0, 1, 2, 3)] + [(2, s) for s in (2, 3)])
+def test_discarded_gradients_leave_no_trace_in_the_next_step(ds_results, world_size, stage):
+    """Issue 50 item 4: discard_gradients() after part of a step (two backwards) leaves the next step exactly as
+    if they never ran: the same pre-clip gradient norm and the same weights (the hybrid's accumulation mode)."""
+    result = _result(ds_results, world_size, f"discard{stage}")
+    assert result["norm"] == pytest.approx(result["clean_norm"], rel=1e-6), result
+    assert result["max_weight_diff"] <= 1e-6, result
 
 
 @pytest.mark.parametrize(("world_size", "stage"), TRAIN_CASES)

@@ -170,6 +170,71 @@ def test_parse_options_types_defaults_and_errors(capsys):
         assert message in capsys.readouterr().err
 
 
+def test_phase_conflicts_in_a_hybrid_run_name_the_hybrid_calls():
+    """Issue 50 item 12: the hybrid's guards tell the user to call the hybrid's API, not the guard's."""
+    from rlhfkit.hybrid._errors import sleep_hint
+    from rlhfkit.phase import LocalPhaseStore, PhaseConflictError, PhaseGuard
+
+    guard = PhaseGuard(LocalPhaseStore(), gpu="node0/gpu0", sleep_hint=sleep_hint)
+    guard.wake("rollout")
+    with pytest.raises(PhaseConflictError, match=r"put 'rollout' to sleep first \(hybrid\.engines\.sleep\(\)\)"):
+        guard.wake("actor")
+    guard.sleep("rollout")
+    guard.wake("actor")
+    with pytest.raises(PhaseConflictError, match=r"\(hybrid\.trainers\['actor'\]\.sleep\(\)\)"):
+        guard.wake("rollout")
+    plain = PhaseGuard(guard.store, gpu="node0/gpu0")  # outside a hybrid run: the guard's own call
+    with pytest.raises(PhaseConflictError, match=r"\(guard\.sleep\('actor', \.\.\.\)\)"):
+        plain.wake("critic")
+
+
+_MISSING_EXTRA_SCRIPT = """
+import json, sys
+import torch
+missing, model, names = sys.argv[1], sys.argv[2], sys.argv[3].split(",")
+sys.modules[missing] = None  # importing it now fails as if it were not installed
+from rlhfkit.deepspeed_engine import DeepSpeedEngine, DeepSpeedEngineConfig
+from rlhfkit.hybrid import Hybrid, HybridConfig, TrainerConfig
+from rlhfkit.workers import ray_init
+deepspeed = DeepSpeedEngineConfig(zero_stage=1, bf16=False, optimizer="torch_adamw")
+calls = {
+    "Hybrid.start": lambda: Hybrid.start(HybridConfig(model=model, device="cpu", engine="hf"),
+                                         {"actor": TrainerConfig(deepspeed=deepspeed)}),
+    "DeepSpeedEngine": lambda: DeepSpeedEngine(torch.nn.Linear(2, 2), role="actor", config=deepspeed),
+    "ray_init": ray_init,
+}
+out = {}
+for name in names:
+    try:
+        calls[name]()
+        out[name] = "no error"
+    except ImportError as error:
+        out[name] = str(error)
+    except Exception as error:
+        out[name] = f"{type(error).__name__}: {error}"
+out["ray started"] = "ray" in sys.modules and sys.modules["ray"] is not None and sys.modules["ray"].is_initialized()
+print(json.dumps(out))
+"""
+
+
+def test_a_missing_extra_names_the_pip_install(tiny_llama_path):
+    """Issue 50 item 14: without Ray or DeepSpeed, the entry points raise an ImportError naming the extra to
+    install, before anything starts."""
+    import subprocess
+    import sys
+
+    for missing, entry_points in (("ray", ("Hybrid.start", "ray_init")),
+                                  ("deepspeed", ("Hybrid.start", "DeepSpeedEngine"))):
+        done = subprocess.run([sys.executable, "-c", _MISSING_EXTRA_SCRIPT, missing, str(tiny_llama_path),
+                               ",".join(entry_points)],
+                              capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+        out = json.loads(done.stdout.strip().splitlines()[-1])
+        for name in entry_points:
+            assert f"pip install 'rlhfkit[{missing}]'" in out[name], (missing, name, out[name])
+        assert not out["ray started"], out
+
+
 # ------------------------------------------------------------------------------------------------ a real run
 @pytest.fixture(scope="module")
 def hybrid(tiny_llama_path, tmp_path_factory):
@@ -232,6 +297,22 @@ def tensor_stats_loss(logprobs, micro, *, num_tokens, num_seqs):
 
 def crashing_loss(logprobs, micro, *, num_tokens, num_seqs):
     raise KeyError("the user's loss has a bug")
+
+
+def zero_loss(logprobs, micro, *, num_tokens, num_seqs):
+    return logprobs.sum() * 0.0  # trains on nothing: the step's gradient norm is that of what else is there
+
+
+class FailsAfterFirstMicroBatch:
+    """pg_loss on the first micro-batch a worker gives it (its backward runs), NaN on the next."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def __call__(self, logprobs, micro, *, num_tokens, num_seqs):
+        self.calls += 1
+        loss, stats = pg_loss(logprobs, micro, num_tokens=num_tokens, num_seqs=num_seqs)
+        return (loss if self.calls == 1 else loss * float("nan")), stats
 
 
 @pytest.mark.slow
@@ -637,3 +718,87 @@ def test_colocated_tensor_parallel_needs_a_divisor_of_the_gpus():
         HybridConfig(model="m", num_gpus=3, tensor_parallel_size=2)
     with pytest.raises(ValueError, match="engine='hf'.* no tensor parallelism"):
         HybridConfig(model="m", device="cpu", engine="hf", num_gpus=2, tensor_parallel_size=2)
+
+
+@pytest.mark.slow
+@pytest.mark.ray
+def test_a_failed_or_skipped_step_leaves_no_gradients_behind(hybrid):
+    """Issue 50 item 4: a forward_backward whose loss fails on micro-batch 1 drops micro-batch 0's gradients (the
+    next step trains on nothing else: a zero loss gives a zero gradient norm); discard_gradients() drops a
+    successful forward_backward's gradients the same way, and the next forward_backward is accepted."""
+    from rlhfkit.hybrid import TrainerGroup
+    from rlhfkit.workers import WorkerError
+
+    actor = hybrid.trainers["actor"]
+    experience = _experience(hybrid, step=5)
+    split = TrainerGroup(actor.workers, dataclasses.replace(actor.config, micro_batch_tokens=16))  # one-two seqs
+    with pytest.raises(WorkerError, match=r"returned nan on 'actor' rank 0, phase 'train_actor', micro-batch 1"):
+        split.forward_backward(experience, FailsAfterFirstMicroBatch())
+    actor.forward_backward(experience, zero_loss)
+    assert actor.optim_step(sleep_after=False)["actor/grad_norm"] == 0.0
+
+    actor.forward_backward(experience, pg_loss)
+    actor.discard_gradients()  # skip this minibatch
+    actor.forward_backward(experience, zero_loss)
+    assert actor.optim_step(sleep_after="keep_weights")["actor/grad_norm"] == 0.0
+    hybrid.push_weights()  # the steps moved the actor a version ahead: later tests generate without a push
+    hybrid.engines.sleep(level=1)
+
+
+@pytest.mark.slow
+@pytest.mark.ray
+def test_a_refused_push_leaves_the_engines_free(hybrid):
+    """Issue 50 item 13: a push refused by the trainer (asleep without its weights) or by its arguments leaves no
+    engine waiting to receive: the engines answer at once and the next push works."""
+    import ray
+
+    from rlhfkit.workers import WorkerError
+
+    actor = hybrid.trainers["actor"]
+    actor.forward_backward(_experience(hybrid, step=6), pg_loss)
+    actor.optim_step(sleep_after=True)  # the weights went to host memory too: nothing to send from
+    with pytest.raises(WorkerError, match="RoleAsleepError: push_weights: 'actor' rank 0 is asleep without its"):
+        hybrid.push_weights()
+    # an engine still waiting for the refused sync would answer only after sync_timeout_s (60 s here)
+    versions = ray.get([handle.get_weight_version.remote() for handle in hybrid.engines.handles], timeout=30)
+    with pytest.raises(ValueError, match=r"push_weights\(role='reference'\): only the actor's weights"):
+        hybrid.push_weights("reference")
+    actor.wake()
+    assert hybrid.push_weights()["engine/weight_version"] == versions[0] + 1
+    hybrid.engines.sleep(level=1)
+
+
+@pytest.mark.slow
+@pytest.mark.ray
+def test_hybrid_errors_name_the_hybrid_calls(hybrid):
+    """Issue 50 item 12: a phase conflict names hybrid.engines.sleep(); a push forgotten after a level-2 sleep (the
+    engines' weights discarded) raises WeightLagError naming push_weights(), and without a step in between the
+    engines refuse to generate from discarded weights too, before any engine wakes."""
+    from rlhfkit.engines import SamplingConfig
+    from rlhfkit.engines.protocol import WeightLagError
+    from rlhfkit.hybrid import HybridCallError
+    from rlhfkit.packing import pack_rollouts
+    from rlhfkit.workers import WorkerError
+
+    engines, actor, sampling = hybrid.engines, hybrid.trainers["actor"], SamplingConfig(n=2, max_new_tokens=3)
+    batch = pack_rollouts(engines.generate([[5, 6, 7]], sampling))
+    engines.wake()
+    try:
+        with pytest.raises(WorkerError, match=r"put 'rollout' to sleep first \(hybrid\.engines\.sleep\(\)\)"):
+            hybrid.trainers["reference"].forward(batch)
+    finally:
+        engines.sleep(level=1)
+
+    experience = _experience(hybrid, step=7)
+    actor.forward_backward(experience, pg_loss)
+    actor.optim_step(sleep_after="keep_weights")
+    engines.sleep(level=2)  # discards the engines' weights
+    with pytest.raises(WeightLagError, match=r"actor is at version \d+.*call hybrid\.push_weights\(\)"):
+        engines.generate([[5, 6, 7]], sampling)
+    hybrid.push_weights()
+    engines.sleep(level=2)
+    with pytest.raises(HybridCallError, match=r"discarded .* call hybrid\.push_weights\(\) before generate"):
+        engines.generate([[5, 6, 7]], sampling)
+    actor.wake()  # the last push put the actor fully to sleep: a push needs its weights on the device
+    hybrid.push_weights()
+    assert len(engines.generate([[5, 6, 7]], sampling)) == 2  # and the engines went back to sleep at level 1

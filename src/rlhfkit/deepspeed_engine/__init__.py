@@ -290,6 +290,46 @@ class DeepSpeedEngine:
         grad_norm = self.ds_engine.get_global_grad_norm()
         return own_norm if grad_norm is None else float(grad_norm)
 
+    def discard_gradients(self) -> None:
+        """Drop every gradient accumulated since the last optimizer step, without stepping: the next ``backward``
+        starts a new accumulation, exactly as after a step (the weights, optimizer states, step count and schedule
+        are untouched). For a caller that gives up on a step (a loss that failed part-way through the micro-batches)
+        instead of training on part of it. Local to this rank; call it on every rank."""
+        self._require_awake("discard_gradients")
+        self._require_role("discard_gradients", ("actor", "critic"))
+        self.finish_wake()
+        engine, optimizer = self.ds_engine, self.ds_engine.optimizer
+        stage = self.config.zero_stage
+        # What DeepSpeed itself clears when its step skips an overflowing update (stage_1_and_2's step, stage3's
+        # _overflow_clean_up), and the accumulation window its step() resets: the same end of an accumulation,
+        # without the update.
+        if stage in (1, 2) and hasattr(optimizer, "averaged_gradients"):
+            optimizer.zero_grad(set_to_none=True)
+            release = getattr(optimizer, "_release_preflattened_grad_buffers", None)
+            if release is not None:
+                release()
+            for buffers in (optimizer.averaged_gradients, getattr(optimizer, "all_grad_tensors", {})):
+                for key in list(buffers):
+                    buffers[key] = None
+            if optimizer.cpu_offload:
+                optimizer.reset_cpu_buffers()
+                optimizer._offload_accumulated_param_ids = set()
+            optimizer.micro_step_id = -1  # stage_1_and_2.INITIAL_MICRO_STEP_ID: the next backward copies, not adds
+        elif stage == 3:
+            optimizer.zero_grad(set_to_none=True)  # also restarts its micro-step count (copy, not add)
+            if optimizer.offload_optimizer:
+                optimizer.reset_cpu_buffers()
+            else:
+                optimizer.averaged_gradients = {}
+            optimizer._offload_boundary_param_ids = set()
+        elif hasattr(optimizer, "clear_hp_grads"):  # ZeRO-0 + bf16: DeepSpeed's BF16_Optimizer
+            optimizer.zero_grad(set_to_none=True)
+        else:
+            engine.zero_grad()
+        if hasattr(engine, "_unmanaged_backward_count"):
+            engine._unmanaged_backward_count = 0  # the samples the next step counts
+        self._pending_losses.clear()
+
     def _zero0_grad_norm(self) -> float | None:
         """DeepSpeed records no gradient norm at stage 0 (no bf16/fp16 wrapper): compute it before the step."""
         if self.config.zero_stage != 0:

@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-from rlhfkit.hybrid._errors import EnginesBusyError
+from rlhfkit.hybrid._errors import EnginesBusyError, HybridCallError, sleep_hint
 from rlhfkit.hybrid._timer import StartupClock
 from rlhfkit.hybrid._trainer_worker import transition_record
 from rlhfkit.phase import PhaseGuard
@@ -58,7 +58,7 @@ class GuardedEngineMixin:
         return dict(getattr(self, "_startup", {}))
 
     def _guard_setup(self, store: Any, gpus: Sequence[str]) -> None:
-        self._guard, self._gpus, self._events = PhaseGuard(store), tuple(gpus), []
+        self._guard, self._gpus, self._events = PhaseGuard(store, sleep_hint=sleep_hint), tuple(gpus), []
         self._resident = False
 
     def guarded_sleep(self, level: int, phase: str) -> dict[str, float]:
@@ -119,6 +119,7 @@ class HFEngineActor(GuardedEngineMixin):
         self._startup = clock.lap("build_s")
         self.receiver: Any = None
         self.lora: Any = None
+        self._armed: Any = None  # an ArmedReceive waiting for the next sync (arm_weight_sync)
         self._guard_setup(guard_store, gpus)
 
     def ready(self) -> dict[str, Any]:
@@ -161,7 +162,38 @@ class HFEngineActor(GuardedEngineMixin):
                                        expected=expected, device=device)
         return [{"rank": first_rank}]
 
+    def arm_weight_sync(self) -> list[dict[str, Any]]:
+        """Wait for the next sync in a thread of this actor and return at once (:class:`rlhfkit.weight_sync.
+        ArmedReceive`): the actor stays free for other calls, and :meth:`settle_weight_sync` ends the wait."""
+        from rlhfkit.weight_sync import ArmedReceive
+
+        if self.receiver is None:
+            raise RuntimeError(f"engine {self.engine_index}: arm_weight_sync() before init_weight_sync()")
+        self.settle_weight_sync()
+        self._armed = ArmedReceive(self.receiver, self._receive, name=f"engine-{self.engine_index}-armed-receive",
+                                   wait_s=self.receiver.config.timeout_s)
+        return [{"armed": True}]
+
+    def settle_weight_sync(self) -> list[dict[str, Any]] | None:
+        """End the armed sync: the reports of one the sender started (its error raised), or None when it had not
+        started (it is called off, so nothing waits for it any more)."""
+        from rlhfkit.weight_sync import ArmedSyncStillReceiving
+
+        armed, self._armed = getattr(self, "_armed", None), None
+        if armed is None:
+            return None
+        try:
+            return armed.settle(self.receiver.config.timeout_s)
+        except ArmedSyncStillReceiving:
+            self._armed = armed  # still loading: a later settle waits for it again
+            raise
+
     def receive_weights(self, *, version: int | None = None) -> list[dict[str, Any]]:
+        """Receive one sync (blocks until the sender has sent it, within the channel's timeout)."""
+        self.settle_weight_sync()
+        return self._receive()
+
+    def _receive(self) -> list[dict[str, Any]]:
         lora = self.lora
         if lora is None:
             report = self.receiver.receive(self.engine.load_weights)
@@ -235,6 +267,7 @@ class RolloutEngines:
         self.colocated, self.sleep_level, self.timer = colocated, sleep_level, timer
         self.overlap, self.pausable, self.update_timeout_s = overlap, pausable, update_timeout_s
         self.asleep = False
+        self.weights_discarded = False  # slept at level 2 since the last push: the engines hold no weights
         self._generating = 0
         self._updating = False
         self._lock = threading.Condition()
@@ -259,8 +292,39 @@ class RolloutEngines:
         self.asleep = False
 
     def sleep(self, level: int | None = None, *, phase: str = "generate") -> None:
-        self._switch(self.group.call("guarded_sleep", self.sleep_level if level is None else level, phase))
+        level = self.sleep_level if level is None else level
+        self._switch(self.group.call("guarded_sleep", level, phase))
         self.asleep = True
+        self.weights_discarded = self.weights_discarded or level >= 2
+
+    def arm_weight_sync(self) -> None:
+        """Make every engine wait for the next weight sync in the background (the engines stay free for calls)."""
+        self.group.call("arm_weight_sync")
+
+    def settle_weight_sync(self, *, timeout_s: float) -> list[list[dict[str, Any]] | None]:
+        """End the armed sync on every engine: each one's reports, or None where the sender had not started it (it
+        is called off there)."""
+        return self.group.call("settle_weight_sync", timeout_s=timeout_s)
+
+    def weights_pushed(self) -> None:
+        """Record that a push loaded the actor's weights into every engine."""
+        self.weights_discarded = False
+
+    def _check_weights(self) -> None:
+        """Refuse to generate from engines whose weights a level-2 sleep discarded and no push has loaded since:
+        :class:`~rlhfkit.engines.protocol.WeightLagError` when the actor has stepped past the engines' version (a
+        forgotten ``push_weights``), else a :class:`HybridCallError`; before any engine is woken."""
+        from rlhfkit.engines.protocol import WeightLagError
+
+        trainer = self.trainer_version() if self.trainer_version is not None else None
+        held = min(self.weight_versions())
+        if trainer is not None and trainer > held:
+            raise WeightLagError(f"the engines hold weight version {held} but the actor is at version {trainer}, and "
+                                 f"their sleep at level 2 discarded those weights; call hybrid.push_weights() before "
+                                 "generate()")
+        raise HybridCallError("the engines' weights were discarded by their sleep at level 2 and no push has loaded "
+                              "them since; call hybrid.push_weights() before generate()", role="rollout", rank=None,
+                              phase="generate")
 
     def generate(self, prompt_token_ids: Sequence[Sequence[int]], sampling: Any, *,
                  sleep_after: bool | None = None) -> list:
@@ -270,6 +334,8 @@ class RolloutEngines:
         :class:`~rlhfkit.engines.protocol.WeightLagError` (the engines stay awake: push, then generate again)."""
         if self.overlap:
             return self._generate_beside_training(prompt_token_ids, sampling)
+        if self.weights_discarded:
+            self._check_weights()
         if self.asleep:
             self.wake(phase="generate")
         with self._lock:

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
-__all__ = ["EnginesBusyError", "HybridCallError", "LossFunctionError", "RoleAsleepError"]
+__all__ = ["EnginesBusyError", "HybridCallError", "LossFunctionError", "RoleAsleepError", "sleep_hint"]
+
+
+def sleep_hint(role: str) -> str:
+    """How a hybrid script puts ``role`` to sleep: what its phase guards' conflict errors tell the user to call."""
+    return "hybrid.engines.sleep()" if role == "rollout" else f"hybrid.trainers[{role!r}].sleep()"
 
 
 class HybridCallError(RuntimeError):

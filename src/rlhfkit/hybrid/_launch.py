@@ -114,7 +114,8 @@ class HybridConfig:
         ray_address: join a running cluster (default ``$RAY_ADDRESS``, else start a local one).
         start_timeout_s, call_timeout_s, sync_timeout_s: bounds of start-up, of each call, of each sync wait.
         gpu_memory_gib: memory of one GPU for the fit check that :meth:`Hybrid.start` runs before anything starts
-            (:class:`~rlhfkit.placement.MemoryFitError` naming the phase and the shortfall). None: the driver's
+            (:class:`~rlhfkit.placement.MemoryFitError` naming the phase, the shortfall and a layout that fits;
+            the estimate is an upper bound with a margin, :mod:`rlhfkit.hybrid._fit`). None: the driver's
             first CUDA device when ``device="cuda"`` and it sees one, else no check.
         host_memory_gib: host memory of one node for the same check (the host phases: DeepSpeed's optimizer
             offload, trainers asleep in host memory, the engine's level-1 backup, process footprints, each model's
@@ -136,9 +137,9 @@ class HybridConfig:
             guard lets that wake take the GPU from a role marked as going to sleep): the reference's sleep behind
             the actor's wake, the actor's sleeps behind the engines' wakes. Both models are on the GPU for a moment,
             so it needs room for every role resident at once in the plan's memory estimate. None (default): on
-            for a GPU run where that estimate fits with 15% to spare (``OVERLAP_HEADROOM``: the estimate does
-            not count the allocators' caches; :meth:`Hybrid.start` decides and ``hybrid.config`` then holds the
-            choice) and no other process holds memory on the GPUs (``Hybrid.gpu_held_gib``), off otherwise; True:
+            for a GPU run where that estimate (an upper bound) fits with 3% to spare (``OVERLAP_HEADROOM``;
+            :meth:`Hybrid.start` decides and ``hybrid.config`` then holds the choice) and no other process holds
+            memory on the GPUs (``Hybrid.gpu_held_gib``), off otherwise; True:
             on, and :meth:`Hybrid.start` refuses a run that does not fit; False: off. The background sleeps'
             seconds are ``time/overlapped_sleep_s``, outside the step's switch time. A push right after
             ``optim_step(sleep_after="keep_weights")`` streams the weights beside the sleep that moves the
@@ -375,6 +376,7 @@ class Hybrid:
         config, in the order the models load. The engines are awake when this returns."""
         if not isinstance(config, HybridConfig):
             raise TypeError(f"config must be a HybridConfig, got {type(config).__name__}")
+        require_extras(config)
         if "actor" not in trainers:
             raise ValueError(f"trainers={list(trainers)}; a hybrid run needs an 'actor' role (its weights go to the "
                              "engines)")
@@ -422,7 +424,7 @@ class Hybrid:
             checks.result()  # refused already: start nothing
         self._placed = materialize(self._plan(tuple(trainers)), timeout_s=self.config.start_timeout_s,
                                    cpus_per_bundle=0)
-        self._store = TCPPhaseStore.serve(host=ray.util.get_node_ip_address())
+        self._store = TCPPhaseStore.serve(host=_store_host(self._placed))
         configs = {role: trainer.for_role(role) for role, trainer in trainers.items()}
         self.startup["ray_s"] = time.perf_counter() - started
         # The engine processes start (creating an actor does not wait for it), import, and wait at the gate: raised
@@ -622,7 +624,8 @@ class Hybrid:
                                 dtype=None if cpu else getattr(torch, config.dtype), timeout_s=config.sync_timeout_s)
         lora = {"lora": self.trainers["actor"].config.lora} if self.trainers["actor"].config.lora else {}
         if config.colocate:
-            endpoints = actor.call("open_weight_sync", True, config=sync, world_size=2, group_name="weights")
+            endpoints = actor.call("open_weight_sync", True, config=sync, world_size=2, group_name="weights",
+                                   local=True)  # each group's engine shares its sender's GPU: the same node
             per_engine = _colocated_endpoints(self._placed.plan, endpoints)
             refs = [handle.init_weight_sync.remote(sync, endpoint, first_rank=1, **lora)
                     for handle, endpoint in zip(self._handles, per_engine, strict=True)]
@@ -631,7 +634,7 @@ class Hybrid:
             per_engine = 1 if config.engine == "sglang" else tp  # an SGLang engine receives once for all its TP ranks
             world = 1 + len(self._handles) * per_engine
             endpoint = actor.call_scattered("open_weight_sync", senders, config=sync, world_size=world,
-                                            group_name="weights")[0]
+                                            group_name="weights", local=config.num_nodes == 1)[0]
             refs = [handle.init_weight_sync.remote(sync, endpoint, first_rank=1 + index * per_engine, **lora)
                     for index, handle in enumerate(self._handles)]
         ray.get(refs, timeout=config.call_timeout_s)
@@ -649,6 +652,9 @@ class Hybrid:
         ``engine/weight_version``. With ``HybridConfig(overlap=True)`` the engines stay awake and generating: the
         update happens in flight (:meth:`RolloutEngines.in_flight_update`)."""
         engines, timer = self.engines, self.timer
+        if role != "actor" or role not in self.trainers:
+            raise ValueError(f"push_weights(role={role!r}): only the actor's weights go to the engines "
+                             f"(roles of this run: {sorted(self.trainers)})")
         if self.config.overlap:
             with timer.phase("weight_sync"), engines.in_flight_update():
                 return self._push(role, colocated=False)
@@ -661,19 +667,37 @@ class Hybrid:
 
         engines, trainer, timer = self.engines, self.trainers[role], self.timer
         trainer.sleep(keep_weights=True, phase="sync")
+        trainer.check_push(phase="sync")  # a refusal comes before any engine waits for the sync
         if colocated:
             engines.wake(["weights"], phase="sync")
-        receiving = [handle.receive_weights.remote() for handle in self._handles]
+        # vLLM and HF engines wait for the sync in the background (armed): a push that fails before the sender
+        # starts the sync calls it off, and the engines answer their next call at once. SGLang engines receive in
+        # a blocking call.
+        armed = self.config.engine != "sglang"
+        if armed:
+            engines.arm_weight_sync()
+        else:
+            receiving = [handle.receive_weights.remote() for handle in self._handles]
         sending = trainer._submit("send_weights", phase="sync")
         sleeping = trainer._submit("sleep", "sync", False)
         try:
             sent = trainer.workers.gather(sending)
-        except Exception:
-            ready, _ = ray.wait(receiving, num_returns=len(receiving), timeout=5.0)
-            for ref in ready:
-                ray.get(ref)  # an engine's own error says more than the sender's timeout
+        except Exception as error:
+            if armed:  # called off where the sync never started; an engine's own error says more than the sender's
+                try:
+                    engines.settle_weight_sync(timeout_s=self.config.sync_timeout_s + 30.0)
+                except Exception as engine_error:
+                    raise engine_error from error
+            else:
+                ready, _ = ray.wait(receiving, num_returns=len(receiving), timeout=5.0)
+                for ref in ready:
+                    ray.get(ref)
             raise
-        received = ray.get(receiving, timeout=self.config.sync_timeout_s)
+        if armed:
+            received = engines.settle_weight_sync(timeout_s=self.config.sync_timeout_s + 30.0)
+        else:
+            received = ray.get(receiving, timeout=self.config.sync_timeout_s)
+        engines.weights_pushed()
         trainer._account(trainer._note(trainer.workers.gather(sleeping)))
         if colocated:
             engines.wake(["kv_cache"], phase="generate")
@@ -728,6 +752,20 @@ class Hybrid:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def require_extras(config: HybridConfig) -> None:
+    """The extras a run needs, checked before anything starts: an ImportError names what to ``pip install``.
+    DeepSpeed runs in the trainer processes only: found here, not imported (seconds the driver does not need)."""
+    import importlib.util
+
+    from rlhfkit._optional import require
+
+    require("ray", user="rlhfkit.hybrid")
+    if importlib.util.find_spec("deepspeed") is None:
+        require("deepspeed", user="rlhfkit.hybrid (its trainer processes)")
+    if config.engine == "vllm" and config.device == "cuda" and importlib.util.find_spec("vllm") is None:
+        require("vllm", user="rlhfkit.hybrid (HybridConfig.engine='vllm')")
 
 
 @dataclass(frozen=True)
@@ -863,6 +901,18 @@ def plan_gpus(config: HybridConfig, roles: tuple[str, ...]) -> Any:
                        tensor_parallel_size=config.tensor_parallel_size, trainer_roles=tuple(roles))
 
 
+def _store_host(placed: Any) -> str:
+    """Where the driver's phase store listens: loopback when every placement group of the run lies on the driver's
+    node (all its clients are there), else this node's address, for the other nodes (docs/security.md)."""
+    import ray
+    from ray.util import placement_group_table
+
+    here = ray.get_runtime_context().get_node_id()
+    nodes = {node for group in placed.placement_groups
+             for node in placement_group_table(group).get("bundles_to_node_id", {}).values()}
+    return "127.0.0.1" if nodes == {here} else ray.util.get_node_ip_address()
+
+
 def _colocated_endpoints(plan: Any, endpoints: Sequence[Any]) -> list[Any]:
     """Each engine's weight-sync endpoint(s) in a colocated plan: the endpoint of the actor rank on the engine's
     GPU, or for a TP engine a list, worker k's from the actor rank on the engine's k-th GPU."""
@@ -889,15 +939,20 @@ def _slowest(who: str, parts: list[dict[str, float]]) -> dict[str, float]:
 
 def check_fit(config: HybridConfig, trainers: Mapping[str, TrainerConfig], *,
               meta_model: Callable[[str], Any] | None = None, read_ahead: bool = False, held_gib: float = 0.0,
-              log_warnings: bool = True) -> Any:
+              log_warnings: bool = True, suggest: bool = True) -> Any:
     """Raise :class:`~rlhfkit.placement.MemoryFitError` when the plan's memory estimate says a phase cannot fit one
     GPU of ``config.gpu_memory_gib`` or one node's ``config.host_memory_gib`` of host memory (``error.memory`` says
     which), or the engines' share leaves no room for a KV cache (see :mod:`rlhfkit.hybrid._fit`); returns the
     :class:`~rlhfkit.placement.MemoryEstimate` (None when the GPU size is unknown: no check). ``meta_model`` and
     ``read_ahead``: as for :func:`~rlhfkit.hybrid._fit.estimate_hybrid_memory`. ``held_gib``: GiB of each GPU that
     other processes hold: the phases must fit in what is left (the engines' share stays a share of the whole GPU,
-    as vLLM and SGLang size it). ``log_warnings=False``: a probe (the estimate's shortfalls are not logged)."""
+    as vLLM and SGLang size it). ``log_warnings=False``: a probe (the estimate's shortfalls are not logged).
+    ``suggest``: a refusal names a layout the same estimate accepts (:func:`suggest_fit`; the error's
+    ``suggestion``), or says that none of those it tries does.
+
+    The estimate is an upper bound with a margin (:mod:`rlhfkit.hybrid._fit`): a run it passes fits the GPU."""
     from rlhfkit.hybrid._fit import estimate_hybrid_memory
+    from rlhfkit.placement import MemoryFitError
 
     if any(trainer.micro_batch_tokens is None for trainer in trainers.values()):
         trainers = size_micro_batches(config, trainers, meta_model=meta_model, held_gib=held_gib)
@@ -914,10 +969,107 @@ def check_fit(config: HybridConfig, trainers: Mapping[str, TrainerConfig], *,
     if held_gib > 0:
         what += (f", beside {held_gib:.1f} GiB of a {gpu_gib:.1f} GiB GPU held by other processes (give the run free "
                  "GPUs with CUDA_VISIBLE_DEVICES, or set HybridConfig.gpu_memory_gib to budget it yourself),")
+    try:
         dataclasses.replace(estimate, gpu_memory_gib=gpu_gib - held_gib).check_fit(what=what)
-    else:
-        estimate.check_fit(what=what)
+    except MemoryFitError as error:
+        if not suggest:
+            raise
+        found = suggest_fit(config, trainers, meta_model=meta_model, held_gib=held_gib)
+        hint = (f" A layout this estimate accepts: {found.change}." if found is not None else
+                " None of the layouts the plan tries fits (ZeRO-3 with the optimizer offloaded, every role asleep "
+                "in host memory): LoRA, more GPUs or a bigger GPU.")
+        raise MemoryFitError(f"{error}{hint}", phase=error.phase, shortfall_gib=error.shortfall_gib,
+                             memory=error.memory, suggestion=found) from error
     return estimate
+
+
+@dataclass(frozen=True)
+class FitSuggestion:
+    """A layout the plan's memory estimate accepts, offered by a refusal: the run's ``config`` and ``trainers`` with
+    ``change`` (the fields that differ, by role) applied; budgets and state sleeps as :meth:`Hybrid.start` decides
+    them."""
+
+    config: HybridConfig
+    trainers: Mapping[str, TrainerConfig]
+    change: str
+
+
+# The optimizer shares a refusal tries to put in host memory (DeepSpeed ZeRO-3's offload_optimizer.ratio, the
+# trainers resident), the least first: the less the optimizer steps on the host, the faster the step.
+SUGGESTED_OFFLOAD_RATIOS = (0.25, 0.5, 0.66, 1.0)
+SUGGESTED_SUB_GROUP_ELEMENTS = 100_000_000  # the grain of the ratio: whole sub-groups move
+
+
+def suggest_fit(config: HybridConfig, trainers: Mapping[str, TrainerConfig], *,
+                meta_model: Callable[[str], Any] | None = None,
+                held_gib: float = 0.0) -> FitSuggestion | None:
+    """The first layout the memory estimate accepts (every phase, GPU and host) among: every role asleep in host
+    memory between its phases with gradient checkpointing; then the trained roles resident with ZeRO-3, gradient
+    checkpointing and ``SUGGESTED_OFFLOAD_RATIOS`` of their optimizer in host memory. The engines and the other
+    roles stay as given. None when none fits (or the layout given is the only one that would)."""
+    from rlhfkit.lora import meta_model as build_meta_model
+    from rlhfkit.placement import MemoryFitError
+
+    build = meta_model or functools.cache(build_meta_model)
+    trained = ("actor", "critic")
+
+    def asleep() -> dict[str, TrainerConfig]:
+        out = {}
+        for role, trainer in trainers.items():
+            ds = trainer.deepspeed
+            ds = dataclasses.replace(ds, offload_optimizer_ratio=1.0,
+                                     gradient_checkpointing=ds.gradient_checkpointing or role in trained)
+            out[role] = dataclasses.replace(trainer, deepspeed=ds, offload=True, sleep_optimizer=None,
+                                            sleep_weights=None)
+        return out
+
+    def resident(ratio: float) -> dict[str, TrainerConfig]:
+        out = dict(trainers)
+        for role in trained:
+            if role in trainers and trainers[role].lora is None:
+                # DeepSpeed keeps part of the optimizer on the GPU with its fused Adam only (CUDA)
+                optimizer = trainers[role].deepspeed.optimizer
+                optimizer = "fused_adam" if ratio < 1 and config.device == "cuda" else optimizer
+                ds = dataclasses.replace(trainers[role].deepspeed, zero_stage=3, compile_layers=False,
+                                         offload_optimizer=True, offload_optimizer_ratio=ratio,
+                                         sub_group_elements=SUGGESTED_SUB_GROUP_ELEMENTS,
+                                         gradient_checkpointing=True, optimizer=optimizer)
+                out[role] = dataclasses.replace(trainers[role], deepspeed=ds, offload=False, micro_batch_tokens=None,
+                                                sleep_optimizer=None, sleep_weights=None)
+        return out
+
+    for build_candidate in [asleep, *(functools.partial(resident, ratio) for ratio in SUGGESTED_OFFLOAD_RATIOS)]:
+        try:
+            candidate = build_candidate()
+        except (ValueError, TypeError):  # a layout the configs refuse here (partial offload on CPU): not a choice
+            continue
+        if candidate == dict(trainers):
+            continue
+        sized = size_state_sleeps(config, size_micro_batches(config, candidate, meta_model=build, held_gib=held_gib),
+                                  meta_model=build, held_gib=held_gib)
+        try:
+            check_fit(config, sized, meta_model=build, held_gib=held_gib, log_warnings=False, suggest=False)
+        except MemoryFitError:
+            continue
+        return FitSuggestion(config=config, trainers=sized, change=_describe_change(trainers, sized))
+    return None
+
+
+def _describe_change(before: Mapping[str, TrainerConfig], after: Mapping[str, TrainerConfig]) -> str:
+    """``trainers['actor']: offload=False, deepspeed.zero_stage=3, ...`` for each role whose config differs."""
+    parts = []
+    for role, trainer in after.items():
+        changed = []
+        for field in dataclasses.fields(trainer):
+            old, new = getattr(before[role], field.name), getattr(trainer, field.name)
+            if field.name == "deepspeed":
+                changed += [f"deepspeed.{f.name}={getattr(new, f.name)!r}" for f in dataclasses.fields(new)
+                            if getattr(old, f.name) != getattr(new, f.name)]
+            elif old != new:
+                changed.append(f"{field.name}={new!r}")
+        if changed:
+            parts.append(f"trainers[{role!r}]: " + ", ".join(changed))
+    return "; ".join(parts)
 
 
 def _reads_ahead(config: HybridConfig, trainers: Mapping[str, TrainerConfig], *,
@@ -929,7 +1081,7 @@ def _reads_ahead(config: HybridConfig, trainers: Mapping[str, TrainerConfig], *,
     if len(trainers) < 2:
         return False
     try:
-        check_fit(config, trainers, meta_model=meta_model, read_ahead=True)
+        check_fit(config, trainers, meta_model=meta_model, read_ahead=True, log_warnings=False, suggest=False)
     except MemoryFitError:
         return False
     return True
@@ -949,13 +1101,12 @@ def _check_overlap_fits(config: HybridConfig, trainers: Mapping[str, TrainerConf
                          "Turn overlap_switches off (or leave it None: on only where it fits)") from error
 
 
-# overlap_switches=None turns the overlap on only where the resident estimate (every role awake at once) fits this
-# share of the GPU: the estimate counts allocations, not the caching allocators' blocks. Measured overlapped peaks
-# (NVML, whole GPU) against it on an H100 (session 19, docs/benchmarks.md): Qwen2.5-1.5B 54.1 GiB against 47.7
-# (1.13x), Qwen2.5-3B with gradient checkpointing 71.5 against 67.4 (1.06x). (1.35 until then, from a 1.5B peak of
-# 70.0 against 55.1 before the ZeRO-1 step's fp32 copies were cut into parameter groups, which took 12.6 GiB off
-# it.) A speed-up chosen for the user must not cost an OOM.
-OVERLAP_HEADROOM = 1.15
+# The share of the GPU the plan keeps free, beyond its estimate, for a choice it makes for the user (the overlap of
+# switches, micro-batch budgets, state sleeps). The estimate is itself an upper bound (its margin:
+# rlhfkit.hybrid._fit.TRAINER_RESERVE_FACTOR, CONTEXT_GIB), so this only keeps a chosen layout off the card's edge;
+# the choices it leaves at 1.5B and 3B on an H100 are the layouts measured to run (docs/benchmarks.md, Scale).
+# A speed-up chosen for the user must not cost an OOM.
+OVERLAP_HEADROOM = 1.03
 
 
 # TrainerConfig.micro_batch_tokens=None: the largest of these budgets with which the run keeps the overlap's headroom
@@ -1043,7 +1194,7 @@ def _fits_with_headroom(config: HybridConfig, trainers: Mapping[str, TrainerConf
 
     try:
         check_fit(dataclasses.replace(config, gpu_memory_gib=gpu_gib / OVERLAP_HEADROOM), trainers,
-                  meta_model=meta_model, held_gib=held_gib, log_warnings=False)
+                  meta_model=meta_model, held_gib=held_gib, log_warnings=False, suggest=False)
     except MemoryFitError:
         return False
     return True
@@ -1081,7 +1232,7 @@ def _check_resident_fit(config: HybridConfig, trainers: Mapping[str, TrainerConf
     """:func:`check_fit` of ``config`` with every role resident (engine level 0, no trainer offloaded)."""
     resident = {role: dataclasses.replace(trainer, offload=False) for role, trainer in trainers.items()}
     return check_fit(dataclasses.replace(config, engine_sleep_level=0), resident, meta_model=meta_model,
-                     log_warnings=log_warnings)
+                     log_warnings=log_warnings, suggest=False)
 
 
 def ray_memory_threshold() -> float:

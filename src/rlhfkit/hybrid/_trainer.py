@@ -7,6 +7,7 @@ sleepable :class:`~rlhfkit.deepspeed_engine.DeepSpeedEngine`. Its calls are the 
 - :meth:`TrainerGroup.forward_backward`: your loss function on the model's outputs, then backward — the loss is
   defined in your script and shipped with the call;
 - :meth:`TrainerGroup.optim_step`: the optimizer step over what ``forward_backward`` accumulated;
+  :meth:`TrainerGroup.discard_gradients` gives the step up instead (a failed ``forward_backward`` does by itself);
 - :meth:`TrainerGroup.save` / :meth:`TrainerGroup.load`; weights go to engines with :meth:`rlhfkit.hybrid.Hybrid.
   push_weights`.
 
@@ -28,6 +29,7 @@ from typing import Any
 
 import torch
 
+from rlhfkit._optional import require
 from rlhfkit.experience import select_experience
 from rlhfkit.hybrid._timer import PhaseTimer
 from rlhfkit.hybrid._trainer_worker import OUTPUTS
@@ -150,8 +152,7 @@ def _ship_by_value(fn: Any) -> None:
     loaded from a path); functions of installed packages and of the standard library travel by reference."""
     import functools
 
-    import ray
-
+    ray = require("ray", user="rlhfkit.hybrid")
     while isinstance(fn, functools.partial):
         fn = fn.func
     module = sys.modules.get(getattr(fn, "__module__", None) or "")
@@ -263,7 +264,9 @@ class TrainerGroup:
         backward; gradients accumulate until :meth:`optim_step`. Returns the loss function's stats (mean over
         micro-batches and ranks), ``{role}/loss`` (the minibatch's total loss), ``{role}/peak_gib`` (the largest
         peak of memory allocated by torch on any rank during the call; 0 on CPU) and ``{role}/peak_reserved_gib``
-        (the same with the caching allocator's blocks: what the device sees of the process, less its context)."""
+        (the same with the caching allocator's blocks: what the device sees of the process, less its context). When
+        the call fails (on any micro-batch, any rank), every rank drops the gradients it had accumulated: the next
+        ``forward_backward`` starts a clean step."""
         if output not in ("logprobs", "values"):
             raise ValueError(f"output={output!r}; forward_backward trains on 'logprobs' or 'values'")
         if not isinstance(minibatch, Experience):
@@ -272,16 +275,23 @@ class TrainerGroup:
             raise TypeError(f"loss_fn={loss_fn!r} is not callable; pass a function (outputs, micro, *, num_tokens, "
                             "num_seqs) -> loss or (loss, stats)")
         _ship_by_value(loss_fn)
-        import ray
-
+        ray = require("ray", user="rlhfkit.hybrid")
         shipped = ray.cloudpickle.dumps(loss_fn)  # bytes: the workers keep the last one unpickled
         phase = phase or f"train_{self.role}"
         num_tokens = float(minibatch.batch.loss_mask.sum())
         num_seqs = float(minibatch.batch.num_seqs)
         shards = self._shards(minibatch.batch.seq_lens.tolist())
         items = [[select_experience(minibatch, indices) for indices in shard] for shard in shards]
-        results = self._call("forward_backward", items, scattered=True, loss_fn=shipped, output=output,
-                             temperature=temperature, num_tokens=num_tokens, num_seqs=num_seqs, phase=phase, wake=wake)
+        try:
+            results = self._call("forward_backward", items, scattered=True, loss_fn=shipped, output=output,
+                                 temperature=temperature, num_tokens=num_tokens, num_seqs=num_seqs, phase=phase,
+                                 wake=wake)
+        except Exception as error:
+            # the ranks that failed dropped their gradients; the others finished their share: drop theirs too, so
+            # that no rank carries part of this minibatch into the next step
+            if self.world_size > 1:
+                self._discard_after(error, phase)
+            raise
         self._account(results)
         stats: dict[str, float] = {}
         for key in results[0]["stats"]:
@@ -289,6 +299,28 @@ class TrainerGroup:
             stats[f"{self.role}/{key}"] = sum(values) if key == "loss" else sum(values) / len(values)
         return stats | {f"{self.role}/{key}": max(result.get(key, 0.0) for result in results)
                         for key in ("peak_gib", "peak_reserved_gib")}
+
+    def _discard_after(self, error: Exception, phase: str) -> None:
+        """After a failed ``forward_backward``: drop every rank's gradients of the step; when that fails too, say so
+        on ``error`` (the call's own error is the one raised)."""
+        try:
+            self.discard_gradients(phase=phase)
+        except Exception as discard_error:  # noqa: BLE001 - noted on the error being raised
+            error.add_note(f"'{self.role}': dropping the other ranks' gradients of the failed step failed too "
+                           f"({type(discard_error).__name__}: {discard_error}); call discard_gradients() before "
+                           "the next forward_backward")
+
+    def discard_gradients(self, *, phase: str | None = None) -> None:
+        """Drop the gradients of the step under way (a ``forward_backward`` not yet followed by :meth:`optim_step`)
+        on every rank: the step is given up, and the next ``forward_backward`` starts a new one. A failed
+        ``forward_backward`` or ``optim_step`` does this by itself; call it to skip a minibatch after a successful
+        ``forward_backward`` (e.g. on its stats). A rank with no such gradients does nothing."""
+        self._account(self._call("discard_gradients", phase=phase or f"train_{self.role}"))
+
+    def check_push(self, *, phase: str = "sync") -> None:
+        """Refuse a weight push that the ranks cannot send (not the actor, asleep without its weights) before any
+        engine waits for it; the ranks' state is left as it is."""
+        self.workers.call("check_send", phase=phase)
 
     def optim_step(self, *, sleep_after: bool | str = False, phase: str | None = None) -> dict[str, float]:
         """The optimizer step; returns ``{role}/lr``, ``{role}/grad_norm`` (pre-clip, global) and

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import importlib
 import math
 import numbers
 import os
@@ -20,7 +19,8 @@ from typing import Any
 
 import torch
 
-from rlhfkit.hybrid._errors import HybridCallError, LossFunctionError, RoleAsleepError
+from rlhfkit._optional import require
+from rlhfkit.hybrid._errors import HybridCallError, LossFunctionError, RoleAsleepError, sleep_hint
 from rlhfkit.hybrid._timer import StartupClock
 from rlhfkit.phase import PhaseGuard
 from rlhfkit.workers import Worker
@@ -96,9 +96,10 @@ class TrainerWorker(Worker):
         # Only imports here (they are slow and run in parallel across roles); the GPU is not touched until load().
         clock = StartupClock()
         if device_kind == "cpu":  # skip a ~50 s JIT build of a CPU collective DeepSpeed does not need here
-            importlib.import_module("deepspeed.ops").__compatible_ops__["deepspeed_shm_comm"] = False
+            require("deepspeed.ops", user="rlhfkit.hybrid").__compatible_ops__["deepspeed_shm_comm"] = False
         import torch._dynamo  # noqa: F401 — DeepSpeed imports it lazily while checking the optimizer
-        import transformers
+        transformers = require("transformers", user="rlhfkit.hybrid")
+        require("deepspeed", user="rlhfkit.hybrid")
 
         import rlhfkit.deepspeed_engine  # noqa: F401
 
@@ -107,14 +108,15 @@ class TrainerWorker(Worker):
         self.device_kind, self.model_path = device_kind, model_path
         bundle = int(os.environ["RLHFKIT_BUNDLE_INDICES"].split(",")[0])
         self.gpu = plan_gpu_key(int(os.environ["RLHFKIT_PLAN_NODE"]), bundle)
-        self.guard = PhaseGuard(guard_store, gpu=self.gpu)
+        self.guard = PhaseGuard(guard_store, gpu=self.gpu, sleep_hint=sleep_hint)
         self.events: list[dict[str, Any]] = []
         self.model: Any = None
         self.config: Any = None
         self._prefetched: tuple[Any, Any, torch.Tensor] | None = None  # (config, HF model in host memory, RNG state)
         self.awake = False
         self.sender: Any = None
-        self._pending_backward = False
+        self._pending_backward = False  # a forward_backward's gradients wait for optim_step
+        self._gradients_unknown = False  # a failed call's gradients could not be dropped (see _discard_after)
         self._resident = _Resident()
         # copied by sleeps / wakes since the last call's report; kept: freed by sleeps without a copy
         self._moved = {"bytes_d2h": 0.0, "bytes_h2d": 0.0, "bytes_kept": 0.0}
@@ -390,18 +392,53 @@ class TrainerWorker(Worker):
         return self._transition("wake", phase, defer_optimizer=True)  # the caller starts the rest behind its work
 
     @contextlib.contextmanager
-    def _guarded_call(self, phase: str):
-        """On an error, put the model back to sleep (nothing stays awake by accident) and re-raise."""
+    def _guarded_call(self, phase: str, *, discard: bool = False):
+        """On an error, put the model back to sleep (nothing stays awake by accident) and re-raise. ``discard`` (a
+        call that writes gradients: forward_backward, optim_step): first drop the gradients of the step, so that
+        none of a failed call's micro-batches reaches a later step; other calls leave the step's gradients."""
         try:
             yield
-        except BaseException:
-            self._pending_backward = False
+        except BaseException as error:
             with contextlib.suppress(Exception):
                 self._join_wake(f"{phase}-failed")  # the optimizer states' wake ends before the sleep
+            if discard and self.trains:
+                self._discard_after(error)
             if self.awake:
                 with contextlib.suppress(Exception):
                     self._transition("sleep", f"{phase}-failed")
             raise
+
+    def _discard_after(self, error: BaseException) -> None:
+        """Drop the step's gradients after ``error``; if that fails too, refuse training calls until
+        :meth:`discard_gradients` succeeds (the error says so)."""
+        self._pending_backward = False
+        try:
+            self.model.discard_gradients()
+            self._gradients_unknown = False
+        except Exception as discard_error:  # noqa: BLE001 - the call's own error is the one raised
+            self._gradients_unknown = True
+            error.add_note(f"'{self.role}' rank {self.rank}: dropping the step's gradients after this error failed "
+                           f"too ({type(discard_error).__name__}: {discard_error}); call discard_gradients() "
+                           "before training on")
+
+    def _check_gradients_known(self, method: str, phase: str) -> None:
+        if self._gradients_unknown:
+            raise HybridCallError(f"{method}() on '{self.role}' rank {self.rank}: a failed call left gradients that "
+                                  "could not be dropped; call discard_gradients() (TrainerGroup.discard_gradients) "
+                                  "first", role=self.role, rank=self.rank, phase=phase)
+
+    def discard_gradients(self, *, phase: str) -> dict[str, Any]:
+        """Drop the gradients accumulated since the last optimizer step (a step given up after its
+        ``forward_backward``); the next ``forward_backward`` starts a new step. Wakes the role only when it holds
+        such gradients asleep."""
+        self._settle("discard_gradients")
+        switch = 0.0
+        if self.trains and self.model is not None and (self._pending_backward or self._gradients_unknown):
+            switch = self._begin("discard_gradients", phase, True)
+            with self._guarded_call(phase):
+                self.model.discard_gradients()
+            self._pending_backward = self._gradients_unknown = False
+        return {"switch_s": switch, **self._report()}
 
     def _end(self, phase: str, sleep_after: bool | str) -> float:
         if sleep_after in (False, None):
@@ -437,12 +474,15 @@ class TrainerWorker(Worker):
                                   "optim_step() in between; pass the whole minibatch to one forward_backward() (it "
                                   "is split into micro-batches) and call optim_step() after it", role=self.role,
                                   rank=self.rank, phase=phase)
+        self._check_gradients_known("forward_backward", phase)
         started = _clocks()
         loss_fn = self._loss_function(loss_fn)
         switch = self._begin("forward_backward", phase, wake, defer_optimizer=True)
         sums: dict[str, float] = defaultdict(float)
         tensors: list[tuple[str, torch.Tensor]] = []  # stats the loss gave as tensors: read in one wait at the end
-        with self._guarded_call(phase):
+        # a failure on any micro-batch drops the gradients of those before it: no earlier forward_backward of this
+        # step holds gradients (a second one is refused above), so the step's gradients are exactly this call's
+        with self._guarded_call(phase, discard=True):
             _reset_peak()
             device = self.model.device
             # the inputs first: the optimizer states' wake behind the call then holds the copy engine
@@ -521,6 +561,7 @@ class TrainerWorker(Worker):
     def optim_step(self, *, phase: str, sleep_after: bool | str) -> dict[str, Any]:
         """One optimizer step over the gradients of the last ``forward_backward`` (the accumulation boundary)."""
         self._settle("optim_step")
+        self._check_gradients_known("optim_step", phase)
         if not self._pending_backward:
             raise HybridCallError(f"optim_step() on '{self.role}' rank {self.rank} with no forward_backward() "
                                   "before it", role=self.role, rank=self.rank, phase=phase)
@@ -528,7 +569,7 @@ class TrainerWorker(Worker):
             raise RoleAsleepError(f"optim_step() called while '{self.role}' rank {self.rank} is asleep (phase "
                                   f"'{phase}')", role=self.role, rank=self.rank, phase=phase)
         started = _clocks()
-        with self._guarded_call(phase):
+        with self._guarded_call(phase, discard=True):
             lr = float(self.model.ds_engine.get_lr()[0])
             norm = self.model.optimizer_step()
             self._pending_backward = False
@@ -550,7 +591,8 @@ class TrainerWorker(Worker):
         return {"client_state": client_state, "switch_s": switch, **self._report()}
 
     # ------------------------------------------------------------------ weights out
-    def open_weight_sync(self, sender: bool, *, config: Any, world_size: int, group_name: str) -> Any:
+    def open_weight_sync(self, sender: bool, *, config: Any, world_size: int, group_name: str,
+                         local: bool = False) -> Any:
         """Bind this rank's WeightSender (if it is one) and return its endpoint for the engines."""
         import ray
 
@@ -560,26 +602,43 @@ class TrainerWorker(Worker):
         self.sync_config = config
         if not sender:
             return None
-        endpoint = SyncEndpoint(host=ray.util.get_node_ip_address(), world_size=world_size, group_name=group_name,
+        # the control store listens on loopback when every receiver is on this node (``local``), else on the
+        # node's address; either way its values are signed with the endpoint's secret (docs/security.md)
+        host = "127.0.0.1" if local else ray.util.get_node_ip_address()
+        endpoint = SyncEndpoint(host=host, world_size=world_size, group_name=group_name,
                                 label=f"{self.role}-{self.rank}")
         device = self.model.device if config.backend in ("nccl", "cuda_ipc") else None
         self.sender = WeightSender(config, endpoint, device=device)
         self.description = self.model.describe_parameters_for_sync(dtype=config.dtype)
         return self.sender.endpoint
 
+    def _check_send(self, method: str, phase: str) -> bool:
+        """Refuse a send this rank cannot make; True when it may run beside a background sleep that keeps the
+        weights (see :meth:`send_weights`)."""
+        if self.sender is None and self.rank == 0:
+            raise HybridCallError(f"push_weights: '{self.role}' has no weight sender (only the actor's weights go to "
+                                  "the engines)", role=self.role, rank=self.rank, phase=phase)
+        background = self._background
+        beside = background is not None and background[2] and self.model.config.zero_stage < 3
+        if not beside:
+            self._settle(method)
+            if self.model.is_asleep and not self._weights_only:
+                raise RoleAsleepError(f"push_weights: '{self.role}' rank {self.rank} is asleep without its weights; "
+                                      "train with optim_step(sleep_after='keep_weights') or wake it", role=self.role,
+                                      rank=self.rank, phase=phase)
+        return beside
+
+    def check_send(self, *, phase: str) -> None:
+        """The refusals of :meth:`send_weights`, made before the engines are armed to receive (a refused push then
+        leaves nothing waiting)."""
+        self._check_send("check_send", phase)
+
     def send_weights(self, *, phase: str) -> dict[str, Any]:
         """Stream the weights to the engines (every rank takes part in ZeRO-3's gathers; the sender ranks send).
         Beside a background sleep that keeps the weights (``overlap_switches``, ZeRO-0/1/2: it moves the optimizer's
         states, which the stream never reads), the stream starts at once; on a GPU its copies run on a stream of
         their own, ordered after the optimizer step's writes, so they do not queue behind that sleep's copies."""
-        background = self._background
-        beside = background is not None and background[2] and self.model.config.zero_stage < 3
-        if not beside:
-            self._settle("send_weights")
-            if self.model.is_asleep and not self._weights_only:
-                raise RoleAsleepError(f"push_weights: '{self.role}' rank {self.rank} is asleep without its weights; "
-                                      "train with optim_step(sleep_after='keep_weights') or wake it", role=self.role,
-                                      rank=self.rank, phase=phase)
+        beside = self._check_send("send_weights", phase)
         side = None
         if beside and self.device_kind == "cuda":
             self._send_stream = side = self._send_stream or torch.cuda.Stream(self._cuda_device)
