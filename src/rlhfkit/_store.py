@@ -55,9 +55,12 @@ def check_secret(secret: object, *, where: str) -> bytes:
     return secret
 
 
-def listen_store(host: str, port: int, timeout_s: float) -> dist.TCPStore:
+def listen_store(host: str, port: int, timeout_s: float, *, use_libuv: bool = False) -> dist.TCPStore:
     """A TCPStore server listening on exactly ``host`` (IPv4 or IPv6 address, or a name resolving to one) and
-    ``port`` (0: a free one, read it from ``.port``). Uses the classic (non-libuv) server."""
+    ``port`` (0: a free one, read it from ``.port``). ``use_libuv=False``: the classic server, whose blocking
+    ``get`` answers fastest on loopback, but which answers a request that writes or reads an empty value only after
+    a delayed ACK (about 0.2 s on Linux); stores that use empty values (the phase store's released claims) take the
+    libuv server."""
     infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     if not infos:
         raise OSError(f"{host!r} resolves to no address")
@@ -76,7 +79,7 @@ def listen_store(host: str, port: int, timeout_s: float) -> dist.TCPStore:
     fd = sock.detach()
     try:
         return dist.TCPStore(host, bound, None, True, timedelta(seconds=timeout_s), wait_for_workers=False,
-                             master_listen_fd=fd, use_libuv=False)
+                             master_listen_fd=fd, use_libuv=use_libuv)
     except TypeError as error:  # a torch without master_listen_fd: refuse rather than listen on every interface
         os.close(fd)
         raise RuntimeError(f"this torch cannot serve a TCPStore on one address only (no master_listen_fd): "

@@ -249,7 +249,7 @@ class TCPPhaseStore:
         """Start the server in this process, listening on exactly ``host`` (``port=0`` picks a free port; read it
         from ``.port``). ``secret``: the per-run secret (default: ``secrets.token_bytes(32)``)."""
         secret = new_secret() if secret is None else secret
-        server = listen_store(host, port, timeout_s)
+        server = listen_store(host, port, timeout_s, use_libuv=True)  # released claims are empty values
         return cls(host, server.port, secret=secret, timeout_s=timeout_s,
                    _server=SignedStore(server, secret, error=PhaseStoreAuthenticationError))
 
