@@ -376,7 +376,6 @@ class Hybrid:
         config, in the order the models load. The engines are awake when this returns."""
         if not isinstance(config, HybridConfig):
             raise TypeError(f"config must be a HybridConfig, got {type(config).__name__}")
-        require_extras(config)
         if "actor" not in trainers:
             raise ValueError(f"trainers={list(trainers)}; a hybrid run needs an 'actor' role (its weights go to the "
                              "engines)")
@@ -388,6 +387,11 @@ class Hybrid:
             if trainer.deepspeed.fused_kernels is not None and config.device != "cuda":
                 raise ValueError(f"trainers[{role!r}].deepspeed.fused_kernels={trainer.deepspeed.fused_kernels!r} "
                                  f"needs CUDA (Triton kernels); HybridConfig.device={config.device!r}")
+        try:
+            require_extras(config)
+        except ImportError:
+            _checks(config, trainers)  # a bad input explains more than a missing extra
+            raise
         began = time.perf_counter()
         before_start_s = process_age_s()
         # Ray starts first, alone: the engines' chain (Ray, their processes' spawn and imports, their build) is the
