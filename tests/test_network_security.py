@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from _fake_cuda import FakeCudaOps
 
 from rlhfkit.phase import PhaseGuard, TCPPhaseStore
 from rlhfkit.weight_sync import (
@@ -168,47 +169,6 @@ def test_phase_store_on_a_node_address_refuses_forged_claims(netns, tmp_path):
     assert not marker.exists()
 
 
-class _FakeCudaOps:
-    """The cuda_ipc protocol on CPU, threads of one process: a handle names a registered tensor."""
-
-    shared: dict = {}
-
-    def uuid(self, device):
-        return "fake-gpu"
-
-    def device_of_uuid(self, uuid):
-        assert uuid == "fake-gpu"
-        return torch.device("cpu")
-
-    def share(self, tensor):
-        _FakeCudaOps.shared[id(tensor)] = tensor
-        return id(tensor)
-
-    def open(self, handle, device):
-        return _FakeCudaOps.shared[handle]
-
-    def new_events(self, count, device):
-        return [None] * count
-
-    def event_handle(self, event):
-        return b"event"
-
-    def open_event(self, handle, device):
-        return None
-
-    def record(self, event, device):
-        pass
-
-    def wait(self, event, device):
-        pass
-
-    def synchronize(self, device):
-        pass
-
-    def event_synchronize(self, event):
-        pass
-
-
 def _forged_ipc_sync(weights: dict, marker: str) -> dict[str, str]:
     """What an attacker writes under the plain key names of sync 1 of a cuda_ipc group: a start naming a manifest
     that matches the weights, a go-ahead, and an IPC handle message that runs code when unpickled."""
@@ -230,7 +190,7 @@ def test_weight_sync_store_on_a_node_address_refuses_forged_messages(netns, tmp_
     import rlhfkit.weight_sync._ipc
     from rlhfkit.weight_sync import WeightSyncAuthenticationError
 
-    monkeypatch.setattr(rlhfkit.weight_sync._ipc, "CudaOps", _FakeCudaOps)
+    monkeypatch.setattr(rlhfkit.weight_sync._ipc, "CudaOps", FakeCudaOps)
     monkeypatch.setattr(rlhfkit.weight_sync, "_resolve_device", lambda backend, device: torch.device("cpu"))
     config = WeightSyncConfig(backend="cuda_ipc", bucket_bytes=4096, timeout_s=10)
     torch.manual_seed(0)

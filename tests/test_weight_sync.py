@@ -13,6 +13,7 @@ import time
 import pytest
 import torch
 
+from _fake_cuda import FakeCudaOps
 from rlhfkit.weight_sync._buckets import Fingerprinter
 from rlhfkit.weight_sync._manifest import Manifest, TensorSpec, compare_manifest, plan_buckets
 from rlhfkit.weight_sync import (
@@ -323,49 +324,6 @@ def test_inprocess_stream_errors(case, error, needle):
 
 
 # ---------------------------------------------------------------------------------------------------- threads
-class FakeCudaOps:
-    """CUDA IPC's CUDA calls for threads of one CPU process: a 'handle' is a key into a registry of shared
-    tensors, events are no-ops (all copies are synchronous). Everything else — control messages, slots, acks,
-    fingerprints, aborts — is the real cuda_ipc protocol."""
-
-    shared: dict = {}
-
-    def uuid(self, device):
-        return "fake-gpu"
-
-    def device_of_uuid(self, uuid):
-        assert uuid == "fake-gpu"
-        return torch.device("cpu")
-
-    def share(self, tensor):
-        FakeCudaOps.shared[id(tensor)] = tensor
-        return id(tensor)
-
-    def open(self, handle, device):
-        return FakeCudaOps.shared[handle]
-
-    def new_events(self, count, device):
-        return [None] * count
-
-    def event_handle(self, event):
-        return b"event"
-
-    def open_event(self, handle, device):
-        return None
-
-    def record(self, event, device):
-        pass
-
-    def wait(self, event, device):
-        pass
-
-    def synchronize(self, device):
-        pass
-
-    def event_synchronize(self, event):
-        pass
-
-
 @pytest.fixture(params=["gloo", "cuda_ipc_on_cpu"])
 def backend(request, monkeypatch):
     """A real gloo group, or the cuda_ipc protocol with FakeCudaOps, both in threads of this process."""
@@ -1003,10 +961,10 @@ class SlowReceiverActor:
 @pytest.fixture(scope="module")
 def trainer_and_engine(ray_session, tiny_llama_path):
     ray = ray_session
-    trainer = ray.remote(num_cpus=0)(TrainerActor).remote(str(tiny_llama_path), 20.0)
-    endpoint = ray.get(trainer.open.remote("main"), timeout=120)
+    trainer = ray.remote(num_cpus=0)(TrainerActor).remote(str(tiny_llama_path), 120.0)
+    endpoint = ray.get(trainer.open.remote("main"), timeout=300)
     engine = ray.remote(num_cpus=0)(EngineActor).remote(str(tiny_llama_path), endpoint.for_rank(1, "hf-engine"),
-                                                        20.0)
+                                                        120.0)
     yield trainer, engine
     ray.kill(engine)
     ray.kill(trainer)
@@ -1015,20 +973,20 @@ def trainer_and_engine(ray_session, tiny_llama_path):
 def ray_sync(ray, trainer, engine, **send_kwargs):
     sent = trainer.send.remote("main", **send_kwargs)
     received = engine.receive.remote()
-    return ray.get([sent, received], timeout=120)
+    return ray.get([sent, received], timeout=300)
 
 
 @pytest.mark.ray
 def test_ray_gloo_trainer_to_hf_engine(ray_session, trainer_and_engine):
     ray, (trainer, engine) = ray_session, trainer_and_engine
-    before = ray.get(engine.state.remote(), timeout=60)
-    trained = ray.get(trainer.state.remote(), timeout=60)
+    before = ray.get(engine.state.remote(), timeout=300)
+    trained = ray.get(trainer.state.remote(), timeout=300)
     assert any(not torch.equal(before[n], trained[n]) for n in trained)  # the trainer really moved its weights
 
     sent, received = ray_sync(ray, trainer, engine)
     assert sent["ok"] and received["ok"], (sent, received)
-    assert_bitwise_equal(ray.get(engine.state.remote(), timeout=60), trained)
-    assert sent["versions"] == [1] and ray.get(engine.versions.remote(), timeout=60) == (1, 1)
+    assert_bitwise_equal(ray.get(engine.state.remote(), timeout=300), trained)
+    assert sent["versions"] == [1] and ray.get(engine.versions.remote(), timeout=300) == (1, 1)
 
     for tamper, needle in [("name", "'model.layers.0.mlp.up_proj.weight.renamed'"),
                            ("shape", "'model.layers.0.mlp.up_proj.weight' has shape"),
@@ -1037,33 +995,33 @@ def test_ray_gloo_trainer_to_hf_engine(ray_session, trainer_and_engine):
         for outcome in (sent, received):
             assert not outcome["ok"] and outcome["type"] == "ManifestMismatchError", outcome
             assert needle in outcome["message"], outcome["message"]
-        assert ray.get(engine.versions.remote(), timeout=60) == (1, 1)  # nothing was loaded
-    assert_bitwise_equal(ray.get(engine.state.remote(), timeout=60), trained)
+        assert ray.get(engine.versions.remote(), timeout=300) == (1, 1)  # nothing was loaded
+    assert_bitwise_equal(ray.get(engine.state.remote(), timeout=300), trained)
 
     sent, received = ray_sync(ray, trainer, engine, corrupt_bucket=1)
     assert sent["type"] == received["type"] == "FingerprintMismatchError", (sent, received)
     assert "bucket 1 of sync 5 (tensors 'model.layers." in sent["message"], sent["message"]
     assert "receiver rank 1 ('hf-engine')" in sent["message"]
-    assert ray.get(engine.versions.remote(), timeout=60) == (1, 1)
+    assert ray.get(engine.versions.remote(), timeout=300) == (1, 1)
 
     sent, received = ray_sync(ray, trainer, engine)
-    assert sent["ok"] and sent["versions"] == [6] and ray.get(engine.versions.remote(), timeout=60) == (6, 6)
-    assert_bitwise_equal(ray.get(engine.state.remote(), timeout=60), trained)
+    assert sent["ok"] and sent["versions"] == [6] and ray.get(engine.versions.remote(), timeout=300) == (6, 6)
+    assert_bitwise_equal(ray.get(engine.state.remote(), timeout=300), trained)
 
 
 @pytest.mark.ray
 def test_ray_killed_receiver_fails_sender_within_timeout(ray_session, trainer_and_engine):
     ray, (trainer, _) = ray_session, trainer_and_engine
     timeout_s = 6.0
-    endpoint = ray.get(trainer.open.remote("doomed", timeout_s), timeout=60)
-    shapes = [(n, tuple(t.shape)) for n, t in ray.get(trainer.state.remote(), timeout=60).items()]
+    endpoint = ray.get(trainer.open.remote("doomed", timeout_s), timeout=300)
+    shapes = [(n, tuple(t.shape)) for n, t in ray.get(trainer.state.remote(), timeout=300).items()]
     actor = ray.remote(num_cpus=0, max_concurrency=2)(SlowReceiverActor)
     receiver = actor.remote(endpoint.for_rank(1, "slow"), shapes, 0.2)
-    assert ray.get(receiver.progress.remote(), timeout=120) == 0  # up and running
+    assert ray.get(receiver.progress.remote(), timeout=300) == 0  # up and running
     received = receiver.receive.remote()
     sent = trainer.send.remote("doomed")
     deadline = time.monotonic() + 60
-    while ray.get(receiver.progress.remote(), timeout=60) < 2:  # mid-transfer: loading tensors 0.2 s each
+    while ray.get(receiver.progress.remote(), timeout=300) < 2:  # mid-transfer: loading tensors 0.2 s each
         assert time.monotonic() < deadline, "the receiver never started loading"
         time.sleep(0.1)
     ray.kill(receiver)
