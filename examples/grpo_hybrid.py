@@ -10,7 +10,7 @@
                                                                      # reference is the actor with adapters off
     python examples/grpo_hybrid.py --model M --bf16 true --zero-stage 3 --gradient-checkpointing true \
         --offload-optimizer true --offload-optimizer-ratio 0.66 --sub-group-elements 100000000 --engine-memory 0.25 \
-        --kv-cache share --offload-trainers false --reference false --kl-coef 0 --empty-caches true  # 7B on one H100
+        --kv-cache share --offload-trainers false --reference false --kl-coef 0 --empty-caches true  # 7B on one H200
 
 One step, in the order the GPU is handed around (the phase guard refuses any other):
 
