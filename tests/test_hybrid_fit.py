@@ -548,7 +548,7 @@ def test_the_examples_7b_command_fits_one_141_gb_gpu(qwen7b, monkeypatch):
     from conftest import load_example
 
     doc = load_example("grpo_hybrid").__doc__  # the backslash-continued command is one line of the docstring
-    line = next(line for line in doc.splitlines() if "# 7B on one H100" in line)
+    line = next(line for line in doc.splitlines() if "# 7B on one H200" in line)
     argv = line.split("#")[0].split()[2:]
     argv[argv.index("M")] = qwen7b
     assert 78.0 < max(_example_phases(argv, monkeypatch, H200).values()) < H200["gpu_memory_gib"]
