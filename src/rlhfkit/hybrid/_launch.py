@@ -88,16 +88,14 @@ class HybridConfig:
             ``max_num_seqs * kv_tokens_per_seq`` tokens (at least ``max_model_len``). The default 256 covers a
             prompt and its response on average (vLLM allocates 16-token blocks as sequences grow, and preempts
             rather than fails when they run out). None, or ``max_num_seqs`` None: the cache fills ``engine_memory``
-            (the behaviour before 0.x; slower switches, higher peak: docs/benchmarks.md).
+            (slower switches, a higher peak).
         dtype: engine and weight-sync dtype (float32 keeps engine and trainer log-probs within ~1e-3 on small models).
         sync_bucket_mb: weight-sync bucket size.
         weight_loading: vLLM only: how the engines apply pushed weights (``VLLMEngineConfig.weight_loading``).
             ``"planned"`` (default): the first push runs vLLM's own ``load_weights`` and records where each tensor's
             copies land; later pushes replay them with one batched copy per bucket instead of a Python loader call
             per tensor (a parameter that moved makes it record again; tensors whose loader does more than copy stay
-            on ``load_weights``). Into a 1.54B bf16 model on an H200, syncs took 11.8-13.2 ms planned and 23-28 ms
-            through the loaders (bench/results/HISTORY.md, rounds 5-6); in the hybrid loop not yet measured.
-            ``"auto"``: the loaders every time.
+            on ``load_weights``). ``"auto"``: the loaders every time.
         overlap: the engines stay resident beside the awake trainers, outside the phase guard, so that a
             :class:`~rlhfkit.rollouts.RolloutProducer` can generate while the actor trains (asynchronous RL; on one
             GPU the engines keep their ``engine_memory`` share the whole run). :meth:`Hybrid.push_weights` then
@@ -123,15 +121,14 @@ class HybridConfig:
             (``RAY_memory_usage_threshold``, 0.95: Ray kills workers past it) when ``device="cuda"``, else no check.
         pause_engines: overlap mode, single-GPU vLLM engines: a push parks the generate calls in flight between two
             decode steps and they go on under the new weights (``VLLMEngineConfig.pausable``: the engine is stepped
-            one decode step at a time, a per-step output that cost +20% of the generate time on the CPU backend;
-            not yet measured on a GPU). False: a push waits for the calls in flight to finish (the HF engine always
+            one decode step at a time). False: a push waits for the calls in flight to finish (the HF engine always
             pauses; SGLang and tensor-parallel vLLM engines always wait).
         driver_threads: torch's intra-op threads in this process (the driver) while the run is open: set by
             :meth:`Hybrid.start`, restored by :meth:`Hybrid.close`. The driver only keeps books on small CPU tensors
             (packing, selecting micro-batches, advantages); under torch's default of one thread per core, many of
             those small ops (``repeat_interleave``, indexing, ``expm1``) start an OpenMP team whose threads wait on
-            cores the engines and trainers keep busy, and the asynchronous loop's driver work took 3.4x longer
-            while an engine generated (docs/benchmarks.md). 1 (default) runs them on the calling thread; None
+            cores the engines and trainers keep busy, and the asynchronous loop's driver work slows down several
+            times over while an engine generates. 1 (default) runs them on the calling thread; None
             leaves torch's setting alone (a script that does heavy CPU work of its own in this process).
         overlap_switches: a trainer role's sleep runs in the background, behind the next role's wake (the phase
             guard lets that wake take the GPU from a role marked as going to sleep): the reference's sleep behind
@@ -1115,7 +1112,7 @@ OVERLAP_HEADROOM = 1.03
 
 # TrainerConfig.micro_batch_tokens=None: the largest of these budgets with which the run keeps the overlap's headroom
 # (and the overlap of switches, where the smallest keeps it on). Fewer, larger micro-batches launch fewer kernels and
-# run DeepSpeed's per-gradient work fewer times in a host-bound step (docs/benchmarks.md, sessions 21-23).
+# run DeepSpeed's per-gradient work fewer times in a host-bound step.
 MICRO_BATCH_LADDER = (16384, 12288, 8192, 4096)
 
 
