@@ -240,7 +240,7 @@ def test_empty_prompt_is_rejected_with_or_without_chat_template(tokenizer, promp
     non-empty text), but rejected without it."""
     records = [{"prompt": "fine", "label": "1"}, {"prompt": prompt, "label": "2"}]
     config = PromptDatasetConfig(apply_chat_template=template)
-    if not template and not isinstance(prompt, str):
+    if not template and isinstance(prompt, list):
         error = TypeError                               # without the template a prompt must be a string at all
         match = "record 1 column 'prompt' is a"
     else:

@@ -154,6 +154,10 @@ def _format(index: int, record: Any, tokenizer: Any, config: PromptDatasetConfig
         raise ValueError(f"{where}: record {index} has no column {key!r} (columns: {sorted(record)}); set "
                          "PromptDatasetConfig.input_key")
     prompt = record[key]
+    if prompt is None:                         # also how Arrow fills a column that a row lacks
+        present = sorted(name for name, value in record.items() if value is not None)
+        raise ValueError(f"{where}: record {index} column {key!r} is an empty prompt (None; columns with a value: "
+                         f"{present}); drop the record, fill in the prompt or set PromptDatasetConfig.input_key")
     if not config.apply_chat_template and not isinstance(prompt, str):
         raise TypeError(f"{where}: record {index} column {key!r} is a {type(prompt).__name__}; without the chat "
                         "template prompts must be strings (chat messages need apply_chat_template=True)")
@@ -262,8 +266,8 @@ def _encode_batch(batch: dict[str, list], indices: list[int], *, tokenizer: Any,
 
 def _is_hf_dataset(records: Any) -> bool:
     """An HF ``datasets.Dataset`` (recognised without importing datasets)."""
-    return type(records).__module__.startswith("datasets.") and hasattr(records, "map") and hasattr(records,
-                                                                                                     "column_names")
+    return (type(records).__module__.startswith("datasets.") and not isinstance(records, Mapping)
+            and hasattr(records, "map") and isinstance(getattr(records, "column_names", None), list))
 
 
 def _encode_dataset(records: Any, tokenizer: Any, config: PromptDatasetConfig, where: str) -> list[_Encoded]:
