@@ -68,7 +68,6 @@ def trl_reward(fn: Callable, *, prompt_key: str = "prompt", none_score: float = 
         def reward(prompts, responses, labels, *, columns):
             return scores(fn(**_trl_arguments(prompts, responses, columns, prompt_key)))
     reward.__name__ = reward.__qualname__ = function_name(fn)
-    reward.__wrapped__ = fn
     return reward
 
 
@@ -115,7 +114,6 @@ def verl_reward(fn: Callable, *, data_source_key: str = "data_source",
         return [one(r, label, c) for r, label, c in zip(responses, labels, columns)]
 
     reward.__name__ = reward.__qualname__ = name
-    reward.__wrapped__ = fn
     return reward
 
 
