@@ -172,7 +172,7 @@ def test_lone_surrogate_names_the_record(tokenizer, tmp_path, template):
     TypeError naming no record."""
     path = tmp_path / "surrogate.jsonl"
     path.write_text('{"prompt": "fine", "label": "1"}\n{"prompt": "bad \\ud800 text", "label": "2"}\n')
-    with pytest.raises(ValueError, match=r"record 1 column 'prompt' holds '\\ud800' at character"):
+    with pytest.raises(ValueError, match=r"record 1 \(line 2\) column 'prompt' holds '\\ud800' at character"):
         PromptDataset.from_file(path, tokenizer, PromptDatasetConfig(apply_chat_template=template))
 
 
@@ -194,11 +194,11 @@ def test_tokenizer_errors_keep_their_type_and_name_the_record(tokenizer):
     records = [{"prompt": "fine", "label": "1"}, {"prompt": "boom", "label": "2"}]
     with pytest.raises(OverflowError, match="cannot encode") as caught:
         PromptDataset(records, Picky())
-    assert caught.value.__notes__ == ["while tokenizing PromptDataset record 1 (column 'prompt')"]
+    assert caught.value.__notes__ == ["while tokenizing PromptDataset: record 1 (column 'prompt')"]
     records[1]["prompt"] = "template boom"
     with pytest.raises(KeyError) as caught:
         PromptDataset(records, Picky(), PromptDatasetConfig(apply_chat_template=True))
-    assert caught.value.__notes__ == ["while applying the chat template to PromptDataset record 1 (column 'prompt')"]
+    assert caught.value.__notes__ == ["while applying the chat template to PromptDataset: record 1 (column 'prompt')"]
 
 
 def test_records_of_the_wrong_shape_are_a_clear_type_error(tokenizer):

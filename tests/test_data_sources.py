@@ -135,12 +135,17 @@ def test_chat_messages_column_with_system_prompt_and_suffix(tokenizer):
     assert records[0]["messages"][0]["content"] == "What is 2 + 2?"                   # the records are not changed
 
 
-def test_errors_name_the_source_record_and_columns(tokenizer, tmp_path):
+def test_errors_name_the_source_record_line_and_columns(tokenizer, tmp_path, monkeypatch):
     path = tmp_path / "train.jsonl"
-    path.write_text(json.dumps({"question": "a", "answer": "1"}) + "\n" + json.dumps({"q": "b", "answer": "2"}) + "\n")
-    with pytest.raises(ValueError, match=r"PromptDataset\(.*train.jsonl\): record 1 column 'question' is an empty "
-                                         r"prompt \(None; columns with a value: \['answer', 'q'\]\)"):
+    path.write_text(json.dumps({"question": "a", "answer": "1"}) + "\n\n" + json.dumps({"q": "b", "answer": "2"}) + "\n")
+    with pytest.raises(ValueError, match=r"PromptDataset\(.*train.jsonl\): record 1 \(line 3\) column 'question' is "
+                                         r"an empty prompt \(None; columns with a value: \['answer', 'q'\]\)"):
         load_prompts(path, tokenizer, CONFIG)
+    with monkeypatch.context() as patch:            # the plain path (no datasets): the column is missing, not None
+        patch.setitem(sys.modules, "datasets", None)
+        with pytest.raises(ValueError, match=r"train.jsonl\): record 1 \(line 3\) has no column 'question' "
+                                             r"\(columns: \['answer', 'q'\]\)"):
+            load_prompts(path, tokenizer, CONFIG)
     path.write_text(json.dumps({"question": "a", "answer": "1"}) + "\n{broken\n")
     with pytest.raises(ValueError, match=r"train.jsonl:2: not valid JSON"):
         load_prompts(path, tokenizer, CONFIG)

@@ -123,6 +123,22 @@ class PromptBatch:
 
 
 @dataclass(frozen=True)
+class _Where:
+    """Names a record in errors: the dataset's source and, for a JSON-lines file, the record's line."""
+
+    name: str | None = None
+    line_numbers: tuple[int, ...] | None = None
+
+    def __str__(self) -> str:
+        return f"PromptDataset({self.name})" if self.name else "PromptDataset"
+
+    def record(self, index: int) -> str:
+        line = (f" (line {self.line_numbers[index]})" if self.line_numbers is not None
+                and 0 <= index < len(self.line_numbers) else "")
+        return f"{self}: record {index}{line}"
+
+
+@dataclass(frozen=True)
 class _Encoded:
     """One record after formatting, tokenizing and the length policy."""
 
@@ -145,21 +161,21 @@ def _messages(prompt: list, config: PromptDatasetConfig) -> list:
     return messages
 
 
-def _format(index: int, record: Any, tokenizer: Any, config: PromptDatasetConfig, where: str) -> str:
+def _format(index: int, record: Any, tokenizer: Any, config: PromptDatasetConfig, where: _Where) -> str:
     """The prompt text of ``record``: suffix and system prompt added, chat template applied if configured."""
     if not isinstance(record, Mapping):
-        raise TypeError(f"{where}: record {index} is a {type(record).__name__}, expected a dict")
+        raise TypeError(f"{where.record(index)} is a {type(record).__name__}, expected a dict")
     key = config.input_key
     if key not in record:
-        raise ValueError(f"{where}: record {index} has no column {key!r} (columns: {sorted(record)}); set "
+        raise ValueError(f"{where.record(index)} has no column {key!r} (columns: {sorted(record)}); set "
                          "PromptDatasetConfig.input_key")
     prompt = record[key]
     if prompt is None:                         # also how Arrow fills a column that a row lacks
         present = sorted(name for name, value in record.items() if value is not None)
-        raise ValueError(f"{where}: record {index} column {key!r} is an empty prompt (None; columns with a value: "
+        raise ValueError(f"{where.record(index)} column {key!r} is an empty prompt (None; columns with a value: "
                          f"{present}); drop the record, fill in the prompt or set PromptDatasetConfig.input_key")
     if not config.apply_chat_template and not isinstance(prompt, str):
-        raise TypeError(f"{where}: record {index} column {key!r} is a {type(prompt).__name__}; without the chat "
+        raise TypeError(f"{where.record(index)} column {key!r} is a {type(prompt).__name__}; without the chat "
                         "template prompts must be strings (chat messages need apply_chat_template=True)")
     _check_not_empty(index, key, prompt, where)
     if not config.apply_chat_template:
@@ -171,36 +187,36 @@ def _format(index: int, record: Any, tokenizer: Any, config: PromptDatasetConfig
     try:
         return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     except Exception as error:                 # re-raised as the tokenizer's own type, with the record named
-        error.add_note(f"while applying the chat template to {where} record {index} (column {key!r})")
+        error.add_note(f"while applying the chat template to {where.record(index)} (column {key!r})")
         raise
 
 
-def _label(index: int, record: Mapping, config: PromptDatasetConfig, where: str) -> str | None:
+def _label(index: int, record: Mapping, config: PromptDatasetConfig, where: _Where) -> str | None:
     if config.label_key is None:
         return None
     if config.label_key not in record or record[config.label_key] is None:
-        raise ValueError(f"{where}: record {index} has no label column {config.label_key!r} (columns: "
+        raise ValueError(f"{where.record(index)} has no label column {config.label_key!r} (columns: "
                          f"{sorted(record)}); set PromptDatasetConfig.label_key, or None for unlabeled prompts")
     return str(record[config.label_key])
 
 
-def _tokenize(index: int, text: str, tokenizer: Any, config: PromptDatasetConfig, where: str) -> list[int]:
+def _tokenize(index: int, text: str, tokenizer: Any, config: PromptDatasetConfig, where: _Where) -> list[int]:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as error:        # e.g. a JSON "\ud800" escape without its pair
-        raise ValueError(f"{where}: record {index} column {config.input_key!r} holds {text[error.start]!r} at "
+        raise ValueError(f"{where.record(index)} column {config.input_key!r} holds {text[error.start]!r} at "
                          f"character {error.start} (a lone surrogate, not text a tokenizer can encode); fix or drop "
                          "the record") from error
     try:
         # A chat template already holds its special tokens; do not let the tokenizer add another BOS.
         return list(tokenizer(text, add_special_tokens=not config.apply_chat_template)["input_ids"])
     except Exception as error:                 # re-raised as the tokenizer's own type, with the record named
-        error.add_note(f"while tokenizing {where} record {index} (column {config.input_key!r})")
+        error.add_note(f"while tokenizing {where.record(index)} (column {config.input_key!r})")
         raise
 
 
 def _tokenize_all(indices: Sequence[int], texts: list[str], tokenizer: Any, config: PromptDatasetConfig,
-                  where: str) -> list[list[int]]:
+                  where: _Where) -> list[list[int]]:
     """One batched call for a transformers tokenizer (fast ones encode in parallel); one call per text otherwise,
     and to name the record when the batched call fails."""
     if hasattr(tokenizer, "batch_encode_plus") and len(texts) > 1:
@@ -231,14 +247,14 @@ def _truncate(ids: list[int], text: str, tokenizer: Any, limit: int) -> tuple[li
 
 
 def _limit(index: int, ids: list[int], text: str, label: str | None, tokenizer: Any, config: PromptDatasetConfig,
-           where: str) -> _Encoded:
+           where: _Where) -> _Encoded:
     if not ids:
-        raise ValueError(f"{where}: record {index} tokenizes to no tokens (text {text!r})")
+        raise ValueError(f"{where.record(index)} tokenizes to no tokens (text {text!r})")
     limit = config.prompt_max_len
     if limit is None or len(ids) <= limit:
         return _Encoded(ids, text, label, "kept")
     if config.on_overlong == "error":
-        raise ValueError(f"{where}: record {index} has {len(ids)} prompt tokens > prompt_max_len={limit}; raise "
+        raise ValueError(f"{where.record(index)} has {len(ids)} prompt tokens > prompt_max_len={limit}; raise "
                          "prompt_max_len or set on_overlong='truncate' or 'reject'")
     if config.on_overlong == "reject":
         return _Encoded([], text, label, "rejected")
@@ -247,7 +263,7 @@ def _limit(index: int, ids: list[int], text: str, label: str | None, tokenizer: 
 
 
 def _encode_rows(indices: Sequence[int], rows: Sequence[Any], tokenizer: Any, config: PromptDatasetConfig,
-                 where: str) -> list[_Encoded]:
+                 where: _Where) -> list[_Encoded]:
     texts = [_format(index, row, tokenizer, config, where) for index, row in zip(indices, rows)]
     labels = [_label(index, row, config, where) for index, row in zip(indices, rows)]
     ids = _tokenize_all(indices, texts, tokenizer, config, where)
@@ -256,7 +272,7 @@ def _encode_rows(indices: Sequence[int], rows: Sequence[Any], tokenizer: Any, co
 
 
 def _encode_batch(batch: dict[str, list], indices: list[int], *, tokenizer: Any, config: PromptDatasetConfig,
-                  where: str) -> dict[str, list]:
+                  where: _Where) -> dict[str, list]:
     """``datasets.Dataset.map(batched=True, with_indices=True)`` function: columns in, encoded columns out."""
     rows = [dict(zip(batch, values)) for values in zip(*batch.values())]
     encoded = _encode_rows(indices, rows, tokenizer, config, where)
@@ -270,7 +286,7 @@ def _is_hf_dataset(records: Any) -> bool:
             and hasattr(records, "map") and isinstance(getattr(records, "column_names", None), list))
 
 
-def _encode_dataset(records: Any, tokenizer: Any, config: PromptDatasetConfig, where: str) -> list[_Encoded]:
+def _encode_dataset(records: Any, tokenizer: Any, config: PromptDatasetConfig, where: _Where) -> list[_Encoded]:
     """Through ``Dataset.map``: cached by datasets' fingerprint (for file-backed datasets), with a progress bar."""
     processed = records.map(_encode_batch, batched=True, batch_size=1000, with_indices=True,
                             remove_columns=records.column_names, desc="Tokenizing prompts",
@@ -280,7 +296,7 @@ def _encode_dataset(records: Any, tokenizer: Any, config: PromptDatasetConfig, w
             in zip(*(columns[name] for name in _OUTPUT_COLUMNS))]
 
 
-def _encode_all(records: Any, tokenizer: Any, config: PromptDatasetConfig, where: str) -> list[_Encoded]:
+def _encode_all(records: Any, tokenizer: Any, config: PromptDatasetConfig, where: _Where) -> list[_Encoded]:
     if _is_hf_dataset(records):
         return _encode_dataset(records, tokenizer, config, where)
     encoded = []
@@ -298,10 +314,11 @@ class PromptDataset:
         tokenizer: tokenizes the prompt (and applies the chat template if configured).
         config: keys, template, suffix and length policy.
         name: where the records come from (a file, a split), named in errors.
+        line_numbers: the file line of each record (JSON lines), named in errors.
     """
 
     def __init__(self, records: Sequence[dict[str, Any]], tokenizer, config: PromptDatasetConfig | None = None, *,
-                 name: str | None = None):
+                 name: str | None = None, line_numbers: Sequence[int] | None = None):
         if config is not None and not isinstance(config, PromptDatasetConfig):
             raise TypeError(f"PromptDataset(config=...) got a {type(config).__name__}; pass a PromptDatasetConfig, "
                             "e.g. PromptDatasetConfig(input_key='question')")
@@ -309,7 +326,7 @@ class PromptDataset:
         _check_records(records)
         self.tokenizer = tokenizer
         self.name = name
-        where = f"PromptDataset({name})" if name else "PromptDataset"
+        where = _Where(name, tuple(line_numbers) if line_numbers is not None else None)
         self._records = records
         encoded = _encode_all(records, tokenizer, self.config, where)
         kept = [(index, e) for index, e in enumerate(encoded) if e.status != "rejected"]
@@ -398,7 +415,7 @@ class PromptDataset:
             step += 1
 
 
-def _check_not_empty(index: int, key: str, prompt: Any, where: str) -> None:
+def _check_not_empty(index: int, key: str, prompt: Any, where: _Where) -> None:
     """An empty prompt is an error with or without the chat template (a template would wrap it into a non-empty
     text that asks the policy nothing)."""
     if isinstance(prompt, str):
@@ -409,7 +426,7 @@ def _check_not_empty(index: int, key: str, prompt: Any, where: str) -> None:
     else:
         empty = prompt is None
     if empty:
-        raise ValueError(f"{where}: record {index} column {key!r} is an empty prompt ({prompt!r}); drop the "
+        raise ValueError(f"{where.record(index)} column {key!r} is an empty prompt ({prompt!r}); drop the "
                          "record or fill in the prompt")
 
 
