@@ -61,13 +61,18 @@ def test_trl_reward_function_runs_unchanged_with_its_keyword_columns():
 
     def accuracy(prompts, completions, answer, completion_ids, trainer_state, **kwargs):   # TRL's signature
         calls.append({"prompts": prompts, "kwargs": sorted(kwargs), "ids": completion_ids, "state": trainer_state})
+        kwargs["log_metric"]("accuracy/none", 1.0)
+        kwargs["log_extra"]("hard", kwargs["difficulty"])
         return [None if int(a) == 4 else float(c == f"r{a}") for c, a in zip(completions, answer)]
 
-    scores, report = apply_reward_function(trl_reward(accuracy, none_score=-1.0), PROMPTS, RESPONSES,
-                                           columns=COLUMNS)
+    metrics, extra = {}, {}
+    reward = trl_reward(accuracy, none_score=-1.0, log_metric=metrics.__setitem__, log_extra=extra.__setitem__)
+    scores, report = apply_reward_function(reward, PROMPTS, RESPONSES, columns=COLUMNS)
     assert scores == [1.0, 1.0, 1.0, 1.0, -1.0] and report.function == "accuracy"
     assert calls[0]["prompts"] == [c["prompt"] for c in COLUMNS]                # the dataset's raw prompts
-    assert calls[0]["kwargs"] == ["difficulty"] and calls[0]["state"] is None and calls[0]["ids"] == [None] * 5
+    assert calls[0]["kwargs"] == ["difficulty", "log_extra", "log_metric"] and calls[0]["state"] is None
+    assert calls[0]["ids"] == [None] * 5 and metrics == {"accuracy/none": 1.0} and extra == {"hard": [0, 1, 0, 1, 0]}
+    assert apply_reward_function(trl_reward(accuracy), PROMPTS, RESPONSES, columns=COLUMNS)[0][4] == 0.0
 
 
 def test_trl_reward_conversational_format_and_async():

@@ -28,8 +28,12 @@ def _is_chat(prompt: Any) -> bool:
     return isinstance(prompt, (list, tuple)) and all(isinstance(m, Mapping) and "role" in m for m in prompt)
 
 
+def _discard(*args: Any) -> None:
+    """The default ``log_metric``/``log_extra`` of :func:`trl_reward`: drops what it is given."""
+
+
 def _trl_arguments(prompts: Sequence[str], responses: Sequence[str], columns: Sequence[Mapping[str, Any]],
-                   prompt_key: str) -> dict[str, Any]:
+                   prompt_key: str, log_metric: Callable, log_extra: Callable) -> dict[str, Any]:
     """The keyword arguments TRL's ``GRPOTrainer._calculate_rewards`` gives a reward function."""
     raw = [column.get(prompt_key, text) for column, text in zip(columns, prompts)]
     conversational = bool(raw) and _is_chat(raw[0])
@@ -39,19 +43,23 @@ def _trl_arguments(prompts: Sequence[str], responses: Sequence[str], columns: Se
     arguments.update(
         prompts=list(raw) if conversational else [r if isinstance(r, str) else t for r, t in zip(raw, prompts)],
         completions=[[{"role": "assistant", "content": r}] for r in responses] if conversational else list(responses),
-        completion_ids=[column.get("completion_ids") for column in columns], trainer_state=None)
+        completion_ids=[column.get("completion_ids") for column in columns], trainer_state=None,
+        log_metric=log_metric, log_extra=log_extra)
     return arguments
 
 
-def trl_reward(fn: Callable, *, prompt_key: str = "prompt", none_score: float = 0.0) -> Callable:
+def trl_reward(fn: Callable, *, prompt_key: str = "prompt", none_score: float = 0.0,
+               log_metric: Callable[[str, float], None] | None = None,
+               log_extra: Callable[[str, list], None] | None = None) -> Callable:
     """A TRL reward function ``fn(prompts, completions, **columns) -> list[float | None]`` as an rlhfkit one.
 
     ``fn`` is called the way TRL's ``GRPOTrainer`` calls it: ``prompts`` are the dataset's prompts (column
     ``prompt_key``; the formatted text when a sample has no such column), ``completions`` are the response strings,
     or ``[{"role": "assistant", "content": ...}]`` lists when the prompts are chat messages (TRL's conversational
     format); every other column comes as a keyword list; ``completion_ids`` is each sample's ``"completion_ids"``
-    column (None when absent) and ``trainer_state`` is None. A None score (TRL: "does not apply to this sample")
-    becomes ``none_score``. An ``async def`` stays async.
+    column (None when absent), ``trainer_state`` is None, and ``log_metric(name, value)`` /
+    ``log_extra(column, values)`` are the callables given here (by default they drop what they get). A None score
+    (TRL: "does not apply to this sample") becomes ``none_score``. An ``async def`` stays async.
     """
     if not callable(fn):
         raise TypeError(f"trl_reward(fn={fn!r}): not callable; pass fn(prompts, completions, **kwargs)")
@@ -61,12 +69,13 @@ def trl_reward(fn: Callable, *, prompt_key: str = "prompt", none_score: float = 
             return values               # the wrong shape: apply_reward_function reports it
         return [none_score if value is None else value for value in values]
 
+    loggers = (log_metric or _discard, log_extra or _discard)
     if inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None)):
         async def reward(prompts, responses, labels, *, columns):
-            return scores(await fn(**_trl_arguments(prompts, responses, columns, prompt_key)))
+            return scores(await fn(**_trl_arguments(prompts, responses, columns, prompt_key, *loggers)))
     else:
         def reward(prompts, responses, labels, *, columns):
-            return scores(fn(**_trl_arguments(prompts, responses, columns, prompt_key)))
+            return scores(fn(**_trl_arguments(prompts, responses, columns, prompt_key, *loggers)))
     reward.__name__ = reward.__qualname__ = function_name(fn)
     return reward
 
