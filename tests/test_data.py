@@ -62,7 +62,8 @@ def test_chat_template_and_system_prompt(tokenizer):
                            {"role": "user", "content": "What is 2 + 2?"}], "label": "4"}]
     dataset = PromptDataset(records, tokenizer, PromptDatasetConfig(apply_chat_template=True, system_prompt="Be brief."))
     assert dataset[0][1] == "<|system|>Be brief.<|end|><|user|>What is 1 + 1?<|end|><|assistant|>"
-    assert dataset[1][1] == "<|user|>hi<|end|><|assistant|>yo<|end|><|user|>What is 2 + 2?<|end|><|assistant|>"
+    assert dataset[1][1] == ("<|system|>Be brief.<|end|><|user|>hi<|end|><|assistant|>yo<|end|><|user|>What is 2 + 2?"
+                             "<|end|><|assistant|>")      # a chat prompt without a system message gets it too
     assert dataset[0][0][-1] == tokenizer.convert_tokens_to_ids("<|assistant|>")
     assert tokenizer.decode(dataset[0][0]) == dataset[0][1]
 
@@ -130,15 +131,15 @@ def test_stream_crosses_epochs_and_resumes(tokenizer):
 
 
 def test_dataset_errors(tokenizer, tmp_path):
-    with pytest.raises(ValueError, match=r"record 0 has no field 'prompt' \(fields: \['answer', 'extra', 'question'\]"):
+    with pytest.raises(ValueError, match=r"record 0 has no column 'prompt' \(columns: \['answer', 'extra', 'question'\]"):
         PromptDataset(RECORDS, tokenizer)
-    with pytest.raises(ValueError, match="record 1 has no label field 'label'"):
+    with pytest.raises(ValueError, match="record 1 has no label column 'label'"):
         PromptDataset([{"prompt": "a", "label": "1"}, {"prompt": "b"}], tokenizer)
     unlabeled = PromptDataset([{"prompt": "b"}], tokenizer, PromptDatasetConfig(label_key=None))
     assert unlabeled[0][2] is None
     with pytest.raises(TypeError, match="prompts must be strings"):
         PromptDataset([{"prompt": ["x"], "label": "1"}], tokenizer)
-    with pytest.raises(TypeError, match="use PromptDataset.from_file"):
+    with pytest.raises(TypeError, match="use rlhfkit.data.load_prompts"):
         PromptDataset("data.jsonl", tokenizer)
     with pytest.raises(ValueError, match="unknown suffix '.csv'"):
         PromptDataset.from_file(tmp_path / "x.csv", tokenizer)
@@ -171,7 +172,7 @@ def test_lone_surrogate_names_the_record(tokenizer, tmp_path, template):
     TypeError naming no record."""
     path = tmp_path / "surrogate.jsonl"
     path.write_text('{"prompt": "fine", "label": "1"}\n{"prompt": "bad \\ud800 text", "label": "2"}\n')
-    with pytest.raises(ValueError, match=r"record 1 field 'prompt' holds '\\ud800' at character"):
+    with pytest.raises(ValueError, match=r"record 1 \(line 2\) column 'prompt' holds '\\ud800' at character"):
         PromptDataset.from_file(path, tokenizer, PromptDatasetConfig(apply_chat_template=template))
 
 
@@ -193,11 +194,11 @@ def test_tokenizer_errors_keep_their_type_and_name_the_record(tokenizer):
     records = [{"prompt": "fine", "label": "1"}, {"prompt": "boom", "label": "2"}]
     with pytest.raises(OverflowError, match="cannot encode") as caught:
         PromptDataset(records, Picky())
-    assert caught.value.__notes__ == ["while tokenizing PromptDataset record 1 (field 'prompt')"]
+    assert caught.value.__notes__ == ["while tokenizing PromptDataset: record 1 (column 'prompt')"]
     records[1]["prompt"] = "template boom"
     with pytest.raises(KeyError) as caught:
         PromptDataset(records, Picky(), PromptDatasetConfig(apply_chat_template=True))
-    assert caught.value.__notes__ == ["while applying the chat template to PromptDataset record 1 (field 'prompt')"]
+    assert caught.value.__notes__ == ["while applying the chat template to PromptDataset: record 1 (column 'prompt')"]
 
 
 def test_records_of_the_wrong_shape_are_a_clear_type_error(tokenizer):
@@ -239,11 +240,11 @@ def test_empty_prompt_is_rejected_with_or_without_chat_template(tokenizer, promp
     non-empty text), but rejected without it."""
     records = [{"prompt": "fine", "label": "1"}, {"prompt": prompt, "label": "2"}]
     config = PromptDatasetConfig(apply_chat_template=template)
-    if not template and not isinstance(prompt, str):
+    if not template and isinstance(prompt, list):
         error = TypeError                               # without the template a prompt must be a string at all
-        match = "record 1 field 'prompt' is a"
+        match = "record 1 column 'prompt' is a"
     else:
-        error, match = ValueError, "record 1 field 'prompt' is an empty prompt"
+        error, match = ValueError, "record 1 column 'prompt' is an empty prompt"
     with pytest.raises(error, match=match):
         PromptDataset(records, tokenizer, config)
 

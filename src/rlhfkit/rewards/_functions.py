@@ -1,5 +1,8 @@
 """Apply Python reward functions ``fn(prompts, responses, labels) -> scores`` in batches, reporting every failure.
 
+A function that also takes a ``columns`` keyword (``fn(prompts, responses, labels, *, columns)``, or ``**kwargs``)
+receives each sample's dataset columns, a list of dicts aligned with the responses.
+
 Part of :mod:`rlhfkit.rewards` (re-exported there). Sync functions run in daemon worker threads, async ones
 (``async def``) as concurrent asyncio tasks in a daemon thread's event loop, so a hung call never blocks interpreter
 exit. A batch that raises is re-run one sample at a time, so a failure names the sample(s) that cause it; a
@@ -25,8 +28,8 @@ from typing import Any, Literal
 
 from rlhfkit._calls import call_all
 
-__all__ = ["RewardFailure", "RewardReport", "RewardError", "apply_reward_function", "check_field_type",
-           "function_name"]
+__all__ = ["RewardFailure", "RewardReport", "RewardError", "apply_reward_function", "accepts_columns",
+           "check_field_type", "function_name"]
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +57,7 @@ class RewardReport:
     failures: tuple[RewardFailure, ...] = ()
     elapsed_s: float = 0.0
     mean_score: float = 0.0
+    std_score: float = 0.0
 
     @property
     def num_failed(self) -> int:
@@ -64,10 +68,10 @@ class RewardReport:
         return [failure.index for failure in self.failures]
 
     def as_dict(self, prefix: str = "reward") -> dict[str, float]:
-        """Flat stats for logging, e.g. ``{"reward/fn/num_failed": 2.0, ...}``."""
+        """Flat stats for logging, e.g. ``{"reward/fn/num_failed": 2.0, ...}`` (mean, std, num_failed, seconds)."""
         base = f"{prefix}/{self.function}"
-        return {f"{base}/mean": self.mean_score, f"{base}/num_failed": float(self.num_failed),
-                f"{base}/seconds": self.elapsed_s}
+        return {f"{base}/mean": self.mean_score, f"{base}/std": self.std_score,
+                f"{base}/num_failed": float(self.num_failed), f"{base}/seconds": self.elapsed_s}
 
 
 class RewardError(RuntimeError):
@@ -97,6 +101,23 @@ def function_name(fn: Callable) -> str:
     return name.rsplit("<locals>.", 1)[-1]  # a function defined inside another: keep its own name
 
 
+def accepts_columns(fn: Callable) -> bool:
+    """Whether ``fn`` takes a ``columns`` keyword (a parameter of that name, or ``**kwargs``)."""
+    try:
+        parameters = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):                 # a builtin without a signature: the three-list protocol
+        return False
+    return any(p.kind is p.VAR_KEYWORD or (p.name == "columns" and p.kind is not p.VAR_POSITIONAL
+                                           and p.kind is not p.POSITIONAL_ONLY) for p in parameters)
+
+
+def _call(fn: Callable, wants_columns: bool, prompts, responses, labels, columns):
+    """``fn``'s call on one batch (a coroutine for an async ``fn``)."""
+    if wants_columns:
+        return fn(prompts, responses, labels, columns=columns)
+    return fn(prompts, responses, labels)
+
+
 def _is_async(fn: Callable) -> bool:
     while isinstance(fn, functools.partial):
         fn = fn.func
@@ -116,7 +137,8 @@ class _Outcome:
 
 def _run_sync(fn, slices, inputs, max_workers: int, timeout_s: float | None) -> list[_Outcome]:
     # Daemon threads (see rlhfkit._calls): a hung call is abandoned at timeout_s and never blocks interpreter exit.
-    calls = [functools.partial(fn, *(x[start:stop] for x in inputs)) for start, stop in slices]
+    wants_columns = accepts_columns(fn)
+    calls = [functools.partial(_call, fn, wants_columns, *(x[start:stop] for x in inputs)) for start, stop in slices]
     results = call_all(calls, timeout_s=timeout_s, name="reward", max_workers=max_workers)
     return [_Outcome(start, stop, result.value, result.error, result.timed_out)
             for (start, stop), result in zip(slices, results)]
@@ -124,10 +146,11 @@ def _run_sync(fn, slices, inputs, max_workers: int, timeout_s: float | None) -> 
 
 async def _gather_async(fn, outcomes: list[_Outcome], inputs, max_workers: int, timeout_s: float | None) -> None:
     semaphore = asyncio.Semaphore(max_workers)
+    wants_columns = accepts_columns(fn)
 
     async def one(outcome: _Outcome):
         async with semaphore:
-            return await fn(*(x[outcome.start:outcome.stop] for x in inputs))
+            return await _call(fn, wants_columns, *(x[outcome.start:outcome.stop] for x in inputs))
 
     tasks = {asyncio.ensure_future(one(o)): o for o in outcomes}
     done, pending = await asyncio.wait(tasks, timeout=timeout_s)
@@ -225,11 +248,15 @@ def check_field_type(owner: str, field: str, value: Any, kind: str) -> None:
                         f"{' or None' if optional else ''}")
 
 
-def _validate_args(prompts, responses, labels, batch_size, on_error, error_score, max_workers, timeout_s):
+def _validate_args(prompts, responses, labels, columns, batch_size, on_error, error_score, max_workers, timeout_s):
     if isinstance(responses, str) or isinstance(prompts, str):
         raise TypeError("apply_reward_function(prompts, responses, ...) take lists of strings, got a single string")
     if labels is not None and len(labels) != len(responses):
         raise ValueError(f"apply_reward_function: {len(labels)} labels for {len(responses)} responses")
+    if columns is not None and (isinstance(columns, Mapping) or len(columns) != len(responses)):
+        got = "a dict" if isinstance(columns, Mapping) else f"{len(columns)} entries"
+        raise ValueError(f"apply_reward_function(columns=...) got {got} for {len(responses)} responses; pass one dict "
+                         "of columns per response (e.g. rollout_columns(rollouts, batch.columns))")
     if len(prompts) != len(responses):
         raise ValueError(f"apply_reward_function: {len(prompts)} prompts for {len(responses)} responses")
     for field, value, kind in (("batch_size", batch_size, "int"), ("error_score", error_score, "real"),
@@ -281,15 +308,19 @@ def _describe(error: BaseException) -> str:
 
 
 def apply_reward_function(fn: Callable, prompts: Sequence[str], responses: Sequence[str],
-                          labels: Sequence[str | None] | None = None, *, batch_size: int = 64,
+                          labels: Sequence[str | None] | None = None, *,
+                          columns: Sequence[Mapping[str, Any]] | None = None, batch_size: int = 64,
                           on_error: Literal["raise", "assign"] = "raise", error_score: float = 0.0,
                           max_workers: int = 4, timeout_s: float | None = None,
                           name: str | None = None) -> tuple[list[float], RewardReport]:
     """Score every sample with ``fn(prompts, responses, labels) -> list[float]`` (sync or ``async def``).
 
     Args:
-        fn: the reward function; called on consecutive batches of at most ``batch_size`` samples.
+        fn: the reward function; called on consecutive batches of at most ``batch_size`` samples. A function that
+            takes a ``columns`` keyword (or ``**kwargs``) is called as ``fn(prompts, responses, labels,
+            columns=columns)``.
         prompts, responses, labels: aligned lists (``labels`` None → a list of None).
+        columns: per-sample dicts of dataset columns, aligned with ``responses`` (None → empty dicts).
         on_error: ``"raise"`` → :class:`RewardError` naming the function and failed sample indices; ``"assign"`` →
             failed samples score ``error_score`` and are listed in the report.
         max_workers: batches in flight at once (threads for sync functions, tasks for async ones).
@@ -301,9 +332,10 @@ def apply_reward_function(fn: Callable, prompts: Sequence[str], responses: Seque
     Returns:
         ``scores`` (one float per sample) and a :class:`RewardReport`.
     """
-    _validate_args(prompts, responses, labels, batch_size, on_error, error_score, max_workers, timeout_s)
+    _validate_args(prompts, responses, labels, columns, batch_size, on_error, error_score, max_workers, timeout_s)
     name = name or function_name(fn)
-    inputs = (list(prompts), list(responses), list(labels) if labels is not None else [None] * len(responses))
+    inputs = (list(prompts), list(responses), list(labels) if labels is not None else [None] * len(responses),
+              [dict(c) for c in columns] if columns is not None else [{} for _ in responses])
     runner = _run_async if _is_async(fn) else _run_sync
     started = time.perf_counter()
 
@@ -318,7 +350,8 @@ def apply_reward_function(fn: Callable, prompts: Sequence[str], responses: Seque
         logger.warning("reward function %r failed on %d of %d samples; assigned error_score=%s", name,
                        len(failures), len(responses), error_score)
     result = [scores.get(index, error_score) for index in range(len(responses))]
+    mean = sum(result) / len(result) if result else 0.0
     report = RewardReport(function=name, num_samples=len(responses), failures=tuple(failures),
-                          elapsed_s=time.perf_counter() - started,
-                          mean_score=sum(result) / len(result) if result else 0.0)
+                          elapsed_s=time.perf_counter() - started, mean_score=mean,
+                          std_score=math.sqrt(sum((x - mean) ** 2 for x in result) / len(result)) if result else 0.0)
     return result, report
