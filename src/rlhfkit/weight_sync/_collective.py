@@ -2,7 +2,7 @@
 
 A process group of its own — ``ProcessGroupGloo`` or ``ProcessGroupNCCL`` constructed directly on a prefix of the
 (signed) control store — holds the sender (rank 0) and every receiver; the default process group is never touched. Each bucket
-(payload + 16-byte tail) is one ``broadcast`` from rank 0, so every receiver (e.g. each tensor-parallel worker of an
+(payload + 8-byte status tail) is one ``broadcast`` from rank 0, so every receiver (e.g. each tensor-parallel worker of an
 engine) gets every full tensor. The sender keeps ``num_slots`` buckets in flight (broadcasts are asynchronous); a
 receiver has one bucket buffer. A receiver that fails mid-stream keeps taking part in the remaining broadcasts without
 loading them (so the sender never blocks on it) and reports its error at the end.
@@ -244,7 +244,7 @@ class CollectiveSender:
         if peer_failed or self.link.broken:
             return
         self.acquire(version, bucket)
-        self.slots.write_tail(bucket, None, STATUS_ABORT)
+        self.slots.write_status(bucket, STATUS_ABORT)
         self.publish(version, bucket)
         self.flush(version)
 

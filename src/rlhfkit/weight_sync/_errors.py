@@ -6,11 +6,9 @@ __all__ = [
     "WeightSyncError",
     "WeightSyncTimeout",
     "ManifestMismatchError",
-    "FingerprintMismatchError",
     "WeightSyncAborted",
     "WeightSyncRejoinError",
     "WeightSyncVersionError",
-    "ArmedSyncStillReceiving",
     "WeightSyncAuthenticationError",
     "WeightSyncProtocolError",
     "error_from_report",
@@ -32,10 +30,6 @@ class ManifestMismatchError(WeightSyncError, ValueError):
     Raised on both ends before the first byte of weights moves; the message names the tensor(s)."""
 
 
-class FingerprintMismatchError(WeightSyncError):
-    """A received bucket's fingerprint differs from the one the sender computed; names the bucket and its tensors."""
-
-
 class WeightSyncAborted(WeightSyncError):
     """The other side gave up mid-sync (its error is quoted in the message)."""
 
@@ -48,11 +42,6 @@ class WeightSyncRejoinError(WeightSyncError):
 
 class WeightSyncVersionError(WeightSyncError, ValueError):
     """A sync offered a weight version that is not newer than the one the receiver holds."""
-
-
-class ArmedSyncStillReceiving(WeightSyncTimeout):
-    """``ArmedReceive.settle`` ran past its timeout while the sync was still being received; the receive goes on
-    (settle again to wait for it)."""
 
 
 class WeightSyncAuthenticationError(WeightSyncError):
@@ -69,7 +58,6 @@ _KINDS: dict[str, type[WeightSyncError]] = {
     "error": WeightSyncError,
     "timeout": WeightSyncTimeout,
     "manifest": ManifestMismatchError,
-    "fingerprint": FingerprintMismatchError,
     "aborted": WeightSyncAborted,
     "rejoin": WeightSyncRejoinError,
     "version": WeightSyncVersionError,
@@ -77,12 +65,9 @@ _KINDS: dict[str, type[WeightSyncError]] = {
 
 
 def error_kind(error: BaseException) -> str:
-    """The wire name of ``error``'s class, so the peer can raise the same kind."""
-    for kind, cls in reversed(list(_KINDS.items())):
-        if type(error) is cls:
-            return kind
-    for kind, cls in _KINDS.items():
-        if kind != "error" and isinstance(error, cls):
+    """The wire name of ``error``'s class (or of its nearest known base), so the peer can raise the same kind."""
+    for kind, cls in reversed(_KINDS.items()):
+        if isinstance(error, cls):
             return kind
     return "error"
 
