@@ -1,12 +1,11 @@
 """The weight-sync channel: trainer → rollout engines as a stream of ``(name, tensor)``.
 
-What it does: :class:`WeightSender` takes any iterable of named tensors (a model's ``named_parameters()``, or a ZeRO-3
-generator that gathers a bucket at a time), packs it into reusable flat bucket buffers and moves them to every
-:class:`WeightReceiver`, which hands one lazy iterator over the whole sync to a ``load_fn`` — e.g.
-``HFEngine.load_weights`` or a vLLM worker's loader. Before the first byte moves, a :class:`Manifest` (names, shapes,
-dtypes, total bytes, bucket layout, version) is checked by every receiver against the tensors it accepts; a mismatch
-fails on both ends with a message naming the tensor. Each sync increments the weight version, and receivers report
-the version they hold. Every wait has a timeout whose error names the peer.
+What it does: :class:`WeightSender` takes any iterable of named tensors (``named_parameters()``, or a ZeRO-3 generator
+that gathers a bucket at a time), packs it into reusable flat bucket buffers and moves them to every
+:class:`WeightReceiver`, which hands one lazy iterator over the whole sync to a ``load_fn`` (e.g.
+``HFEngine.load_weights``). Before the first byte moves, every receiver checks the :class:`Manifest` (names, shapes,
+dtypes, bucket layout, version) against the tensors it accepts; a mismatch fails on every end, naming the tensor.
+Each sync increments the weight version; every wait has a timeout whose error names the peer.
 
 Backends (``WeightSyncConfig.backend``):
     ``"inprocess"``: trainer and engine in one process; tensors are handed over directly (no bucket copies).
@@ -15,11 +14,10 @@ Backends (``WeightSyncConfig.backend``):
         of an engine receives every full tensor).
     ``"cuda_ipc"``: receivers on the sender's GPU map its bucket buffers once and copy out of them.
 
-The sender (rank 0) owns a ``torch.distributed.TCPStore`` that carries every control message, so the channel works
-between plain processes, Ray actors and vLLM workers alike, and never touches the default process group. It listens
-on exactly ``SyncEndpoint.host``; every key on it is hashed and every value signed with the group's per-run secret
-(``SyncEndpoint.secret``), and nothing read from it is unpickled (CUDA IPC handles travel as JSON). What the
-trainer side and the engine side share is only this module and :class:`SyncEndpoint`, a small picklable dataclass.
+The sender (rank 0) owns a ``torch.distributed.TCPStore`` for every control message (plain processes, Ray actors and
+vLLM workers alike; the default process group is never touched). It listens on exactly ``SyncEndpoint.host``; keys
+are hashed and values signed with the group's per-run secret, and nothing read from it is unpickled (CUDA IPC handles
+travel as JSON). Trainer and engine share only this module and :class:`SyncEndpoint`, a small picklable dataclass.
 
 Memory: the sender holds ``num_buffers`` bucket buffers of ``max(bucket_bytes, largest tensor) + 8`` bytes (on CPU
 for gloo, on its GPU for nccl/cuda_ipc); a gloo/nccl receiver holds one; a cuda_ipc receiver none (it reads the
@@ -40,34 +38,15 @@ from typing import Literal
 import torch
 
 from rlhfkit._store import check_secret
-from rlhfkit.weight_sync._errors import (
-    ManifestMismatchError,
-    WeightSyncAborted,
-    WeightSyncAuthenticationError,
-    WeightSyncError,
-    WeightSyncRejoinError,
-    WeightSyncTimeout,
-    WeightSyncVersionError,
-)
+from rlhfkit.weight_sync._errors import (ManifestMismatchError, WeightSyncAborted, WeightSyncAuthenticationError,
+                                         WeightSyncError, WeightSyncRejoinError, WeightSyncTimeout,
+                                         WeightSyncVersionError)
 from rlhfkit.weight_sync._manifest import Manifest, TensorSpec, describe_parameters, plan_buckets, to_spec
 from rlhfkit.weight_sync._peers import ReceiverSide, SenderSide
 
-__all__ = [
-    "WeightSyncConfig",
-    "SyncEndpoint",
-    "SyncReport",
-    "WeightSender",
-    "WeightReceiver",
-    "Manifest",
-    "describe_parameters",
-    "WeightSyncError",
-    "WeightSyncTimeout",
-    "ManifestMismatchError",
-    "WeightSyncAborted",
-    "WeightSyncRejoinError",
-    "WeightSyncVersionError",
-    "WeightSyncAuthenticationError",
-]
+__all__ = ["WeightSyncConfig", "SyncEndpoint", "SyncReport", "WeightSender", "WeightReceiver", "Manifest",
+           "describe_parameters", "WeightSyncError", "WeightSyncTimeout", "ManifestMismatchError", "WeightSyncAborted",
+           "WeightSyncRejoinError", "WeightSyncVersionError", "WeightSyncAuthenticationError"]
 
 logger = logging.getLogger(__name__)
 
@@ -116,19 +95,17 @@ class SyncEndpoint:
     you trust: it carries the group's secret).
 
     Attributes:
-        host: the address the sender's control store listens on — exactly that address, no other — and receivers
-            connect to. The default loopback suits receivers on the sender's node (colocated engines); give the
-            node's address only when receivers on other nodes must reach it. With gloo the sender's pair sockets
-            listen there too, and each receiver's on its own address towards it. See docs/security.md.
+        host: the address the sender's control store (and, with gloo, its pair sockets) listens on, exactly, and
+            receivers connect to: loopback for receivers on the sender's node, the node's address only when receivers
+            on other nodes must reach it. See docs/security.md.
         port: the store's port; 0 on the sender means "pick a free one" (read it back from ``sender.endpoint``).
         world_size: 1 sender + the number of receivers (for nccl: every engine worker that loads weights).
         rank: 0 for the sender, 1..world_size-1 for receivers.
         group_name: names the group in messages and keys.
         label: who this process is, quoted in the peers' error messages (e.g. ``"engine-0/tp-1"``).
-        secret: the group's per-run secret (bytes, at least 16): every key on the control store is hashed and every
-            value signed with it, so a process without it can neither read the group's messages by name nor write
-            one a peer accepts. A sender without one generates ``secrets.token_bytes(32)``; receivers take it from
-            ``sender.endpoint.for_rank(r)``. Never shown in repr or messages.
+        secret: the group's per-run secret (bytes, at least 16) that hashes every key and signs every value on the
+            control store. A sender without one generates it; receivers take it from ``sender.endpoint.for_rank(r)``.
+            Never shown in repr or messages.
     """
 
     host: str = "127.0.0.1"
@@ -341,11 +318,7 @@ class WeightReceiver:
             raise ValueError("endpoint.secret is None; use the sender's endpoint (sender.endpoint.for_rank(r)), "
                              "which carries the group's secret (its control store accepts nothing unsigned)")
         device = _resolve_device(config.backend, device) if config.backend == "nccl" else torch.device("cpu")
-        self._side = ReceiverSide(config, endpoint, device, self._hello())
-
-    @staticmethod
-    def _hello() -> dict[str, object]:
-        return {"pid": os.getpid(), "host": socket.gethostname()}
+        self._side = ReceiverSide(config, endpoint, device, {"pid": os.getpid(), "host": socket.gethostname()})
 
     @property
     def version(self) -> int:
@@ -359,12 +332,9 @@ class WeightReceiver:
         ``(name, tensor)`` over all its tensors (and ``version=`` when ``load_fn`` accepts that keyword).
 
         Yielded tensors are views into a bucket buffer, valid until the iterator moves past their bucket: ``load_fn``
-        must copy them (``param.copy_(tensor)``), on the current CUDA stream for GPU backends, and consume the
-        iterator to the end. ``expected`` overrides the constructor's for this sync.
-
-        ``by_bucket=True``: the iterator yields one ``list[(name, view)]`` per bucket instead, valid until the next
-        list is requested — so ``load_fn`` can load a whole bucket with one batched copy, e.g.
-        ``torch._foreach_copy_([params[n] for n, _ in bucket], [v for _, v in bucket])``.
+        must copy them (on the current CUDA stream for GPU backends) and consume the iterator to the end.
+        ``expected`` overrides the constructor's for this sync. ``by_bucket=True``: one ``list[(name, view)]`` per
+        bucket instead, valid until the next is requested (for one batched copy per bucket).
         """
         if self._side is None:
             raise RuntimeError("an in-process receiver is driven by its sender's send(), not by receive()")

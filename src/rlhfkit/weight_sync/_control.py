@@ -36,14 +36,9 @@ logger = logging.getLogger(__name__)
 
 
 def open_store(*, host: str, port: int, is_master: bool, timeout_s: float, peer: str, secret: bytes) -> SignedStore:
-    """Bind (sender) or connect to (receiver) the group's TCPStore, wrapped so that every key is hashed and every
-    value signed with the group's ``secret`` (:class:`rlhfkit._store.SignedStore`): a value written by a process
-    without it is refused with :class:`WeightSyncAuthenticationError`.
-
-    The sender's server listens on exactly ``host`` (``SyncEndpoint.host``: loopback when every receiver is on its
-    node, the node's address when receivers on other nodes must reach it), never on every interface. The libuv
-    server is avoided: on loopback its blocking ``get`` answers an order of magnitude more slowly than the classic
-    server's."""
+    """Bind (sender, on exactly ``host``) or connect to (receiver) the group's TCPStore, wrapped so that every key is
+    hashed and every value signed with ``secret`` (:class:`rlhfkit._store.SignedStore`); an unsigned value raises
+    :class:`WeightSyncAuthenticationError`. The classic server, not libuv: its blocking ``get`` answers faster."""
     try:
         if is_master:
             store = listen_store(host, port, timeout_s)

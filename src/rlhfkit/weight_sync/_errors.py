@@ -2,18 +2,9 @@
 
 from __future__ import annotations
 
-__all__ = [
-    "WeightSyncError",
-    "WeightSyncTimeout",
-    "ManifestMismatchError",
-    "WeightSyncAborted",
-    "WeightSyncRejoinError",
-    "WeightSyncVersionError",
-    "WeightSyncAuthenticationError",
-    "WeightSyncProtocolError",
-    "error_from_report",
-    "error_kind",
-]
+__all__ = ["WeightSyncError", "WeightSyncTimeout", "ManifestMismatchError", "WeightSyncAborted",
+           "WeightSyncRejoinError", "WeightSyncVersionError", "WeightSyncAuthenticationError",
+           "WeightSyncProtocolError", "error_from_report", "error_kind"]
 
 
 class WeightSyncError(RuntimeError):
@@ -25,9 +16,8 @@ class WeightSyncTimeout(WeightSyncError, TimeoutError):
 
 
 class ManifestMismatchError(WeightSyncError, ValueError):
-    """The sender's manifest and what a receiver accepts differ (missing/extra name, shape or dtype).
-
-    Raised on both ends before the first byte of weights moves; the message names the tensor(s)."""
+    """The sender's manifest and what a receiver accepts differ (missing/extra name, shape or dtype); raised on every
+    end before the first byte of weights moves, naming the tensor(s)."""
 
 
 class WeightSyncAborted(WeightSyncError):
@@ -35,9 +25,8 @@ class WeightSyncAborted(WeightSyncError):
 
 
 class WeightSyncRejoinError(WeightSyncError):
-    """A receiver tried to join a group that has already formed (e.g. a restarted engine process). A group's process
-    group and version sequence cannot be re-joined: open a new group (a new sender, new ``group_name``/port) and
-    have every receiver join that one."""
+    """A receiver tried to join a group that has already formed (e.g. a restarted engine): open a new group (a new
+    sender, new ``group_name``/port) and have every receiver join that one."""
 
 
 class WeightSyncVersionError(WeightSyncError, ValueError):

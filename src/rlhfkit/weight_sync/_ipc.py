@@ -21,12 +21,7 @@ import torch
 
 from rlhfkit.weight_sync._buckets import BucketSlots
 from rlhfkit.weight_sync._control import ControlChannel
-from rlhfkit.weight_sync._errors import (
-    WeightSyncAborted,
-    WeightSyncError,
-    WeightSyncProtocolError,
-    error_from_report,
-)
+from rlhfkit.weight_sync._errors import (WeightSyncAborted, WeightSyncError, WeightSyncProtocolError, error_from_report)
 from rlhfkit.weight_sync._handles import decode_tensor_args, encode_tensor_args
 from rlhfkit.weight_sync._manifest import Bucket, Manifest
 

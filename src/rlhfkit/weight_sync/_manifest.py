@@ -17,19 +17,8 @@ from typing import NamedTuple
 
 import torch
 
-__all__ = [
-    "ALIGN",
-    "TAIL_BYTES",
-    "TensorSpec",
-    "Bucket",
-    "Manifest",
-    "to_spec",
-    "describe_parameters",
-    "plan_buckets",
-    "compare_manifest",
-    "dtype_name",
-    "dtype_from_name",
-]
+__all__ = ["ALIGN", "TAIL_BYTES", "TensorSpec", "Bucket", "Manifest", "to_spec", "describe_parameters", "plan_buckets",
+           "compare_manifest", "dtype_name", "dtype_from_name"]
 
 ALIGN = 256
 TAIL_BYTES = 8
@@ -88,15 +77,11 @@ def describe_parameters(
     ``dtype``: floating-point tensors are described in this dtype (what the sender casts them to); others keep theirs.
     """
     specs = []
-    make = tuple.__new__  # TensorSpec(...) without its keyword-handling constructor (run once per tensor per sync)
     for name, tensor in named_tensors:
-        full = getattr(tensor, "__dict__", {}).get("ds_shape")  # (a dict lookup: cheaper than a missed getattr)
-        # a torch.Size holds ints already; a ZeRO-3 ds_shape may be any sequence
-        shape = tuple(tensor.shape) if not full else tuple(int(d) for d in full)
-        travel = tensor.dtype
-        if dtype is not None and travel.is_floating_point:
-            travel = dtype
-        specs.append(make(TensorSpec, (name, shape, travel)))
+        full = getattr(tensor, "ds_shape", None)
+        shape = tuple(int(d) for d in full) if full else tuple(tensor.shape)
+        travel = dtype if dtype is not None and tensor.dtype.is_floating_point else tensor.dtype
+        specs.append(TensorSpec(name, shape, travel))
     return specs
 
 
@@ -162,14 +147,9 @@ class Manifest:
         return [spec.name for spec in self.specs[bucket.start : bucket.stop]]
 
     def to_bytes(self) -> bytes:
-        body = {
-            "version": self.version,
-            "specs": [[s.name, list(s.shape), dtype_name(s.dtype)] for s in self.specs],
-            "buckets": [[b.start, b.stop, list(b.offsets), b.payload_bytes] for b in self.buckets],
-            "capacity": self.capacity,
-            "num_slots": self.num_slots,
-            "generation": self.generation,
-        }
+        body = {"version": self.version, "specs": [[s.name, list(s.shape), dtype_name(s.dtype)] for s in self.specs],
+                "buckets": [[b.start, b.stop, list(b.offsets), b.payload_bytes] for b in self.buckets],
+                "capacity": self.capacity, "num_slots": self.num_slots, "generation": self.generation}
         return json.dumps(body, separators=(",", ":")).encode()
 
     @classmethod

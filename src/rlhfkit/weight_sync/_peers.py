@@ -21,21 +21,11 @@ import torch
 
 from rlhfkit._store import new_secret
 from rlhfkit.weight_sync._buckets import STATUS_OK, BucketSlots
-from rlhfkit.weight_sync._collective import (
-    CollectiveLink,
-    CollectiveReceiver,
-    CollectiveSender,
-    local_address_towards,
-)
+from rlhfkit.weight_sync._collective import (CollectiveLink, CollectiveReceiver, CollectiveSender,
+                                             local_address_towards)
 from rlhfkit.weight_sync._control import ControlChannel, open_store
-from rlhfkit.weight_sync._errors import (
-    ManifestMismatchError,
-    WeightSyncError,
-    WeightSyncRejoinError,
-    WeightSyncVersionError,
-    error_from_report,
-    error_kind,
-)
+from rlhfkit.weight_sync._errors import (ManifestMismatchError, WeightSyncError, WeightSyncRejoinError,
+                                         WeightSyncVersionError, error_from_report, error_kind)
 from rlhfkit.weight_sync._manifest import Manifest, TensorSpec, compare_manifest, plan_buckets
 from rlhfkit.weight_sync._stream import ReceivedStream, call_load_fn, local_stream, pack_bucket
 

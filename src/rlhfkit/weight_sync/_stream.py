@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
@@ -62,19 +62,11 @@ def _check_exhausted(manifest: Manifest, iterator: Iterator) -> None:
                          f"description; describe every tensor the stream yields")
 
 
-class ReceiverTransport(Protocol):
-    status_in_tail: bool
-    drains: bool
-
-    def receive(self, version: int, bucket: Bucket) -> None: ...
-    def release(self, version: int, bucket: Bucket) -> None: ...
-    def fail(self, version: int, bucket: Bucket, kind: str, message: str) -> None: ...
-
-
 class ReceivedStream:
-    """The lazy ``(name, tensor view)`` iterator a receiver hands to ``load_fn`` for one sync."""
+    """The lazy ``(name, tensor view)`` iterator a receiver hands to ``load_fn`` for one sync. ``transport``: a
+    ``CollectiveReceiver`` or ``IpcReceiver`` (``receive``, ``release``, ``fail``, ``status_in_tail``, ``drains``)."""
 
-    def __init__(self, manifest: Manifest, transport: ReceiverTransport, slots: BucketSlots,
+    def __init__(self, manifest: Manifest, transport: Any, slots: BucketSlots,
                  abort_message: Callable[[], str]) -> None:
         self.manifest, self.transport, self.slots, self.abort_message = manifest, transport, slots, abort_message
         self.yielded = 0
@@ -153,13 +145,10 @@ def local_stream(manifest: Manifest, iterator: Iterator) -> Iterator[tuple[str, 
 
 def call_load_fn(load_fn: Callable[..., Any], weights: Iterator[tuple[str, torch.Tensor]], version: int) -> Any:
     """``load_fn(weights, version=version)`` when it takes a ``version`` keyword, else ``load_fn(weights)``."""
-    return load_fn(weights, version=version) if _takes_version(load_fn) else load_fn(weights)
-
-
-def _takes_version(load_fn: Callable[..., Any]) -> bool:
     try:
         parameters = inspect.signature(load_fn).parameters.values()
     except (TypeError, ValueError):
-        return False
-    return any((p.name == "version" and p.kind is not p.POSITIONAL_ONLY) or p.kind is p.VAR_KEYWORD
-               for p in parameters)
+        parameters = ()
+    takes = any((p.name == "version" and p.kind is not p.POSITIONAL_ONLY) or p.kind is p.VAR_KEYWORD
+                for p in parameters)
+    return load_fn(weights, version=version) if takes else load_fn(weights)
