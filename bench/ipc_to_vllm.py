@@ -4,17 +4,14 @@ The trainer (this process) holds an HF model on cuda:0 with perturbed weights; a
 fractional GPU share on the same GPU) starts from the original checkpoint. One ``rlhfkit.weight_sync`` CUDA-IPC sync
 later, the engine's greedy generations must equal the trainer model's (fp32 on both sides, so numerics agree) and
 the engine must report the new weight version. The timed syncs repeat the same weights; then the trainer's weights
-change in place and one more sync (``final_sync``: replayed, where the loading replays) delivers what the greedy check
-compares. Also times the syncs against the floor measured in the same run (one
+change in place and one more sync (``final_sync``) delivers what the greedy check compares. Also times the syncs against the floor measured in the same run (one
 device-to-device copy of the model's bytes).
 
-    python bench/ipc_to_vllm.py --model /tmp/smollm2-hf --out ipc_to_vllm.json [--zero-copy]
-    python bench/ipc_to_vllm.py --random-layers 30 --dtype bfloat16 --zero-copy --no-greedy --out big.json  # 1.54B
-    ... --armed   # the engine armed before each sync: the timed sync is the trainer's send() alone
+    python bench/ipc_to_vllm.py --model /tmp/smollm2-hf --out ipc_to_vllm.json
+    python bench/ipc_to_vllm.py --random-layers 30 --dtype bfloat16 --no-greedy --out big.json  # 1.54B
 
 ``--random-layers N`` builds a random-weight Llama (hidden 2048, intermediate 5632, 16 heads, N layers; a locally
 trained tokenizer) with ``rlhfkit.tiny_models`` first; greedy equality is only meaningful on a real checkpoint.
-``--zero-copy``: the trainer's parameters are flattened (``flatten_parameters``) and the sync uses ``ipc_zero_copy``.
 """
 
 from __future__ import annotations
@@ -79,34 +76,8 @@ def sync_once(engine, sender, named, ray) -> dict:
     report = result["report"]
     worker = worker_reports[0] if worker_reports and isinstance(worker_reports[0], dict) else {}
     return {"seconds": time.perf_counter() - start, "sender_seconds": report.seconds, "version": report.version,
-            **{f"worker_{k}": worker[k] for k in ("begin_s", "receive_s", "load_s", "finish_s", "layerwise", "planned",
-                                                  "planned_tensors", "unplanned_tensors", "replay", "seconds")
+            **{f"worker_{k}": worker[k] for k in ("begin_s", "receive_s", "load_s", "finish_s", "layerwise", "seconds")
                if k in worker},
-            **{f"worker_{k}": v for k, v in worker.items() if k.startswith("channel_")},
-            **{f"sender_{name}_s": v for name, v in report.phases},
-            "bytes": report.num_bytes,
-            "buckets": report.num_buckets, "worker_reports": len(worker_reports)}
-
-
-def armed_sync_once(engine, sender, named, ray) -> dict:
-    """The engine's workers are armed (waiting in a thread) before the clock starts: the sync is the sender's
-    ``send`` alone, which returns once every worker has loaded the weights. The settle after it (the engine's next
-    operation would do it) collects the workers' reports and is timed apart."""
-    ray.get(engine.arm_weight_sync.remote(), timeout=120)
-    time.sleep(0.05)  # the workers are waiting before the sender starts, as after a training phase
-    start = time.perf_counter()
-    report = sender.send(named)
-    seconds = time.perf_counter() - start
-    settle_start = time.perf_counter()
-    worker_reports = ray.get(engine.settle_weight_sync.remote(), timeout=300) or []
-    worker = worker_reports[0] if worker_reports and isinstance(worker_reports[0], dict) else {}
-    return {"seconds": seconds, "sender_seconds": report.seconds, "version": report.version,
-            "settle_s": time.perf_counter() - settle_start,
-            **{f"worker_{k}": worker[k] for k in ("begin_s", "receive_s", "load_s", "finish_s", "layerwise", "planned",
-                                                  "planned_tensors", "unplanned_tensors", "replay", "seconds")
-               if k in worker},
-            **{f"worker_{k}": v for k, v in worker.items() if k.startswith("channel_")},
-            **{f"sender_{name}_s": v for name, v in report.phases},
             "bytes": report.num_bytes, "buckets": report.num_buckets, "worker_reports": len(worker_reports)}
 
 
@@ -118,19 +89,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=24)
     parser.add_argument("--noise", type=float, default=0.02, help="perturbation, in units of each weight's std")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
-    parser.add_argument("--zero-copy", action="store_true", help="flatten the trainer's parameters, ipc_zero_copy")
-    parser.add_argument("--keep-mapped", action="store_true", help="with --zero-copy: ipc_keep_mapped")
-    parser.add_argument("--loading", choices=("auto", "direct", "layerwise", "planned"), default="auto",
-                        help="VLLMEngineConfig.weight_loading")
-    parser.add_argument("--bucket-mb", type=int, default=256, help="with --zero-copy, 0: one bucket for the model")
+    parser.add_argument("--bucket-mb", type=int, default=256, help="weight-sync bucket size")
     parser.add_argument("--in-process", action="store_true", help="vLLM's engine core in the engine actor's "
                         "process (VLLM_ENABLE_V1_MULTIPROCESSING=0): a collective_rpc is a call, not a ZMQ round trip")
-    parser.add_argument("--armed", action="store_true", help="arm the engine before each sync "
-                        "(VLLMEngine.arm_weight_sync): the timed sync is the sender's send() alone")
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--warmup", type=int, default=3, help="untimed syncs first: with --loading planned the plan "
-                        "is recorded at the first, its batch remembered at the second and captured as a CUDA graph "
-                        "at the third (≈ 15-20 ms once)")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed syncs first")
     parser.add_argument("--no-greedy", action="store_true", help="skip the greedy and log-prob comparisons")
     args = parser.parse_args()
     if bool(args.model) == bool(args.random_layers):
@@ -143,24 +106,21 @@ def main() -> None:
 
     from rlhfkit.engines import SamplingConfig
     from rlhfkit.engines.vllm import VLLMEngineConfig, create_engines
-    from rlhfkit.weight_sync import SyncEndpoint, WeightSender, WeightSyncConfig, flatten_parameters
+    from rlhfkit.weight_sync import SyncEndpoint, WeightSender, WeightSyncConfig
 
     dtype = getattr(torch, args.dtype)
     results: dict = {"model": args.model, "device": torch.cuda.get_device_name(0), "dtype": args.dtype,
-                     "zero_copy": args.zero_copy, "keep_mapped": args.keep_mapped, "loading": args.loading,
-                     "bucket_mb": args.bucket_mb, "in_process": args.in_process, "armed": args.armed}
+                     "bucket_mb": args.bucket_mb, "in_process": args.in_process}
     ray.init(num_gpus=1, num_cpus=4, include_dashboard=False)
     pg = ray.util.placement_group([{"GPU": 1, "CPU": 1}])
     ray.get(pg.ready(), timeout=60)
     config = VLLMEngineConfig(model=args.model, dtype=args.dtype, gpu_memory_utilization=0.3, gpu_share=0.5,
-                              enforce_eager=True, max_model_len=1024, seed=0, weight_loading=args.loading,
+                              enforce_eager=True, max_model_len=1024, seed=0,
                               env={"VLLM_USE_FLASHINFER_SAMPLER": "0",
                                    **({"VLLM_ENABLE_V1_MULTIPROCESSING": "0"} if args.in_process else {})})
     (engine,) = create_engines(config, placement_group=pg, bundle_indices=[[0]])
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     trainer = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).cuda().eval()
-    if args.zero_copy:
-        flatten_parameters(trainer)
     eos = set(trainer.generation_config.eos_token_id if isinstance(trainer.generation_config.eos_token_id, list)
               else [trainer.generation_config.eos_token_id])
     texts = ["What is 12 + 7?", "The capital of France is", "Write a haiku about GPUs.", "1, 2, 3, 4,"]
@@ -170,7 +130,7 @@ def main() -> None:
     greedy = SamplingConfig(temperature=0.0, max_new_tokens=args.steps)
     rollouts_before = ray.get(engine.generate.remote(prompts, greedy), timeout=300)
     before = [r.response_token_ids.tolist() for r in rollouts_before]
-    named = list(trainer.named_parameters()) if args.zero_copy else list(trainer.state_dict().items())
+    named = list(trainer.state_dict().items())
     model_bytes = sum(t.numel() * t.element_size() for _, t in named)
     copy_bps = copy_bandwidth(torch.device("cuda"), torch.device("cuda"), min(model_bytes, 2 * 1024**3))
     results |= {"num_params": sum(t.numel() for _, t in named), "bytes": model_bytes, "d2d_copy_GBps": copy_bps / 1e9,
@@ -183,22 +143,18 @@ def main() -> None:
                 param.add_(torch.randn(param.shape, device="cuda", generator=generator) * param.std() * args.noise)
 
     train_step()
-    if args.bucket_mb == 0 and not args.zero_copy:
-        parser.error("--bucket-mb 0 (one bucket) needs --zero-copy: a copying sync allocates its buckets")
-    bucket_bytes = args.bucket_mb * 1024**2 if args.bucket_mb else 2 * model_bytes
-    sync_config = WeightSyncConfig(backend="cuda_ipc", bucket_bytes=bucket_bytes, timeout_s=120,
-                                   ipc_zero_copy=args.zero_copy, ipc_keep_mapped=args.keep_mapped, num_buffers=2)
+    sync_config = WeightSyncConfig(backend="cuda_ipc", bucket_bytes=args.bucket_mb * 1024**2, timeout_s=120,
+                                   num_buffers=2)
     with WeightSender(sync_config, SyncEndpoint(world_size=2, rank=0, port=0), device=torch.device("cuda:0")) as sender:
         ray.get(engine.init_weight_sync.remote(sync_config, sender.endpoint, first_rank=1), timeout=120)
-        once = armed_sync_once if args.armed else sync_once
-        syncs = [once(engine, sender, named, ray) for _ in range(args.warmup + args.repeats)]
-        # then new weights in the same tensors, and one more sync: the greedy check sees what a replayed sync
-        # (the same tensors as the last ones: a recorded plan, a CUDA graph) delivered, not the first sync's values
+        syncs = [sync_once(engine, sender, named, ray) for _ in range(args.warmup + args.repeats)]
+        # then new weights in the same tensors, and one more sync: the greedy check sees what a later sync
+        # delivered, not the first sync's values
         train_step()
         if not args.no_greedy:  # the engine's log-probs of its own tokens vs the trainer's, stale and after the sync
             results["logprob_mean_abs_diff_before_sync"] = logprob_gap(trainer, rollouts_before)
             expected = hf_greedy(trainer, prompts, args.steps, eos)
-        results["final_sync"] = once(engine, sender, named, ray)
+        results["final_sync"] = sync_once(engine, sender, named, ray)
         rollouts_after = ray.get(engine.generate.remote(prompts, greedy), timeout=300)
         after = [r.response_token_ids.tolist() for r in rollouts_after]
         if not args.no_greedy:

@@ -5,7 +5,7 @@ results (docs/benchmarks.md) and writes their JSON into a results folder.
     python bench/run.py SUITE ...                               # the same
     python -m bench --list                                     # the suites and their steps
 
-Suites: weight_sync (CUDA IPC and NCCL channel, copy-plan replay), vllm (engine, sleep, sync into vLLM), deepspeed
+Suites: weight_sync (CUDA IPC and NCCL channel), vllm (engine, sleep, sync into vLLM), deepspeed
 (sleep/wake, the training step), training (log-probs, packing, GAE), hybrid (the GRPO example, 100 steps), scale
 (1.5B to 8B shapes, full-parameter and LoRA, next to TRL), async (asynchronous vs synchronous GRPO,
 bench/async_grpo.py), sglang (the SGLang engine next to vLLM, and the GRPO example on it; SGLang's site directory
@@ -46,9 +46,8 @@ VERSIONED = ("torch", "transformers", "vllm", "deepspeed", "ray", "trl", "openrl
 
 # The published workload of the hybrid GRPO runs (docs/benchmarks.md): 16 prompts x 8 samples, 64 new tokens.
 WORKLOAD = ["--rollout-batch", "16", "--samples-per-prompt", "8", "--max-new-tokens", "64", "--lr", "1e-5"]
-# The 1.54B random bf16 Llama synced into vLLM, one zero-copy bucket, the recorded copy plan.
-IPC_BIG = ["--random-layers", "30", "--dtype", "bfloat16", "--zero-copy", "--keep-mapped", "--no-greedy",
-           "--loading", "planned", "--bucket-mb", "0"]
+# The 1.54B random bf16 Llama synced into vLLM.
+IPC_BIG = ["--random-layers", "30", "--dtype", "bfloat16", "--no-greedy"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -80,8 +79,6 @@ SUITES: dict[str, tuple[Step, ...]] = {
         Step(name="weight_sync_nccl", what="NCCL channel GPU 0 -> 1 vs the broadcast floor", num_gpus=2,
              argv=_py("bench/weight_sync.py", "--mode", "nccl", "--out", "{out}", "--deadline-s", "140"),
              timeout_s=150),
-        Step(name="copy_replay", what="replaying the recorded copy plan vs one device copy",
-             argv=_py("bench/copy_replay.py", "--out", "{out}"), timeout_s=200),
     ),
     "vllm": (
         Step(name="tiny_model", what="build the tiny hidden-256 model the vLLM checks use", argv=TINY_HD256,
@@ -95,13 +92,10 @@ SUITES: dict[str, tuple[Step, ...]] = {
         Step(name="vllm_engine_model", what="SmolLM2 log-probs vs HF, throughput vs raw vLLM", needs_model=True,
              argv=_py("bench/vllm_engine.py", "--model", "{model}", "--only", "model", "throughput", "--out",
                       "{out}"), timeout_s=300),
-        Step(name="ipc_vllm_armed", what="1.54B bf16 sync into vLLM, engine armed",
-             argv=_py("bench/ipc_to_vllm.py", *IPC_BIG, "--armed", "--out", "{out}"), timeout_s=240),
-        Step(name="ipc_vllm_rpc", what="1.54B bf16 sync into vLLM, one RPC per sync",
+        Step(name="ipc_vllm", what="1.54B bf16 sync into vLLM",
              argv=_py("bench/ipc_to_vllm.py", *IPC_BIG, "--out", "{out}"), timeout_s=240),
-        Step(name="ipc_vllm_tiny", what="tiny fp32 model: greedy outputs equal after armed replayed syncs",
-             argv=_py("bench/ipc_to_vllm.py", "--model", "{work}/tiny-hd256", "--zero-copy", "--keep-mapped",
-                      "--loading", "planned", "--bucket-mb", "0", "--armed", "--out", "{out}"), timeout_s=150),
+        Step(name="ipc_vllm_tiny", what="tiny fp32 model: greedy outputs equal after syncs",
+             argv=_py("bench/ipc_to_vllm.py", "--model", "{work}/tiny-hd256", "--out", "{out}"), timeout_s=150),
     ),
     "deepspeed": (
         Step(name="deepspeed_sleep", what="ZeRO-3 sleep/wake of SmolLM2 and a 1.5B Llama vs the pinned-copy floor",

@@ -14,7 +14,7 @@ Model: a random-weight bf16 Llama of >= 1.5B parameters (names and shapes of HF'
 Floor (ipc): one device-to-device copy of the model's bytes at the copy bandwidth measured here; the channel does two
 copies (pack into a bucket, load out of it), so 2.0 is its structural minimum. Each variant: 2 warm-up syncs, then
 ``--repeats`` timed syncs (median reported); after them the weights are changed and synced once more, and the
-receiver's fingerprint of everything it holds must equal the sender's (bitwise equality).
+receiver's checksum of everything it holds must equal the sender's (bitwise equality).
 """
 
 from __future__ import annotations
@@ -34,7 +34,6 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from rlhfkit.weight_sync._buckets import Fingerprinter
 from rlhfkit.weight_sync import SyncEndpoint, WeightReceiver, WeightSender, WeightSyncConfig
 
 GIB = 1024**3
@@ -80,8 +79,13 @@ def nbytes_of(weights) -> int:
     return sum(t.numel() * t.element_size() for t in weights.values())
 
 
-def fingerprint(weights) -> int:
-    return int(Fingerprinter().of_tensors(list(weights.values())))
+def fingerprint(weights) -> list[int]:
+    """Per tensor: the sum of its 16-bit words (bf16 weights), each times its position; exact in int64."""
+    sums = []
+    for tensor in weights.values():
+        words = tensor.detach().reshape(-1).view(torch.int16).to(torch.int64)
+        sums.append(int((words * torch.arange(1, words.numel() + 1, device=words.device)).sum()))
+    return sums
 
 
 def sync_device(device):
@@ -198,7 +202,7 @@ def handle(command, args, state, device):
 
         try:
             reports = [receiver.receive(load_fn, by_bucket=True) for _ in range(count)]
-            return [(report.seconds, dict(report.phases)) for report in reports]
+            return [report.seconds for report in reports]
         finally:
             receiver.close()
     if command == "per_parameter":
@@ -257,32 +261,24 @@ def control_rtt_us(peer, rounds=200) -> float:
 
 
 def run_variant(peer, weights, backend, device, name, repeats, **config) -> dict:
-    """Warm-up 2 + ``repeats`` timed syncs, then a changed-weights sync verified by fingerprints."""
+    """Warm-up 2 + ``repeats`` timed syncs, then a changed-weights sync verified by checksums."""
     sender = WeightSender(WeightSyncConfig(backend=backend, timeout_s=TIMEOUT_S, **config),
                           SyncEndpoint(world_size=2, group_name=name.replace("/", "_")), device=device)
     total = 2 + repeats + 1
     peer.start("channel", (sender.endpoint.for_rank(1, "bench-receiver"), backend, total))
     result = {"variant": name, "config": {k: str(v) for k, v in config.items()}}
     try:
-        seconds, sender_phases = [], []
+        seconds = []
         for i in range(2 + repeats):
             report = sender.send(weights.items())
             if i >= 2:
                 seconds.append(report.seconds)
-                sender_phases.append(dict(report.phases))
         first = next(iter(weights.values()))
         first.neg_()
         sender.send(weights.items())
         received = peer.result(timeout=TIMEOUT_S * 2)
-        receiver_seconds = [r[0] for r in received]
-
-        def medians(phases: list[dict]) -> dict:
-            return {name: statistics.median(p.get(name, 0.0) for p in phases) for name in (phases[0] if phases else {})}
-
         result.update(median_s=statistics.median(seconds), min_s=min(seconds), all_s=seconds,
-                      receiver_median_s=statistics.median(receiver_seconds[2:-1]),
-                      sender_phases_median_s=medians(sender_phases),
-                      receiver_phases_median_s=medians([r[1] for r in received[2:-1]]),
+                      receiver_median_s=statistics.median(received[2:-1]),
                       bitwise_equal=peer.call("fingerprint") == fingerprint(weights))
     except Exception as error:  # recorded; the next variant still runs
         result["error"] = f"{type(error).__name__}: {error}"
@@ -320,41 +316,14 @@ def per_parameter_baseline(peer, weights, repeats) -> dict:
 
 
 IPC_VARIANTS = [
-    ("default (512MiB, 1 buffer, events, no fingerprints)", dict()),
-    ("512MiB x2, events, no fingerprints", dict(num_buffers=2, fingerprints=False)),
-    ("1GiB x2, events, no fingerprints", dict(bucket_bytes=GIB, num_buffers=2, fingerprints=False)),
-    ("512MiB x2, events, fingerprints", dict(num_buffers=2, fingerprints=True)),
+    ("default (512MiB, 1 buffer)", dict()),
+    ("512MiB x2", dict(num_buffers=2)),
+    ("1GiB x2", dict(bucket_bytes=GIB, num_buffers=2)),
 ]
-# Zero-copy: the receiver copies straight out of the source's allocations (one copy instead of two). "flat": the
-# source's parameters are views of one buffer (flatten_parameters; what ZeRO-1/2 does); "per-tensor": 255 allocations.
-ZERO_COPY_VARIANTS = [
-    ("zero-copy flat, keep mapped, 512MiB x2", dict(ipc_zero_copy=True, ipc_keep_mapped=True, num_buffers=2)),
-    ("zero-copy flat, keep mapped, 4GiB x1", dict(ipc_zero_copy=True, ipc_keep_mapped=True, bucket_bytes=4 * GIB)),
-    ("zero-copy flat, 512MiB x2", dict(ipc_zero_copy=True, num_buffers=2)),
-    ("zero-copy flat, 4GiB x1 (one bucket)", dict(ipc_zero_copy=True, bucket_bytes=4 * GIB)),
-    ("zero-copy flat, 512MiB x2, fingerprints", dict(ipc_zero_copy=True, num_buffers=2, fingerprints=True)),
-]
-ZERO_COPY_PER_TENSOR = [
-    ("zero-copy per-tensor allocations, keep mapped, 4GiB x1",
-     dict(ipc_zero_copy=True, ipc_keep_mapped=True, bucket_bytes=4 * GIB)),
-    ("zero-copy per-tensor allocations, 4GiB x1", dict(ipc_zero_copy=True, bucket_bytes=4 * GIB)),
-]
-
-
-def flat_weights(weights) -> dict[str, torch.Tensor]:
-    """A copy of ``weights`` whose tensors are views of one buffer (rlhfkit.weight_sync.flatten_parameters)."""
-    from rlhfkit.weight_sync import flatten_parameters
-
-    module = torch.nn.Module()
-    for index, tensor in enumerate(weights.values()):
-        module.register_parameter(f"p{index}", torch.nn.Parameter(tensor.clone(), requires_grad=False))
-    flatten_parameters(module)
-    return {name: param.data for name, param in zip(weights, module.parameters(), strict=True)}
 NCCL_VARIANTS = [
-    ("default (512MiB, 1 buffer, no fingerprints)", dict()),
-    ("512MiB x2, no fingerprints", dict(num_buffers=2, fingerprints=False)),
-    ("256MiB x2, no fingerprints", dict(bucket_bytes=256 * MIB, num_buffers=2, fingerprints=False)),
-    ("512MiB x2, fingerprints", dict(num_buffers=2, fingerprints=True)),
+    ("default (512MiB, 1 buffer)", dict()),
+    ("512MiB x2", dict(num_buffers=2)),
+    ("256MiB x2", dict(bucket_bytes=256 * MIB, num_buffers=2)),
 ]
 
 
@@ -400,16 +369,11 @@ def run_ipc(args, out) -> None:
     try:
         peer.call("alloc", specs)
         out["ipc"]["control_rtt_us"] = control_rtt_us(peer)
-        flat = flat_weights(weights)
-        big = bench_model(peer, flat, "cuda_ipc", device, ZERO_COPY_VARIANTS, args.repeats, "llama-1.5B",
+        big = bench_model(peer, weights, "cuda_ipc", device, IPC_VARIANTS, args.repeats, "llama-1.5B",
                           save=args.save)
-        del flat
         out["ipc"]["big_model"] = big
-        for part in (ZERO_COPY_PER_TENSOR, IPC_VARIANTS):
-            big["variants"] += bench_model(peer, weights, "cuda_ipc", device, part, args.repeats, "llama-1.5B",
-                                           save=args.save)["variants"]
-        gather = [("gathering source, 512MiB x1", dict(fingerprints=False)),
-                  ("gathering source, 512MiB x2", dict(num_buffers=2, fingerprints=False))]
+        gather = [("gathering source, 512MiB x1", dict()),
+                  ("gathering source, 512MiB x2", dict(num_buffers=2))]
         big["gathering_source"] = bench_model(peer, GatheringSource(weights), "cuda_ipc", device, gather,
                                               args.repeats, "gathering")["variants"]
         log("ipc: per-parameter baseline")
@@ -438,10 +402,7 @@ def run_small_model(peer, args, device) -> dict:
     generator = torch.Generator(device=device).manual_seed(1)
     for tensor in weights.values():  # the "trainer" moved away from the checkpoint
         tensor.add_(torch.randn(tensor.shape, generator=generator, device=device).to(tensor.dtype) * 1e-2)
-    small = bench_model(peer, flat_weights(weights), "cuda_ipc", device, ZERO_COPY_VARIANTS[:3], args.repeats,
-                        "small")
-    small["variants"] += bench_model(peer, weights, "cuda_ipc", device, [IPC_VARIANTS[0], IPC_VARIANTS[1]],
-                                     args.repeats, "small")["variants"]
+    small = bench_model(peer, weights, "cuda_ipc", device, IPC_VARIANTS[:2], args.repeats, "small")
     small["model"] = args.model
     small["per_parameter"] = per_parameter_baseline(peer, weights, args.repeats)
     best = best_of(small)
@@ -536,7 +497,7 @@ def run_dryrun(args, out) -> None:
                                     [(n, dict(c, bucket_bytes=64 * 1024)) for n, c in NCCL_VARIANTS[:3]],
                                     args.repeats, "dryrun", save=args.save)
         out["dryrun"]["gathering"] = bench_model(peer, GatheringSource(weights), "gloo", device,
-                                                 [("gathering", dict(bucket_bytes=64 * 1024, fingerprints=True))],
+                                                 [("gathering", dict(bucket_bytes=64 * 1024))],
                                                  args.repeats,
                                                  "gathering")["variants"]
     finally:

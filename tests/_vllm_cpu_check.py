@@ -47,37 +47,6 @@ def make_file_receiver(path: str, version: int, worker_rank: int = -1) -> FileRe
     return FileReceiver(path, version, worker_rank)
 
 
-def record_copy_plan(worker, path: str) -> dict:
-    """weight_loading="planned" against vLLM's own loaders. vLLM's CPU backend repacks the served model's linear
-    weights (their loaders are gone), so this builds a second, unprocessed model of the same config in the worker,
-    records a plan while loading B's tensors (views of one flat buffer, like a zero-copy source), discards the
-    weights (NaN) and replays the plan; the replay must restore exactly what the loaders wrote."""
-    from transformers import AutoModelForCausalLM
-    from vllm.config import set_current_vllm_config
-    from vllm.model_executor.model_loader.utils import initialize_model
-
-    from rlhfkit.engines.vllm._copy_plan import CopyPlan
-
-    with set_current_vllm_config(worker.vllm_config):
-        model = initialize_model(vllm_config=worker.vllm_config, prefix="plan_twin")
-    state = list(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).state_dict().items())
-    flat = torch.cat([tensor.reshape(-1) for _, tensor in state])
-    views, start = [], 0
-    for name, tensor in state:
-        views.append((name, flat[start:start + tensor.numel()].view(tensor.shape)))
-        start += tensor.numel()
-    plan = CopyPlan(model)
-    written = plan.record(views, lambda weights: model.load_weights(weights=weights))
-    loaded = {name: p.detach().clone() for name, p in model.named_parameters()}
-    with torch.no_grad():
-        for p in model.parameters():
-            p.fill_(float("nan"))
-    replayed = plan.apply(views, lambda weights: model.load_weights(weights=weights))
-    return {"tensors": len(views), "planned": len(plan.steps), "unplanned": sorted(plan.unplanned),
-            "fills": sorted(plan.fills), "parameters": len(loaded), "written": len(written),
-            "replayed": len(replayed), "restored": all(torch.equal(loaded[n], p) for n, p in model.named_parameters())}
-
-
 def hf_greedy(model, prompt: list[int], steps: int) -> tuple[list[int], list[float]]:
     ids, tokens, logprobs = list(prompt), [], []
     with torch.no_grad():
@@ -255,7 +224,6 @@ def main(out_dir: str) -> None:
     record("receive_b", init=init, reports=reports, version=engine.weight_version,
            worker_versions=engine.worker_versions())
     check_greedy("greedy_b_after_receive", hf_b)
-    record("copy_plan", **engine.llm.collective_rpc(record_copy_plan, args=(str(path_b),))[0])
     record("health", **{k: v for k, v in engine.health_check().items() if k != "workers"})
     try:
         engine.sleep(1)

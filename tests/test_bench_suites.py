@@ -65,7 +65,7 @@ def test_suite_steps_name_existing_scripts_and_flags(suite, tmp_path):
 
 def test_gpu_count_skips_steps_and_only_picks_steps():
     plan = run.plan_suite("weight_sync", num_gpus=1, only=None, model_exists=True)
-    assert [s.name for s in plan.steps] == ["weight_sync_ipc", "copy_replay"]
+    assert [s.name for s in plan.steps] == ["weight_sync_ipc"]
     assert plan.skipped == {"weight_sync_nccl": "needs 2 GPUs, --num-gpus is 1"}
     plan = run.plan_suite("peers", num_gpus=1, only=["peer_trl"], model_exists=True)
     assert [s.name for s in plan.steps] == ["peer_trl"]

@@ -340,7 +340,7 @@ def test_rejected_weight_update_raises_and_invalidates(tmp_path):
 def test_weight_sync_over_gloo_checks_manifest_and_version(engine):
     from rlhfkit.weight_sync import ManifestMismatchError, SyncEndpoint, WeightSender, WeightSyncConfig
 
-    config = WeightSyncConfig(backend="gloo", bucket_bytes=1024, timeout_s=20.0, fingerprints=True)
+    config = WeightSyncConfig(backend="gloo", bucket_bytes=1024, timeout_s=20.0)
     weights = [(f"model.w{i}", torch.full((128,), float(i))) for i in range(4)]  # 512 B each: two buckets
     expected = [(name, tuple(t.shape), t.dtype) for name, t in weights]
     sender = WeightSender(config, SyncEndpoint(world_size=2, group_name="sglang-test"))

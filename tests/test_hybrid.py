@@ -632,19 +632,6 @@ def test_hybrid_config_accepts_sglang_on_cuda_only():
         HybridConfig(model="m", engine="tgi")
 
 
-def test_hybrid_config_weight_loading_defaults_to_the_recorded_plan():
-    """The vLLM engines replay the first push's copies (``weight_loading="planned"``) unless told otherwise; a value
-    vLLM engines do not know is refused naming the field and the choices."""
-    from rlhfkit.engines.vllm import WEIGHT_LOADINGS
-    from rlhfkit.hybrid import HybridConfig
-
-    assert HybridConfig(model="m").weight_loading == "planned"
-    assert HybridConfig(model="m", weight_loading="auto").weight_loading == "auto"
-    with pytest.raises(ValueError, match=r"HybridConfig.weight_loading='fast'; expected one of") as info:
-        HybridConfig(model="m", weight_loading="fast")
-    assert all(name in str(info.value) for name in WEIGHT_LOADINGS)
-
-
 def test_driver_threads_are_set_for_the_run_and_restored_after_it(monkeypatch, tiny_llama_path):
     """start() runs the driver on ``driver_threads`` torch threads (its small ops stay off an OpenMP team) and
     close() restores the setting, also when the start fails half way; None leaves it alone."""

@@ -176,9 +176,8 @@ def _forged_ipc_sync(weights: dict, marker: str) -> dict[str, str]:
 
     specs = tuple(describe_parameters(weights.items()))
     buckets, capacity = plan_buckets(specs, 4096)
-    manifest = Manifest(version=1, specs=specs, buckets=buckets, capacity=capacity, fingerprints=False,
-                        generation=1).to_bytes()
-    return {"1/start": _b64(b"check\n\n" + manifest), "1/go": _b64(b'{"go": 1}'),
+    manifest = Manifest(version=1, specs=specs, buckets=buckets, capacity=capacity, generation=1).to_bytes()
+    return {"1/start": _b64(manifest), "1/go": _b64(b'{"go": 1}'),
             "ipc/1": base64.b64encode(pickle.dumps(_Marker(marker))).decode()}
 
 
@@ -283,7 +282,6 @@ def test_ipc_handle_codec_round_trips_reduce_tensor_args_as_plain_json():
 def test_ipc_handle_codec_refuses_pickles_and_unknown_classes(tmp_path):
     from rlhfkit.weight_sync._errors import WeightSyncProtocolError
     from rlhfkit.weight_sync._handles import decode_tensor_args, encode_tensor_args
-    from rlhfkit.weight_sync._zero_copy import decode, encode
 
     marker = tmp_path / "unpickled"
     good = encode_tensor_args(_realistic_args())
@@ -300,11 +298,4 @@ def test_ipc_handle_codec_refuses_pickles_and_unknown_classes(tmp_path):
     for body in bad:
         with pytest.raises(WeightSyncProtocolError):
             decode_tensor_args(body)
-    message = {"handles": {0: good}, "placements": [(0, 0, (4, 8), (8, 1)), (-1, 0, (0,), (1,))],
-               "fingerprint": -5, "live": [0]}
-    assert decode(encode(message)) == {**message, "placements": [(0, 0, (4, 8), (8, 1)), (-1, 0, (0,), (1,))]}
-    for text in (_payload(str(marker)), pickle.dumps(message).hex(), json.dumps({**message, "handles": {"x": 1}}),
-                 encode(message).replace('"live":[0]', '"live":["0"]')):
-        with pytest.raises(WeightSyncProtocolError):
-            decode(text)
     assert not marker.exists()

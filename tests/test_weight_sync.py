@@ -1,5 +1,4 @@
-"""The weight-sync channel: manifest/bucket layout by hand, fingerprints against a naive reference, the in-process
-path, gloo groups in threads (several receivers, failures on every side), gloo between real Ray actors (trainer →
+"""The weight-sync channel: manifest/bucket layout by hand, the in-process path, gloo groups in threads (several receivers, failures on every side), gloo between real Ray actors (trainer →
 HF engine), and CUDA IPC / NCCL between processes on GPUs."""
 
 from __future__ import annotations
@@ -14,10 +13,8 @@ import pytest
 import torch
 
 from _fake_cuda import FakeCudaOps
-from rlhfkit.weight_sync._buckets import Fingerprinter
 from rlhfkit.weight_sync._manifest import Manifest, TensorSpec, compare_manifest, plan_buckets
 from rlhfkit.weight_sync import (
-    FingerprintMismatchError,
     ManifestMismatchError,
     SyncEndpoint,
     WeightReceiver,
@@ -27,10 +24,7 @@ from rlhfkit.weight_sync import (
     WeightSyncError,
     WeightSyncTimeout,
     describe_parameters,
-    flatten_parameters,
 )
-
-MASK64 = (1 << 64) - 1
 
 
 def make_weights(seed: int = 0, dtype=torch.float32) -> dict[str, torch.Tensor]:
@@ -67,57 +61,9 @@ def assert_bitwise_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor])
         assert a[name].dtype == b[name].dtype and torch.equal(a[name], b[name]), name
 
 
-class _CorruptingFingerprinter(Fingerprinter):
-    """The sender's fingerprinter, which flips one byte of the data it has just fingerprinted when told to: the
-    receiver then sees a bucket whose bytes changed after their fingerprint was taken (in-transit corruption)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.corrupt_call: int | None = None  # which fingerprint of the sync (0, 1, ...) to corrupt after
-        self.calls = 0
-
-    def _corrupt(self, tensors) -> None:
-        if self.calls == self.corrupt_call:
-            first = tensors[0]
-            raw = first.view(-1).view(torch.uint8) if first.dim() else first.view(1).view(torch.uint8)
-            raw[0] ^= 0x10
-        self.calls += 1
-
-    def of_tensors(self, tensors):
-        result = super().of_tensors(tensors)
-        self._corrupt(tensors)
-        return result
-
-    def of_payload(self, payload, bucket):
-        result = super().of_payload(payload, bucket)
-        self._corrupt([payload])
-        return result
-
-
-class CorruptingSender(WeightSender):
-    """A sender whose bucket ``corrupt_bucket`` is corrupted after it was fingerprinted. The corruption lives in the
-    test (a fingerprinter that flips a byte), not in production code: the sender fingerprints each bucket once when
-    it packs it; in-process it fingerprints each bucket twice (when packed, and again just before handing it over)."""
-
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self._fingerprinter = _CorruptingFingerprinter()
-        if self._side is not None:
-            self._side.fingerprinter = self._fingerprinter
-        self.corrupt_bucket: int | None = None
-
-    def send(self, *args, **kwargs):
-        fingerprints_per_bucket = 2 if self._side is None else 1
-        self._fingerprinter.calls = 0
-        self._fingerprinter.corrupt_call = (None if self.corrupt_bucket is None
-                                            else self.corrupt_bucket * fingerprints_per_bucket)
-        return super().send(*args, **kwargs)
-
-
 # ---------------------------------------------------------------------------------------------------- configs
 @pytest.mark.parametrize("field, value, needle", [
     ("backend", "mpi", "backend='mpi'"),
-    ("ipc_zero_copy", True, "ipc_zero_copy=True needs backend='cuda_ipc', not 'gloo'"),
     ("bucket_bytes", 10, "bucket_bytes=10"),
     ("num_buffers", 3, "num_buffers=3"),
     ("timeout_s", 0, "timeout_s=0"),
@@ -153,28 +99,17 @@ def test_bucket_layout_by_hand():
     buckets, capacity = plan_buckets(specs, 1024)
     assert [(b.start, b.stop, b.offsets, b.payload_bytes) for b in buckets] == [
         (0, 2, (0, 256), 768), (2, 3, (0,), 6144), (3, 4, (0,), 256)]
-    assert capacity == 6144 + 16
-    manifest = Manifest(version=3, specs=tuple(specs), buckets=buckets, capacity=capacity, fingerprints=True)
+    assert capacity == 6144 + 8
+    manifest = Manifest(version=3, specs=tuple(specs), buckets=buckets, capacity=capacity)
     assert manifest.total_bytes == 40 + 400 + 6000 + 8
     assert Manifest.from_bytes(manifest.to_bytes()) == manifest
-
-
-def test_manifest_version_splits_from_its_reusable_body():
-    specs = tuple(describe_parameters(make_weights(0).items()))
-    buckets, capacity = plan_buckets(specs, 4096)
-    manifest = Manifest(version=12, specs=specs, buckets=buckets, capacity=capacity, fingerprints=False)
-    body = manifest.body_bytes()
-    assert Manifest.join_version(12, body) == manifest.to_bytes()
-    assert Manifest.split_version(manifest.to_bytes()) == (12, body)
-    assert Manifest.from_bytes(Manifest.join_version(13, body)).version == 13
-    assert Manifest.split_version(b'{"specs":[]}') is None
 
 
 def test_compare_manifest_names_each_problem():
     sent = [TensorSpec("w", (4, 2), torch.float32), TensorSpec("extra", (1,), torch.float32),
             TensorSpec("v", (3,), torch.bfloat16)]
     buckets, capacity = plan_buckets(sent, 4096)
-    manifest = Manifest(version=1, specs=tuple(sent), buckets=buckets, capacity=capacity, fingerprints=False)
+    manifest = Manifest(version=1, specs=tuple(sent), buckets=buckets, capacity=capacity)
     expected = [TensorSpec("w", (2, 4), torch.float32), TensorSpec("v", (3,), torch.float32),
                 TensorSpec("missing", (5,), torch.float32)]
     problems = compare_manifest(manifest, expected)
@@ -191,47 +126,6 @@ def test_describe_parameters_uses_ds_shape_and_casts_floats():
     partitioned.ds_shape = torch.Size([8, 4])
     specs = describe_parameters([("p", partitioned), ("i", torch.zeros(2, dtype=torch.int64))], dtype=torch.bfloat16)
     assert specs == [TensorSpec("p", (8, 4), torch.bfloat16), TensorSpec("i", (2,), torch.int64)]
-
-
-# ---------------------------------------------------------------------------------------------------- fingerprints
-def naive_fingerprint(word_lists: list[list[int]]) -> int:
-    """sum over rows of 32 words (rows never straddle two word lists) of rowsum * (2 * row + 1), mod 2**64."""
-    total, row = 0, 0
-    for words in word_lists:
-        for start in range(0, len(words), 32):
-            total += sum(words[start:start + 32]) * (2 * row + 1)
-            row += 1
-    value = total & MASK64
-    return value - (1 << 64) if value >= 1 << 63 else value
-
-
-def test_fingerprint_equals_naive_reference_and_catches_changes():
-    generator = torch.Generator().manual_seed(1)
-    buffer = torch.randint(0, 256, (8 * 1000,), dtype=torch.uint8, generator=generator)
-    words = buffer.view(torch.int64)
-    fingerprinter = Fingerprinter()
-    got = int(fingerprinter.of_words([words]))
-    assert got == naive_fingerprint([words.tolist()])
-    odd = torch.randint(-9, 9, (45,), dtype=torch.int16, generator=generator)
-    assert int(fingerprinter.of_words([words, odd])) == naive_fingerprint([words.tolist(), odd.tolist()])
-    flipped = buffer.clone()
-    flipped[4321] ^= 1
-    assert int(fingerprinter.of_words([flipped.view(torch.int64)])) != got
-    shifted = torch.roll(buffer, 8 * 32)  # the same words one row later
-    assert int(fingerprinter.of_words([shifted.view(torch.int64)])) != got
-
-
-def test_fingerprint_catches_swapped_elements():
-    """A swap of two different bf16 elements inside one word, or of two words in different rows, changes it."""
-    values = torch.randn(4096, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
-    fingerprinter = Fingerprinter()
-    got = int(fingerprinter.of_words([values.view(torch.int64)]))
-    in_word = values.clone()
-    in_word[[8, 9]] = in_word[[9, 8]]  # elements 8 and 9 share the third 8-byte word
-    assert int(fingerprinter.of_words([in_word.view(torch.int64)])) != got
-    across_rows = values.clone().view(torch.int64)
-    across_rows[[3, 3 + 32 * 5]] = across_rows[[3 + 32 * 5, 3]]
-    assert int(fingerprinter.of_words([across_rows])) != got
 
 
 def test_poll_until_and_run_bounded():
@@ -273,22 +167,20 @@ def test_inprocess_bitwise_cast_and_version():
     assert torch.equal(target["embed"], source["embed"].to(torch.bfloat16))
 
 
-def test_inprocess_mismatch_and_corruption_load_nothing():
+def test_inprocess_mismatch_loads_nothing():
     source = make_weights(0)
     target = zeros_like(source)
-    config = WeightSyncConfig(backend="inprocess", bucket_bytes=2048, fingerprints=True)
+    config = WeightSyncConfig(backend="inprocess", bucket_bytes=2048)
     expected = describe_parameters(target.items())
     expected[2] = expected[2]._replace(shape=(1, 2))
     receiver = WeightReceiver(config, expected=expected)
-    sender = CorruptingSender(config, local_receiver=(receiver, copy_into(target)))
+    sender = WeightSender(config, local_receiver=(receiver, copy_into(target)))
     with pytest.raises(ManifestMismatchError, match="'layers.2.w' has shape"):
         sender.send(source)
     assert all(not t.any() for t in target.values()) and receiver.version == 0
     receiver.expected = describe_parameters(target.items())
-    sender.corrupt_bucket = 0
-    with pytest.raises(FingerprintMismatchError, match=r"bucket 0 of sync 2 \(tensors 'layers.0.w'"):
-        sender.send({n: t.clone() for n, t in source.items()})
-    assert all(not t.any() for t in target.values()) and receiver.version == 0
+    assert sender.send(source).version == 2 and receiver.version == 2
+    assert_bitwise_equal(target, source)
 
 
 @pytest.mark.parametrize("case, error, needle", [
@@ -340,10 +232,10 @@ def backend(request, monkeypatch):
 class Group:
     """A sender in this thread and receivers in threads of this process: one real group, fast."""
 
-    def __init__(self, num_receivers=2, *, backend="gloo", sender_cls=WeightSender, expected=None, **config):
+    def __init__(self, num_receivers=2, *, backend="gloo", expected=None, **config):
         config.setdefault("timeout_s", 10.0)
         self.config = WeightSyncConfig(backend=backend, **config)
-        self.sender = sender_cls(self.config, SyncEndpoint(world_size=num_receivers + 1, group_name="t"))
+        self.sender = WeightSender(self.config, SyncEndpoint(world_size=num_receivers + 1, group_name="t"))
         self.source = make_weights(0)
         self.targets = [zeros_like(self.source) for _ in range(num_receivers)]
         accepted = expected or [describe_parameters(self.source.items())] * num_receivers
@@ -379,111 +271,6 @@ class Group:
         self.sender.close()
 
 
-def test_wait_for_sync_and_call_off(backend):
-    """Receivers waiting ahead of the sender (as an armed engine does): the first gloo sync joins the group from
-    there; a called-off sync fails the sender at once, naming the receiver; the next version goes through; a
-    receiver that did not wait skips the called-off version."""
-    group = Group(2, backend=backend, bucket_bytes=4096)
-    first, second = group.receivers
-    try:
-        def armed_sync():
-            waited, received = [None, None], [None, None]
-
-            def wait_then_receive(index):
-                waited[index] = group.receivers[index].wait_for_sync(5.0)
-                received[index] = group.receivers[index].receive(copy_into(group.targets[index]))
-
-            threads = [threading.Thread(target=wait_then_receive, args=(i,), daemon=True) for i in range(2)]
-            for thread in threads:
-                thread.start()
-            time.sleep(0.05)
-            assert waited == [None, None]  # nobody has sent yet
-            sent = group.sender.send(group.source.items())
-            for thread in threads:
-                thread.join(5)
-            return waited, sent, received
-
-        waited, sent, received = armed_sync()
-        assert waited == [True, True] and sent.receiver_versions == (1, 1)
-        assert all(r.version == 1 for r in received)
-        for target in group.targets:
-            assert_bitwise_equal(target, group.source)
-        # called off while waiting: the wait ends False; the sender fails fast and names the receiver
-        outcome: list = []
-        waiter = threading.Thread(target=lambda: outcome.append(first.wait_for_sync(5.0)), daemon=True)
-        waiter.start()
-        time.sleep(0.05)
-        assert first.call_off() is True
-        waiter.join(5)
-        assert outcome == [False] and first.call_off() is True  # still off, nothing more claimed
-        with pytest.raises(WeightSyncAborted, match=r"sync 2 .* called off by receiver rank 1 \('engine-0'\)"):
-            group.sender.send(group.source.items())
-        # the second receiver never waited: its next receive skips version 2 and takes version 3
-        group.source["layers.3.w"].mul_(-2)
-        sent, received = group.sync()
-        assert sent.version == 3 and [r.version for r in received] == [3, 3]
-        for target in group.targets:
-            assert_bitwise_equal(target, group.source)
-        # called off before anyone waits: the next wait returns False at once
-        assert second.call_off() is True and second.wait_for_sync(5.0) is False
-        with pytest.raises(WeightSyncAborted, match="called off by receiver rank 2"):
-            group.sender.send(group.source.items())
-        with pytest.raises(ValueError, match="timeout_s=0"):
-            first.wait_for_sync(0)
-        group.sender.close()
-        with pytest.raises(WeightSyncError, match="lost the control channel"):
-            first.wait_for_sync(2.0)  # the sender is gone: an error, not a timeout
-    finally:
-        group.close()
-    with pytest.raises(RuntimeError, match=r"wait_for_sync\(\) after close\(\)"):
-        first.wait_for_sync(1.0)
-
-
-def test_armed_receive_settles_called_off_slow_and_failed_syncs():
-    """ArmedReceive against a scripted receiver: an unstarted sync is called off; a slow one makes settle time out
-    and stay armed, then returns its result; a timeout of the wait is waited through; errors reach settle."""
-    from rlhfkit.weight_sync import ArmedReceive
-
-    class Scripted:
-        def __init__(self, script):
-            self.script, self.go, self.calls = list(script), threading.Event(), []
-
-        def wait_for_sync(self, timeout_s=None):
-            step = self.script.pop(0)
-            self.calls.append(step)
-            if step == "timeout":
-                raise WeightSyncTimeout("no sync yet")
-            if step == "lost":
-                raise WeightSyncError("lost the control channel")
-            self.go.wait(5)
-            return step == "start"
-
-        def call_off(self):
-            self.calls.append("call_off")
-            self.go.set()
-            return True
-
-    idle = Scripted(["timeout", "wait"])
-    armed = ArmedReceive(idle, lambda: pytest.fail("a called-off sync must not be received"))
-    time.sleep(0.05)
-    assert armed.settle(timeout_s=5) is None and idle.calls == ["timeout", "wait", "call_off"]
-    release = threading.Event()
-    started = Scripted(["start"])
-    started.go.set()
-    armed = ArmedReceive(started, lambda: release.wait(5) and "loaded")
-    while not armed.started:
-        time.sleep(0.01)
-    with pytest.raises(TimeoutError, match="still receiving after 0.05s"):
-        armed.settle(timeout_s=0.05)
-    assert armed.running and "call_off" not in started.calls  # a started sync is never called off
-    release.set()
-    assert armed.settle(timeout_s=5) == "loaded" and not armed.running
-    with pytest.raises(WeightSyncError, match="lost the control channel"):
-        ArmedReceive(Scripted(["lost"]), lambda: None).settle(timeout_s=5)
-    with pytest.raises(TypeError, match=r"no wait_for_sync\(\)/call_off\(\)"):
-        ArmedReceive(object(), lambda: None)
-
-
 @pytest.mark.parametrize("num_buffers", [1, 2])
 def test_two_receivers_bitwise_and_versions(backend, num_buffers):
     group = Group(2, backend=backend, bucket_bytes=4096, num_buffers=num_buffers)
@@ -505,8 +292,8 @@ def test_two_receivers_bitwise_and_versions(backend, num_buffers):
 
 @pytest.mark.parametrize("num_buffers", [1, 2])
 def test_by_bucket_foreach_load_and_strided_cast_sources(backend, num_buffers):
-    """by_bucket=True hands whole buckets (loaded with one _foreach_copy_); the sender's batched packing handles
-    non-contiguous sources and a float32 -> bfloat16 cast (foreach's per-tensor fallback) bit for bit."""
+    """by_bucket=True hands whole buckets (loaded with one _foreach_copy_); the sender's packing handles
+    non-contiguous sources and a float32 -> bfloat16 cast bit for bit."""
     group = Group(2, backend=backend, bucket_bytes=4096, num_buffers=num_buffers, dtype=torch.bfloat16)
     group.targets = [{n: t.to(torch.bfloat16) for n, t in target.items()} for target in group.targets]
     for receiver in group.receivers:
@@ -541,205 +328,58 @@ def test_by_bucket_foreach_load_and_strided_cast_sources(backend, num_buffers):
         group.close()
 
 
-def flat_copy(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The same values as views of one flat buffer per dtype (what ZeRO-1/2 or flatten_parameters gives)."""
-    module = torch.nn.Module()
-    for index, tensor in enumerate(weights.values()):
-        module.register_parameter(f"p{index}", torch.nn.Parameter(tensor.clone(), requires_grad=False))
-    flatten_parameters(module)
-    return {name: param.data for name, param in zip(weights, module.parameters(), strict=True)}
-
-
-@pytest.mark.parametrize("num_buffers, keep_mapped", [(1, False), (2, False), (2, True)])
-def test_cuda_ipc_zero_copy_protocol(monkeypatch, num_buffers, keep_mapped):
-    """ipc_zero_copy: receivers read the source's own allocations (one handle per allocation, cached while it lives,
-    re-shared when the source moves), bitwise; nothing stays held after a sync, nor mapped unless keep_mapped (then
-    exactly the allocations still alive on the sender)."""
-    import rlhfkit.weight_sync._ipc
-    import rlhfkit.weight_sync
-
-    import ctypes
-
-    import numpy as np
-
-    shares = []
-
-    class CountingOps(FakeCudaOps):
-        """Handles alias the memory without referencing the sender's storage, as a real mapping in another process
-        does not keep the sender's tensor alive."""
-
-        def share(self, tensor):
-            shares.append(tensor.numel())
-            FakeCudaOps.shared[len(shares)] = (tensor.data_ptr(), tensor.numel())
-            return len(shares)
-
-        def open(self, handle, device):
-            address, size = FakeCudaOps.shared[handle]
-            return torch.from_numpy(np.ctypeslib.as_array((ctypes.c_uint8 * size).from_address(address)))
-
-    monkeypatch.setattr(rlhfkit.weight_sync._ipc, "CudaOps", CountingOps)
-    monkeypatch.setattr(rlhfkit.weight_sync, "_resolve_device", lambda backend, device: torch.device("cpu"))
-    group = Group(2, backend="cuda_ipc", bucket_bytes=4096, num_buffers=num_buffers, ipc_zero_copy=True,
-                  ipc_keep_mapped=keep_mapped)
-
-    def mapped():
-        return [sorted(r._side.transport._sources._mapped) for r in group.receivers]
-
-    try:
-        group.source = flat_copy(group.source)
-        storages = {t.untyped_storage().data_ptr() for t in group.source.values()}
-        assert len(storages) == 3  # float32, bfloat16, int64
-        sent, received = group.sync()
-        assert sent.num_buckets >= 4 and sent.receiver_versions == (1, 1), (sent, received)
-        for target in group.targets:
-            assert_bitwise_equal(target, group.source)
-        assert len(shares) == 3, shares
-        transport = group.sender._side.transport
-        assert transport._held == {} and mapped() == ([[0, 1, 2]] * 2 if keep_mapped else [[], []])
-        group.source["layers.3.w"].mul_(-2)  # in place: same allocations, no new handle
-        sent, received = group.sync()
-        assert sent.receiver_versions == (2, 2) and len(shares) == 3
-        for target in group.targets:
-            assert_bitwise_equal(target, group.source)
-        group.source = flat_copy({n: t * 3 if t.is_floating_point() else t + 1 for n, t in group.source.items()})
-        sent, received = group.sync()  # moved (as after a DeepSpeed sleep/wake): shared again
-        assert sent.receiver_versions == (3, 3) and len(shares) == 6
-        for target in group.targets:
-            assert_bitwise_equal(target, group.source)
-        assert mapped() == ([[3, 4, 5]] * 2 if keep_mapped else [[], []])  # the dead allocations were unmapped
-        transports = [r._side.transport for r in group.receivers]
-    finally:
-        group.close()
-    assert [t._sources._mapped for t in transports] == [{}, {}]  # close unmaps
-
-
-@pytest.mark.parametrize("mode", ["bucketed", "zero_copy", "zero_copy_keep_mapped"])
 @pytest.mark.parametrize("num_buffers", [1, 2])
-def test_cuda_ipc_control_traffic(monkeypatch, mode, num_buffers):
-    """What crosses the control store in a CUDA IPC sync: bucket 0's message rides on the start key (no key of its
-    own); only acknowledgements the sender waits for are sent (none for the last num_buffers buckets); a receiver whose
-    copies are ordered by events reports done while they run and the sender waits on its event instead (not when
-    zero-copy mappings are dropped after the sync: that receiver waits for its copies itself); the last sync's
-    claim, start and zero-copy bucket messages are deleted during the next one."""
+def test_cuda_ipc_control_traffic(monkeypatch, num_buffers):
+    """What crosses the control store in a CUDA IPC sync: one ready message per bucket; only acknowledgements the
+    sender waits for (none for the last num_buffers buckets); the last sync's manifest is deleted during the next."""
     import rlhfkit.weight_sync._ipc
     import rlhfkit.weight_sync
 
-    awaited = []
-
-    class EventOps(FakeCudaOps):
-        def event_synchronize(self, event):
-            awaited.append(event)
-
-    monkeypatch.setattr(rlhfkit.weight_sync._ipc, "CudaOps", EventOps)
+    monkeypatch.setattr(rlhfkit.weight_sync._ipc, "CudaOps", FakeCudaOps)
     monkeypatch.setattr(rlhfkit.weight_sync, "_resolve_device", lambda backend, device: torch.device("cpu"))
-    group = Group(2, backend="cuda_ipc", bucket_bytes=4096, num_buffers=num_buffers,
-                  ipc_zero_copy=mode != "bucketed", ipc_keep_mapped=mode == "zero_copy_keep_mapped")
+    group = Group(2, backend="cuda_ipc", bucket_bytes=4096, num_buffers=num_buffers)
     store = group.sender._side.store
 
     def present(*keys):
         return [bool(store.check([key])) for key in keys]
 
     try:
-        if mode != "bucketed":
-            group.source = flat_copy(group.source)
         for version in (1, 2):
             sent, received = group.sync()
             assert sent.receiver_versions == (version, version), (sent, received)
             for target in group.targets:
                 assert_bitwise_equal(target, group.source)
-            last = sent.num_buckets - 1
-            assert last >= 3
-            assert present(*(f"{version}/b/{i}" for i in range(sent.num_buckets))) == [False] + [True] * last
+            assert sent.num_buckets >= 4
+            assert present(*(f"{version}/b/{i}" for i in range(sent.num_buckets))) == [True] * sent.num_buckets
             acked = [i < sent.num_buckets - num_buffers for i in range(sent.num_buckets)]
             for rank in (1, 2):
                 assert present(*(f"{version}/ack/{i}/{rank}" for i in range(sent.num_buckets))) == acked
-            queued = mode != "zero_copy"
-            assert len(awaited) == (2 * version if queued else 0)
             reports = [json.loads(store.get(f"{version}/done/{rank}")) for rank in (1, 2)]
-            assert [bool(r.get("queued")) for r in reports] == [queued, queued]
-            assert present(f"{version}/manifest", f"{version}/start") == [True, True]
-            assert present(f"{version - 1}/manifest", f"{version - 1}/start") == [False, False]
-            if version == 2 and mode != "bucketed":  # zero-copy messages carry placements: deleted too
-                assert present(*(f"1/b/{i}" for i in range(1, last + 1))) == [False] * last
+            assert reports == [{"version": version}] * 2
+            assert present(f"{version}/start", f"{version - 1}/start") == [True, False]
     finally:
         group.close()
-
-
-def test_cuda_ipc_zero_copy_checks_device_and_fingerprints(monkeypatch):
-    import rlhfkit.weight_sync._ipc
-    import rlhfkit.weight_sync
-
-    monkeypatch.setattr(rlhfkit.weight_sync._ipc, "CudaOps", FakeCudaOps)
-    monkeypatch.setattr(rlhfkit.weight_sync, "_resolve_device", lambda backend, device: torch.device("cpu"))
-    group = Group(1, backend="cuda_ipc", sender_cls=CorruptingSender, bucket_bytes=4096, ipc_zero_copy=True,
-                  fingerprints=True)
-    try:
-        stream = [(n, t.to("meta") if n == "layers.4.w" else t) for n, t in group.source.items()]
-        sent, (received,) = group.sync(stream=stream, description=describe_parameters(group.source.items()))
-        assert isinstance(sent, ValueError) and "tensor 'layers.4.w' is on meta, not on the sender's cpu" in str(sent)
-        assert isinstance(received, WeightSyncAborted) and "'layers.4.w'" in str(received)
-        group.sender.corrupt_bucket = 1  # flips a byte of the source after its fingerprint was taken
-        sent, (received,) = group.sync()
-        assert isinstance(received, FingerprintMismatchError) and "bucket 1 of sync 2" in str(received)
-        assert isinstance(sent, FingerprintMismatchError) and "receiver rank 1 ('engine-0')" in str(sent)
-        group.sender.corrupt_bucket = None
-        sent, (received,) = group.sync()
-        assert sent.receiver_versions == (3,)
-        assert_bitwise_equal(group.targets[0], group.source)
-    finally:
-        group.close()
-
-
-def test_flatten_parameters_keeps_parameters_values_and_training():
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Embedding(10, 6), torch.nn.Linear(6, 5), torch.nn.Linear(5, 10))
-    model[2].weight = torch.nn.Parameter(torch.randn(10, 5))
-    model.half_scale = torch.nn.Parameter(torch.ones(3, dtype=torch.bfloat16))
-    reference = {n: p.detach().clone() for n, p in model.named_parameters()}
-    params_before = [id(p) for p in model.parameters()]
-    buffers = flatten_parameters(model, align_bytes=64)
-    assert [id(p) for p in model.parameters()] == params_before
-    assert sorted(str(b.dtype) for b in buffers) == ["torch.bfloat16", "torch.float32"]
-    flat = {b.dtype: b for b in buffers}
-    for name, param in model.named_parameters():
-        assert torch.equal(param, reference[name]), name
-        assert param.untyped_storage().data_ptr() == flat[param.dtype].untyped_storage().data_ptr(), name
-        assert (param.data_ptr() - flat[param.dtype].data_ptr()) % 64 == 0, name
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    loss = model(torch.tensor([1, 2, 3])).square().mean()
-    loss.backward()
-    optimizer.step()
-    moved = model[1].weight.detach()
-    assert not torch.equal(moved, reference["1.weight"])
-    assert moved.untyped_storage().data_ptr() == flat[torch.float32].untyped_storage().data_ptr()
-    with pytest.raises(ValueError, match="align_bytes=0"):
-        flatten_parameters(model, align_bytes=0)
 
 
 @pytest.mark.parametrize("num_buffers", [1, 2])
-def test_repeated_manifest_skips_the_check_round_but_still_refuses(backend, num_buffers):
-    """A manifest every receiver accepted last time is not checked again in a round of its own (the sender goes
-    straight to the buckets); a receiver whose own expectations changed since still refuses before loading, and the
-    sender fails with its verdict instead of hanging."""
+def test_a_receiver_that_changed_its_expectations_refuses_before_loading(backend, num_buffers):
+    """Every sync's manifest is checked by every receiver before any byte moves: a receiver whose expectations
+    changed since the last sync refuses, nothing is loaded anywhere, and the next sync goes through."""
     group = Group(2, backend=backend, bucket_bytes=4096, num_buffers=num_buffers)
     try:
         sent, _ = group.sync()
-        assert "check" in dict(sent.phases)  # the first sync has its check round
-        group.source["layers.3.w"].mul_(-2)
-        sent, received = group.sync()
-        assert "check" not in dict(sent.phases) and sent.receiver_versions == (2, 2)
-        for target in group.targets:
-            assert_bitwise_equal(target, group.source)
-        before = {k: v.clone() for k, v in group.targets[1].items()}
+        assert sent.receiver_versions == (1, 1)
+        before = [{k: v.clone() for k, v in target.items()} for target in group.targets]
         stricter = describe_parameters(group.source.items())
         stricter[2] = stricter[2]._replace(shape=(1, 1))
         group.source["layers.3.w"].mul_(-2)
         sent, received = group.sync(receive_kwargs={"expected": stricter})
         assert isinstance(sent, ManifestMismatchError) and "receiver rank 1 ('engine-0')" in str(sent), sent
         assert all(isinstance(r, ManifestMismatchError) for r in received), received
-        assert_bitwise_equal(group.targets[1], before)  # the refusing receivers loaded nothing
-        sent, received = group.sync()  # after a failure the next sync checks in full again
-        assert "check" in dict(sent.phases) and sent.receiver_versions == (4, 4)
+        for target, old in zip(group.targets, before, strict=True):
+            assert_bitwise_equal(target, old)  # the refusing receivers loaded nothing
+        sent, received = group.sync()
+        assert sent.receiver_versions == (3, 3)
         for target in group.targets:
             assert_bitwise_equal(target, group.source)
     finally:
@@ -767,33 +407,12 @@ def test_manifest_mismatch_fails_everywhere_before_transfer(backend):
         group.close()
 
 
-@pytest.mark.parametrize("num_buffers", [1, 2])
-def test_corrupted_bucket_caught_then_recovers(backend, num_buffers):
-    group = Group(1, backend=backend, sender_cls=CorruptingSender, bucket_bytes=4096, num_buffers=num_buffers,
-                  fingerprints=True)
-    try:
-        group.sender.corrupt_bucket = 2
-        sent, (received,) = group.sync()
-        assert isinstance(received, FingerprintMismatchError)
-        assert isinstance(sent, FingerprintMismatchError) and "receiver rank 1 ('engine-0')" in str(sent)
-        names = ", ".join(repr(n) for n in list(group.source)[:6])
-        assert "bucket 2 of sync 1 (tensors" in str(sent) and "'layers.2.w'" in str(sent), (str(sent), names)
-        assert group.receivers[0].version == 0
-        group.sender.corrupt_bucket = None
-        sent, (received,) = group.sync()
-        assert sent.receiver_versions == (2,)
-        assert_bitwise_equal(group.targets[0], group.source)
-    finally:
-        group.close()
-
-
 def test_sender_stream_error_aborts_receivers(backend):
     group = Group(2, backend=backend, bucket_bytes=4096)
     try:
         description = describe_parameters(group.source.items())
         first = next(iter(group.source))
-        # a later bucket, and bucket 0 (made ready before the manifest goes out: its failure must reach the
-        # receivers all the same)
+        # a later bucket, and bucket 0
         for version, bad in ((1, "layers.5.w"), (2, first)):
             stream = [(n, t.T if n == bad else t) for n, t in group.source.items()]
             shape = tuple(group.source[bad].T.shape)
@@ -888,21 +507,20 @@ class TrainerActor:
         with torch.no_grad():
             for parameter in self.model.parameters():
                 parameter.add_(torch.randn_like(parameter) * 0.05)
-        self.config = WeightSyncConfig(backend="gloo", bucket_bytes=64 * 1024, timeout_s=timeout_s, fingerprints=True)
+        self.config = WeightSyncConfig(backend="gloo", bucket_bytes=64 * 1024, timeout_s=timeout_s)
         self.senders = {}
 
     def open(self, name, timeout_s=None):
         config = self.config if timeout_s is None else WeightSyncConfig(backend="gloo", bucket_bytes=64 * 1024,
                                                                         timeout_s=timeout_s)
-        self.senders[name] = CorruptingSender(config, SyncEndpoint(world_size=2, group_name=name))
+        self.senders[name] = WeightSender(config, SyncEndpoint(world_size=2, group_name=name))
         return self.senders[name].endpoint
 
     def state(self):
         return {n: p.detach().clone() for n, p in self.model.named_parameters()}
 
-    def send(self, name, tamper=None, corrupt_bucket=None):
+    def send(self, name, tamper=None):
         sender = self.senders[name]
-        sender.corrupt_bucket = corrupt_bucket
         stream = [(n, p.detach()) for n, p in self.model.named_parameters()]
         target = "model.layers.0.mlp.up_proj.weight"
         if tamper == "name":
@@ -998,14 +616,8 @@ def test_ray_gloo_trainer_to_hf_engine(ray_session, trainer_and_engine):
         assert ray.get(engine.versions.remote(), timeout=300) == (1, 1)  # nothing was loaded
     assert_bitwise_equal(ray.get(engine.state.remote(), timeout=300), trained)
 
-    sent, received = ray_sync(ray, trainer, engine, corrupt_bucket=1)
-    assert sent["type"] == received["type"] == "FingerprintMismatchError", (sent, received)
-    assert "bucket 1 of sync 5 (tensors 'model.layers." in sent["message"], sent["message"]
-    assert "receiver rank 1 ('hf-engine')" in sent["message"]
-    assert ray.get(engine.versions.remote(), timeout=300) == (1, 1)
-
     sent, received = ray_sync(ray, trainer, engine)
-    assert sent["ok"] and sent["versions"] == [6] and ray.get(engine.versions.remote(), timeout=300) == (6, 6)
+    assert sent["ok"] and sent["versions"] == [5] and ray.get(engine.versions.remote(), timeout=300) == (5, 5)
     assert_bitwise_equal(ray.get(engine.state.remote(), timeout=300), trained)
 
 
@@ -1076,13 +688,9 @@ def run_process_pair(backend, sender_device, receiver_device, **config):
     child.start()
     try:
         source = process_weights(0, torch.device(sender_device))
-        if config.get("ipc_zero_copy"):
-            source = flat_copy(source)
         assert sender.send(source.items()).receiver_versions == (1,)
         for tensor in source.values():
             tensor.mul_(-1.5)
-        if config.get("ipc_zero_copy"):  # moved, as a DeepSpeed sleep/wake moves it: new handles
-            source = flat_copy(source)
         assert sender.send(source.items()).receiver_versions == (2,)
         outcome = results.get(timeout=300)
         assert "error" not in outcome, outcome
@@ -1090,12 +698,6 @@ def run_process_pair(backend, sender_device, receiver_device, **config):
         sent = {n: as_bytes(t) for n, t in source.items()}
         assert outcome["state"].keys() == sent.keys()
         assert [n for n in sent if outcome["state"][n] != sent[n]] == []
-        if config.get("ipc_zero_copy") and not config.get("ipc_keep_mapped"):  # unmapped: freeing really frees
-            nbytes = sum(t.untyped_storage().nbytes() for t in {t.untyped_storage().data_ptr(): t
-                                                                  for t in source.values()}.values())
-            before = torch.cuda.memory_allocated(sender_device)
-            del source, tensor
-            assert before - torch.cuda.memory_allocated(sender_device) >= nbytes, (before, nbytes)
     finally:
         child.join(timeout=60)
         if child.is_alive():
@@ -1108,17 +710,9 @@ def test_gloo_two_processes_bitwise():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("num_buffers, ipc_events", [(1, True), (2, True), (2, False)])
-def test_cuda_ipc_two_processes_one_gpu_bitwise(num_buffers, ipc_events):
-    run_process_pair("cuda_ipc", "cuda:0", "cuda:0", bucket_bytes=4 * 1024**2, num_buffers=num_buffers,
-                     ipc_events=ipc_events)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("num_buffers, keep_mapped", [(1, False), (2, False), (2, True)])
-def test_cuda_ipc_zero_copy_two_processes_one_gpu_bitwise(num_buffers, keep_mapped):
-    run_process_pair("cuda_ipc", "cuda:0", "cuda:0", bucket_bytes=4 * 1024**2, num_buffers=num_buffers,
-                     ipc_zero_copy=True, ipc_keep_mapped=keep_mapped, fingerprints=True)
+@pytest.mark.parametrize("num_buffers", [1, 2])
+def test_cuda_ipc_two_processes_one_gpu_bitwise(num_buffers):
+    run_process_pair("cuda_ipc", "cuda:0", "cuda:0", bucket_bytes=4 * 1024**2, num_buffers=num_buffers)
 
 
 @pytest.mark.gpu
@@ -1126,38 +720,6 @@ def test_nccl_gpu0_to_gpu1_bitwise():
     if torch.cuda.device_count() < 2:
         pytest.skip("needs two GPUs")
     run_process_pair("nccl", "cuda:0", "cuda:1", bucket_bytes=4 * 1024**2, num_buffers=2)
-
-
-def test_armed_receive_waits_are_bounded():
-    """Review defect 5: ArmedReceive re-waited forever after WeightSyncTimeout and settle(timeout_s=None) had no
-    limit; the wait for the sender is now bounded by ``wait_s`` (the sync is called off) and settle's timeout is
-    always finite and raises a typed ArmedSyncStillReceiving."""
-    from rlhfkit.weight_sync import ArmedReceive, ArmedSyncStillReceiving
-
-    class NeverStarts:
-        def __init__(self):
-            self.calls = []
-
-        def wait_for_sync(self, timeout_s=None):
-            self.calls.append(("wait", timeout_s))
-            time.sleep(min(timeout_s, 0.02))
-            raise WeightSyncTimeout("no sync yet")
-
-        def call_off(self):
-            self.calls.append(("call_off", None))
-            return True
-
-    receiver = NeverStarts()
-    armed = ArmedReceive(receiver, lambda: pytest.fail("never started"), wait_s=0.2)
-    with pytest.raises(WeightSyncTimeout, match=r"waited 0.2 s \(wait_s\) and the sender did not start it"):
-        armed.settle(timeout_s=5)
-    assert receiver.calls[-1] == ("call_off", None) and all(t <= 0.2 for kind, t in receiver.calls if kind == "wait")
-    for bad in (None, 0, -1):
-        with pytest.raises(ValueError, match=f"timeout_s={bad}"):
-            armed.settle(timeout_s=bad)
-        with pytest.raises(ValueError, match=f"wait_s={bad}"):
-            ArmedReceive(receiver, lambda: None, wait_s=bad)
-    assert issubclass(ArmedSyncStillReceiving, WeightSyncTimeout) and issubclass(ArmedSyncStillReceiving, TimeoutError)
 
 
 def test_restarted_receiver_is_refused_with_a_rejoin_error():

@@ -119,7 +119,6 @@ class HFEngineActor(GuardedEngineMixin):
         self._startup = clock.lap("build_s")
         self.receiver: Any = None
         self.lora: Any = None
-        self._armed: Any = None  # an ArmedReceive waiting for the next sync (arm_weight_sync)
         self._guard_setup(guard_store, gpus)
 
     def ready(self) -> dict[str, Any]:
@@ -162,38 +161,8 @@ class HFEngineActor(GuardedEngineMixin):
                                        expected=expected, device=device)
         return [{"rank": first_rank}]
 
-    def arm_weight_sync(self) -> list[dict[str, Any]]:
-        """Wait for the next sync in a thread of this actor and return at once (:class:`rlhfkit.weight_sync.
-        ArmedReceive`): the actor stays free for other calls, and :meth:`settle_weight_sync` ends the wait."""
-        from rlhfkit.weight_sync import ArmedReceive
-
-        if self.receiver is None:
-            raise RuntimeError(f"engine {self.engine_index}: arm_weight_sync() before init_weight_sync()")
-        self.settle_weight_sync()
-        self._armed = ArmedReceive(self.receiver, self._receive, name=f"engine-{self.engine_index}-armed-receive",
-                                   wait_s=self.receiver.config.timeout_s)
-        return [{"armed": True}]
-
-    def settle_weight_sync(self) -> list[dict[str, Any]] | None:
-        """End the armed sync: the reports of one the sender started (its error raised), or None when it had not
-        started (it is called off, so nothing waits for it any more)."""
-        from rlhfkit.weight_sync import ArmedSyncStillReceiving
-
-        armed, self._armed = getattr(self, "_armed", None), None
-        if armed is None:
-            return None
-        try:
-            return armed.settle(self.receiver.config.timeout_s)
-        except ArmedSyncStillReceiving:
-            self._armed = armed  # still loading: a later settle waits for it again
-            raise
-
     def receive_weights(self, *, version: int | None = None) -> list[dict[str, Any]]:
         """Receive one sync (blocks until the sender has sent it, within the channel's timeout)."""
-        self.settle_weight_sync()
-        return self._receive()
-
-    def _receive(self) -> list[dict[str, Any]]:
         lora = self.lora
         if lora is None:
             report = self.receiver.receive(self.engine.load_weights)
@@ -296,15 +265,6 @@ class RolloutEngines:
         self._switch(self.group.call("guarded_sleep", level, phase))
         self.asleep = True
         self.weights_discarded = self.weights_discarded or level >= 2
-
-    def arm_weight_sync(self) -> None:
-        """Make every engine wait for the next weight sync in the background (the engines stay free for calls)."""
-        self.group.call("arm_weight_sync")
-
-    def settle_weight_sync(self, *, timeout_s: float) -> list[list[dict[str, Any]] | None]:
-        """End the armed sync on every engine: each one's reports, or None where the sender had not started it (it
-        is called off there)."""
-        return self.group.call("settle_weight_sync", timeout_s=timeout_s)
 
     def weights_pushed(self) -> None:
         """Record that a push loaded the actor's weights into every engine."""

@@ -91,11 +91,6 @@ class HybridConfig:
             (slower switches, a higher peak).
         dtype: engine and weight-sync dtype (float32 keeps engine and trainer log-probs within ~1e-3 on small models).
         sync_bucket_mb: weight-sync bucket size.
-        weight_loading: vLLM only: how the engines apply pushed weights (``VLLMEngineConfig.weight_loading``).
-            ``"planned"`` (default): the first push runs vLLM's own ``load_weights`` and records where each tensor's
-            copies land; later pushes replay them with one batched copy per bucket instead of a Python loader call
-            per tensor (a parameter that moved makes it record again; tensors whose loader does more than copy stay
-            on ``load_weights``). ``"auto"``: the loaders every time.
         overlap: the engines stay resident beside the awake trainers, outside the phase guard, so that a
             :class:`~rlhfkit.rollouts.RolloutProducer` can generate while the actor trains (asynchronous RL; on one
             GPU the engines keep their ``engine_memory`` share the whole run). :meth:`Hybrid.push_weights` then
@@ -168,7 +163,6 @@ class HybridConfig:
     enforce_eager: bool = False
     dtype: str = "float32"
     sync_bucket_mb: int = 128
-    weight_loading: str = "planned"
     overlap: bool = False
     max_weight_lag: int = 0
     seed: int = 0
@@ -243,10 +237,6 @@ class HybridConfig:
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"HybridConfig.{name}={value!r}; must be None or a positive int")
-        from rlhfkit.engines.vllm import WEIGHT_LOADINGS
-
-        if self.weight_loading not in WEIGHT_LOADINGS:
-            raise ValueError(f"HybridConfig.weight_loading={self.weight_loading!r}; expected one of {WEIGHT_LOADINGS}")
         if self.device == "cpu" and self.engine in ("vllm", "sglang"):
             raise ValueError(f"HybridConfig(device='cpu') needs engine='hf' (engine={self.engine!r} is CUDA-only)")
         total, tp = self.num_gpus * self.num_nodes, self.tensor_parallel_size
@@ -534,7 +524,6 @@ class Hybrid:
                 gpu_memory_utilization=config.engine_memory_fraction, enable_sleep_mode=config.colocate,
                 seed=config.seed, enforce_eager=config.enforce_eager, max_model_len=config.max_model_len,
                 max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.engine_batched_tokens,
-                weight_loading=config.weight_loading,
                 dtype=config.engine_dtype, env=env, startup_timeout_s=config.start_timeout_s,
                 control_timeout_s=config.call_timeout_s,
                 enable_lora=lora is not None, max_lora_rank=lora.rank if lora is not None else 16,
@@ -671,33 +660,18 @@ class Hybrid:
         trainer.check_push(phase="sync")  # a refusal comes before any engine waits for the sync
         if colocated:
             engines.wake(["weights"], phase="sync")
-        # vLLM and HF engines wait for the sync in the background (armed): a push that fails before the sender
-        # starts the sync calls it off, and the engines answer their next call at once. SGLang engines receive in
-        # a blocking call.
-        armed = self.config.engine != "sglang"
-        if armed:
-            engines.arm_weight_sync()
-        else:
-            receiving = [handle.receive_weights.remote() for handle in self._handles]
+        # every receiver checks the sync's manifest and the sender waits for all verdicts before any byte moves
+        receiving = [handle.receive_weights.remote() for handle in self._handles]
         sending = trainer._submit("send_weights", phase="sync")
         sleeping = trainer._submit("sleep", "sync", False)
         try:
             sent = trainer.workers.gather(sending)
-        except Exception as error:
-            if armed:  # called off where the sync never started; an engine's own error says more than the sender's
-                try:
-                    engines.settle_weight_sync(timeout_s=self.config.sync_timeout_s + 30.0)
-                except Exception as engine_error:
-                    raise engine_error from error
-            else:
-                ready, _ = ray.wait(receiving, num_returns=len(receiving), timeout=5.0)
-                for ref in ready:
-                    ray.get(ref)
+        except Exception:
+            ready, _ = ray.wait(receiving, num_returns=len(receiving), timeout=5.0)
+            for ref in ready:  # an engine's own error says more than the sender's
+                ray.get(ref)
             raise
-        if armed:
-            received = engines.settle_weight_sync(timeout_s=self.config.sync_timeout_s + 30.0)
-        else:
-            received = ray.get(receiving, timeout=self.config.sync_timeout_s)
+        received = ray.get(receiving, timeout=self.config.sync_timeout_s)
         engines.weights_pushed()
         trainer._account(trainer._note(trainer.workers.gather(sleeping)))
         if colocated:

@@ -629,7 +629,7 @@ class TrainerWorker(Worker):
         return beside
 
     def check_send(self, *, phase: str) -> None:
-        """The refusals of :meth:`send_weights`, made before the engines are armed to receive (a refused push then
+        """The refusals of :meth:`send_weights`, made before any engine starts to receive (a refused push then
         leaves nothing waiting)."""
         self._check_send("check_send", phase)
 

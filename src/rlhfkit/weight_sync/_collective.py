@@ -2,7 +2,7 @@
 
 A process group of its own — ``ProcessGroupGloo`` or ``ProcessGroupNCCL`` constructed directly on a prefix of the
 (signed) control store — holds the sender (rank 0) and every receiver; the default process group is never touched. Each bucket
-(payload + 16-byte tail) is one ``broadcast`` from rank 0, so every receiver (e.g. each tensor-parallel worker of an
+(payload + 8-byte status tail) is one ``broadcast`` from rank 0, so every receiver (e.g. each tensor-parallel worker of an
 engine) gets every full tensor. The sender keeps ``num_slots`` buckets in flight (broadcasts are asynchronous); a
 receiver has one bucket buffer. A receiver that fails mid-stream keeps taking part in the remaining broadcasts without
 loading them (so the sender never blocks on it) and reports its error at the end.
@@ -33,10 +33,6 @@ logger = logging.getLogger(__name__)
 
 def _nccl_backend_class() -> type:
     nccl = getattr(dist, "ProcessGroupNCCL", None)
-    if nccl is None:
-        from torch.distributed import distributed_c10d
-
-        nccl = getattr(distributed_c10d, "ProcessGroupNCCL", None)
     if nccl is None:
         raise WeightSyncError("backend='nccl' needs a torch built with NCCL; this one has none (use 'gloo')")
     return nccl
@@ -98,17 +94,13 @@ def poll_until(done: Callable[[], bool], deadline: float) -> bool:
 class CollectiveLink:
     """The group's own process group. ``connect()`` is collective: every rank must call it.
 
-    NCCL: the communicator is created eagerly in ``connect()`` on ``device`` (both ends meet there, right after the
-    rendezvous) and checked with an 8-byte broadcast, each bounded by ``timeout_s`` on the host. ``wait(..., host=True)``
-    waits for a broadcast on the host by polling a CUDA event against the deadline (an NCCL ``Work.wait()`` only
-    makes the current stream wait, so a stuck broadcast would otherwise block the next host sync forever). After a
-    timeout the communicator is aborted (``ncclCommAbort``), so nothing later blocks on it. The NCCL watchdog's own
-    timeout is set well past ``timeout_s``, so our error, which names the peer, comes first.
+    NCCL: the communicator is created eagerly in ``connect()`` and checked with an 8-byte broadcast, each bounded by
+    ``timeout_s``; ``wait(..., host=True)`` polls a CUDA event against the deadline (an NCCL ``Work.wait()`` only
+    makes the stream wait); after a timeout the communicator is aborted, so nothing later blocks on it. The NCCL
+    watchdog's timeout is set past ``timeout_s``, so our error, which names the peer, comes first.
 
-    The rendezvous goes through the group's signed control store (the addresses each rank publishes cannot be
-    forged). gloo's pair sockets listen on ``host``: the endpoint's address on the sender, and on a receiver its own
-    address towards the sender (loopback when the sender is on loopback). NCCL opens its own bootstrap and transport
-    sockets on the interface it picks: pin it with ``NCCL_SOCKET_IFNAME`` (docs/security.md).
+    The rendezvous goes through the group's signed control store. gloo's pair sockets listen on ``host`` (a
+    receiver's own address towards the sender); pin NCCL's sockets with ``NCCL_SOCKET_IFNAME`` (docs/security.md).
     """
 
     def __init__(self, store: dist.Store, *, backend: str, rank: int, world_size: int, timeout_s: float,
@@ -244,7 +236,7 @@ class CollectiveSender:
         if peer_failed or self.link.broken:
             return
         self.acquire(version, bucket)
-        self.slots.write_tail(bucket, None, STATUS_ABORT)
+        self.slots.write_status(bucket, STATUS_ABORT)
         self.publish(version, bucket)
         self.flush(version)
 

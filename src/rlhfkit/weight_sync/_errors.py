@@ -2,20 +2,9 @@
 
 from __future__ import annotations
 
-__all__ = [
-    "WeightSyncError",
-    "WeightSyncTimeout",
-    "ManifestMismatchError",
-    "FingerprintMismatchError",
-    "WeightSyncAborted",
-    "WeightSyncRejoinError",
-    "WeightSyncVersionError",
-    "ArmedSyncStillReceiving",
-    "WeightSyncAuthenticationError",
-    "WeightSyncProtocolError",
-    "error_from_report",
-    "error_kind",
-]
+__all__ = ["WeightSyncError", "WeightSyncTimeout", "ManifestMismatchError", "WeightSyncAborted",
+           "WeightSyncRejoinError", "WeightSyncVersionError", "WeightSyncAuthenticationError",
+           "WeightSyncProtocolError", "error_from_report", "error_kind"]
 
 
 class WeightSyncError(RuntimeError):
@@ -27,13 +16,8 @@ class WeightSyncTimeout(WeightSyncError, TimeoutError):
 
 
 class ManifestMismatchError(WeightSyncError, ValueError):
-    """The sender's manifest and what a receiver accepts differ (missing/extra name, shape or dtype).
-
-    Raised on both ends before the first byte of weights moves; the message names the tensor(s)."""
-
-
-class FingerprintMismatchError(WeightSyncError):
-    """A received bucket's fingerprint differs from the one the sender computed; names the bucket and its tensors."""
+    """The sender's manifest and what a receiver accepts differ (missing/extra name, shape or dtype); raised on every
+    end before the first byte of weights moves, naming the tensor(s)."""
 
 
 class WeightSyncAborted(WeightSyncError):
@@ -41,18 +25,12 @@ class WeightSyncAborted(WeightSyncError):
 
 
 class WeightSyncRejoinError(WeightSyncError):
-    """A receiver tried to join a group that has already formed (e.g. a restarted engine process). A group's process
-    group and version sequence cannot be re-joined: open a new group (a new sender, new ``group_name``/port) and
-    have every receiver join that one."""
+    """A receiver tried to join a group that has already formed (e.g. a restarted engine): open a new group (a new
+    sender, new ``group_name``/port) and have every receiver join that one."""
 
 
 class WeightSyncVersionError(WeightSyncError, ValueError):
     """A sync offered a weight version that is not newer than the one the receiver holds."""
-
-
-class ArmedSyncStillReceiving(WeightSyncTimeout):
-    """``ArmedReceive.settle`` ran past its timeout while the sync was still being received; the receive goes on
-    (settle again to wait for it)."""
 
 
 class WeightSyncAuthenticationError(WeightSyncError):
@@ -69,7 +47,6 @@ _KINDS: dict[str, type[WeightSyncError]] = {
     "error": WeightSyncError,
     "timeout": WeightSyncTimeout,
     "manifest": ManifestMismatchError,
-    "fingerprint": FingerprintMismatchError,
     "aborted": WeightSyncAborted,
     "rejoin": WeightSyncRejoinError,
     "version": WeightSyncVersionError,
@@ -77,12 +54,9 @@ _KINDS: dict[str, type[WeightSyncError]] = {
 
 
 def error_kind(error: BaseException) -> str:
-    """The wire name of ``error``'s class, so the peer can raise the same kind."""
-    for kind, cls in reversed(list(_KINDS.items())):
-        if type(error) is cls:
-            return kind
-    for kind, cls in _KINDS.items():
-        if kind != "error" and isinstance(error, cls):
+    """The wire name of ``error``'s class (or of its nearest known base), so the peer can raise the same kind."""
+    for kind, cls in reversed(_KINDS.items()):
+        if isinstance(error, cls):
             return kind
     return "error"
 

@@ -3,8 +3,8 @@
 A manifest is computed on the sender from a cheap *description* of the stream — ``(name, shape, dtype)`` per tensor,
 in stream order — before any tensor is gathered. It fixes the bucket layout: tensors are laid end to end in a flat
 ``uint8`` bucket, each at a 256-byte aligned offset, and a new bucket starts when the next tensor would overflow
-``bucket_bytes``. Every bucket ends with a 16-byte tail (``int64`` fingerprint, ``int64`` status). A tensor larger than
-``bucket_bytes`` gets a bucket of its own, so a bucket buffer holds ``max(bucket_bytes, largest tensor) + 16`` bytes.
+``bucket_bytes``. Every bucket ends with an 8-byte tail (an ``int64`` status). A tensor larger than
+``bucket_bytes`` gets a bucket of its own, so a bucket buffer holds ``max(bucket_bytes, largest tensor) + 8`` bytes.
 """
 
 from __future__ import annotations
@@ -12,28 +12,16 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 
-__all__ = [
-    "ALIGN",
-    "TAIL_BYTES",
-    "TensorSpec",
-    "Bucket",
-    "Manifest",
-    "to_spec",
-    "describe_parameters",
-    "plan_buckets",
-    "compare_manifest",
-    "dtype_name",
-    "dtype_from_name",
-]
+__all__ = ["ALIGN", "TAIL_BYTES", "TensorSpec", "Bucket", "Manifest", "to_spec", "describe_parameters", "plan_buckets",
+           "compare_manifest", "dtype_name", "dtype_from_name"]
 
 ALIGN = 256
-TAIL_BYTES = 16
-_VERSION_HEAD = b'{"version":'  # Manifest.to_bytes writes the version first
+TAIL_BYTES = 8
 
 
 class TensorSpec(NamedTuple):
@@ -89,15 +77,11 @@ def describe_parameters(
     ``dtype``: floating-point tensors are described in this dtype (what the sender casts them to); others keep theirs.
     """
     specs = []
-    make = tuple.__new__  # TensorSpec(...) without its keyword-handling constructor (run once per tensor per sync)
     for name, tensor in named_tensors:
-        full = getattr(tensor, "__dict__", {}).get("ds_shape")  # (a dict lookup: cheaper than a missed getattr)
-        # a torch.Size holds ints already; a ZeRO-3 ds_shape may be any sequence
-        shape = tuple(tensor.shape) if not full else tuple(int(d) for d in full)
-        travel = tensor.dtype
-        if dtype is not None and travel.is_floating_point:
-            travel = dtype
-        specs.append(make(TensorSpec, (name, shape, travel)))
+        full = getattr(tensor, "ds_shape", None)
+        shape = tuple(int(d) for d in full) if full else tuple(tensor.shape)
+        travel = dtype if dtype is not None and tensor.dtype.is_floating_point else tensor.dtype
+        specs.append(TensorSpec(name, shape, travel))
     return specs
 
 
@@ -143,48 +127,29 @@ class Manifest:
         specs: the tensors in stream order.
         buckets: the bucket layout (see the module docstring).
         capacity: bytes of one bucket buffer.
-        fingerprints: whether bucket tails carry fingerprints the receiver must verify.
         num_slots: how many bucket buffers the sender cycles through (1, or 2 for overlap).
         generation: CUDA IPC only: which shared-buffer generation the buckets live in.
-        ipc_events: CUDA IPC only: order with interprocess CUDA events (else host synchronization).
-        zero_copy: CUDA IPC only: buckets are read from the source tensors' own memory (no bucket buffers); each
-            bucket's message carries the handles and placements of its tensors.
-        keep_mapped: zero-copy only: receivers keep the source's allocations mapped after the sync.
-        total_bytes: the specs' bytes in their travel dtypes (computed when not given; not encoded, not compared).
     """
 
     version: int
     specs: tuple[TensorSpec, ...]
     buckets: tuple[Bucket, ...]
     capacity: int
-    fingerprints: bool
     num_slots: int = 1
     generation: int = 0
-    ipc_events: bool = False
-    zero_copy: bool = False
-    keep_mapped: bool = False
-    total_bytes: int = field(default=-1, compare=False, repr=False)
 
-    def __post_init__(self) -> None:
-        if self.total_bytes < 0:  # (kept by dataclasses.replace: a new version of the same layout sums nothing)
-            object.__setattr__(self, "total_bytes", sum(spec.nbytes for spec in self.specs))
+    @property
+    def total_bytes(self) -> int:
+        """The specs' bytes in their travel dtypes."""
+        return sum(spec.nbytes for spec in self.specs)
 
     def tensor_names(self, bucket: Bucket) -> list[str]:
         return [spec.name for spec in self.specs[bucket.start : bucket.stop]]
 
     def to_bytes(self) -> bytes:
-        body = {
-            "version": self.version,
-            "specs": [[s.name, list(s.shape), dtype_name(s.dtype)] for s in self.specs],
-            "buckets": [[b.start, b.stop, list(b.offsets), b.payload_bytes] for b in self.buckets],
-            "capacity": self.capacity,
-            "fingerprints": self.fingerprints,
-            "num_slots": self.num_slots,
-            "generation": self.generation,
-            "ipc_events": self.ipc_events,
-            "zero_copy": self.zero_copy,
-            "keep_mapped": self.keep_mapped,
-        }
+        body = {"version": self.version, "specs": [[s.name, list(s.shape), dtype_name(s.dtype)] for s in self.specs],
+                "buckets": [[b.start, b.stop, list(b.offsets), b.payload_bytes] for b in self.buckets],
+                "capacity": self.capacity, "num_slots": self.num_slots, "generation": self.generation}
         return json.dumps(body, separators=(",", ":")).encode()
 
     @classmethod
@@ -193,23 +158,6 @@ class Manifest:
         specs = tuple(TensorSpec(n, tuple(s), dtype_from_name(d)) for n, s, d in body.pop("specs"))
         buckets = tuple(Bucket(i, a, b, tuple(o), p) for i, (a, b, o, p) in enumerate(body.pop("buckets")))
         return cls(specs=specs, buckets=buckets, **body)
-
-    def body_bytes(self) -> bytes:
-        """The encoding without its version: equal for two syncs with the same layout (see :meth:`split_version`)."""
-        return replace(self, version=0).to_bytes().removeprefix(_VERSION_HEAD + b"0,")
-
-    @staticmethod
-    def join_version(version: int, body: bytes) -> bytes:
-        """:meth:`to_bytes` of the manifest whose :meth:`body_bytes` is ``body``, at ``version``."""
-        return _VERSION_HEAD + b"%d," % version + body
-
-    @staticmethod
-    def split_version(data: bytes) -> tuple[int, bytes] | None:
-        """``(version, body_bytes)`` of an encoded manifest (None if it is not laid out as :meth:`to_bytes` does)."""
-        head, comma, body = data.partition(b",")
-        if not (comma and head.startswith(_VERSION_HEAD) and head[len(_VERSION_HEAD):].isdigit()):
-            return None
-        return int(head[len(_VERSION_HEAD):]), body
 
 
 def compare_manifest(manifest: Manifest, expected: Sequence[TensorSpec] | None) -> list[str]:

@@ -18,8 +18,8 @@ vLLM 0.22.1 pins differently), started by the engine (``python -m sglang.launch_
   held (a sleepable server runs prefill without a CUDA graph); ``"kv_cache"`` wakes SGLang's KV cache (and CUDA
   graphs, with ``release_cuda_graphs``).
 - weights: :meth:`SGLangEngine.load_weights` and the weight-sync channel (:meth:`SGLangEngine.init_weight_sync` /
-  :meth:`SGLangEngine.receive_weights`): this process is the channel's receiver — rlhfkit's manifest, version and
-  fingerprint checks and bounded waits all apply here — and forwards each bucket to the server through
+  :meth:`SGLangEngine.receive_weights`): this process is the channel's receiver — rlhfkit's manifest and version
+  checks and bounded waits all apply here — and forwards each bucket to the server through
   ``/update_weights_from_tensor`` as CUDA IPC handles (no copy through the host; a bucket-sized device copy first when
   the bucket itself is mapped from the trainer over CUDA IPC), then flushes the radix cache once. Colocated this is
   trainer --CUDA IPC--> engine process --CUDA IPC--> server; on GPUs of their own trainer --NCCL--> engine process

@@ -4,9 +4,9 @@ class (:class:`VLLMEngine`, usable in-process) and as Ray actors (:func:`create_
 What it does: token-in/token-out generation with ``n`` samples and the sampled tokens' log-probs; ``sleep(level)`` and
 staged ``wake_up(tags)``; weight loading by HF parameter name (:meth:`VLLMEngine.load_weights`, for small models and
 tests) and weight receiving through rlhfkit's weight-sync channel inside every vLLM worker
-(:meth:`VLLMEngine.init_weight_sync` / :meth:`VLLMEngine.receive_weights`, or armed ahead of the sender with
-:meth:`VLLMEngine.arm_weight_sync` / :meth:`VLLMEngine.settle_weight_sync`, through the worker extension in
-:mod:`rlhfkit.engines.vllm._worker` and ``LLM.collective_rpc``); prefix-cache reset after every weight change; a weight
+(:meth:`VLLMEngine.init_weight_sync` / :meth:`VLLMEngine.receive_weights`, through the worker extension in
+:mod:`rlhfkit.engines.vllm._worker` and ``LLM.collective_rpc``, which applies them with the model's own
+``load_weights``); prefix-cache reset after every weight change; a weight
 version. Ray helpers place engines on a placement plan (:mod:`rlhfkit.placement`) or a shared placement group, with
 tensor parallelism through vLLM's Ray executor; :class:`~rlhfkit.engines.router.EngineGroup` spreads requests.
 
@@ -47,7 +47,7 @@ import torch
 from rlhfkit._optional import require
 from rlhfkit.engines._pause import GenerationPause, GenerationPausedTimeout, PausableGeneration
 from rlhfkit.engines._state import EngineState
-from rlhfkit.weight_sync import ArmedSyncStillReceiving, ManifestMismatchError, WeightSyncVersionError
+from rlhfkit.weight_sync import ManifestMismatchError, WeightSyncVersionError
 from rlhfkit.engines.vllm._compat import (
     VLLMFeatureError,
     detect_features,
@@ -58,7 +58,7 @@ from rlhfkit.engines.vllm._compat import (
     request_seed,
     require_feature,
 )
-from rlhfkit.engines.vllm._config import WEIGHT_LOADINGS, WORKER_EXTENSION, VLLMEngineConfig, build_llm_kwargs
+from rlhfkit.engines.vllm._config import WORKER_EXTENSION, VLLMEngineConfig, build_llm_kwargs
 from rlhfkit.engines.vllm._lora import AdapterSlots, adapter_path
 from rlhfkit.engines.vllm._ray import create_engine_group, create_engines, kill_engines, plan_launches, wait_ready
 from rlhfkit.engines.protocol import (WAKE_TAGS, SamplingConfig, WeightVersionError, next_weight_version,
@@ -67,8 +67,7 @@ from rlhfkit.engines.router import pack_generate_result
 from rlhfkit.types import Rollout
 
 __all__ = ["VLLMEngineConfig", "VLLMEngine", "VLLMEngineActor", "create_engines",
-           "create_engine_group", "plan_launches", "kill_engines", "VLLMFeatureError", "GenerationPausedTimeout",
-           "WEIGHT_LOADINGS"]
+           "create_engine_group", "plan_launches", "kill_engines", "VLLMFeatureError", "GenerationPausedTimeout"]
 
 logger = logging.getLogger(__name__)
 
@@ -187,7 +186,6 @@ class VLLMEngine(PausableGeneration, EngineState):
         self._init_state()
         self._sleep_level = 0
         self._prefix_cache_stale = False
-        self._armed = False  # a sync armed in the workers (arm_weight_sync), not settled yet
         self._adapters: AdapterSlots | None = None  # set by init_weight_sync(lora=...): syncs carry LoRA adapters
 
     # --- protocol: state ----------------------------------------------------------------------------------------------
@@ -266,7 +264,6 @@ class VLLMEngine(PausableGeneration, EngineState):
 
     def _run_requests(self, prompt_token_ids: Sequence[Sequence[int]], sampling: SamplingConfig,
                       prompt_indices: Sequence[int] | None) -> tuple[list[list[int]], list[int], list[Any]]:
-        self.settle_weight_sync()
         self._check_ready("generate")
         prompts, indices = prompt_lists(prompt_token_ids, prompt_indices)
         if not prompts:
@@ -446,7 +443,6 @@ class VLLMEngine(PausableGeneration, EngineState):
                              "adapter buffers), which LoRA adapter syncs never rewrite; use level=1")
         self._check_quiet("sleep()")
         self._check_sleep(level)
-        self.settle_weight_sync()
         moved = self._weight_bytes() if level == 1 else 0
         self._llm.sleep(level=level)
         self._asleep = set(WAKE_TAGS)
@@ -470,7 +466,6 @@ class VLLMEngine(PausableGeneration, EngineState):
             return {"bytes_moved": 0.0}
         self._check_quiet("wake_up()")
         moved = self._weight_bytes() if "weights" in wanted and self._sleep_level == 1 else 0
-        self.settle_weight_sync()
         if self.features.sleep_tags:
             self._llm.wake_up(tags=wanted)
         elif len(wanted) < len(self._asleep):
@@ -491,7 +486,6 @@ class VLLMEngine(PausableGeneration, EngineState):
         """Drop cached prefixes (computed with old weights) now. After a weight change this happens by itself, at
         the next generation: a sync does not wait for the engine core's round trip, and several syncs between two
         generations reset once."""
-        self.settle_weight_sync()
         self._prefix_cache_stale = True
         self._reset_prefix_cache_if_stale()
 
@@ -519,12 +513,11 @@ class VLLMEngine(PausableGeneration, EngineState):
         through ``collective_rpc``); returns how many tensors were loaded. ``version`` defaults to the current + 1.
         A failure part-way marks the weights invalid (generation is refused until a complete load)."""
         self._check_quiet("load_weights()")
-        self.settle_weight_sync()
         self._check_weights_awake("load_weights")
         new_version = next_weight_version(f"engine {self.engine_index}", self._version, version)
         timeout = self.config.control_timeout_s
         count, bucket, bucket_bytes = 0, [], 0
-        self._rpc("rlhfkit_begin_weight_update", self.config.weight_loading, timeout=timeout)
+        self._rpc("rlhfkit_begin_weight_update", timeout=timeout)
         try:
             for name, tensor in weights:
                 if not isinstance(name, str) or not isinstance(tensor, torch.Tensor):
@@ -625,57 +618,22 @@ class VLLMEngine(PausableGeneration, EngineState):
         """Build any weight receiver in every vLLM worker: ``factory`` is a dotted path (``"pkg.mod:function"``)
         called there with ``kwargs`` (plain data; plus ``worker_rank``, ``worker_world_size``, ``device`` if it
         accepts them); the result needs ``receive(load_fn)``, where ``load_fn`` takes an iterable of (name, tensor)."""
-        self.settle_weight_sync()
         return self._rpc("rlhfkit_init_weight_sync", factory, dict(kwargs or {}),
                          timeout=self.config.control_timeout_s)
 
     def receive_weights(self, *, version: int | None = None) -> list[dict[str, Any]]:
         """Receive one sync in every worker (blocks until the sender has sent it); returns the workers' reports."""
         self._check_quiet("receive_weights()")
-        self.settle_weight_sync()
         self._check_weights_awake("receive_weights")
         if self._adapters is not None:
             self._adapters.check_room()
         if version is not None:
             next_weight_version(f"engine {self.engine_index}", self._version, version)
-        return self._received(lambda: self._rpc("rlhfkit_receive_weights", version, self.config.weight_loading,
+        return self._received(lambda: self._rpc("rlhfkit_receive_weights", version,
                                                 timeout=self.config.control_timeout_s))
 
-    def arm_weight_sync(self, *, version: int | None = None) -> list[dict[str, Any]]:
-        """Make every worker wait for the next sync in a thread of its own, and return at once.
-
-        The sync then costs the trainer only its ``WeightSender.send`` (which returns once every worker has loaded
-        the weights): no RPC has to reach the workers first. Arm ahead of the sync — e.g. when waking the weights,
-        or right after generating when the engine stays resident. Every other operation of this engine (generate,
-        sleep, wake_up, load_weights, receive_weights, ...) first settles the armed sync
-        (:meth:`settle_weight_sync`), so nothing touches the weights while they load; arm only when the sync will
-        come before the engine's next operation: one that comes first calls the sync off, and the sender's ``send``
-        then fails at once, naming the engine."""
-        self._check_quiet("arm_weight_sync()")
-        self.settle_weight_sync()
-        self._check_weights_awake("arm_weight_sync")
-        if self._adapters is not None:
-            self._adapters.check_room()
-        if version is not None:
-            next_weight_version(f"engine {self.engine_index}", self._version, version)
-        reports = self._rpc("rlhfkit_arm_weight_sync", version, self.config.weight_loading,
-                            timeout=self.config.control_timeout_s)
-        self._armed = True
-        return reports
-
-    def settle_weight_sync(self) -> list[dict[str, Any]] | None:
-        """End the armed sync, if any: wait until a sync the sender has started is loaded and return the workers'
-        reports (as :meth:`receive_weights`), or raise its error; if the sender has not started one, call it off
-        and return None."""
-        if not self._armed:
-            return None
-        self._armed = False
-        timeout = self.config.control_timeout_s
-        reports = self._received(lambda: self._rpc("rlhfkit_settle_weight_sync", timeout, timeout=timeout + 30.0))
-        return reports or None
-
     def _received(self, call: Any) -> list[dict[str, Any]]:
-        """Run a receiving RPC and take its reports (workers whose armed sync was called off report None)."""
+        """Run a receiving RPC and take its reports."""
         try:
             reports = call()
         except (ManifestMismatchError, WeightSyncVersionError, WeightVersionError):
@@ -687,17 +645,6 @@ class VLLMEngine(PausableGeneration, EngineState):
             if self._adapters is None:
                 self._invalidate("a weight sync failed part-way")
             raise
-        still = [report for report in reports if isinstance(report, dict) and report.get("still_receiving")]
-        if still:  # ArmedReceive.settle's timeout: the workers stay armed, a later settle waits again
-            self._armed = True
-            raise ArmedSyncStillReceiving(f"engine {self.engine_index}: {still[0].get('message')} "
-                                          f"(worker rank(s) {[report.get('rank') for report in still]})")
-        if all(report is None for report in reports):  # an armed sync that never started
-            return []
-        if any(report is None for report in reports):
-            self._invalidate("a weight sync reached only some of the workers")
-            raise RuntimeError(f"engine {self.engine_index}: an armed weight sync reached only some of the workers "
-                               f"(reports: {reports}); sync again")
         versions = {int(report["version"]) for report in reports}
         if len(versions) != 1:
             raise RuntimeError(f"engine {self.engine_index}: workers report different weight versions {versions}")
@@ -711,16 +658,13 @@ class VLLMEngine(PausableGeneration, EngineState):
         return reports
 
     def close_weight_sync(self) -> None:
-        self._armed = False  # the workers settle (or call off) an armed sync before closing
         self._rpc("rlhfkit_close_weight_sync", timeout=self.config.control_timeout_s)
 
     def weight_fingerprint(self) -> list[dict[str, list[float]]]:
         """Per worker: ``{vLLM parameter name: [sum, sum of squares]}`` (see the worker extension)."""
-        self.settle_weight_sync()
         return self._rpc("rlhfkit_weight_fingerprint", timeout=self.config.control_timeout_s)
 
     def worker_versions(self) -> list[int]:
-        self.settle_weight_sync()
         return [int(version) for version in self._rpc("rlhfkit_report_version",
                                                       timeout=self.config.health_timeout_s)]
 

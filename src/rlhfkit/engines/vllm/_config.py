@@ -11,11 +11,10 @@ from typing import Any, Literal
 
 from rlhfkit.engines.vllm._compat import VLLMFeatureError, VLLMFeatures, require_feature
 
-__all__ = ["VLLMEngineConfig", "build_llm_kwargs", "lora_rank_slot", "WORKER_EXTENSION", "WEIGHT_LOADINGS"]
+__all__ = ["VLLMEngineConfig", "build_llm_kwargs", "lora_rank_slot", "WORKER_EXTENSION"]
 
 WORKER_EXTENSION = "rlhfkit.engines.vllm._worker.WeightSyncExtension"
 _DTYPES = ("auto", "bfloat16", "float16", "float32")
-WEIGHT_LOADINGS = ("auto", "layerwise", "direct", "planned")  # VLLMEngineConfig.weight_loading
 _OWN_KWARGS = ("model", "tensor_parallel_size", "gpu_memory_utilization", "enable_sleep_mode", "seed",
                "enable_prefix_caching", "enforce_eager", "max_model_len", "dtype", "logprobs_mode",
                "worker_extension_cls", "distributed_executor_backend", "enable_lora", "max_lora_rank", "max_loras",
@@ -79,19 +78,6 @@ class VLLMEngineConfig:
         generate_timeout_s, control_timeout_s, health_timeout_s, startup_timeout_s: timeouts of engine groups
             (generate; sleep/wake/weight loads; health checks; engine start-up).
         load_bucket_bytes: :meth:`VLLMEngine.load_weights` sends tensors to the workers in buckets of this size.
-        weight_loading: how workers apply new weights.
-            ``"direct"``: the model's own ``load_weights`` copies each tensor into its (fused) parameter as it
-            arrives — one copy, nothing kept.
-            ``"layerwise"``: vLLM's layer-wise reload (keeps a layer's tensors until the layer is complete, then
-            re-runs its post-load processing; what quantized checkpoints need, and a clone of every tensor that
-            arrives in a reused buffer).
-            ``"auto"`` (default): direct when the model is not quantized and every weight of its quantization-method
-            layers (linear, embedding) still carries its ``weight_loader`` (post-load processing that repacks a
-            weight replaces its parameter, as vLLM's CPU backend does), else layerwise.
-            ``"planned"`` (opt-in): direct, but the first load records where each tensor's copies (and constant
-            fills) land and later loads replay them with one batched copy per bucket (tensors whose loader does more
-            stay on ``load_weights``; see ``rlhfkit.engines.vllm._copy_plan``); falls back to layerwise where
-            ``"auto"`` would.
         enable_lora: serve LoRA adapters pushed in memory through the weight sync
             (:meth:`VLLMEngine.init_weight_sync` with ``lora=``; see ``docs/lora.md``).
         max_lora_rank: the largest adapter rank; rounded up to the next rank the installed vLLM accepts (1, 8, 16,
@@ -131,7 +117,6 @@ class VLLMEngineConfig:
     health_timeout_s: float = 30.0
     startup_timeout_s: float = 900.0
     load_bucket_bytes: int = 512 * 1024**2
-    weight_loading: Literal["auto", "layerwise", "direct", "planned"] = "auto"
     enable_lora: bool = False
     max_lora_rank: int = 16
     max_loras: int = 1
@@ -159,9 +144,6 @@ class VLLMEngineConfig:
                 and self.max_num_batched_tokens < self.max_num_seqs):
             raise ValueError(f"VLLMEngineConfig.max_num_batched_tokens={self.max_num_batched_tokens} is below "
                              f"max_num_seqs={self.max_num_seqs}: a decode step gives every running sequence a token")
-        if self.weight_loading not in WEIGHT_LOADINGS:
-            raise ValueError(f"VLLMEngineConfig.weight_loading={self.weight_loading!r}; expected one of "
-                             f"{WEIGHT_LOADINGS}")
         if self.dtype not in _DTYPES:
             raise ValueError(f"VLLMEngineConfig.dtype={self.dtype!r}; expected one of {_DTYPES}")
         if self.logprobs_mode not in ("processed_logprobs", "raw_logprobs"):

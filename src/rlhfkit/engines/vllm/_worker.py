@@ -8,8 +8,9 @@ What it does: load HF-named tensors with the model's own ``load_weights`` (which
 sharded parameters) inside vLLM's layer-wise reload session (``initialize_layerwise_reload`` /
 ``finalize_layerwise_reload`` from ``vllm.model_executor.model_loader.reload``, the calls vLLM's own weight-transfer
 API makes: they re-run each layer's post-load processing — e.g. the CPU backend's weight repacking — and copy the
-result into the original storage, so CUDA graphs stay valid), falling back to a plain ``load_weights`` where that
-module does not exist; track which parameters have been rewritten since a level-2 sleep discarded them; run a
+result into the original storage, so CUDA graphs stay valid) when the model needs it — a quantized model, or one whose
+post-load processing replaced a weight (vLLM's CPU backend repacks linear weights) — else the plain ``load_weights``
+(one copy per tensor, nothing kept), which is also the fallback where that module does not exist; track which parameters have been rewritten since a level-2 sleep discarded them; run a
 weight-sync receiver (:func:`make_weight_receiver` builds an :class:`rlhfkit.weight_sync.WeightReceiver`; any object
 with ``receive(load_fn) -> report`` works, built in the worker by a factory named by a dotted path); report the
 weight version and per-parameter fingerprints.
@@ -79,14 +80,11 @@ def resolve_factory(path: str) -> Any:
 
 def plain_report(report: Any) -> dict[str, Any]:
     """A receiver's report as a dict of plain values (collective_rpc results cross process boundaries); a
-    ``SyncReport``'s ``phases`` become ``channel_<phase>_s`` entries."""
+    ``SyncReport``'s fields."""
     if report is None:
         return {}
     if dataclasses.is_dataclass(report) and not isinstance(report, type):
-        phases = getattr(report, "phases", ())
         report = dataclasses.asdict(report)
-        report.pop("phases", None)
-        report.update({f"channel_{name}_s": float(seconds) for name, seconds in phases})
     if not isinstance(report, Mapping):
         return {"report": repr(report)}
     plain: dict[str, Any] = {}
@@ -133,20 +131,11 @@ def make_weight_receiver(*, config: Mapping[str, Any], endpoint: Mapping[str, An
     return weight_sync.WeightReceiver(sync_config, place, **options)
 
 
-def _takes_by_bucket(state: dict[str, Any], receiver: Any) -> bool:
-    """Whether ``receiver.receive`` takes ``by_bucket`` (looked up once per receiver, not at every sync)."""
-    cached = state.get("by_bucket")
-    if cached is None or cached[0] is not receiver:
-        cached = state["by_bucket"] = (receiver, "by_bucket" in inspect.signature(receiver.receive).parameters)
-    return cached[1]
-
-
 class WeightSyncExtension:
     """Mixed into each vLLM worker; every method runs on every tensor-parallel rank via ``collective_rpc``.
 
     A weight update is a session: ``rlhfkit_begin_weight_update``, any number of ``rlhfkit_load_weights`` buckets,
-    ``rlhfkit_finish_weight_update(version)``; ``rlhfkit_receive_weights`` runs a whole session around one sync;
-    ``rlhfkit_arm_weight_sync`` runs it in a thread that waits for the sender, ``rlhfkit_settle_weight_sync`` ends it.
+    ``rlhfkit_finish_weight_update(version)``; ``rlhfkit_receive_weights`` runs a whole session around one sync.
     """
 
     # --- state kept on the worker (created lazily: vLLM builds the worker before the extension is used) -------------
@@ -193,74 +182,32 @@ class WeightSyncExtension:
         return count
 
     # --- collective_rpc entry points ----------------------------------------------------------------------------------
-    def _rlhfkit_layerwise(self, loading: str) -> bool:
-        """Whether this update goes through vLLM's layer-wise reload (see ``VLLMEngineConfig.weight_loading``)."""
-        from rlhfkit.engines.vllm._config import WEIGHT_LOADINGS
+    def _rlhfkit_layerwise(self) -> bool:
+        """Whether updates go through vLLM's layer-wise reload: for a quantized model, or one whose post-load
+        processing replaced a weight (walked once per model)."""
+        state = self._rlhfkit_state()
+        model = self._rlhfkit_model()
+        cached = state.get("transforms")
+        if cached is None or cached[0] is not model:
+            model_config = getattr(self, "model_config", None)
+            cached = state["transforms"] = (model, getattr(model_config, "quantization", None) is not None
+                                            or _repacked(model))
+        return cached[1]
 
-        if loading not in WEIGHT_LOADINGS:
-            raise ValueError(f"weight loading {loading!r}; expected one of {WEIGHT_LOADINGS}")
-        if loading in ("auto", "planned"):  # a plan only records plain copies: the same condition as direct
-            state = self._rlhfkit_state()
-            model = self._rlhfkit_model()
-            # walked once per model: with this walk at every update, beginning one took ≈ 2 ms on a 1.54B Llama
-            cached = state.get("transforms")
-            if cached is None or cached[0] is not model:
-                model_config = getattr(self, "model_config", None)
-                cached = state["transforms"] = (model, getattr(model_config, "quantization", None) is not None
-                                                or _repacked(model))
-            return cached[1]
-        return loading == "layerwise"
-
-    def rlhfkit_begin_weight_update(self, loading: str = "auto") -> dict[str, Any]:
+    def rlhfkit_begin_weight_update(self) -> dict[str, Any]:
         state = self._rlhfkit_state()
         if state["session"] is not None:
             raise RuntimeError("rlhfkit_begin_weight_update called while a weight update is open; finish it first")
-        api = layerwise_reload_api() if self._rlhfkit_layerwise(loading) else None
+        api = layerwise_reload_api() if self._rlhfkit_layerwise() else None
         if api is not None:
             with self._rlhfkit_device_context():
                 api[0](self._rlhfkit_model())
-        planned = loading == "planned" and api is None
-        plan = state.get("plan")
-        checked = state.pop("plan_checked", False)  # an armed sync checked it before waiting (nothing ran since)
-        if planned and plan is not None and not checked and not plan.valid():  # a parameter moved: stale views
-            state["plan"] = None
-        state["session"] = {"layerwise": api is not None, "planned": planned, "num_tensors": 0}
+        state["session"] = {"layerwise": api is not None, "num_tensors": 0}
         return dict(state["session"])
 
     def rlhfkit_load_weights(self, weights: Iterable[Any]) -> int:
         """Load one bucket of HF-named tensors into the open session; returns how many tensors it held."""
-        session = self._rlhfkit_state()["session"]
-        if session is not None and session.get("planned"):
-            return self._rlhfkit_load_batch(list(weights))
         return self._rlhfkit_load(weights)
-
-    def _rlhfkit_load_batch(self, batch: list[Any]) -> int:
-        """``weight_loading="planned"``: one batch (a bucket) through the recorded copy plan; tensors not seen before
-        are loaded by ``load_weights`` while their copies are recorded (see :mod:`rlhfkit.engines.vllm._copy_plan`)."""
-        from rlhfkit.engines.vllm._copy_plan import CopyPlan
-
-        state = self._rlhfkit_state()
-        model = self._rlhfkit_model()
-        plan = state.get("plan")
-        if plan is None:  # (checked once per update, in rlhfkit_begin_weight_update: valid() walks every parameter)
-            plan = state["plan"] = CopyPlan(model)
-
-        def load(weights: Iterable[tuple[str, torch.Tensor]]) -> Any:
-            return model.load_weights(weights=weights)
-
-        with self._rlhfkit_device_context():
-            written = plan.replay(batch)  # the same tensors as last time (a kept mapping): one launch, no bookkeeping
-            if written is None:
-                named = [(str(name), tensor) for name, tensor in batch]
-                known = [(n, t) for n, t in named if n in plan.steps or n in plan.unplanned]
-                new = [(n, t) for n, t in named if not (n in plan.steps or n in plan.unplanned)]
-                written = plan.apply(known, load) if known else set()
-                if new:
-                    written |= plan.record(new, load)
-        if state["pending"] is not None:
-            state["pending"].difference_update(written)
-        state["session"]["num_tensors"] += len(batch)
-        return len(batch)
 
     def rlhfkit_finish_weight_update(self, version: int | None = None) -> dict[str, Any]:
         """Close the session (vLLM's layer-wise post-processing runs here); set the version when given."""
@@ -361,10 +308,10 @@ class WeightSyncExtension:
         state["version"] = new_version
         report.update(version=new_version, rank=int(getattr(self, "rank", 0)), adapter_id=new_version,
                       adapters=registered, num_loaded=len(collected), receive_s=received - started,
-                      register_s=time.perf_counter() - received, layerwise=False, planned=False)
+                      register_s=time.perf_counter() - received, layerwise=False)
         return report
 
-    def rlhfkit_receive_weights(self, version: int | None = None, loading: str = "auto") -> dict[str, Any]:
+    def rlhfkit_receive_weights(self, version: int | None = None) -> dict[str, Any]:
         """Receive one full sync through the receiver in one session, loading each bucket as it arrives; returns
         the receiver's report (plain values) with the version this rank now holds and the session's timings."""
         state = self._rlhfkit_state()
@@ -385,7 +332,7 @@ class WeightSyncExtension:
         if state.get("adapter") is not None:
             return self._rlhfkit_receive_adapter(version, check_version)
         started = time.perf_counter()
-        self.rlhfkit_begin_weight_update(loading)
+        self.rlhfkit_begin_weight_update()
         begun = time.perf_counter()
         try:
             loading_s = [0.0]  # host time spent inside the loads (the rest of receive_s is the channel's)
@@ -397,87 +344,24 @@ class WeightSyncExtension:
                 finally:
                     loading_s[0] += time.perf_counter() - start
 
-            if state["session"]["planned"] and _takes_by_bucket(state, receiver):
-                def load_buckets(buckets: Iterable[list[Any]], version: int | None = None) -> int:
-                    check_version(version)
-                    return sum(timed(self._rlhfkit_load_batch, bucket) for bucket in buckets)
+            def load_stream(weights: Iterable[Any], version: int | None = None) -> int:
+                check_version(version)
+                return timed(self._rlhfkit_load, weights, borrowed=True)
 
-                report = plain_report(receiver.receive(load_buckets, by_bucket=True))
-            else:
-                def load_stream(weights: Iterable[Any], version: int | None = None) -> int:
-                    check_version(version)
-                    return timed(self._rlhfkit_load, weights, borrowed=True)
-
-                report = plain_report(receiver.receive(load_stream))
+            report = plain_report(receiver.receive(load_stream))
         finally:
             received = time.perf_counter()
             session = self.rlhfkit_finish_weight_update(None)
         report.update(begin_s=begun - started, receive_s=received - begun, finish_s=time.perf_counter() - received,
                       load_s=loading_s[0])
-        plan = state.get("plan")
-        if session.get("planned") and plan is not None:
-            report.update(planned_tensors=len(plan.steps), unplanned_tensors=len(plan.unplanned),
-                          replay=plan.last_replay)
         reported = report.get("version")
         state["version"] = int(version if version is not None else reported if isinstance(reported, int)
                                else state["version"] + 1)
         report.update(version=state["version"], rank=session["rank"], layerwise=session["layerwise"],
-                      planned=session.get("planned", False),
                       num_loaded=session["num_tensors"])
         return report
 
-    # --- armed receiving: the worker waits for the next sync in a thread, so a sync needs no RPC ------------------
-    def rlhfkit_arm_weight_sync(self, version: int | None = None, loading: str = "auto") -> dict[str, Any]:
-        """Start receiving the next sync in a background thread and return at once
-        (:class:`rlhfkit.weight_sync.ArmedReceive` around :meth:`rlhfkit_receive_weights`): the sync then costs
-        the trainer only its ``send``, since no RPC has to reach the worker, which is already waiting.
-
-        Nothing may touch the weights (generate, sleep, load) until :meth:`rlhfkit_settle_weight_sync` has
-        returned: ``VLLMEngine`` settles before each of its operations."""
-        from rlhfkit.weight_sync import ArmedReceive
-
-        state = self._rlhfkit_state()
-        receiver = state["receiver"]
-        if receiver is None:
-            raise RuntimeError("rlhfkit_arm_weight_sync called before rlhfkit_init_weight_sync; call "
-                               "engine.init_weight_sync(...) first")
-        if state.get("armed") is not None:
-            raise RuntimeError("rlhfkit_arm_weight_sync called while a sync is already armed; settle it first")
-        if state["session"] is not None:
-            raise RuntimeError("rlhfkit_arm_weight_sync called while a weight update is open")
-        plan = state.get("plan")
-        if loading == "planned" and plan is not None:  # checked now, off the sync's path: until the sync is
-            if not plan.valid():                       # settled nothing may touch the weights (see above)
-                state["plan"] = None
-            state["plan_checked"] = True
-        device = getattr(self, "device", None)
-        state["armed"] = ArmedReceive(receiver, lambda: self.rlhfkit_receive_weights(version, loading),
-                                      device=device if isinstance(device, torch.device) else None,
-                                      name="rlhfkit-armed-weight-sync")
-        return {"armed": True, "rank": int(getattr(self, "rank", 0))}
-
-    def rlhfkit_settle_weight_sync(self, timeout_s: float = 600.0) -> dict[str, Any] | None:
-        """End an armed sync: if the sender has started it, wait (up to ``timeout_s``) until it is loaded and return
-        its report (as :meth:`rlhfkit_receive_weights`), or raise its error; if not, call it off (the sender's
-        ``send`` of it then fails at once, naming this worker) and return None. Still receiving after ``timeout_s``:
-        ``{"still_receiving": True, "message": ..., "rank": ...}`` (the sync stays armed)."""
-        state = self._rlhfkit_state()
-        armed = state.get("armed")
-        if armed is None:
-            return None
-        from rlhfkit.weight_sync import ArmedSyncStillReceiving
-
-        try:
-            return armed.settle(timeout_s)
-        except ArmedSyncStillReceiving as error:  # plain data: an executor may not carry the exception's type
-            return {"still_receiving": True, "message": str(error), "rank": int(getattr(self, "rank", 0))}
-        finally:
-            if not armed.running:  # (still receiving after timeout_s: stays armed, a later settle waits again)
-                state["armed"] = None
-                state.pop("plan_checked", None)  # a called-off sync did not use its check
-
     def rlhfkit_close_weight_sync(self) -> None:
-        self.rlhfkit_settle_weight_sync()
         state = self._rlhfkit_state()
         receiver, state["receiver"] = state["receiver"], None
         if receiver is not None and callable(getattr(receiver, "close", None)):
