@@ -64,7 +64,6 @@ def actor_worker(monkeypatch, tiny_llama_path):
 
 
 def _worker(monkeypatch, tiny_llama_path, role: str):
-    from rlhfkit.hybrid._background_sleep import BackgroundSleep
     from rlhfkit.hybrid._trainer_worker import SleepPlan, TrainerWorker
 
     for name, value in {"RLHFKIT_ROLE": role, "RANK": "0", "RLHFKIT_BUNDLE_INDICES": "0",
@@ -74,7 +73,6 @@ def _worker(monkeypatch, tiny_llama_path, role: str):
     worker = TrainerWorker(store, "cpu", str(tiny_llama_path))
     # what load() sets, without building a DeepSpeed model
     worker.config, worker.plan = SimpleNamespace(offload=True), SleepPlan(overlap_switches=True)
-    worker.background = BackgroundSleep(role=role, rank=0)
     return worker, store
 
 

@@ -27,7 +27,6 @@ class CallCost:
         bytes_h2d: bytes its wakes copied host -> device.
         bytes_kept: bytes its sleeps freed on the device without a copy (the host copy was still current).
         peak_gib: torch's peak allocated memory during the call (0 on CPU).
-        peak_reserved_gib: the same with the caching allocator's blocks.
     """
 
     switch_s: float = 0.0
@@ -36,7 +35,6 @@ class CallCost:
     bytes_h2d: float = 0.0
     bytes_kept: float = 0.0
     peak_gib: float = 0.0
-    peak_reserved_gib: float = 0.0
 
     def __post_init__(self) -> None:
         for name in self.__dataclass_fields__:
@@ -44,9 +42,8 @@ class CallCost:
                 raise ValueError(f"CallCost.{name}={getattr(self, name)!r}; give a count >= 0")
 
     def __add__(self, other: CallCost) -> CallCost:
-        """Two costs of one rank: seconds and bytes add up, peaks take the larger."""
-        peaks = ("peak_gib", "peak_reserved_gib")
-        return CallCost(**{name: (max if name in peaks else sum)((getattr(self, name), getattr(other, name)))
+        """Two costs of one rank: seconds and bytes add up, the peak is the larger."""
+        return CallCost(**{name: (max if name == "peak_gib" else sum)((getattr(self, name), getattr(other, name)))
                            for name in self.__dataclass_fields__})
 
 

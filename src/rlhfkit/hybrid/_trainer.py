@@ -2,20 +2,16 @@
 
 A :class:`TrainerGroup` is one role (actor, critic, reference, reward) as data-parallel Ray actors, each holding a
 sleepable :class:`~rlhfkit.deepspeed_engine.DeepSpeedEngine`. Its calls are the small primitives of Tinker/SkyRL:
+:meth:`~TrainerGroup.forward` (no-grad ``[T]`` log-probs / values, ``[N]`` rewards), :meth:`~TrainerGroup.
+forward_backward` (your loss function, shipped with the call, then backward), :meth:`~TrainerGroup.optim_step` (or
+:meth:`~TrainerGroup.discard_gradients`), :meth:`~TrainerGroup.save` / :meth:`~TrainerGroup.load`; weights go to
+engines with :meth:`rlhfkit.hybrid.Hybrid.push_weights`. They return typed results (:mod:`rlhfkit.hybrid._results`).
 
-- :meth:`TrainerGroup.forward`: no-grad ``[T]`` log-probs / values (``[N]`` rewards) of a packed batch;
-- :meth:`TrainerGroup.forward_backward`: your loss function on the model's outputs, then backward — the loss is
-  defined in your script and shipped with the call;
-- :meth:`TrainerGroup.optim_step`: the optimizer step over what ``forward_backward`` accumulated;
-  :meth:`TrainerGroup.discard_gradients` gives the step up instead (a failed ``forward_backward`` does by itself);
-- :meth:`TrainerGroup.save` / :meth:`TrainerGroup.load`; weights go to engines with :meth:`rlhfkit.hybrid.Hybrid.
-  push_weights`.
-
-Each call wakes the role through the phase guard if it is asleep (``wake=True``) and can put it back to sleep
-(``sleep_after``), inside the same actor call: one call is one round trip. The batch is split over the ranks by
-tokens, and on each rank into micro-batches of at most ``TrainerConfig.micro_batch_tokens`` tokens (the same count on
-every rank, as ZeRO's collectives need). Losses are normalised by the whole minibatch's token and sequence counts,
-handed to your loss function, so gradients are those of the whole minibatch whatever the split.
+The group records what its calls leave on the GPUs (:class:`GpuState`) and tells the ranks to wake or sleep inside
+the call itself: one call is one round trip. The batch is split over the ranks by tokens, and on each rank into
+micro-batches of at most ``TrainerConfig.micro_batch_tokens`` tokens (the same count on every rank, as ZeRO's
+collectives need). Losses are normalised by the whole minibatch's token and sequence counts, handed to your loss
+function, so gradients are those of the whole minibatch whatever the split.
 """
 
 from __future__ import annotations

@@ -124,7 +124,7 @@ class TrainerWorker(Worker):
         self._gradients_unknown = False  # a failed call's gradients could not be dropped (see _discard_after)
         self._send_stream: Any = None  # the CUDA stream a push beside a background sleep runs on
         self._resident = _Resident()
-        self.background: BackgroundSleep | None = None  # set at load()
+        self.background = BackgroundSleep(role=self.role, rank=self.rank)  # sleeps behind the next role's wake
         self._cuda_device: Any = None
 
     @property
@@ -160,7 +160,6 @@ class TrainerWorker(Worker):
         self.plan = SleepPlan(overlap_switches=bool(overlap_switches),  # the run plan's RolePlan, once it is one
                               sleep_optimizer=config.sleep_optimizer is not False,
                               sleep_weights=config.sleep_weights is not False)
-        self.background = BackgroundSleep(role=self.role, rank=self.rank)
         self._resident = _Resident(empty_cache=config.deepspeed.empty_cache_on_sleep)
         clock = StartupClock()
         self._transition("wake", "load")  # claim only: the model does not exist yet
@@ -189,7 +188,7 @@ class TrainerWorker(Worker):
         self._transition("sleep", "load")  # the claim was taken with no model: release it the same way
         clock.lap("sleep_s")
         self.model = model
-        parts = self._startup | {f"load_{name}": seconds for name, seconds in clock.parts.items() if name != "process_s"}
+        parts = self._startup | {f"load_{name}": value for name, value in clock.parts.items() if name != "process_s"}
         return {"parameters": sum(getattr(p, "ds_numel", p.numel()) for p in self.model.module.parameters()),
                 "copy_rates": rates, "startup_parts": parts}
 
@@ -243,17 +242,13 @@ class TrainerWorker(Worker):
                               keep_weights=keep, device=self._cuda_device)
         return CallCost()
 
-    def _reply(self, value: Any, cost: CallCost, *, peaks: bool = False) -> WorkerReply:
-        """``value`` with the call's cost, the background sleeps that ended since the last call, and with ``peaks``
-        torch's peak memory since the call reset it."""
-        if peaks and torch.cuda.is_available():
-            cost += CallCost(peak_gib=torch.cuda.max_memory_allocated() / _GIB,
-                             peak_reserved_gib=torch.cuda.max_memory_reserved() / _GIB)
-        return WorkerReply(value=value, cost=cost + self.background.take() if self.background else cost)
+    def _reply(self, value: Any, cost: CallCost) -> WorkerReply:
+        """``value`` with the call's cost and that of the background sleeps that ended since the last call."""
+        return WorkerReply(value=value, cost=cost + self.background.take())
 
     def wake(self, phase: str = "wake") -> WorkerReply:
         """Wake the role (if asleep)."""
-        self._settle("wake")
+        self.background.settle("wake")
         return self._reply(None, CallCost() if self.awake else self._wake(phase))
 
     def sleep(self, phase: str = "sleep", keep_weights: bool = False) -> WorkerReply:
@@ -261,9 +256,9 @@ class TrainerWorker(Worker):
         background sleep that keeps the weights still runs (``overlap_switches``), the weights' sleep is queued
         behind it and this returns at once."""
         keep_weights = keep_weights or self._keeps("weights")
-        if self.background is not None and self.background.pending and self.background.keeps_weights:
+        if self.background.pending and self.background.keeps_weights:
             return self._reply(None, CallCost() if keep_weights else self._sleep(phase))
-        self._settle("sleep")
+        self.background.settle("sleep")
         cost = CallCost()
         if self.awake or (self.weights_kept and not keep_weights):
             cost = self._sleep(phase, keep_weights=keep_weights)
@@ -274,17 +269,13 @@ class TrainerWorker(Worker):
         logs its transition when it ends, so it shows up in a later call; ``settle=True`` waits for it first (a
         complete log at the end of a run, not in a per-step log, where it would hold the driver)."""
         if settle:
-            self._settle("guard_events")
+            self.background.settle("guard_events")
         events, self.events = self.events, []
         return events
 
-    def _settle(self, method: str) -> None:
-        if self.background is not None:
-            self.background.settle(method)
-
     def _begin(self, method: str, phase: str, wake: bool) -> CallCost:
         """Settle, check, and wake the role if asleep and the driver said so."""
-        self._settle(method)
+        self.background.settle(method)
         if self.model is None:
             raise HybridCallError(f"{method}() on '{self.role}' rank {self.rank} before load()", role=self.role,
                                   rank=self.rank, phase=phase)
@@ -341,7 +332,7 @@ class TrainerWorker(Worker):
         """Drop the gradients accumulated since the last optimizer step (a step given up after its
         ``forward_backward``); the next ``forward_backward`` starts a new step. Wakes the role only when it holds
         such gradients asleep."""
-        self._settle("discard_gradients")
+        self.background.settle("discard_gradients")
         cost = CallCost()
         if self.trains and self.model is not None and (self._pending_backward or self._gradients_unknown):
             cost = self._begin("discard_gradients", phase, True)
@@ -363,9 +354,8 @@ class TrainerWorker(Worker):
             with torch.no_grad(), _tf32(self.config.tf32_frozen_forward and not self.trains):
                 outputs = [run(batch).float() for batch in batches]  # queued back to back; one wait for them all
             outputs = [output.cpu() for output in outputs]
-            reply = self._reply(outputs, cost, peaks=True)  # the peak before the sleep's cache release
-            cost = self._end(phase, sleep_after)
-        return WorkerReply(value=reply.value, cost=reply.cost + cost)
+            cost += _peaks() + self._end(phase, sleep_after)  # the peak before the sleep's cache release
+        return self._reply(outputs, cost)
 
     def forward_backward(self, micro_batches: list, loss_fn: Any, *, output: str, temperature: float,
                          num_tokens: float, num_seqs: float, phase: str, wake: bool) -> WorkerReply:
@@ -409,7 +399,7 @@ class TrainerWorker(Worker):
             self._pending_backward = True
         result = ForwardBackwardResult(role=self.role, loss=loss_sum, stats=dict(sums), num_tokens=round(num_tokens),
                                        num_seqs=round(num_seqs))
-        return self._reply(result, cost, peaks=True)
+        return self._reply(result, cost + _peaks())
 
     def _loss_function(self, shipped: Any) -> Any:
         """The caller's loss function, sent pickled; unpickled once while the same bytes keep coming."""
@@ -425,40 +415,33 @@ class TrainerWorker(Worker):
                    index: int, phase: str) -> tuple[torch.Tensor, dict[str, Any], float]:
         """The loss, its stats and its value (read once: the one wait for the GPU per micro-batch, before the
         backward is queued), checked."""
-        where = f"'{self.role}' rank {self.rank}, phase '{phase}', micro-batch {index}"
-
-        def refuse(what: str) -> LossFunctionError:
-            return LossFunctionError(f"the loss function {_name(loss_fn)} {what}", role=self.role, rank=self.rank,
-                                     phase=phase)
-
+        where = f"on '{self.role}' rank {self.rank}, phase '{phase}', micro-batch {index}"
         result = loss_fn(outputs, micro, num_tokens=num_tokens, num_seqs=num_seqs)
         loss, stats = result if isinstance(result, tuple) and len(result) == 2 else (result, {})
-        if not isinstance(loss, torch.Tensor) or loss.ndim != 0:
-            shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
-            raise refuse(f"returned {shape} on {where}; it must return a scalar tensor (or (scalar tensor, dict of "
-                         "floats))")
-        value = float(loss.detach())
-        if not math.isfinite(value):
-            raise refuse(f"returned {value} on {where}; check its inputs (advantages, log-ratios) for overflow")
-        if not loss.requires_grad:
-            raise LossFunctionError(f"the loss of {_name(loss_fn)} on {where} does not depend on the model's "
-                                    "outputs (no gradient); compute it from the outputs it is given",
-                                    role=self.role, rank=self.rank, phase=phase)
-        if not isinstance(stats, dict):
-            raise refuse(f"returned stats of type {type(stats).__name__} on {where}; expected a dict of floats")
-        for key, stat in stats.items():
-            if isinstance(stat, torch.Tensor) and stat.numel() == 1:
-                continue
-            if not isinstance(stat, numbers.Real):  # int, float, bool, numpy scalars
-                shape = tuple(stat.shape) if isinstance(stat, torch.Tensor) else type(stat).__name__
-                raise refuse(f"returned stats[{key!r}] = {shape} on {where}; each stat must be a number or a "
-                             "one-element tensor")
-        return loss, stats, value
+        value = float(loss.detach()) if isinstance(loss, torch.Tensor) and loss.ndim == 0 else None
+        bad = [f"stats[{key!r}] = {_shape(stat)}" for key, stat in (stats.items() if isinstance(stats, dict) else ())
+               if not (isinstance(stat, numbers.Real) or isinstance(stat, torch.Tensor) and stat.numel() == 1)]
+        if value is None:
+            problem = (f"returned {_shape(loss)} {where}; it must return a scalar tensor (or (scalar tensor, dict of "
+                       "floats))")
+        elif not math.isfinite(value):
+            problem = f"returned {value} {where}; check its inputs (advantages, log-ratios) for overflow"
+        elif not loss.requires_grad:
+            problem = (f"gave a loss {where} that does not depend on the model's outputs (no gradient); compute it "
+                       "from the outputs it is given")
+        elif not isinstance(stats, dict):
+            problem = f"returned stats of type {type(stats).__name__} {where}; expected a dict of floats"
+        elif bad:
+            problem = f"returned {bad[0]} {where}; each stat must be a number or a one-element tensor"
+        else:
+            return loss, stats, value
+        raise LossFunctionError(f"the loss function {_name(loss_fn)} {problem}", role=self.role, rank=self.rank,
+                                phase=phase)
 
     def optim_step(self, *, phase: str, sleep_after: bool | str) -> WorkerReply:
         """One optimizer step over the gradients of the last ``forward_backward`` (the accumulation boundary); its
         value: an :class:`~rlhfkit.hybrid.OptimStepResult`."""
-        self._settle("optim_step")
+        self.background.settle("optim_step")
         self._check_gradients_known("optim_step", phase)
         if not self._pending_backward:
             raise HybridCallError(f"optim_step() on '{self.role}' rank {self.rank} with no forward_backward() "
@@ -495,7 +478,7 @@ class TrainerWorker(Worker):
 
         from rlhfkit.weight_sync import SyncEndpoint, WeightSender
 
-        self._settle("open_weight_sync")
+        self.background.settle("open_weight_sync")
         self.sync_config = config
         if not sender:
             return None
@@ -515,11 +498,9 @@ class TrainerWorker(Worker):
         if self.sender is None and self.rank == 0:
             raise HybridCallError(f"push_weights: '{self.role}' has no weight sender (only the actor's weights go to "
                                   "the engines)", role=self.role, rank=self.rank, phase=phase)
-        background = self.background
-        beside = background is not None and background.pending and background.keeps_weights and (
-            self.model.config.zero_stage < 3)
+        beside = self.background.pending and self.background.keeps_weights and self.model.config.zero_stage < 3
         if not beside:
-            self._settle(method)
+            self.background.settle(method)
             if self.model.is_asleep and not self.weights_kept:
                 raise RoleAsleepError(f"push_weights: '{self.role}' rank {self.rank} is asleep without its weights; "
                                       "train with optim_step(sleep_after='keep_weights') or wake it", role=self.role,
@@ -557,3 +538,12 @@ class TrainerWorker(Worker):
 
 def _name(fn: Any) -> str:
     return getattr(fn, "__qualname__", None) or type(fn).__name__
+
+
+def _shape(value: Any) -> Any:
+    return tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+
+
+def _peaks() -> CallCost:
+    """torch's peak allocated memory since the call reset it (nothing on CPU)."""
+    return CallCost(peak_gib=torch.cuda.max_memory_allocated() / _GIB if torch.cuda.is_available() else 0.0)
