@@ -64,11 +64,10 @@ def summarize(rows: list[dict]) -> dict:
         "spanning_per_step": [row.get("staleness/spanning", 0.0) for row in rows],  # updated mid-generation
         "mismatch_kl_per_step": [row["mismatch/kl"] for row in rows],
         "dropped_groups": rows[-1].get("buffer/dropped_groups", 0.0),
-        # the medians of each phase (time/*) next to the trainer workers' own time in it (worker/*: wall, and the
-        # CPU time of the threads that ran the calls): where an async step's extra time goes
+        # the medians of each phase (time/*): where an async step's extra time goes
         "phases_median": {key: statistics.median(row[key] for row in later if key in row)
                           for key in sorted({k for row in later for k in row
-                                             if k.startswith(("time/", "worker/")) and k.endswith("_s")})},
+                                             if k.startswith("time/") and k.endswith("_s")})},
     }
 
 

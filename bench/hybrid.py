@@ -46,7 +46,7 @@ def step_windows(step_times: list[float]) -> dict[str, float]:
 
 def summarize(rows: list[dict], launch_to_first_step_s: float | None = None) -> dict:
     timed = rows[1:] or rows
-    keys = sorted({key for row in timed for key in row if key.startswith(("time/", "switch/", "worker/"))})
+    keys = sorted({key for row in timed for key in row if key.startswith(("time/", "switch/"))})
     median = {key: statistics.median(row[key] for row in timed if key in row) for key in keys}
     peaks = {key: max(row[key] for row in rows if key in row) for key in {k for r in rows for k in r
                                                                             if k.startswith("mem/")}}

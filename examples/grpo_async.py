@@ -173,8 +173,8 @@ def train_step(hybrid, rollouts, version, tokenizer, loss_fn, step) -> dict:
     stats = {k: v for k, v in stats.items() if not k.startswith("time/")}
     with timer.phase("train_actor"):
         for minibatch in iterate_minibatches(experience, num_minibatches=MINIBATCHES, seed=step):
-            stats |= actor.forward_backward(minibatch, loss_fn)
-            stats |= actor.optim_step(sleep_after=False)
+            stats |= actor.forward_backward(minibatch, loss_fn).metrics()
+            stats |= actor.optim_step(sleep_after=False).metrics()
     return stats
 
 

@@ -216,10 +216,11 @@ def main(argv=None) -> list[dict]:
                     for index, minibatch in enumerate(minibatches):
                         train = actor.forward_backward(minibatch, loss_fn)
                         last = index == len(minibatches) - 1
-                        train |= actor.optim_step(sleep_after="keep_weights" if last else False)
+                        step_result = actor.optim_step(sleep_after="keep_weights" if last else False)
                         if index == 0:  # before any update: the engine-vs-trainer gap of the same weights
-                            stats["engine_vs_trainer/mean_abs_logprob_diff"] = train.pop("actor/engine_gap")
-                        stats |= {k: v for k, v in train.items() if k != "actor/engine_gap"}
+                            stats["engine_vs_trainer/mean_abs_logprob_diff"] = train.stats["engine_gap"]
+                        stats |= {k: v for k, v in train.metrics().items() if k != "actor/engine_gap"}
+                        stats |= step_result.metrics()
                 # 5. The engines take the new weights, then wake their KV cache.
                 stats |= hybrid.push_weights()
                 stats |= timer.end_step() | {"accuracy": arithmetic_accuracy(responses, answers)}

@@ -142,17 +142,17 @@ def main(argv=None) -> list[dict]:
                 minibatches = list(iterate_minibatches(experience, num_minibatches=MINIBATCHES, seed=step))
                 with timer.phase("train_actor"):
                     for index, minibatch in enumerate(minibatches):
-                        train = actor.forward_backward(minibatch, actor_loss)
+                        train = actor.forward_backward(minibatch, actor_loss).metrics()
                         keep = "keep_weights" if index == len(minibatches) - 1 else False
-                        train |= actor.optim_step(sleep_after=keep)
+                        train |= actor.optim_step(sleep_after=keep).metrics()
                         gap = train.pop("actor/engine_gap")
                         if index == 0:  # before any update: the engine-vs-trainer gap of the same weights
                             stats["engine_vs_trainer/mean_abs_logprob_diff"] = gap
                         stats |= train
                 with timer.phase("train_critic"):
                     for index, minibatch in enumerate(minibatches):
-                        stats |= critic.forward_backward(minibatch, critic_loss, output="values")
-                        stats |= critic.optim_step(sleep_after=index == len(minibatches) - 1)
+                        stats |= critic.forward_backward(minibatch, critic_loss, output="values").metrics()
+                        stats |= critic.optim_step(sleep_after=index == len(minibatches) - 1).metrics()
                 stats |= hybrid.push_weights()
                 stats |= timer.end_step() | {"accuracy": arithmetic_accuracy(responses, answers),
                                              "reward/model_mean": float(model_scores.mean())}

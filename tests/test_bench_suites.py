@@ -173,8 +173,8 @@ def test_async_bench_runs_tiny_on_cpu(tmp_path):
     assert result["async"]["staleness_hist"].get("1", 0) > 0 and result["speedup"] > 0
     assert result["speedup_ceiling"] is None or result["speedup_ceiling"] >= 1.0
     assert (tmp_path / "async.png").stat().st_size > 0
-    phases = result["async"]["phases_median"]  # each phase next to the trainer workers' own time in it
-    assert phases["time/step_s"] > 0 and 0 < phases["worker/train_actor_s"] and "worker/forward_cpu_s" in phases
+    phases = result["async"]["phases_median"]
+    assert phases["time/step_s"] > 0 and 0 < phases["time/train_actor_s"] and "time/forward_s" in phases
     for mode in ("sync", "async"):  # sampled from the first train_step on: the step's functions are on the stack
         driver = result[mode]["driver_profile_s_per_step"]
         assert driver.get("grpo_async.py:train_step", 0) > 0 and "grpo_async.py:start" not in driver

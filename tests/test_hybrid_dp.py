@@ -42,8 +42,8 @@ def test_two_data_parallel_ranks_take_the_one_rank_step_and_push_by_broadcast(ti
         scores = torch.arange(len(rollouts), dtype=torch.float32) % 3
         experience, _ = make_experience(rollouts, scores, config=ExperienceConfig(estimator="grpo"),
                                         policy_logprobs_fn=lambda b: engine_token_logprobs(rollouts, b))
-        single = one.trainers["actor"].forward_backward(experience, pg_loss)
-        single |= one.trainers["actor"].optim_step()
+        single = one.trainers["actor"].forward_backward(experience, pg_loss).metrics()
+        single |= one.trainers["actor"].optim_step().metrics()
     finally:
         one.close()
     assert not ray.is_initialized()
@@ -51,8 +51,8 @@ def test_two_data_parallel_ranks_take_the_one_rank_step_and_push_by_broadcast(ti
     try:
         actor = two.trainers["actor"]
         assert actor.world_size == 2
-        double = actor.forward_backward(experience, pg_loss)
-        double |= actor.optim_step(sleep_after="keep_weights")
+        double = actor.forward_backward(experience, pg_loss).metrics()
+        double |= actor.optim_step(sleep_after="keep_weights").metrics()
         for key in ("actor/loss", "actor/grad_norm"):
             assert double[key] == pytest.approx(single[key], rel=1e-4, abs=1e-7), key
         assert single["actor/loss"] != 0 and single["actor/grad_norm"] > 0

@@ -46,8 +46,8 @@ def _grpo_step(run, step: int):
                                     policy_logprobs_fn=lambda b: engine_token_logprobs(rollouts, b),
                                     ref_logprobs_fn=lambda b: ref)
     actor = run.trainers["actor"]
-    stats = actor.forward_backward(experience, pg_loss)
-    stats |= actor.optim_step(sleep_after="keep_weights")
+    stats = actor.forward_backward(experience, pg_loss).metrics()
+    stats |= actor.optim_step(sleep_after="keep_weights").metrics()
     stats |= run.push_weights()
     return experience, stats
 

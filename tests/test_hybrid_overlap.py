@@ -1,8 +1,8 @@
 """HybridConfig.overlap_switches: a trainer role's sleep runs in the background while the next role wakes.
 
 The worker's background sleep and the guard's hand-over are checked in this process (a real TrainerWorker over a
-stand-in model, a LocalPhaseStore); the whole loop on CPU with Ray, DeepSpeed and the HF engine, against the same
-loop without overlap.
+stand-in model, a LocalPhaseStore, driven through its public calls); the whole loop on CPU with Ray, DeepSpeed and
+the HF engine, against the same loop without overlap.
 """
 
 from __future__ import annotations
@@ -15,16 +15,15 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from rlhfkit.deepspeed_engine import DeepSpeedEngine
 from rlhfkit.hybrid import HybridCallError
 from rlhfkit.phase import LocalPhaseStore, PhaseConflictError, PhaseGuard
 
 
 class SlowModel:
-    """Sleeps as slowly as told, or fails; records whether it is asleep (what the worker's state reads)."""
+    """Sleeps as slowly as told, or fails; records whether it is asleep."""
 
     def __init__(self, *, sleep_s: float = 0.0, fail: bool = False, release: threading.Event | None = None) -> None:
-        self.sleep_s, self.fail, self.is_asleep, self._weights_kept = sleep_s, fail, False, False
+        self.sleep_s, self.fail, self.is_asleep, self.weights_kept = sleep_s, fail, False, False
         self.release = release  # a sleep holds until the test sets it: whatever ran meanwhile did not wait for it
         self.started = threading.Event()
         self.sleeps: list[bool] = []  # keep_weights of each sleep, in order
@@ -39,7 +38,7 @@ class SlowModel:
         time.sleep(self.sleep_s)
         if self.fail:
             raise MemoryError("the host buffer could not be pinned")
-        self.is_asleep, self._weights_kept = True, keep_weights
+        self.is_asleep, self.weights_kept = True, keep_weights
         return {"bytes_moved": 1000.0}
 
     def named_parameters_for_sync(self, *, bucket_bytes: int, dtype):
@@ -48,13 +47,13 @@ class SlowModel:
         yield "w", torch.zeros(2)
 
     def wake_up(self) -> dict:
-        self.is_asleep = self._weights_kept = False
+        self.is_asleep = self.weights_kept = False
         return {"bytes_moved": 1000.0}
 
 
 @pytest.fixture
 def worker(monkeypatch, tiny_llama_path):
-    """A TrainerWorker of role 'reference', rank 0, on GPU key node0/gpu0 of an in-process store."""
+    """A TrainerWorker of role 'reference', rank 0, on GPU key node0/gpu0 of an in-process store, overlapping."""
     return _worker(monkeypatch, tiny_llama_path, "reference")
 
 
@@ -65,33 +64,29 @@ def actor_worker(monkeypatch, tiny_llama_path):
 
 
 def _worker(monkeypatch, tiny_llama_path, role: str):
-    from rlhfkit.hybrid._trainer_worker import TrainerWorker
+    from rlhfkit.hybrid._trainer_worker import SleepPlan, TrainerWorker
 
     for name, value in {"RLHFKIT_ROLE": role, "RANK": "0", "RLHFKIT_BUNDLE_INDICES": "0",
                         "RLHFKIT_PLAN_NODE": "0"}.items():
         monkeypatch.setenv(name, value)
     store = LocalPhaseStore()
     worker = TrainerWorker(store, "cpu", str(tiny_llama_path))
-
-    class Config:
-        offload = True
-        defer_optimizer_wake = True
-        sleep_optimizer = None
-        sleep_weights = None
-
-    worker.config, worker.overlap = Config(), True
+    # what load() sets, without building a DeepSpeed model
+    worker.config, worker.plan = SimpleNamespace(offload=True), SleepPlan(overlap_switches=True)
     return worker, store
+
+
+def _plan(worker, **fields) -> None:
+    worker.plan = dataclasses.replace(worker.plan, **fields)
 
 
 def test_a_background_sleep_lets_the_next_role_wake_and_is_joined_by_the_next_call(worker):
     worker, store = worker
     release = threading.Event()
     worker.model = SlowModel(sleep_s=0.5, release=release)
-    worker._transition("wake", "forward_reference")
-    assert worker._sleep("forward_reference") == 0.0  # returns at once; the model sleeps in the background
-    assert worker.model.started.wait(60) and not worker.model.is_asleep
-    report = worker._report()
-    assert report["awake"] is False and report["weights_only"] is False
+    worker.wake(phase="forward_reference")
+    assert worker.sleep("forward_reference").cost.switch_s == 0.0  # returns at once; the sleep runs behind
+    assert worker.model.started.wait(60) and not worker.model.is_asleep and not worker.awake
     actor = PhaseGuard(store, gpu="node0/gpu0")
     transition = actor.wake("actor", SlowModel(), phase="train_actor", displace_releasing=True)
     assert transition.displaced == "reference" and not worker.model.is_asleep  # did not wait for it: still held
@@ -99,10 +94,11 @@ def test_a_background_sleep_lets_the_next_role_wake_and_is_joined_by_the_next_ca
     # the reference's next call joins its sleep first, then finds the actor awake: refused, as without overlap
     with pytest.raises(PhaseConflictError, match="'actor' is awake there"):
         worker.wake(phase="forward_reference")
-    assert worker.model.is_asleep and worker._background is None
+    assert worker.model.is_asleep
     assert actor.awake_role() == "actor"  # the reference's finished sleep left the actor's claim alone
-    report = worker._report()
-    assert report["overlapped_s"] >= 0.5 and report["bytes_d2h"] == 1000.0
+    cost = worker.sleep("again").cost  # asleep: nothing to do; reports the background sleep that ended
+    assert cost.background_s >= 0.5 and cost.bytes_d2h == 1000.0 and cost.switch_s == 0.0
+    assert worker.sleep("again").cost.background_s == 0.0  # reported once
     assert [e["action"] for e in worker.guard_events()] == ["wake", "sleep"]
 
 
@@ -112,80 +108,25 @@ def test_the_guard_log_of_a_sleep_still_running_comes_later_or_with_settle(worke
     worker, _ = worker
     release = threading.Event()
     worker.model = SlowModel(release=release)
-    worker._transition("wake", "forward_reference")
-    worker._sleep("forward_reference")
+    worker.wake(phase="forward_reference")
+    worker.sleep("forward_reference")
     assert worker.model.started.wait(60)
     assert [e["action"] for e in worker.guard_events()] == ["wake"]  # the sleep is still running (held)
     release.set()
     assert [e["action"] for e in worker.guard_events(settle=True)] == ["sleep"]
-    assert worker.model.is_asleep and worker._background is None
+    assert worker.model.is_asleep
 
 
 def test_a_failed_background_sleep_surfaces_on_the_next_call_naming_role_rank_and_phase(worker):
     worker, _ = worker
     worker.model = SlowModel(fail=True)
-    worker._transition("wake", "forward_reference")
-    worker._sleep("forward_reference", keep_weights=True)
-    assert worker._report()["weights_only"] is True  # what the sleep will leave: the caller skips a second sleep
+    worker.wake(phase="forward_reference")
+    worker.sleep("forward_reference", keep_weights=True)
     with pytest.raises(HybridCallError, match=r"'reference' rank 0: its sleep after phase 'forward_reference' "
                                               r"failed in the background \(MemoryError: the host buffer") as error:
         worker.wake(phase="next")
     assert error.value.phase == "forward_reference" and error.value.role == "reference"
-    worker._settle("again")  # reported once
-
-
-class DeferringModel(SlowModel):
-    """A trained model whose wake may leave its optimizer's states for a ``finish_wake`` as slow as told (or failing);
-    records the order of what happened to it. ``finish_wake_behind`` is DeepSpeedEngine's own (it runs this
-    ``finish_wake`` in a background thread)."""
-
-    finish_wake_behind = DeepSpeedEngine.finish_wake_behind
-    device, name, _wake_stream = torch.device("cpu"), "stand-in", None
-
-    def __init__(self, *, finish_s: float = 0.0, fail_finish: bool = False,
-                 finish_release: threading.Event | None = None) -> None:
-        super().__init__()
-        self.finish_s, self.fail_finish, self.optimizer_states_away, self.order = finish_s, fail_finish, False, []
-        self.finish_release = finish_release  # finish_wake holds until the test sets it
-
-    def wake_up(self, defer_optimizer: bool = False) -> dict:
-        self.order.append(f"wake(defer={defer_optimizer})")
-        self.optimizer_states_away = defer_optimizer
-        return super().wake_up() | {"bytes_moved": 100.0 if defer_optimizer else 1000.0}
-
-    def finish_wake(self, chunk_bytes: int | None = None) -> dict:
-        assert self.finish_release is None or self.finish_release.wait(60), "the test never released finish_wake"
-        time.sleep(self.finish_s)
-        if self.fail_finish:
-            raise MemoryError("no room for the Adam moments")
-        self.order.append("finish_wake")
-        self.optimizer_states_away = False
-        return {"bytes_moved": 900.0, "seconds": self.finish_s}
-
-    def sleep(self, keep_weights: bool = False) -> dict:
-        self.order.append("sleep")
-        return super().sleep(keep_weights)
-
-
-def test_a_trained_role_wakes_its_optimizer_states_behind_its_forward_backward(actor_worker):
-    """forward_backward's wake leaves the optimizer's states for a background thread; the call goes on at once and
-    the next call (optim_step) joins it; the report counts its bytes and seconds apart from the switch time."""
-    worker, _ = actor_worker
-    release = threading.Event()
-    worker.model = DeferringModel(finish_s=0.4, finish_release=release)
-    worker._begin("forward_backward", "train_actor", True, defer_optimizer=True)
-    worker._wake_optimizer_behind("train_actor")  # forward_backward starts it once its inputs are on the device
-    # did not wait for the optimizer's states: their finish_wake is still held
-    assert worker.model.optimizer_states_away and worker._finishing is not None
-    release.set()
-    worker._settle("optim_step")
-    assert not worker.model.optimizer_states_away and worker._finishing is None
-    report = worker._report()
-    assert report["overlapped_wake_s"] >= 0.4 and report["bytes_h2d"] == 1000.0  # 100 now + 900 behind
-    worker._transition("sleep", "train_actor")
-    worker.model = DeferringModel()  # a call that does not defer (forward with sleep_after) wakes everything
-    worker._begin("forward", "forward_actor", True)
-    assert worker.model.order == ["wake(defer=False)"] and worker._finishing is None
+    worker.guard_events(settle=True)  # reported once
 
 
 class Keeping(SlowModel):
@@ -201,19 +142,19 @@ class Keeping(SlowModel):
 
 
 def test_sleep_optimizer_false_keeps_a_trained_roles_optimizer_states_through_its_sleeps(actor_worker):
-    """TrainerConfig(sleep_optimizer=False): every sleep of a trained role asks its model to keep the optimizer's
-    states (DeepSpeedEngine.sleep(keep_optimizer=True)); True and None (a group built by hand) move them."""
+    """The plan's sleep_optimizer=False: every sleep of a trained role asks its model to keep the optimizer's
+    states (DeepSpeedEngine.sleep(keep_optimizer=True)); True moves them."""
     calls = []
     actor, _ = actor_worker
-    actor.overlap = False
-    for setting, keeps in ((False, True), (True, False), (None, False)):
-        actor.config.sleep_optimizer = setting
+    for sleep_optimizer in (False, True):
+        _plan(actor, overlap_switches=False, sleep_optimizer=sleep_optimizer)
         actor.model = Keeping(calls)
-        actor._transition("wake", "train_actor")
-        actor._sleep("train_actor", keep_weights=True)
-        actor._transition("wake", "train_actor")
-        actor._sleep("train_actor")
-        assert calls[-2:] == [(True, keeps), (False, keeps)], (setting, calls)
+        actor.wake(phase="train_actor")
+        actor.sleep("train_actor", keep_weights=True)
+        actor.wake(phase="train_actor")
+        actor.sleep("train_actor")
+        keeps = not sleep_optimizer
+        assert calls[-2:] == [(True, keeps), (False, keeps)], (sleep_optimizer, calls)
     from rlhfkit.deepspeed_engine import DeepSpeedEngineConfig
     from rlhfkit.hybrid import TrainerConfig
 
@@ -222,30 +163,30 @@ def test_sleep_optimizer_false_keeps_a_trained_roles_optimizer_states_through_it
 
 
 def test_sleep_weights_false_keeps_a_trained_roles_weights_through_every_sleep(actor_worker):
-    """TrainerConfig(sleep_weights=False): every sleep of a trained role keeps its weights
-    (DeepSpeedEngine.sleep(keep_weights=True)), a full one too; the worker then reports no weights a later sleep
-    would move, and a sleep after a keeping one makes no call; True and None (a group built by hand) move them."""
+    """The plan's sleep_weights=False: every sleep of a trained role keeps its weights
+    (DeepSpeedEngine.sleep(keep_weights=True)), a full one too, and a full sleep after a keeping one has nothing to
+    move; True moves them."""
     calls = []
     actor, _ = actor_worker
-    actor.overlap = False
-    for setting, keeps in ((False, True), (True, False), (None, False)):
-        actor.config.sleep_weights, actor.config.sleep_optimizer = setting, True
+    for sleep_weights in (False, True):
+        _plan(actor, overlap_switches=False, sleep_weights=sleep_weights, sleep_optimizer=True)
         actor.model, start = Keeping(calls), len(calls)
-        actor._transition("wake", "train_actor")
-        actor._sleep("train_actor", keep_weights=True)  # optim_step(sleep_after="keep_weights")
-        assert actor._report()["weights_only"] is not keeps, setting
+        actor.wake(phase="train_actor")
+        actor.sleep("train_actor", keep_weights=True)  # optim_step(sleep_after="keep_weights")
         actor.sleep("sync")  # after the push
-        assert calls[start:] == ([(True, False)] if keeps else [(True, False), (False, False)]), (setting, calls)
-        actor._transition("wake", "forward_actor")
-        actor._sleep("forward_actor")  # forward(sleep_after=True)
-        assert calls[-1] == (keeps, False), (setting, calls)
-    actor.overlap = True  # the same behind a background sleep: nothing is queued behind it
-    actor.config.sleep_weights, actor.model = False, Keeping(calls)
-    actor._transition("wake", "train_actor")
-    actor._sleep("train_actor", keep_weights=True)
-    assert actor.sleep("sync")["switch_s"] == 0.0
-    actor._settle("next")
-    assert calls[-1] == (True, False) and actor._background is None
+        keeps = not sleep_weights
+        assert calls[start:] == ([(True, False)] if keeps else [(True, False), (False, False)]), calls
+        actor.wake(phase="forward_actor")
+        actor.sleep("forward_actor")  # forward(sleep_after=True)
+        assert calls[-1] == (keeps, False), (sleep_weights, calls)
+    # the same behind a background sleep: nothing is queued behind it
+    _plan(actor, overlap_switches=True, sleep_weights=False)
+    actor.model = Keeping(calls)
+    actor.wake(phase="train_actor")
+    actor.sleep("train_actor", keep_weights=True)
+    assert actor.sleep("sync").cost.switch_s == 0.0
+    actor.guard_events(settle=True)
+    assert calls[-1] == (True, False) and actor.model.sleeps == [True]
     from rlhfkit.deepspeed_engine import DeepSpeedEngineConfig
     from rlhfkit.hybrid import TrainerConfig
 
@@ -256,49 +197,11 @@ def test_sleep_weights_false_keeps_a_trained_roles_weights_through_every_sleep(a
 def test_a_role_without_an_optimizer_is_never_asked_to_keep_one(worker):
     calls = []
     reference, _ = worker
-    reference.overlap, reference.config.sleep_optimizer, reference.config.sleep_weights = False, False, False
+    _plan(reference, overlap_switches=False, sleep_optimizer=False, sleep_weights=False)
     reference.model = Keeping(calls)
-    reference._transition("wake", "forward_reference")
-    reference._sleep("forward_reference")
+    reference.wake(phase="forward_reference")
+    reference.sleep("forward_reference")
     assert calls == [(False, False)]
-
-
-def test_defer_optimizer_wake_false_wakes_everything_before_the_call(actor_worker):
-    """TrainerConfig(defer_optimizer_wake=False): forward_backward's wake brings the optimizer's states back too, and
-    nothing runs behind the call."""
-    worker, _ = actor_worker
-    worker.config.defer_optimizer_wake = False
-    worker.model = DeferringModel(finish_s=0.4)
-    worker._begin("forward_backward", "train_actor", True, defer_optimizer=True)
-    worker._wake_optimizer_behind("train_actor")
-    assert worker.model.order == ["wake(defer=False)"] and worker._finishing is None
-    assert not worker.model.optimizer_states_away and worker._report()["bytes_h2d"] == 1000.0
-    from rlhfkit.deepspeed_engine import DeepSpeedEngineConfig
-    from rlhfkit.hybrid import TrainerConfig
-
-    with pytest.raises(TypeError, match=r"TrainerConfig.defer_optimizer_wake='no'; must be True or False"):
-        TrainerConfig(deepspeed=DeepSpeedEngineConfig(), defer_optimizer_wake="no")
-
-
-def test_a_failed_optimizer_wake_surfaces_on_the_next_call_and_a_failing_call_joins_it_before_sleeping(
-        actor_worker):
-    worker, _ = actor_worker
-    worker.model = DeferringModel(finish_s=0.1, fail_finish=True)
-    worker._begin("forward_backward", "train_actor", True, defer_optimizer=True)
-    worker._wake_optimizer_behind("train_actor")
-    failure = r"'actor' rank 0: the wake of its optimizer states in phase 'train_actor' failed in the background "
-    with pytest.raises(HybridCallError, match=failure + r"\(MemoryError: no room") as error:
-        worker._settle("optim_step")
-    assert error.value.phase == "train_actor" and error.value.role == "actor"
-    worker._settle("again")  # reported once
-    # a call that fails while the optimizer's states come back: they finish before the role goes back to sleep
-    worker._transition("sleep", "train_actor")
-    worker.model = DeferringModel(finish_s=0.3)
-    with pytest.raises(ValueError, match="the loss"), worker._guarded_call("train_actor"):
-        worker._begin("forward_backward", "train_actor", True, defer_optimizer=True)
-        worker._wake_optimizer_behind("train_actor")
-        raise ValueError("the loss")
-    assert worker.model.order == ["wake(defer=True)", "finish_wake", "sleep"]
 
 
 class FakeSender:
@@ -313,8 +216,8 @@ class FakeSender:
 def _pushing(worker, model) -> None:
     worker.model, worker.sender, worker.description = model, FakeSender(), None
     worker.sync_config = SimpleNamespace(bucket_bytes=1 << 20, dtype=None)
-    worker._transition("wake", "train_actor")
-    worker._sleep("train_actor", keep_weights=True)  # optim_step(sleep_after="keep_weights")
+    worker.wake(phase="train_actor")
+    worker.sleep("train_actor", keep_weights=True)  # optim_step(sleep_after="keep_weights")
     assert model.started.wait(60) and not model.is_asleep
 
 
@@ -327,15 +230,13 @@ def test_a_push_streams_beside_a_sleep_that_keeps_the_weights_and_the_full_sleep
     _pushing(worker, model)
     assert worker.send_weights(phase="sync")["version"] == 1 and worker.sender.sent == ["w"]
     assert model.streamed == [False]  # read beside the sleep, which had not ended (held)
-    assert worker.sleep("sync", False)["switch_s"] == 0.0
-    assert worker._report()["weights_only"] is False  # where the queued sleep leaves it
+    assert worker.sleep("sync", False).cost.switch_s == 0.0
     assert model.sleeps == [True]  # neither call waited for the first sleep, still held; the second is queued
     release.set()
-    worker._settle("next")
-    assert model.sleeps == [True, False] and model.is_asleep and not model._weights_kept
-    assert [(e["action"], e["phase"]) for e in worker.guard_events()] == [
+    assert [(e["action"], e["phase"]) for e in worker.guard_events(settle=True)] == [
         ("wake", "train_actor"), ("sleep", "train_actor"), ("sleep", "sync")]
-    assert worker._report()["overlapped_s"] >= 0.6 * 2
+    assert model.sleeps == [True, False] and model.is_asleep and not model.weights_kept
+    assert worker.sleep("next").cost.background_s >= 0.6 * 2
 
 
 def test_a_push_under_zero3_waits_for_the_sleep_and_a_failed_first_sleep_skips_the_queued_one(worker):
@@ -348,7 +249,6 @@ def test_a_push_under_zero3_waits_for_the_sleep_and_a_failed_first_sleep_skips_t
     worker.send_weights(phase="sync")
     assert model.streamed == [True]  # after the sleep ended
     failing = SlowModel(sleep_s=0.2, fail=True)
-    worker._background = None
     _pushing(worker, failing)
     worker.sleep("sync", False)
     with pytest.raises(HybridCallError, match=r"its sleep after phase 'train_actor' failed in the background"):
@@ -358,10 +258,10 @@ def test_a_push_under_zero3_waits_for_the_sleep_and_a_failed_first_sleep_skips_t
 
 def test_without_overlap_the_sleep_is_done_when_the_call_returns(worker):
     worker, store = worker
-    worker.overlap = False
+    _plan(worker, overlap_switches=False)
     worker.model = SlowModel(sleep_s=0.2)
-    worker._transition("wake", "forward_reference")
-    assert worker._sleep("forward_reference") >= 0.2 and worker.model.is_asleep
+    worker.wake(phase="forward_reference")
+    assert worker.sleep("forward_reference").cost.switch_s >= 0.2 and worker.model.is_asleep
     assert store.holder("node0/gpu0") is None
 
 
@@ -440,8 +340,8 @@ def _run(tiny_llama_path, overlap: bool, steps: int = 2, sleep_optimizer: bool |
                                             config=ExperienceConfig(estimator="grpo"),
                                             policy_logprobs_fn=lambda b, r=rollouts: engine_token_logprobs(r, b),
                                             ref_logprobs_fn=lambda b, ref=ref: ref)
-            stats = actor.forward_backward(experience, loss_fn)
-            stats |= actor.optim_step(sleep_after="keep_weights")
+            stats = actor.forward_backward(experience, loss_fn).metrics()
+            stats |= actor.optim_step(sleep_after="keep_weights").metrics()
             stats |= hybrid.push_weights()
             rows.append(stats | hybrid.timer.end_step())
         events = [event for group in (actor, reference) for event in group.guard_events(settle=True)]
@@ -463,16 +363,14 @@ def test_the_loop_with_overlapped_switches_trains_exactly_as_without(tiny_llama_
         assert a["actor/loss"] == b["actor/loss"] == c["actor/loss"]
         assert a["actor/grad_norm"] == b["actor/grad_norm"] == c["actor/grad_norm"]
         assert a["engine/weight_version"] == b["engine/weight_version"] == c["engine/weight_version"]
-    # kept: the switches copied less each way, and no wake had optimizer states to bring back behind the compute
+    # kept: the switches copied less each way
     assert 0 < kept[-1]["switch/bytes_h2d"] < overlapped[-1]["switch/bytes_h2d"]
     # (on CPU DeepSpeed's own states stay in its host buffers and are not counted: here only rlhfkit's copies of the
     # optimizer's states were, and those now stay)
     assert kept[-1]["switch/bytes_d2h"] < overlapped[-1]["switch/bytes_d2h"]
-    assert "time/overlapped_wake_s" not in kept[-1]
     assert "time/overlapped_sleep_s" not in plain[-1]
     assert overlapped[-1]["time/overlapped_sleep_s"] > 0 and overlapped[-1]["switch/bytes_d2h"] > 0
-    # with or without overlap, the actor's optimizer states woke behind its forward-backward, their bytes counted
-    assert plain[-1]["time/overlapped_wake_s"] > 0 and overlapped[-1]["time/overlapped_wake_s"] > 0
+    # with or without overlap, the wakes copied the same bytes
     assert plain[-1]["switch/bytes_h2d"] == overlapped[-1]["switch/bytes_h2d"] > 0
     # every sleep still happens (in the background): as many as without overlap, per role and phase
     count = lambda rows: sorted((e["role"], e["action"], e["phase"]) for e in rows[-1]["events"])

@@ -8,6 +8,8 @@ What it gives you (your script keeps the loop, the advantages, the minibatch loo
   DeepSpeed engines, with the primitives ``forward``, ``forward_backward(minibatch, loss_fn)``, ``optim_step``,
   ``save``/``load``; guarded wake and sleep folded into each call (one call, one round trip).
 - :class:`RolloutEngines`: ``generate`` (= ``sample``), ``sleep``/``wake`` under the phase guard, weight versions.
+- :class:`ForwardBackwardResult`, :class:`OptimStepResult`: what the training primitives return; a
+  :class:`CallObserver` (the :class:`PhaseTimer`) sees each call's :class:`CallRecord` of :class:`CallCost`\ s.
 - :class:`PhaseTimer`, :class:`GpuMemorySampler`, :class:`MetricsLogger`: per-phase time and peak GPU memory from any
   script; JSONL by default, Weights & Biases or TensorBoard when installed and asked for.
 - :func:`measure_copy_rates` / :class:`CopyRates`: the device's pinned host<->device copy rates, the floor the timer
@@ -24,12 +26,17 @@ from rlhfkit.hybrid._copy_floor import CopyRates, measure_copy_rates
 from rlhfkit.hybrid._engines import RolloutEngines
 from rlhfkit.hybrid._errors import EnginesBusyError, HybridCallError, LossFunctionError, RoleAsleepError
 from rlhfkit.hybrid._launch import Hybrid, HybridConfig
+from rlhfkit.hybrid._results import CallCost, CallObserver, CallRecord, ForwardBackwardResult, OptimStepResult
 from rlhfkit.hybrid._timer import GpuMemorySampler, MetricsLogger, PhaseTimer
 from rlhfkit.hybrid._trainer import LossFn, TrainerConfig, TrainerGroup
 
 __all__ = [
+    "CallCost",
+    "CallObserver",
+    "CallRecord",
     "CopyRates",
     "EnginesBusyError",
+    "ForwardBackwardResult",
     "GpuMemorySampler",
     "Hybrid",
     "HybridCallError",
@@ -37,6 +44,7 @@ __all__ = [
     "LossFn",
     "LossFunctionError",
     "MetricsLogger",
+    "OptimStepResult",
     "PhaseTimer",
     "RoleAsleepError",
     "RolloutEngines",

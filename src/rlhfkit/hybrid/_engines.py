@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from rlhfkit.hybrid._errors import EnginesBusyError, HybridCallError, sleep_hint
+from rlhfkit.hybrid._results import CallCost, CallObserver, CallRecord
 from rlhfkit.hybrid._timer import StartupClock
 from rlhfkit.hybrid._trainer_worker import transition_record
 from rlhfkit.phase import PhaseGuard
@@ -61,8 +62,8 @@ class GuardedEngineMixin:
         self._guard, self._gpus, self._events = PhaseGuard(store, sleep_hint=sleep_hint), tuple(gpus), []
         self._resident = False
 
-    def guarded_sleep(self, level: int, phase: str) -> dict[str, float]:
-        """Sleep at ``level`` (0: stay resident, only the guard's claim is released); returns ``switch_s`` and
+    def guarded_sleep(self, level: int, phase: str) -> CallCost:
+        """Sleep at ``level`` (0: stay resident, only the guard's claim is released); returns its seconds and
         ``bytes_d2h`` (what the engine's ``sleep`` reports it copied to host; 0 when it reports nothing)."""
         self._resident = level == 0
         seconds, moved = 0.0, 0.0
@@ -72,11 +73,11 @@ class GuardedEngineMixin:
             self._events.append(transition_record(transition, rank=self.engine_index))
             seconds += transition.seconds
             moved += _bytes_moved(transition.result)
-        return {"switch_s": seconds, "bytes_d2h": moved}
+        return CallCost(switch_s=seconds, bytes_d2h=moved)
 
     def guarded_wake(self, tags: Sequence[str] | None, phase: str,
-                     displace_releasing: bool = False) -> dict[str, float]:
-        """Claim every GPU of the engine, then wake ``tags`` (None: everything); returns ``switch_s`` and
+                     displace_releasing: bool = False) -> CallCost:
+        """Claim every GPU of the engine, then wake ``tags`` (None: everything); returns its seconds and
         ``bytes_h2d`` (what the engine's ``wake_up`` reports it copied back). ``displace_releasing``: take a GPU
         from a trainer role still going to sleep (``HybridConfig.overlap_switches``)."""
         seconds, moved = 0.0, 0.0
@@ -87,7 +88,7 @@ class GuardedEngineMixin:
             self._events.append(transition_record(transition, rank=self.engine_index))
             seconds += transition.seconds
             moved += _bytes_moved(transition.result)
-        return {"switch_s": seconds, "bytes_h2d": moved}
+        return CallCost(switch_s=seconds, bytes_h2d=moved)
 
     def guard_events(self) -> list[dict[str, Any]]:
         events, self._events = self._events, []
@@ -228,12 +229,13 @@ class RolloutEngines:
     run in a producer thread while the trainers train, and :meth:`in_flight_update` brackets a weight push."""
 
     def __init__(self, group: Any, handles: Sequence[Any], *, colocated: bool, sleep_level: int,
-                 timer: Any = None, trainer_version: Callable[[], int] | None = None, overlap: bool = False,
+                 observer: CallObserver | None = None, trainer_version: Callable[[], int] | None = None,
+                 overlap: bool = False,
                  pausable: bool = False, update_timeout_s: float = 300.0, displace_releasing: bool = False) -> None:
         self.group, self.handles = group, list(handles)
         self.displace_releasing = displace_releasing  # wakes take the GPU from a trainer still going to sleep
         self.trainer_version = trainer_version  # checked against the rollouts' weight versions (max_weight_lag)
-        self.colocated, self.sleep_level, self.timer = colocated, sleep_level, timer
+        self.colocated, self.sleep_level, self.observer = colocated, sleep_level, observer
         self.overlap, self.pausable, self.update_timeout_s = overlap, pausable, update_timeout_s
         self.asleep = False
         self.weights_discarded = False  # slept at level 2 since the last push: the engines hold no weights
@@ -249,20 +251,21 @@ class RolloutEngines:
     def generating(self) -> bool:
         return self._generating > 0
 
-    def _switch(self, results: list[dict[str, float]]) -> None:
-        """The slowest engine's time and the largest engine's bytes (engines switch in parallel, on their GPUs)."""
-        if self.timer is not None and results:
-            self.timer.count_switch(max(result["switch_s"] for result in results),
-                                    bytes_d2h=max(result.get("bytes_d2h", 0.0) for result in results),
-                                    bytes_h2d=max(result.get("bytes_h2d", 0.0) for result in results))
+    def _switch(self, method: str, phase: str, *args: Any, **kwargs: Any) -> None:
+        """Call ``method`` on every engine and show the observer what it cost."""
+        started = time.perf_counter()
+        costs = self.group.call(method, *args, phase, **kwargs)
+        if self.observer is not None:
+            self.observer.observe_call(CallRecord(role="rollout", method=method, phase=phase, costs=tuple(costs),
+                                                  seconds=time.perf_counter() - started))
 
     def wake(self, tags: Sequence[str] | None = None, *, phase: str = "generate") -> None:
-        self._switch(self.group.call("guarded_wake", list(tags) if tags else None, phase, self.displace_releasing))
+        self._switch("guarded_wake", phase, list(tags) if tags else None, displace_releasing=self.displace_releasing)
         self.asleep = False
 
     def sleep(self, level: int | None = None, *, phase: str = "generate") -> None:
         level = self.sleep_level if level is None else level
-        self._switch(self.group.call("guarded_sleep", level, phase))
+        self._switch("guarded_sleep", phase, level)
         self.asleep = True
         self.weights_discarded = self.weights_discarded or level >= 2
 

@@ -353,7 +353,6 @@ class Hybrid:
         self._build_during_loads = False
         self._read_ahead = False  # every trainer role reads its model into host memory at once (start)
         self._started_ray = False
-        self._pushed_version = 0
         self._threads_before: int | None = None  # torch's intra-op threads before start (driver_threads)
 
     # ------------------------------------------------------------------ start
@@ -460,7 +459,7 @@ class Hybrid:
                 if role == "actor":
                     self.timer.copy_rates = loaded[0]["copy_rates"]
                 self.startup.update(_slowest(role, [rank["startup_parts"] for rank in loaded]))
-                self.trainers[role] = TrainerGroup(self._workers[role], trainer_config, timer=self.timer)
+                self.trainers[role] = TrainerGroup(self._workers[role], trainer_config, observer=self.timer)
                 self.startup[f"{role}_load_s"], mark = time.perf_counter() - mark, time.perf_counter()
             self.startup["models_s"] = time.perf_counter() - started - self.startup["processes_s"]
             if gated:
@@ -552,7 +551,7 @@ class Hybrid:
             generate_timeout_s=config.call_timeout_s, control_timeout_s=config.call_timeout_s,
             max_weight_lag=config.max_weight_lag))
         self.engines = RolloutEngines(self._group, self._handles, colocated=config.colocate,
-                                      sleep_level=config.engine_sleep_level, timer=self.timer,
+                                      sleep_level=config.engine_sleep_level, observer=self.timer,
                                       trainer_version=self.actor_version, overlap=config.overlap,
                                       pausable=config.engine == "hf" or self._pausable_vllm,
                                       update_timeout_s=config.sync_timeout_s,
@@ -633,7 +632,7 @@ class Hybrid:
     def actor_version(self) -> int:
         """The weight version the actor holds: the last pushed one, plus one once it has stepped since."""
         actor = self.trainers.get("actor")
-        return self._pushed_version + (1 if actor is not None and actor.steps_since_push else 0)
+        return actor.weight_version if actor is not None else 0
 
     def push_weights(self, role: str = "actor") -> dict[str, float]:
         """Move ``role``'s weights into every engine: the role keeps only its weights (if awake), the engines wake
@@ -662,8 +661,8 @@ class Hybrid:
             engines.wake(["weights"], phase="sync")
         # every receiver checks the sync's manifest and the sender waits for all verdicts before any byte moves
         receiving = [handle.receive_weights.remote() for handle in self._handles]
-        sending = trainer._submit("send_weights", phase="sync")
-        sleeping = trainer._submit("sleep", "sync", False)
+        sending = trainer.workers.submit("send_weights", phase="sync")
+        sleeping = trainer.start_sleep(phase="sync")
         try:
             sent = trainer.workers.gather(sending)
         except Exception:
@@ -673,12 +672,12 @@ class Hybrid:
             raise
         received = ray.get(receiving, timeout=self.config.sync_timeout_s)
         engines.weights_pushed()
-        trainer._account(trainer._note(trainer.workers.gather(sleeping)))
+        trainer.finish_sleep(sleeping, phase="sync")
         if colocated:
             engines.wake(["kv_cache"], phase="generate")
         report = next(item for item in sent if item)
         timer.count_sync_bytes(float(report["bytes"]))
-        self._pushed_version, trainer.steps_since_push = int(report["version"]), 0
+        trainer.weights_pushed(int(report["version"]))
         versions = [int(worker["version"]) for reports in received for worker in reports]
         return {"sync/version": float(report["version"]), "sync/bytes": float(report["bytes"]),
                 "sync/sender_s": float(report["seconds"]), "engine/weight_version": float(min(versions))}

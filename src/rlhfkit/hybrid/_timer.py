@@ -2,10 +2,10 @@
 
 :class:`PhaseTimer` is usable from any script: ``with timer.phase("generate"): ...``. Phase names are yours; a phase
 may repeat in a step (times add up). Time that a phase spent putting models to sleep or waking them (measured inside
-the workers) is moved to the ``sleep_wake`` phase with :meth:`PhaseTimer.count_switch`, so a step's breakdown shows
-the price of time-sharing the GPU; the bytes those sleeps, wakes and weight syncs copied are counted too, and with
-the device's measured copy rates (:attr:`PhaseTimer.copy_rates`, :func:`rlhfkit.hybrid.measure_copy_rates`) the
-step reports how far its switches are from the pinned-copy floor. Peak memory is device-wide (NVML: every process, vLLM's pool included), sampled by a
+the workers, reported to :meth:`PhaseTimer.observe_call`) is moved to the ``sleep_wake`` phase, so a step's
+breakdown shows the price of time-sharing the GPU; the bytes those sleeps, wakes and weight syncs copied are counted
+too, and with the device's measured copy rates (:attr:`PhaseTimer.copy_rates`, :func:`rlhfkit.hybrid.
+measure_copy_rates`) the step reports how far its switches are from the pinned-copy floor. Peak memory is device-wide (NVML: every process, vLLM's pool included), sampled by a
 thread every few milliseconds; without NVML or a GPU it is simply absent. Nothing here needs Ray or DeepSpeed.
 """
 
@@ -20,6 +20,8 @@ from collections import defaultdict
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
+
+from rlhfkit.hybrid._results import CallCost, CallRecord
 
 __all__ = ["GpuMemorySampler", "MetricsLogger", "PhaseTimer"]
 
@@ -123,41 +125,44 @@ class GpuMemorySampler:
 
 
 class PhaseTimer:
-    """Wall time per phase of a step and the peak device memory in each.
+    """Wall time per phase of a step and the peak device memory in each; the run's :class:`~rlhfkit.hybrid.
+    CallObserver`.
 
     Call :meth:`start_step`, time phases with :meth:`phase`, then :meth:`end_step` returns the step's row:
     ``time/<phase>_s``, ``time/step_s``, ``time/phase_switch_s`` (``sleep_wake`` + ``weight_sync``),
     ``time/phase_switch_fraction`` and ``mem/<phase>_peak_gib`` (device-wide, GiB; per GPU too with several).
 
-    Bytes moved (given to :meth:`count_switch` and :meth:`count_sync_bytes`): ``switch/bytes_d2h`` (device -> host,
+    Each call on a trainer role or the engines reaches :meth:`observe_call`: the seconds its ranks spent on sleeps and
+    wakes move from the phase running then to ``sleep_wake`` (the slowest rank's: ranks switch in parallel); sleeps
+    that ran in the background, behind another role's work, are ``time/overlapped_sleep_s``, outside the switch time;
+    torch's peak allocated memory in the calls of a phase (the busiest rank's, on a GPU) is
+    ``mem/<phase>_allocated_peak_gib``.
+
+    Bytes moved (the calls' largest rank's, and :meth:`count_sync_bytes`): ``switch/bytes_d2h`` (device -> host,
     sleeps), ``switch/bytes_h2d`` (host -> device, wakes) and ``switch/bytes_sync`` (the weight sync); and
     ``switch/bytes_kept``, what sleeps freed on the device without a copy (weights that do not train, whose pinned
     host copy was still current), when there was any. With
     ``copy_rates`` set (:class:`~rlhfkit.hybrid.CopyRates`, measured on the device): ``switch/floor_s`` =
     ``bytes_d2h / d2h rate + bytes_h2d / h2d rate + bytes_sync / d2d rate`` (the copies alone),
     ``switch/over_floor`` = ``time/phase_switch_s / switch/floor_s`` and the rates (``switch/{h2d,d2h,d2d}_gb_per_s``).
-
-    ``worker/<phase>_s`` (given to :meth:`count_worker`): the time the trainer workers spent inside their calls in
-    that phase, the slowest rank's, less their sleeps and wakes. The rest of ``time/<phase>_s`` is the caller's own
-    work and the calls' round trips (arguments and results on their way). ``worker/<phase>_cpu_s``: the CPU time of
-    the threads that ran those calls; well below ``worker/<phase>_s`` when they waited (for the GPU, or for a core
-    other processes held).
     """
 
     def __init__(self, sampler: GpuMemorySampler | None = None, *, copy_rates: Any = None) -> None:
         self.sampler = sampler
         self.copy_rates = copy_rates  # a CopyRates (or None: no floor reported)
-        self._bytes: dict[str, float] = defaultdict(float)
-        self.times: dict[str, float] = defaultdict(float)
-        self._moved: dict[str, float] = defaultdict(float)
-        self._worker: dict[str, float] = defaultdict(float)
-        self._overlapped: dict[str, float] = defaultdict(float)  # background sleeps' and wakes' seconds
         self._current: str | None = None
         self._started: float | None = None
+        self._clear()
+
+    def _clear(self) -> None:
+        self.times: dict[str, float] = defaultdict(float)
+        self._moved: dict[str, float] = defaultdict(float)  # switch seconds inside each phase
+        self._bytes: dict[str, float] = defaultdict(float)
+        self._peaks: dict[str, float] = defaultdict(float)  # torch's peak allocated GiB per phase
+        self._background_s = 0.0
 
     def start_step(self) -> None:
-        self.times, self._moved, self._bytes = defaultdict(float), defaultdict(float), defaultdict(float)
-        self._worker, self._overlapped = defaultdict(float), defaultdict(float)
+        self._clear()
         self._started = time.perf_counter()
         if self.sampler is not None:
             self.sampler.take()
@@ -179,44 +184,22 @@ class PhaseTimer:
             if self.sampler is not None:
                 self.sampler.set_phase(None)
 
-    def count_switch(self, seconds: float, *, phase: str | None = None, bytes_d2h: float = 0.0,
-                     bytes_h2d: float = 0.0, bytes_kept: float = 0.0) -> None:
-        """Count ``seconds`` of ``phase`` (default: the phase running now) as ``sleep_wake``: the workers' own
-        sleep/wake time inside a call that also did other work. Outside any phase it is added to ``sleep_wake``.
-        ``bytes_d2h`` / ``bytes_h2d``: what those sleeps / wakes copied (per GPU: ranks copy in parallel);
-        ``bytes_kept``: what those sleeps took off the device without a copy (the host still held it)."""
-        for name, value in (("bytes_d2h", bytes_d2h), ("bytes_h2d", bytes_h2d), ("bytes_kept", bytes_kept)):
-            if not value >= 0:
-                raise ValueError(f"count_switch({name}={value!r}); give a byte count >= 0")
-            self._bytes[name] += value
+    def observe_call(self, record: CallRecord) -> None:
+        """Count one call's switch seconds (in the phase running now; outside any phase straight to ``sleep_wake``),
+        bytes, background sleeps and torch peaks."""
+        costs = record.costs or (CallCost(),)
+        for name in ("bytes_d2h", "bytes_h2d", "bytes_kept"):
+            self._bytes[name] += max(getattr(cost, name) for cost in costs)
+        self._background_s += max(cost.background_s for cost in costs)
+        seconds = max(cost.switch_s for cost in costs)
+        if self._current is not None:
+            self._peaks[self._current] = max([self._peaks[self._current]] + [cost.peak_gib for cost in costs])
         if not seconds > 0:
             return
-        source = phase or self._current
-        if source is None:
+        if self._current is None:
             self.times["sleep_wake"] += seconds
-        elif source not in SWITCH_PHASES:
-            self._moved[source] += seconds
-
-    def count_worker(self, seconds: float, *, cpu_s: float = 0.0, phase: str | None = None) -> None:
-        """Count ``seconds`` that workers spent inside a call of ``phase`` (default: the phase running now) as
-        ``worker/<phase>_s``, and ``cpu_s`` of their threads' CPU time as ``worker/<phase>_cpu_s``; nothing outside
-        a phase."""
-        for name, value in (("seconds", seconds), ("cpu_s", cpu_s)):
-            if not value >= 0:
-                raise ValueError(f"count_worker({name}={value!r}); give a duration >= 0")
-        source = phase or self._current
-        if source is not None and seconds > 0:
-            self._worker[f"{source}_s"] += seconds
-            self._worker[f"{source}_cpu_s"] += cpu_s
-
-    def count_overlapped(self, seconds: float, *, wake: bool = False) -> None:
-        """Count ``seconds`` of sleeps that ran in the background, behind another role's work
-        (``HybridConfig.overlap_switches``): ``time/overlapped_sleep_s``; ``wake=True``: of wakes of a trainer's
-        optimizer states that ran behind its own forward-backward (``time/overlapped_wake_s``). Neither is part of
-        the step's switch time (their bytes still count toward the switches' floor)."""
-        if not seconds >= 0:
-            raise ValueError(f"count_overlapped({seconds!r}); give a duration >= 0")
-        self._overlapped["wake" if wake else "sleep"] += seconds
+        elif self._current not in SWITCH_PHASES:
+            self._moved[self._current] += seconds
 
     def count_sync_bytes(self, num_bytes: float) -> None:
         """Count ``num_bytes`` a weight sync moved into the engines in this step."""
@@ -250,8 +233,9 @@ class PhaseTimer:
             self.times["sleep_wake"] += seconds
         self._moved.clear()
         row = {f"time/{name}_s": seconds for name, seconds in self.times.items()} | {"time/step_s": step}
-        row |= {f"worker/{name}": seconds for name, seconds in self._worker.items()}
-        row |= {f"time/overlapped_{kind}_s": seconds for kind, seconds in self._overlapped.items() if seconds}
+        if self._background_s:
+            row["time/overlapped_sleep_s"] = self._background_s
+        row |= {f"mem/{name}_allocated_peak_gib": peak for name, peak in self._peaks.items() if peak}
         switch = sum(self.times.get(name, 0.0) for name in SWITCH_PHASES)
         row |= {"time/phase_switch_s": switch, "time/phase_switch_fraction": switch / step if step > 0 else 0.0}
         row |= self._switch_bytes(switch)

@@ -2,26 +2,23 @@
 
 A :class:`TrainerGroup` is one role (actor, critic, reference, reward) as data-parallel Ray actors, each holding a
 sleepable :class:`~rlhfkit.deepspeed_engine.DeepSpeedEngine`. Its calls are the small primitives of Tinker/SkyRL:
+:meth:`~TrainerGroup.forward` (no-grad ``[T]`` log-probs / values, ``[N]`` rewards), :meth:`~TrainerGroup.
+forward_backward` (your loss function, shipped with the call, then backward), :meth:`~TrainerGroup.optim_step` (or
+:meth:`~TrainerGroup.discard_gradients`), :meth:`~TrainerGroup.save` / :meth:`~TrainerGroup.load`; weights go to
+engines with :meth:`rlhfkit.hybrid.Hybrid.push_weights`. They return typed results (:mod:`rlhfkit.hybrid._results`).
 
-- :meth:`TrainerGroup.forward`: no-grad ``[T]`` log-probs / values (``[N]`` rewards) of a packed batch;
-- :meth:`TrainerGroup.forward_backward`: your loss function on the model's outputs, then backward — the loss is
-  defined in your script and shipped with the call;
-- :meth:`TrainerGroup.optim_step`: the optimizer step over what ``forward_backward`` accumulated;
-  :meth:`TrainerGroup.discard_gradients` gives the step up instead (a failed ``forward_backward`` does by itself);
-- :meth:`TrainerGroup.save` / :meth:`TrainerGroup.load`; weights go to engines with :meth:`rlhfkit.hybrid.Hybrid.
-  push_weights`.
-
-Each call wakes the role through the phase guard if it is asleep (``wake=True``) and can put it back to sleep
-(``sleep_after``), inside the same actor call: one call is one round trip. The batch is split over the ranks by
-tokens, and on each rank into micro-batches of at most ``TrainerConfig.micro_batch_tokens`` tokens (the same count on
-every rank, as ZeRO's collectives need). Losses are normalised by the whole minibatch's token and sequence counts,
-handed to your loss function, so gradients are those of the whole minibatch whatever the split.
+The group records what its calls leave on the GPUs (:class:`GpuState`) and tells the ranks to wake or sleep inside
+the call itself: one call is one round trip. The batch is split over the ranks by tokens, and on each rank into
+micro-batches of at most ``TrainerConfig.micro_batch_tokens`` tokens (the same count on every rank, as ZeRO's
+collectives need). Losses are normalised by the whole minibatch's token and sequence counts, handed to your loss
+function, so gradients are those of the whole minibatch whatever the split.
 """
 
 from __future__ import annotations
 
 import math
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,12 +28,12 @@ import torch
 
 from rlhfkit._optional import require
 from rlhfkit.experience import select_experience
-from rlhfkit.hybrid._timer import PhaseTimer
+from rlhfkit.hybrid._results import CallObserver, CallRecord, ForwardBackwardResult, OptimStepResult, WorkerReply
 from rlhfkit.hybrid._trainer_worker import OUTPUTS
 from rlhfkit.packing import partition_by_token_budget, select_sequences
 from rlhfkit.types import Experience, PackedBatch
 
-__all__ = ["LossFn", "TrainerConfig", "TrainerGroup"]
+__all__ = ["GpuState", "LossFn", "TrainerConfig", "TrainerGroup"]
 
 LossFn = Callable[..., Any]
 """``loss_fn(outputs, micro, *, num_tokens, num_seqs) -> loss | (loss, stats)``: ``outputs`` is the model's ``[T]``
@@ -165,20 +162,32 @@ def _ship_by_value(fn: Any) -> None:
     ray.cloudpickle.register_pickle_by_value(module)
 
 
-class TrainerGroup:
-    """One trainer role's ranks; see the module docstring. Built by :meth:`rlhfkit.hybrid.Hybrid.start`."""
+@dataclass(kw_only=True)
+class GpuState:
+    """What of a role the driver has put on its GPUs (every rank alike): the whole model (``awake``), or at least
+    its weights (``weights``: awake, or asleep after a keep-weights sleep)."""
 
-    def __init__(self, workers: Any, config: TrainerConfig, *, timer: PhaseTimer | None = None) -> None:
-        self.workers, self.config, self.timer = workers, config, timer
+    awake: bool = False
+    weights: bool = False
+
+
+class TrainerGroup:
+    """One trainer role's ranks; see the module docstring. Built by :meth:`rlhfkit.hybrid.Hybrid.start`.
+
+    ``observer`` (a :class:`~rlhfkit.hybrid.CallObserver`, the run's :class:`~rlhfkit.hybrid.PhaseTimer`) sees each
+    call's :class:`~rlhfkit.hybrid.CallRecord`. ``on_gpu`` is the driver's record of what the ranks hold on their GPUs
+    (None while a call runs and after one failed: unknown); ``weight_version`` the version of the weights the role
+    holds (the last pushed one, plus one once it has stepped since)."""
+
+    def __init__(self, workers: Any, config: TrainerConfig, *, observer: CallObserver | None = None) -> None:
+        self.workers, self.config, self.observer = workers, config, observer
         self.role, self.world_size = workers.role, workers.world_size
         if config.micro_batch_tokens is None:
             raise ValueError(f"'{self.role}': TrainerConfig.micro_batch_tokens=None is sized by Hybrid.start; a "
                              "TrainerGroup built without it needs a number of tokens")
-        self.peak_gib = 0.0
-        self.steps_since_push = 0  # optimizer steps whose weights the engines do not have yet
-        # (any rank awake, any rank asleep but for its weights) after the last call, or None when not known (before
-        # the first call, while a call is under way, after a call failed): a sleep that would do nothing is skipped
-        self._state: tuple[bool, bool] | None = None
+        self.on_gpu: GpuState | None = GpuState()  # load() leaves every rank asleep
+        self.weight_version = 0
+        self._stepped_since_push = False
 
     def _shards(self, lengths: list[int]) -> list[list[list[int]]]:
         """Per rank, its micro-batches (sequence indices): token-balanced, the same count on every rank."""
@@ -195,38 +204,39 @@ class TrainerGroup:
             out.append([[shard[i] for i in part] for part in parts])
         return out
 
-    def _call(self, method: str, *args: Any, scattered: bool = False, **kwargs: Any) -> list[dict[str, Any]]:
-        """Call ``method`` on every rank (``scattered``: ``args[0]`` holds each rank's share) and note the state the
-        call left the ranks in; while it runs, and if it fails, that state is unknown."""
-        self._state = None
-        return self._note((self.workers.call_scattered if scattered else self.workers.call)(method, *args, **kwargs))
+    def _must_wake(self, wake: bool) -> bool:
+        """Whether a call must wake the ranks first: asked to (``wake``) and not known to be awake. A rank told not
+        to wake while asleep refuses the call (RoleAsleepError, naming it)."""
+        return wake and not (self.on_gpu is not None and self.on_gpu.awake)
 
-    def _submit(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
-        """Start ``method`` on every rank without waiting (gather the results with ``workers.gather`` and pass them
-        to :meth:`_note`); the ranks' state is unknown meanwhile."""
-        self._state = None
-        return self.workers.submit(method, *args, **kwargs)
+    def _needs_sleep(self, keep_weights: bool) -> bool:
+        """Whether a sleep would change anything: not when the ranks are known asleep with nothing it would move."""
+        state = self.on_gpu
+        return state is None or state.awake or (state.weights and not keep_weights)
 
-    def _note(self, results: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        """Note the state the ranks report after a call (unknown when a result does not report it)."""
-        known = all(isinstance(result, dict) and "awake" in result for result in results)
-        self._state = ((any(r["awake"] for r in results), any(r["weights_only"] for r in results)) if known
-                       else None)
-        return results
+    def _call(self, method: str, *args: Any, phase: str, after: GpuState | None, scattered: bool = False,
+              **kwargs: Any) -> list[Any]:
+        """Call ``method`` on every rank (``scattered``: ``args[0]`` holds each rank's share); show its costs to the
+        observer; record ``after`` as what the ranks hold on their GPUs (unknown while it runs, and if it fails).
+        Returns each rank's value."""
+        self.on_gpu, started = None, time.perf_counter()
+        call = self.workers.call_scattered if scattered else self.workers.call
+        replies = call(method, *args, phase=phase, **kwargs)
+        return self._finish(method, phase, replies, after, started)
 
-    def _account(self, results: list[dict[str, Any]]) -> None:
-        """Report the ranks' sleep/wake time and bytes to the timer: the slowest rank's time and the largest rank's
-        bytes (the ranks copy in parallel, each on its own GPU)."""
-        if self.timer is not None:
-            self.timer.count_switch(max(result.get("switch_s", 0.0) for result in results),
-                                    bytes_d2h=max(result.get("bytes_d2h", 0.0) for result in results),
-                                    bytes_h2d=max(result.get("bytes_h2d", 0.0) for result in results),
-                                    bytes_kept=max(result.get("bytes_kept", 0.0) for result in results))
-            slowest = max(results, key=lambda result: result.get("worker_s", 0.0))
-            self.timer.count_worker(slowest.get("worker_s", 0.0), cpu_s=slowest.get("worker_cpu_s", 0.0))
-            self.timer.count_overlapped(max(result.get("overlapped_s", 0.0) for result in results))
-            self.timer.count_overlapped(max(result.get("overlapped_wake_s", 0.0) for result in results), wake=True)
-        self.peak_gib = max([self.peak_gib] + [result.get("peak_gib", 0.0) for result in results])
+    def _finish(self, method: str, phase: str, replies: list[WorkerReply], after: GpuState | None,
+                started: float) -> list[Any]:
+        self.on_gpu = after
+        if self.observer is not None:
+            self.observer.observe_call(CallRecord(role=self.role, method=method, phase=phase,
+                                                  seconds=time.perf_counter() - started,
+                                                  costs=tuple(reply.cost for reply in replies)))
+        return [reply.value for reply in replies]
+
+    @staticmethod
+    def _after(sleep_after: bool | str) -> GpuState:
+        """What a call that ends with ``sleep_after`` leaves on the GPUs."""
+        return GpuState(awake=not sleep_after, weights=sleep_after is not True)
 
     def forward(self, batch: PackedBatch, *, output: str = "logprobs", temperature: float = 1.0, wake: bool = True,
                 sleep_after: bool | str = True, phase: str | None = None, adapters: bool = True) -> torch.Tensor:
@@ -243,30 +253,29 @@ class TrainerGroup:
         if not isinstance(batch, PackedBatch):
             raise TypeError(f"batch must be a PackedBatch (rlhfkit.packing.pack_rollouts), got {type(batch).__name__}")
         phase = phase or (f"forward_{self.role}" if adapters else "forward_reference")
-        shards = self._shards(batch.seq_lens.tolist())
         items, places = [], []
-        for shard in shards:
+        for shard in self._shards(batch.seq_lens.tolist()):
             micro = [select_sequences(batch, indices) for indices in shard]
             items.append([sub for sub, _ in micro])
             places.append(shard if output == "rewards" else [index for _, index in micro])
-        results = self._call("forward", items, scattered=True, output=output, temperature=temperature, phase=phase,
-                             wake=wake, sleep_after=sleep_after, adapters=adapters)
-        self._account(results)
+        values = self._call("forward", items, scattered=True, output=output, temperature=temperature, phase=phase,
+                            wake=self._must_wake(wake), sleep_after=sleep_after, adapters=adapters,
+                            after=self._after(sleep_after))
         out = torch.zeros(batch.num_seqs if output == "rewards" else batch.num_tokens)
-        for result, rank_places in zip(results, places, strict=True):
-            for values, place in zip(result["outputs"], rank_places, strict=True):
-                out[torch.as_tensor(place)] = values
+        for outputs, rank_places in zip(values, places, strict=True):
+            for value, place in zip(outputs, rank_places, strict=True):
+                out[torch.as_tensor(place)] = value
         return out
 
     def forward_backward(self, minibatch: Experience, loss_fn: LossFn, *, output: str = "logprobs",
-                         temperature: float = 1.0, wake: bool = True, phase: str | None = None) -> dict[str, float]:
+                         temperature: float = 1.0, wake: bool = True,
+                         phase: str | None = None) -> ForwardBackwardResult:
         """Your ``loss_fn`` on the model's outputs for ``minibatch`` (split over ranks and micro-batches), then
-        backward; gradients accumulate until :meth:`optim_step`. Returns the loss function's stats (mean over
-        micro-batches and ranks), ``{role}/loss`` (the minibatch's total loss), ``{role}/peak_gib`` (the largest
-        peak of memory allocated by torch on any rank during the call; 0 on CPU) and ``{role}/peak_reserved_gib``
-        (the same with the caching allocator's blocks: what the device sees of the process, less its context). When
-        the call fails (on any micro-batch, any rank), every rank drops the gradients it had accumulated: the next
-        ``forward_backward`` starts a clean step."""
+        backward; gradients accumulate until :meth:`optim_step`. Returns a :class:`~rlhfkit.hybrid.
+        ForwardBackwardResult`: the minibatch's loss and the loss function's stats (mean over micro-batches and
+        ranks); ``.metrics()`` gives them as ``{role}/loss``, ``{role}/<stat>``. When the call fails (on any
+        micro-batch, any rank), every rank drops the gradients it had accumulated: the next ``forward_backward``
+        starts a clean step."""
         if output not in ("logprobs", "values"):
             raise ValueError(f"output={output!r}; forward_backward trains on 'logprobs' or 'values'")
         if not isinstance(minibatch, Experience):
@@ -283,22 +292,18 @@ class TrainerGroup:
         shards = self._shards(minibatch.batch.seq_lens.tolist())
         items = [[select_experience(minibatch, indices) for indices in shard] for shard in shards]
         try:
-            results = self._call("forward_backward", items, scattered=True, loss_fn=shipped, output=output,
-                                 temperature=temperature, num_tokens=num_tokens, num_seqs=num_seqs, phase=phase,
-                                 wake=wake)
+            parts = self._call("forward_backward", items, scattered=True, loss_fn=shipped, output=output,
+                               temperature=temperature, num_tokens=num_tokens, num_seqs=num_seqs, phase=phase,
+                               wake=self._must_wake(wake), after=GpuState(awake=True, weights=True))
         except Exception as error:
             # the ranks that failed dropped their gradients; the others finished their share: drop theirs too, so
             # that no rank carries part of this minibatch into the next step
             if self.world_size > 1:
                 self._discard_after(error, phase)
             raise
-        self._account(results)
-        stats: dict[str, float] = {}
-        for key in results[0]["stats"]:
-            values = [result["stats"][key] for result in results]
-            stats[f"{self.role}/{key}"] = sum(values) if key == "loss" else sum(values) / len(values)
-        return stats | {f"{self.role}/{key}": max(result.get(key, 0.0) for result in results)
-                        for key in ("peak_gib", "peak_reserved_gib")}
+        stats = {key: sum(part.stats[key] for part in parts) / len(parts) for key in parts[0].stats}
+        return ForwardBackwardResult(role=self.role, loss=sum(part.loss for part in parts), stats=stats,
+                                     num_tokens=round(num_tokens), num_seqs=round(num_seqs))
 
     def _discard_after(self, error: Exception, phase: str) -> None:
         """After a failed ``forward_backward``: drop every rank's gradients of the step; when that fails too, say so
@@ -315,41 +320,56 @@ class TrainerGroup:
         on every rank: the step is given up, and the next ``forward_backward`` starts a new one. A failed
         ``forward_backward`` or ``optim_step`` does this by itself; call it to skip a minibatch after a successful
         ``forward_backward`` (e.g. on its stats). A rank with no such gradients does nothing."""
-        self._account(self._call("discard_gradients", phase=phase or f"train_{self.role}"))
+        self._call("discard_gradients", phase=phase or f"train_{self.role}", after=None)  # wakes only if it must
 
     def check_push(self, *, phase: str = "sync") -> None:
         """Refuse a weight push that the ranks cannot send (not the actor, asleep without its weights) before any
         engine waits for it; the ranks' state is left as it is."""
         self.workers.call("check_send", phase=phase)
 
-    def optim_step(self, *, sleep_after: bool | str = False, phase: str | None = None) -> dict[str, float]:
-        """The optimizer step; returns ``{role}/lr``, ``{role}/grad_norm`` (pre-clip, global) and
-        ``{role}/global_step``. ``sleep_after="keep_weights"`` keeps only the weights for a weight push."""
+    def optim_step(self, *, sleep_after: bool | str = False, phase: str | None = None) -> OptimStepResult:
+        """The optimizer step; returns an :class:`~rlhfkit.hybrid.OptimStepResult` (learning rate, pre-clip global
+        gradient norm, global step). ``sleep_after="keep_weights"`` keeps only the weights for a weight push."""
         phase = phase or f"train_{self.role}"
-        results = self._call("optim_step", phase=phase, sleep_after=sleep_after)
-        self.steps_since_push += 1
-        self._account(results)
-        return {f"{self.role}/{key}": value for key, value in results[0]["stats"].items()}
+        results = self._call("optim_step", phase=phase, sleep_after=sleep_after, after=self._after(sleep_after))
+        if not self._stepped_since_push:
+            self.weight_version, self._stepped_since_push = self.weight_version + 1, True
+        return results[0]
+
+    def weights_pushed(self, version: int) -> None:
+        """The engines now hold this role's weights as ``version`` (called by :meth:`rlhfkit.hybrid.Hybrid.
+        push_weights`)."""
+        self.weight_version, self._stepped_since_push = int(version), False
 
     def sleep(self, *, keep_weights: bool = False, phase: str = "sleep") -> None:
-        """Put every rank to sleep (``keep_weights``: all but the weights, for a push). No call is made when the last
-        call left every rank where this one would (e.g. ``optim_step(sleep_after="keep_weights")`` before a push)."""
-        if self._state is not None and not self._state[0] and (keep_weights or not self._state[1]):
-            return
-        self._account(self._call("sleep", phase, keep_weights))
+        """Put every rank to sleep (``keep_weights``: all but the weights, for a push). No call is made when the
+        ranks already hold no more than this sleep would leave (e.g. after ``optim_step(sleep_after=
+        "keep_weights")`` before a push)."""
+        if self._needs_sleep(keep_weights):
+            self._call("sleep", keep_weights=keep_weights, phase=phase, after=GpuState(weights=keep_weights))
+
+    def start_sleep(self, *, phase: str = "sleep") -> list[Any]:
+        """Start a full sleep of every rank without waiting for it (beside a weight push); pass what it returns to
+        :meth:`finish_sleep`."""
+        self.on_gpu = None
+        return [time.perf_counter(), self.workers.submit("sleep", phase, False)]
+
+    def finish_sleep(self, started: list[Any], *, phase: str = "sleep") -> None:
+        """Wait for the sleep :meth:`start_sleep` started."""
+        self._finish("sleep", phase, self.workers.gather(started[1]), GpuState(), started[0])
 
     def wake(self, *, phase: str = "wake") -> None:
-        self._account(self._call("wake", phase))
+        self._call("wake", phase=phase, after=GpuState(awake=True, weights=True))
 
     def save(self, root: str | Path) -> Path:
         """A DeepSpeed checkpoint (+ HF export) under ``root/step-<global step>``, atomically; the role stays awake."""
-        results = self._call("save", str(root), phase=f"save_{self.role}")
-        return Path(results[0]["path"])
+        return Path(self._call("save", str(root), phase=f"save_{self.role}", after=GpuState(awake=True,
+                                                                                            weights=True))[0])
 
     def load(self, path: str | Path) -> dict[str, Any]:
         """Restore weights, optimizer and schedule from a checkpoint directory; returns its client state."""
-        results = self._call("load_checkpoint", str(path), phase=f"load_{self.role}")
-        return results[0]["client_state"]
+        return self._call("load_checkpoint", str(path), phase=f"load_{self.role}",
+                          after=GpuState(awake=True, weights=True))[0]
 
     def guard_events(self, *, settle: bool = False) -> list[dict[str, Any]]:
         """Every rank's guarded transitions since the last call; ``settle=True`` first waits for sleeps still running
