@@ -112,6 +112,7 @@ class TrainerWorker(Worker):
         self.events: list[dict[str, Any]] = []
         self.model: Any = None
         self.config: Any = None
+        self.plan: Any = None  # the role's RolePlan: where its states live (what its sleeps move)
         self._prefetched: tuple[Any, Any, torch.Tensor] | None = None  # (config, HF model in host memory, RNG state)
         self.awake = False
         self.sender: Any = None
@@ -120,7 +121,7 @@ class TrainerWorker(Worker):
         self._resident = _Resident()
         # copied by sleeps / wakes since the last call's report; kept: freed by sleeps without a copy
         self._moved = {"bytes_d2h": 0.0, "bytes_h2d": 0.0, "bytes_kept": 0.0}
-        self.overlap = False  # HybridConfig.overlap_switches: sleeps run behind the next role's wake
+        self.overlap = False  # HybridPlan.overlap_switches: sleeps run behind the next role's wake
         self._background: tuple[threading.Thread, str, bool] | None = None  # a sleep still running: phase, keep
         self._background_error: tuple[BaseException, str] | None = None  # what a background sleep raised, its phase
         self._overlapped_s = 0.0  # seconds of background sleeps since the last report
@@ -135,31 +136,34 @@ class TrainerWorker(Worker):
         return self.role in ("actor", "critic")
 
     # ------------------------------------------------------------------ lifecycle
-    def prefetch(self, config: Any) -> dict[str, float]:
+    def prefetch(self, config: Any, plan: Any) -> dict[str, float]:
         """Read the model into host memory (no GPU, no claim: every role at once, while :meth:`load` places them one
-        at a time); the next :meth:`load` of the same ``config`` wraps it. Returns ``{"read_s"}``."""
+        at a time); the next :meth:`load` of the same ``config`` and ``plan`` wraps it. Returns ``{"read_s"}``."""
         started = time.perf_counter()
-        self._prefetched = self._read(config)
+        self._prefetched = self._read(config, plan)
         return {"read_s": time.perf_counter() - started}
 
-    def _read(self, config: Any) -> tuple[Any, Any, torch.Tensor]:
+    def _read(self, config: Any, plan: Any) -> tuple[Any, Any, torch.Tensor]:
         """``(config, the HF model in host memory, the RNG state after reading it)``: seeded, since a fresh value
         head draws from the generator, and :meth:`load` goes on from where the read left it."""
         from rlhfkit.deepspeed_engine import DeepSpeedEngine
 
         torch.manual_seed(config.seed)
-        model = DeepSpeedEngine.read_pretrained(self.model_path, role=self.role, config=config.deepspeed)
-        return config, model, torch.get_rng_state()
+        deepspeed = plan.deepspeed_config(config.deepspeed, device=self.device_kind)
+        model = DeepSpeedEngine.read_pretrained(self.model_path, role=self.role, config=deepspeed)
+        return (config, plan), model, torch.get_rng_state()
 
-    def load(self, config: Any, *, measure_copy_rates: bool = False, overlap_switches: bool = False) -> dict[str, Any]:
-        """Build the model while holding the GPU's claim, then put it to sleep. ``measure_copy_rates``: first time
+    def load(self, config: Any, plan: Any, *, measure_copy_rates: bool = False,
+             overlap_switches: bool = False) -> dict[str, Any]:
+        """Build the model of ``config`` (its TrainerConfig) placed as ``plan`` (its RolePlan: ZeRO stage, what its
+        sleeps move) while holding the GPU's claim, then put it to sleep. ``measure_copy_rates``: first time
         this process's pinned host<->device copies on the still empty GPU (:func:`rlhfkit.hybrid.
         measure_copy_rates`; ``copy_rates`` is None on CPU). ``overlap_switches``: later sleeps run in the
-        background, behind the next role's wake (``HybridConfig.overlap_switches``)."""
+        background, behind the next role's wake (``HybridPlan.overlap_switches``)."""
         from rlhfkit.deepspeed_engine import DeepSpeedEngine
         from rlhfkit.hybrid._copy_floor import measure_copy_rates as measure
 
-        self.config, self.overlap = config, bool(overlap_switches)
+        self.config, self.plan, self.overlap = config, plan, bool(overlap_switches)
         self._resident = _Resident(empty_cache=config.deepspeed.empty_cache_on_sleep)
         clock = StartupClock()
         self._transition("wake", "load")  # claim only: the model does not exist yet
@@ -170,21 +174,22 @@ class TrainerWorker(Worker):
         rates = measure(self.device()) if measure_copy_rates and self.device_kind == "cuda" else None
         clock.lap("copy_rates_s")
         prefetched, self._prefetched = self._prefetched, None
-        if prefetched is None or prefetched[0] != config:
-            prefetched = self._read(config)
+        if prefetched is None or prefetched[0] != (config, plan):
+            prefetched = self._read(config, plan)
         _, hf_model, rng = prefetched
         del prefetched
         torch.manual_seed(config.seed)  # the CUDA generator, seeded as before the read; the CPU one goes on from it
         torch.set_rng_state(rng)
         # trained roles own the accumulation boundary: backward accumulates, optim_step() is the boundary
         overrides = {"managed_gradient_accumulation": False} if self.trains else None
-        model = DeepSpeedEngine(hf_model, role=self.role, config=config.deepspeed, ds_config_overrides=overrides,
+        deepspeed = plan.deepspeed_config(config.deepspeed, device=self.device_kind)
+        model = DeepSpeedEngine(hf_model, role=self.role, config=deepspeed, ds_config_overrides=overrides,
                                 lora=config.lora)
         del hf_model
         clock.lap("model_s")
         gc.collect()
         gc.freeze()  # offload_states calls gc.collect(); frozen long-lived objects make that cheap
-        (model if config.offload else self._resident).sleep()
+        (model if plan.offload else self._resident).sleep()
         self._transition("sleep", "load")  # the claim was taken with no model: release it the same way
         clock.lap("sleep_s")
         self.model = model
@@ -194,18 +199,18 @@ class TrainerWorker(Worker):
                 "copy_rates": rates, "startup_parts": parts}
 
     def _keeps_optimizer(self) -> bool:
-        """Sleeps leave the optimizer's states on the GPU (``TrainerConfig.sleep_optimizer=False``, a trained role
-        that sleeps to host memory)."""
-        return self.trains and self.model is not None and self.config.offload and self.config.sleep_optimizer is False
+        """Sleeps leave the optimizer's states on the GPU (``RolePlan.keep_optimizer``, a trained role that sleeps to
+        host memory)."""
+        return self.trains and self.model is not None and self.plan.offload and self.plan.keep_optimizer
 
     def _keeps_weights(self) -> bool:
-        """Sleeps leave the weights on the GPU (``TrainerConfig.sleep_weights=False``, a trained role that sleeps to
-        host memory): a full sleep is one that keeps them."""
-        return self.trains and self.model is not None and self.config.offload and self.config.sleep_weights is False
+        """Sleeps leave the weights on the GPU (``RolePlan.keep_weights``, a trained role that sleeps to host
+        memory): a full sleep is one that keeps them."""
+        return self.trains and self.model is not None and self.plan.offload and self.plan.keep_weights
 
     def _sleepable(self) -> Any:
         """What the guard wakes and puts to sleep (one object for the whole run: the guard's claim names it)."""
-        return self.model if (self.config.offload and self.model is not None) else self._resident
+        return self.model if (self.plan.offload and self.model is not None) else self._resident
 
     def _transition(self, action: str, phase: str, **kwargs: Any) -> float:
         if action == "sleep" and self._keeps_optimizer():
@@ -361,7 +366,7 @@ class TrainerWorker(Worker):
         self._settle("sleep")
         seconds = 0.0
         if self.awake or (self._weights_only and not keep_weights):
-            seconds = self._sleep(phase, keep_weights=keep_weights and self.config.offload)
+            seconds = self._sleep(phase, keep_weights=keep_weights and self.plan.offload)
         return {"switch_s": seconds, **self._report()}
 
     def guard_events(self, settle: bool = False) -> list[dict[str, Any]]:
@@ -387,7 +392,7 @@ class TrainerWorker(Worker):
             raise RoleAsleepError(f"{method}() called while '{self.role}' rank {self.rank} is asleep (phase "
                                   f"'{phase}'); pass wake=True or wake the role first", role=self.role,
                                   rank=self.rank, phase=phase)
-        if not (defer_optimizer and self.trains and self.config.offload and self.config.defer_optimizer_wake):
+        if not (defer_optimizer and self.trains and self.plan.offload and self.plan.defer_optimizer_wake):
             return self._transition("wake", phase)
         return self._transition("wake", phase, defer_optimizer=True)  # the caller starts the rest behind its work
 
@@ -443,7 +448,7 @@ class TrainerWorker(Worker):
     def _end(self, phase: str, sleep_after: bool | str) -> float:
         if sleep_after in (False, None):
             return 0.0
-        return self._sleep(phase, keep_weights=sleep_after == "keep_weights" and self.config.offload)
+        return self._sleep(phase, keep_weights=sleep_after == "keep_weights" and self.plan.offload)
 
     # ------------------------------------------------------------------ primitives
     def forward(self, batches: list, *, output: str, temperature: float, phase: str, wake: bool,
