@@ -43,6 +43,10 @@ from bench.hybrid import _device, read_metrics, run_logged, summarize  # noqa: E
 
 # transformers config fields of each architecture (from the models' published config.json files).
 ARCHITECTURES: dict[str, dict] = {
+    "smollm2-135m": {"model_type": "llama", "vocab_size": 49152, "hidden_size": 576, "intermediate_size": 1536,
+                     "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
+                     "max_position_embeddings": 8192, "rope_theta": 100000.0, "rms_norm_eps": 1e-5,
+                     "tie_word_embeddings": True},
     "qwen2.5-1.5b": {"model_type": "qwen2", "vocab_size": 151936, "hidden_size": 1536, "intermediate_size": 8960,
                      "num_hidden_layers": 28, "num_attention_heads": 12, "num_key_value_heads": 2,
                      "max_position_embeddings": 32768, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6,

@@ -90,8 +90,8 @@ def grpo_loss(logprobs, micro, *, num_tokens, num_seqs, kl_coef):
     return loss + kl_coef * kl, stats | {"kl_loss": kl_stats["kl_mean"], "engine_gap": float(gap.mean())}
 
 
-def start(options: Options, edit_plan=None) -> Hybrid:
-    """The run's configs, its plan for this machine (printed; ``edit_plan``: plan -> plan, for A/B runs), started."""
+def configs(options: Options) -> tuple[HybridConfig, dict[str, TrainerConfig]]:
+    """The run's config and its trainer roles (what the plan is made for)."""
     cpu = options.device == "cpu"
     tiny = TinyModelConfig(hidden_size=64, num_layers=2, seed=SEED)  # CPU smoke runs: a tiny random Llama
     model = options.model or str(build_tiny_model(Path(options.out) / "tiny_model", tiny, exist_ok=True))
@@ -113,6 +113,12 @@ def start(options: Options, edit_plan=None) -> Hybrid:
                           engine_gpus=max(1, options.engine_gpus), dtype="float32" if cpu else "bfloat16",
                           max_num_seqs=-(-options.prompts_per_step * options.samples_per_prompt
                                          // (engine_gpus // options.tensor_parallel_size)))
+    return config, trainers
+
+
+def start(options: Options, edit_plan=None) -> Hybrid:
+    """The run's plan for this machine, printed (``edit_plan``: plan -> plan, for A/B runs), then started."""
+    config, trainers = configs(options)
     plan = plan_for_machine(config, trainers)  # what stays on the GPU in which phase; MemoryFitError if nothing fits
     plan = edit_plan(plan) if edit_plan is not None else plan
     print(plan, flush=True)

@@ -32,7 +32,7 @@ from rlhfkit.hybrid._engines import (
     guarded_sglang_engine_class,
     guarded_vllm_engine_class,
 )
-from rlhfkit.hybrid._plan import HybridPlan, check_roles, check_plan, plan_hybrid
+from rlhfkit.hybrid._plan import HybridPlan, check_plan, check_roles, plan_hybrid
 from rlhfkit.hybrid._timer import GpuMemorySampler, PhaseTimer, process_age_s, visible_gpu_memory_used_gib
 from rlhfkit.hybrid._trainer import TrainerConfig, TrainerGroup
 from rlhfkit.hybrid._trainer_worker import TrainerWorker, plan_gpu_key

@@ -251,11 +251,12 @@ def plan_hybrid(config: Any, trainers: Mapping[str, Any], *, gpu_memory_gib: flo
     asleep, the smallest micro-batch budget, no overlapped switches).
 
     The first layout the memory estimate accepts, in every phase, GPU and host: the layout as configured; every role
-    asleep in host memory between its phases, trained roles with gradient checkpointing; then the trained roles
-    resident with ZeRO-3, gradient checkpointing and ``OFFLOAD_SHARES`` of their optimizer in host memory. Within
-    it, the largest micro-batch budget of ``MICRO_BATCH_LADDER``, then the most states kept on the GPU through
-    sleeps (``KEEP_LADDER``), that fit within ``1 / HEADROOM`` of the GPU; switches overlap where every role fits
-    resident at once within it. Raises :class:`~rlhfkit.placement.MemoryFitError` when none fits, naming the phase
+    resident on the GPU; every role asleep in host memory between its phases, trained roles with gradient
+    checkpointing; then the trained roles resident with ZeRO-3, gradient checkpointing and ``OFFLOAD_SHARES`` of their
+    optimizer in host memory; last, every role asleep with the trained roles' optimizer wholly in host memory under
+    ZeRO-3. Within it, the largest micro-batch budget of ``MICRO_BATCH_LADDER``, then the most states kept on the GPU
+    through sleeps (``KEEP_LADDER``), that fit within ``1 / HEADROOM`` of the GPU; switches overlap where every role
+    fits resident at once within it. Raises :class:`~rlhfkit.placement.MemoryFitError` when none fits, naming the phase
     and shortfall of the layout that came closest. ``model_shape``: the run's model's :class:`ModelShape`, or path ->
     shape (default: read from each model's config.json); ``host_cores``: CPU cores of a node (default: this
     machine's)."""
@@ -270,7 +271,8 @@ def plan_hybrid(config: Any, trainers: Mapping[str, Any], *, gpu_memory_gib: flo
     if gpu_memory_gib is None:
         return _finish(facts, configured, engine, overlap=False, estimate=None, layout="as configured")
     closest: tuple[str, MemoryFitError] | None = None
-    for layout, roles in _layouts(facts, configured):
+    layouts = _layouts(facts, configured)
+    for layout, roles in layouts:
         engine = _engine_share(facts, roles, engine)
         roles = _size(facts, roles, engine)
         try:
@@ -284,8 +286,8 @@ def plan_hybrid(config: Any, trainers: Mapping[str, Any], *, gpu_memory_gib: flo
                        layout=layout)
     assert closest is not None
     layout, error = closest
-    raise MemoryFitError(f"No layout the plan tries fits (as configured; every role asleep in host memory; ZeRO-3 "
-                         f"with the optimizer partly or wholly in host memory). The closest, {layout}: {error} "
+    raise MemoryFitError(f"No layout the plan tries fits ({'; '.join(name for name, _ in layouts)}). The closest, "
+                         f"{layout}: {error}. "
                          "Try LoRA, more GPUs or a bigger GPU.", phase=error.phase, shortfall_gib=error.shortfall_gib,
                          memory=error.memory)
 
@@ -393,6 +395,9 @@ def _configured(role: str, trainer: Any) -> RolePlan:
 def _layouts(facts: _Facts, configured: dict[str, RolePlan]) -> list[tuple[str, dict[str, RolePlan]]]:
     """The layouts tried, in order, each one the configs accept (a partial share on CPU is not one)."""
     out = [("as configured", configured)]
+    resident = {role: dataclasses.replace(plan, offload=False, defer_optimizer_wake=False)
+                for role, plan in configured.items()}
+    out.append(("every role resident on the GPU", resident))  # no copies at the switches, little host memory
     asleep = {role: dataclasses.replace(plan, offload=True, offload_share=1.0 if plan.offload_share > 0 else 0.0,
                                         defer_optimizer_wake=role in TRAINED,
                                         gradient_checkpointing=plan.gradient_checkpointing or role in TRAINED)
@@ -406,6 +411,11 @@ def _layouts(facts: _Facts, configured: dict[str, RolePlan]) -> list[tuple[str, 
                                                      offload_share=share, gradient_checkpointing=True,
                                                      defer_optimizer_wake=False)
         out.append((f"ZeRO-3, {share:.0%} of the optimizer in host memory", resident))
+    parked = dict(asleep)  # the least GPU memory of all: everything sleeps, the optimizer steps in host memory
+    for role in TRAINED:
+        if role in asleep and facts.trainers[role].lora is None:
+            parked[role] = dataclasses.replace(asleep[role], zero_stage=3, offload_share=1.0)
+    out.append(("every role asleep in host memory, ZeRO-3, the optimizer in host memory", parked))
     seen, accepted = [], []
     for name, roles in out:
         if roles in seen or not _accepted(facts, roles):
