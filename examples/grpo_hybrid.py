@@ -70,6 +70,8 @@ class Options:
     lr: float = option(5e-6, "learning rate")
     kl_coef: float = option(0.001, "k3 KL to the reference (0: no reference model, as DAPO)")
     lora_rank: int = option(0, "> 0: train LoRA adapters (alpha = 2 * rank, attention + MLP) and push only them")
+    dtype: str = option("auto", "bfloat16 or float32 (trainers and engines; float32 keeps the engine-trainer gap "
+                                "~1e-3); auto: bfloat16 on a GPU, float32 on CPU")
     tiny: bool = option(False, "smoke run: 3 steps of a few short samples")
 
 
@@ -95,10 +97,12 @@ def configs(options: Options) -> tuple[HybridConfig, dict[str, TrainerConfig]]:
     cpu = options.device == "cpu"
     tiny = TinyModelConfig(hidden_size=64, num_layers=2, seed=SEED)  # CPU smoke runs: a tiny random Llama
     model = options.model or str(build_tiny_model(Path(options.out) / "tiny_model", tiny, exist_ok=True))
-    # bf16 on a GPU (ZeRO-0 + bf16 cannot sleep: DeepSpeed's BF16_Optimizer has no offload_states, so ZeRO-1);
-    # fp32 on CPU keeps the engine-trainer gap ~1e-3
-    rank, stage = options.lora_rank, 0 if cpu else 1
-    deepspeed = DeepSpeedEngineConfig(zero_stage=stage, bf16=not cpu, learning_rate=options.lr,
+    if options.dtype not in ("auto", "bfloat16", "float32"):
+        raise ValueError(f"--dtype {options.dtype!r}; expected auto, bfloat16 or float32")
+    bf16 = options.dtype == "bfloat16" or (options.dtype == "auto" and not cpu)
+    # ZeRO-0 + bf16 cannot sleep (DeepSpeed's BF16_Optimizer has no offload_states): bf16 takes stage 1
+    rank, stage = options.lora_rank, 1 if bf16 and not cpu else 0
+    deepspeed = DeepSpeedEngineConfig(zero_stage=stage, bf16=bf16, learning_rate=options.lr,
                                       optimizer="torch_adamw" if cpu else "fused_adam", gradient_clipping=1.0,
                                       compile_layers=not cpu and not rank)  # fewer launches in a host-bound step
     lora = LoraConfig(rank=rank, alpha=2.0 * rank, target_modules=LORA_TARGETS) if rank else None
@@ -110,7 +114,7 @@ def configs(options: Options) -> tuple[HybridConfig, dict[str, TrainerConfig]]:
     config = HybridConfig(model=model, device=options.device, engine="hf" if cpu else options.engine, seed=SEED,
                           sglang_site=options.sglang_site, num_gpus=options.num_gpus, num_nodes=options.num_nodes,
                           tensor_parallel_size=options.tensor_parallel_size, colocate=not separated,
-                          engine_gpus=max(1, options.engine_gpus), dtype="float32" if cpu else "bfloat16",
+                          engine_gpus=max(1, options.engine_gpus), dtype="bfloat16" if bf16 and not cpu else "float32",
                           max_num_seqs=-(-options.prompts_per_step * options.samples_per_prompt
                                          // (engine_gpus // options.tensor_parallel_size)))
     return config, trainers

@@ -1,4 +1,4 @@
-"""HybridConfig.overlap_switches: a trainer role's sleep runs in the background while the next role wakes.
+"""HybridPlan.overlap_switches: a trainer role's sleep runs in the background while the next role wakes.
 
 The worker's background sleep and the guard's hand-over are checked in this process (a real TrainerWorker over a
 stand-in model, a LocalPhaseStore); the whole loop on CPU with Ray, DeepSpeed and the HF engine, against the same
@@ -73,13 +73,9 @@ def _worker(monkeypatch, tiny_llama_path, role: str):
     store = LocalPhaseStore()
     worker = TrainerWorker(store, "cpu", str(tiny_llama_path))
 
-    class Config:
-        offload = True
-        defer_optimizer_wake = True
-        sleep_optimizer = None
-        sleep_weights = None
-
-    worker.config, worker.overlap = Config(), True
+    # the role's RolePlan (mutable here): sleeps to host memory, keeps nothing, defers the optimizer's wake
+    worker.plan = SimpleNamespace(offload=True, defer_optimizer_wake=True, keep_optimizer=False, keep_weights=False)
+    worker.config, worker.overlap = SimpleNamespace(offload=True), True
     return worker, store
 
 
@@ -200,36 +196,35 @@ class Keeping(SlowModel):
         return super().sleep(keep_weights)
 
 
-def test_sleep_optimizer_false_keeps_a_trained_roles_optimizer_states_through_its_sleeps(actor_worker):
-    """TrainerConfig(sleep_optimizer=False): every sleep of a trained role asks its model to keep the optimizer's
-    states (DeepSpeedEngine.sleep(keep_optimizer=True)); True and None (a group built by hand) move them."""
+def test_keep_optimizer_keeps_a_trained_roles_optimizer_states_through_its_sleeps(actor_worker):
+    """RolePlan.keep_optimizer: every sleep of a trained role asks its model to keep the optimizer's states
+    (DeepSpeedEngine.sleep(keep_optimizer=True)); without it they move."""
     calls = []
     actor, _ = actor_worker
     actor.overlap = False
-    for setting, keeps in ((False, True), (True, False), (None, False)):
-        actor.config.sleep_optimizer = setting
+    for setting, keeps in ((True, True), (False, False)):
+        actor.plan.keep_optimizer = setting
         actor.model = Keeping(calls)
         actor._transition("wake", "train_actor")
         actor._sleep("train_actor", keep_weights=True)
         actor._transition("wake", "train_actor")
         actor._sleep("train_actor")
         assert calls[-2:] == [(True, keeps), (False, keeps)], (setting, calls)
-    from rlhfkit.deepspeed_engine import DeepSpeedEngineConfig
-    from rlhfkit.hybrid import TrainerConfig
+    from rlhfkit.hybrid import RolePlan
 
-    with pytest.raises(TypeError, match=r"TrainerConfig.sleep_optimizer='no'; must be True, False or None"):
-        TrainerConfig(deepspeed=DeepSpeedEngineConfig(), sleep_optimizer="no")
+    with pytest.raises(TypeError, match=r"RolePlan.keep_optimizer='no'; must be True or False"):
+        RolePlan(zero_stage=1, keep_optimizer="no")
 
 
-def test_sleep_weights_false_keeps_a_trained_roles_weights_through_every_sleep(actor_worker):
-    """TrainerConfig(sleep_weights=False): every sleep of a trained role keeps its weights
-    (DeepSpeedEngine.sleep(keep_weights=True)), a full one too; the worker then reports no weights a later sleep
-    would move, and a sleep after a keeping one makes no call; True and None (a group built by hand) move them."""
+def test_keep_weights_keeps_a_trained_roles_weights_through_every_sleep(actor_worker):
+    """RolePlan.keep_weights: every sleep of a trained role keeps its weights (DeepSpeedEngine.sleep(keep_weights=
+    True)), a full one too; the worker then reports no weights a later sleep would move, and a sleep after a keeping
+    one makes no call; without it they move."""
     calls = []
     actor, _ = actor_worker
     actor.overlap = False
-    for setting, keeps in ((False, True), (True, False), (None, False)):
-        actor.config.sleep_weights, actor.config.sleep_optimizer = setting, True
+    for setting, keeps in ((True, True), (False, False)):
+        actor.plan.keep_weights, actor.plan.keep_optimizer = setting, False
         actor.model, start = Keeping(calls), len(calls)
         actor._transition("wake", "train_actor")
         actor._sleep("train_actor", keep_weights=True)  # optim_step(sleep_after="keep_weights")
@@ -240,23 +235,22 @@ def test_sleep_weights_false_keeps_a_trained_roles_weights_through_every_sleep(a
         actor._sleep("forward_actor")  # forward(sleep_after=True)
         assert calls[-1] == (keeps, False), (setting, calls)
     actor.overlap = True  # the same behind a background sleep: nothing is queued behind it
-    actor.config.sleep_weights, actor.model = False, Keeping(calls)
+    actor.plan.keep_weights, actor.model = True, Keeping(calls)
     actor._transition("wake", "train_actor")
     actor._sleep("train_actor", keep_weights=True)
     assert actor.sleep("sync")["switch_s"] == 0.0
     actor._settle("next")
     assert calls[-1] == (True, False) and actor._background is None
-    from rlhfkit.deepspeed_engine import DeepSpeedEngineConfig
-    from rlhfkit.hybrid import TrainerConfig
+    from rlhfkit.hybrid import RolePlan
 
-    with pytest.raises(TypeError, match=r"TrainerConfig.sleep_weights=1; must be True, False or None"):
-        TrainerConfig(deepspeed=DeepSpeedEngineConfig(), sleep_weights=1)
+    with pytest.raises(TypeError, match=r"RolePlan.keep_weights=1; must be True or False"):
+        RolePlan(zero_stage=1, keep_weights=1)
 
 
 def test_a_role_without_an_optimizer_is_never_asked_to_keep_one(worker):
     calls = []
     reference, _ = worker
-    reference.overlap, reference.config.sleep_optimizer, reference.config.sleep_weights = False, False, False
+    reference.overlap, reference.plan.keep_optimizer, reference.plan.keep_weights = False, True, True
     reference.model = Keeping(calls)
     reference._transition("wake", "forward_reference")
     reference._sleep("forward_reference")
@@ -264,20 +258,19 @@ def test_a_role_without_an_optimizer_is_never_asked_to_keep_one(worker):
 
 
 def test_defer_optimizer_wake_false_wakes_everything_before_the_call(actor_worker):
-    """TrainerConfig(defer_optimizer_wake=False): forward_backward's wake brings the optimizer's states back too, and
+    """RolePlan(defer_optimizer_wake=False): forward_backward's wake brings the optimizer's states back too, and
     nothing runs behind the call."""
     worker, _ = actor_worker
-    worker.config.defer_optimizer_wake = False
+    worker.plan.defer_optimizer_wake = False
     worker.model = DeferringModel(finish_s=0.4)
     worker._begin("forward_backward", "train_actor", True, defer_optimizer=True)
     worker._wake_optimizer_behind("train_actor")
     assert worker.model.order == ["wake(defer=False)"] and worker._finishing is None
     assert not worker.model.optimizer_states_away and worker._report()["bytes_h2d"] == 1000.0
-    from rlhfkit.deepspeed_engine import DeepSpeedEngineConfig
-    from rlhfkit.hybrid import TrainerConfig
+    from rlhfkit.hybrid import RolePlan
 
-    with pytest.raises(TypeError, match=r"TrainerConfig.defer_optimizer_wake='no'; must be True or False"):
-        TrainerConfig(deepspeed=DeepSpeedEngineConfig(), defer_optimizer_wake="no")
+    with pytest.raises(TypeError, match=r"RolePlan.defer_optimizer_wake='no'; must be True or False"):
+        RolePlan(zero_stage=1, defer_optimizer_wake="no")
 
 
 def test_a_failed_optimizer_wake_surfaces_on_the_next_call_and_a_failing_call_joins_it_before_sleeping(
@@ -365,56 +358,37 @@ def test_without_overlap_the_sleep_is_done_when_the_call_returns(worker):
     assert store.holder("node0/gpu0") is None
 
 
-def test_overlap_switches_needs_room_for_every_role_resident(tiny_llama_path):
+def test_switches_overlap_only_where_every_role_fits_resident(tiny_llama_path):
+    """The plan's overlap_switches: on for a GPU run whose estimate with every role resident at once fits within the
+    plan's headroom (two roles share the GPU for a moment), off on CPU (no copies to hide) and where the GPU is too
+    small for every role resident with that headroom."""
     pytest.importorskip("deepspeed")
     from rlhfkit.deepspeed_engine import DeepSpeedEngineConfig
-    from rlhfkit.hybrid import HybridConfig, TrainerConfig
-    from rlhfkit.hybrid._launch import _check_overlap_fits
-
-    with pytest.raises(TypeError, match="overlap_switches='yes'"):
-        HybridConfig(model=str(tiny_llama_path), device="cpu", engine="hf", overlap_switches="yes")
-    trainers = {"actor": TrainerConfig(deepspeed=DeepSpeedEngineConfig(zero_stage=1, optimizer="torch_adamw"))}
-    config = HybridConfig(model=str(tiny_llama_path), device="cpu", engine="hf", overlap_switches=True)
-    _check_overlap_fits(config, trainers)  # no GPU size known on CPU: nothing to check
-    tiny_gpu = HybridConfig(model=str(tiny_llama_path), device="cpu", engine="hf", overlap_switches=True,
-                            gpu_memory_gib=0.001)
-    with pytest.raises(ValueError, match="overlap_switches=True needs room for every role resident"):
-        _check_overlap_fits(tiny_gpu, trainers)
-
-
-def test_overlap_switches_default_is_on_only_where_every_role_fits_resident(tiny_llama_path):
-    pytest.importorskip("deepspeed")
-    from rlhfkit.deepspeed_engine import DeepSpeedEngineConfig
-    from rlhfkit.hybrid import HybridConfig, TrainerConfig
-    from rlhfkit.hybrid._launch import OVERLAP_HEADROOM, _check_overlap_fits, _check_resident_fit, _overlap_fits
+    from rlhfkit.hybrid import HybridConfig, TrainerConfig, plan_hybrid
+    from rlhfkit.hybrid import _plan
+    from rlhfkit.hybrid._plan import HEADROOM, check_plan
 
     trainers = {"actor": TrainerConfig(deepspeed=DeepSpeedEngineConfig(zero_stage=1, optimizer="torch_adamw")),
                 "reference": TrainerConfig(deepspeed=DeepSpeedEngineConfig(zero_stage=0, optimizer="torch_adamw"))}
-    assert HybridConfig(model=str(tiny_llama_path), device="cpu", engine="hf").overlap_switches is None
-    # CPU: nothing to overlap (no copies between device and host)
-    assert not _overlap_fits(HybridConfig(model=str(tiny_llama_path), device="cpu", engine="hf",
-                                          gpu_memory_gib=80.0), trainers)
-    roomy = HybridConfig(model=str(tiny_llama_path), device="cuda", engine="hf", gpu_memory_gib=80.0,
-                         host_memory_gib=64.0)
-    assert _overlap_fits(roomy, trainers)
-    tight = HybridConfig(model=str(tiny_llama_path), device="cuda", engine="hf", gpu_memory_gib=0.001,
-                         host_memory_gib=64.0)
-    assert not _overlap_fits(tight, trainers)  # the same estimate that makes True refuse turns None off
-    # None wants OVERLAP_HEADROOM over the resident estimate (the estimate does not count the allocators' caches);
-    # True only needs the estimate to fit
-    peak = _check_resident_fit(roomy, trainers).peak()
-    between = dataclasses.replace(roomy, gpu_memory_gib=peak * (1 + OVERLAP_HEADROOM) / 2)
-    _check_overlap_fits(dataclasses.replace(between, overlap_switches=True), trainers)
-    assert not _overlap_fits(between, trainers)
-    assert _overlap_fits(dataclasses.replace(roomy, gpu_memory_gib=peak * OVERLAP_HEADROOM * 1.01), trainers)
+    cpu = HybridConfig(model=str(tiny_llama_path), device="cpu", engine="hf")
+    assert not plan_hybrid(cpu, trainers, gpu_memory_gib=80.0, host_memory_gib=64.0).overlap_switches
+    cuda = HybridConfig(model=str(tiny_llama_path), device="cuda", engine="hf")
+    roomy = plan_hybrid(cuda, trainers, gpu_memory_gib=80.0, host_memory_gib=64.0)
+    assert roomy.overlap_switches
+    resident = dataclasses.replace(roomy, roles={role: dataclasses.replace(plan, offload=False)
+                                                 for role, plan in roomy.roles.items()})
+    peak = check_plan(cuda, trainers, resident.replace_engine(sleep_level=0)).peak()
+    for gib, overlaps in ((peak * 1.01, False), (peak * HEADROOM * 1.01, True)):  # the headroom over the estimate
+        facts = _plan._Facts(config=cuda, trainers=trainers, placement=_plan._placement(cuda, tuple(trainers)),
+                             shapes=_plan._shapes(cuda, trainers, None), gpu_gib=gib, host_gib=64.0, cores=1)
+        assert _plan._overlap_fits(facts, roomy.roles, roomy.engine) is overlaps
 
 
-def _run(tiny_llama_path, overlap: bool, steps: int = 2, sleep_optimizer: bool | None = None,
-         sleep_weights: bool | None = None) -> list[dict]:
+def _run(tiny_llama_path, overlap: bool, steps: int = 2, keep: bool = False) -> list[dict]:
     from rlhfkit.deepspeed_engine import DeepSpeedEngineConfig
     from rlhfkit.engines import SamplingConfig
     from rlhfkit.experience import ExperienceConfig, engine_token_logprobs, make_experience
-    from rlhfkit.hybrid import Hybrid, HybridConfig, TrainerConfig
+    from rlhfkit.hybrid import Hybrid, HybridConfig, TrainerConfig, plan_hybrid
     from rlhfkit.losses import policy_loss
     from rlhfkit.packing import pack_rollouts
 
@@ -423,11 +397,13 @@ def _run(tiny_llama_path, overlap: bool, steps: int = 2, sleep_optimizer: bool |
                            micro.batch.cu_seqlens, num_tokens=num_tokens, num_seqs=num_seqs)
 
     deepspeed = DeepSpeedEngineConfig(zero_stage=1, bf16=False, optimizer="torch_adamw", learning_rate=1e-3)
-    hybrid = Hybrid.start(HybridConfig(model=str(tiny_llama_path), device="cpu", engine="hf", call_timeout_s=120,
-                                       sync_timeout_s=60, overlap_switches=overlap),
-                          {"actor": TrainerConfig(deepspeed=deepspeed, sleep_optimizer=sleep_optimizer,
-                                                  sleep_weights=sleep_weights),
-                           "reference": TrainerConfig(deepspeed=deepspeed)})
+    config = HybridConfig(model=str(tiny_llama_path), device="cpu", engine="hf", call_timeout_s=120,
+                          sync_timeout_s=60)
+    trainers = {"actor": TrainerConfig(deepspeed=deepspeed), "reference": TrainerConfig(deepspeed=deepspeed)}
+    plan = plan_hybrid(config, trainers, gpu_memory_gib=None, host_memory_gib=None)
+    plan = dataclasses.replace(plan, overlap_switches=overlap).replace_role("actor", keep_weights=keep,
+                                                                             keep_optimizer=keep)
+    hybrid = Hybrid.start(config, trainers, plan=plan)
     rows = []
     try:
         actor, reference = hybrid.trainers["actor"], hybrid.trainers["reference"]
@@ -458,7 +434,7 @@ def test_the_loop_with_overlapped_switches_trains_exactly_as_without(tiny_llama_
     pytest.importorskip("deepspeed")
     plain, overlapped = _run(tiny_llama_path, False), _run(tiny_llama_path, True)
     # the actor's optimizer states and weights stay through its sleeps
-    kept = _run(tiny_llama_path, True, sleep_optimizer=False, sleep_weights=False)
+    kept = _run(tiny_llama_path, True, keep=True)
     for a, b, c in zip(plain, overlapped, kept, strict=True):
         assert a["actor/loss"] == b["actor/loss"] == c["actor/loss"]
         assert a["actor/grad_norm"] == b["actor/grad_norm"] == c["actor/grad_norm"]

@@ -66,7 +66,7 @@ class Hybrid:
     the plan counted the GPU as that much smaller. While the run is open the driver runs torch's intra-op work on
     one thread (its work is small CPU tensors beside busy engines and trainers); :meth:`close` restores it."""
 
-    def __init__(self, config: HybridConfig, plan: HybridPlan) -> None:
+    def __init__(self, config: HybridConfig, plan: HybridPlan | None = None) -> None:
         self.config, self.plan = config, plan
         self.trainers: dict[str, TrainerGroup] = {}
         self.engines: RolloutEngines | None = None
@@ -112,6 +112,8 @@ class Hybrid:
         run = cls(config, plan)
         run._started_ray, run.gpu_held_gib = started_ray, held
         run.startup.update(before_start_s=before_start_s, checks_s=checks_s, ray_init_s=ray_s)
+        run._threads_before = torch.get_num_threads()  # the driver's small CPU ops stay off an OpenMP team
+        torch.set_num_threads(1)
         try:
             run._start(dict(trainers), time.perf_counter())
         except BaseException:
@@ -137,8 +139,6 @@ class Hybrid:
         self._start_gate = f"engines-build-{uuid.uuid4().hex[:12]}"
         self._handles = self._create_engines(configs["actor"].lora)
         self._engine_group()
-        self._threads_before = torch.get_num_threads()
-        torch.set_num_threads(1)
         gated = self.config.colocate and not plan.build_during_loads
         if not gated:
             self._open_gate(started)
