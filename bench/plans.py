@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import sys
 import tempfile
 from pathlib import Path
@@ -69,10 +70,15 @@ def main(argv=None) -> dict[tuple[str, str], str]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--archs", nargs="+", choices=sorted(ARCHITECTURES), default=list(ARCHS))
     parser.add_argument("--host-gib", type=float, default=125.0, help="host memory of the node (GiB)")
+    parser.add_argument("--out", type=Path, help="also write the plans as JSON here")
     args = parser.parse_args(argv)
     result = plans(tuple(args.archs), args.host_gib)
     for (arch, card), text in result.items():
         print(f"== {arch} on one {card} GPU, {args.host_gib:.0f} GiB host memory\n{text}\n", flush=True)
+    if args.out:
+        args.out.write_text(json.dumps({"host_gib": args.host_gib, "plans": {f"{arch} / {card}": text for
+                                                                             (arch, card), text in result.items()}},
+                                       indent=2) + "\n")
     return result
 
 

@@ -296,8 +296,9 @@ def check_plan(config: Any, trainers: Mapping[str, Any], plan: HybridPlan, *,
                model_shape: ModelShape | Callable[[str], ModelShape] | None = None) -> Any:
     """Refuse a plan (given to :meth:`Hybrid.start <rlhfkit.hybrid.Hybrid.start>`, perhaps edited) that cannot run
     ``config`` and ``trainers``: other roles, an engine sleep level the run cannot use, or, when the plan names a GPU
-    size, a memory estimate that does not fit (:class:`~rlhfkit.placement.MemoryFitError`). Returns that
-    :class:`~rlhfkit.placement.MemoryEstimate` (None without a GPU size)."""
+    size, a memory estimate that does not fit (:class:`~rlhfkit.placement.MemoryFitError`; its ``suggestion`` is
+    :func:`plan_hybrid`'s own plan where one fits). Returns that :class:`~rlhfkit.placement.MemoryEstimate` (None
+    without a GPU size)."""
     check_roles(config, trainers)
     if not isinstance(plan, HybridPlan):
         raise TypeError(f"plan must be a HybridPlan (from rlhfkit.hybrid.plan_hybrid), got {type(plan).__name__}")
@@ -311,6 +312,8 @@ def check_plan(config: Any, trainers: Mapping[str, Any], plan: HybridPlan, *,
     if config.overlap and config.colocate and level != 0:
         raise ValueError(f"HybridConfig(overlap=True, colocate=True) keeps the engines resident beside the trainers; "
                          f"plan.engine.sleep_level={level} would put them to sleep: use sleep_level 0")
+    from rlhfkit.placement import MemoryFitError
+
     if plan.gpu_memory_gib is None:
         return None
     facts = _Facts(config=config, trainers=dict(trainers), placement=_placement(config, tuple(trainers)),
@@ -318,7 +321,17 @@ def check_plan(config: Any, trainers: Mapping[str, Any], plan: HybridPlan, *,
                    host_gib=plan.host_memory_gib, cores=1)
     what = f"the hybrid run of {config.model!r} on {config.total_gpus} GPU(s) with the plan given"
     estimate = _estimate(facts, plan.roles, plan.engine)
-    estimate.check_fit(what=what)
+    try:
+        estimate.check_fit(what=what)
+    except MemoryFitError as error:
+        try:
+            found = plan_hybrid(config, trainers, gpu_memory_gib=plan.gpu_memory_gib,
+                                host_memory_gib=plan.host_memory_gib, model_shape=model_shape)
+        except MemoryFitError:
+            raise error from None
+        raise MemoryFitError(f"{error}. plan_hybrid's own plan for this run fits ({found.layout}): error.suggestion",
+                             phase=error.phase, shortfall_gib=error.shortfall_gib, memory=error.memory,
+                             suggestion=found) from error
     return estimate
 
 

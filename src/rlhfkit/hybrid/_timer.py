@@ -211,7 +211,7 @@ class PhaseTimer:
 
     def count_overlapped(self, seconds: float, *, wake: bool = False) -> None:
         """Count ``seconds`` of sleeps that ran in the background, behind another role's work
-        (``HybridConfig.overlap_switches``): ``time/overlapped_sleep_s``; ``wake=True``: of wakes of a trainer's
+        (``HybridPlan.overlap_switches``): ``time/overlapped_sleep_s``; ``wake=True``: of wakes of a trainer's
         optimizer states that ran behind its own forward-backward (``time/overlapped_wake_s``). Neither is part of
         the step's switch time (their bytes still count toward the switches' floor)."""
         if not seconds >= 0:
