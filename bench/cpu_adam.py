@@ -4,8 +4,8 @@
     python bench/cpu_adam.py --params 1e6 --steps 2 --out /tmp/a.json  # CPU smoke run
 
 Ray sets ``OMP_NUM_THREADS`` in an actor that reserves no CPU to 1 (``ray._private.utils.set_omp_num_threads_if_
-unset``), and the hybrid's trainer ranks reserve none: their CPU Adam ran on one thread until
-``HybridConfig.optimizer_threads`` gave them this machine's cores. This bench shows both halves: (1) what a Ray actor
+unset``), and the hybrid's trainer ranks reserve none: their CPU Adam runs on one thread unless
+``RolePlan.optimizer_threads`` gives them this machine's cores. This bench shows both halves: (1) what a Ray actor
 with ``num_cpus=0`` sees (``OMP_NUM_THREADS``, ``torch.get_num_threads()``) with and without that variable in its
 ``runtime_env``; (2) the step time of ``DeepSpeedCPUAdam`` over ``--params`` fp32 parameters (one flat tensor with its
 gradient: 16 bytes a parameter of host memory), and of the gradient norm and scaling ZeRO does in torch on the host

@@ -6,12 +6,17 @@ sleep mode on), the same workload, one after the other in one command on the sam
     python bench/hybrid.py --model /tmp/smollm2-hf --steps 100 --no-peer --out grpo100.json
     python bench/hybrid.py --summarize runs/grpo100 --out grpo100.json --plot curve.png  # an existing run dir
 
-Workload: 16 prompts x 8 samples of the built-in arithmetic task, 64 new tokens, fp32, 2 minibatches, engine memory
-share 0.15 for both. Step statistics are medians over the steps after the first. For each side: step time, the time
-of each phase, phase switches (sleep/wake + weight sync) as a fraction of the step, the bytes they copied and their
-pinned-copy floor (``switch``: medians of the ``switch/*`` keys, e.g. ``over_floor``), device-wide peak GPU memory
-(NVML; also per process at the device peak, each process named by its role), time from launch to the first step
-(wall clock from starting the process to the first step's start, for both sides), and the reward curve's ends.
+Workload: 16 prompts x 8 samples of the built-in arithmetic task, 64 new tokens, fp32 (``--dtype float32``), 2
+minibatches, engine memory share 0.15 for TRL (ours: the plan's). Step statistics are medians over the steps after the
+first. For each side: step time, the time of each phase, phase switches (sleep/wake + weight sync) as a fraction of the
+step, the bytes they copied and their pinned-copy floor (``switch``: medians of the ``switch/*`` keys, e.g.
+``over_floor``), device-wide peak GPU memory (NVML; also per process at the device peak, each process named by its
+role), time from launch to the first step (wall clock from starting the process to the first step's start, for both
+sides), and the reward curve's ends.
+
+A/B runs of a non-default setting edit the plan the example prints (``--plan``, :func:`edit_plan`): e.g.
+``--plan "actor.keep_optimizer=false overlap_switches=false engine.memory=0.3"``; the example then runs under
+``bench/hybrid.py --run-example EDITS -- <example options>``, which applies them before it starts.
 
 Caches: each side gets its own torch-inductor, Triton and vLLM cache folders under ``--cache`` (default: next to
 ``--out``), so neither warms the other's compile caches. ``--cold`` empties them first (a fresh machine's start-up);
@@ -34,6 +39,57 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 WORKLOAD = {"prompts_per_step": 16, "samples_per_prompt": 8, "max_new_tokens": 64}
+
+
+def _literal(text: str):
+    """A plan edit's value: true / false / none, a number, or a string."""
+    import ast
+
+    lowered = text.lower()
+    if lowered in ("true", "false", "none"):
+        return {"true": True, "false": False, "none": None}[lowered]
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        return text
+
+
+def edit_plan(plan, edits: str):
+    """``plan`` (a :class:`rlhfkit.hybrid.HybridPlan`) with ``edits`` applied: space-separated ``field=value`` (the
+    plan's own fields), ``engine.field=value``, ``<role>.field=value`` or ``*.field=value`` (every role)."""
+    import dataclasses
+
+    for edit in edits.split():
+        target, _, value = edit.partition("=")
+        where, _, name = target.rpartition(".")
+        value = _literal(value)
+        if not where:
+            plan = dataclasses.replace(plan, **{name: value})
+        elif where == "engine":
+            plan = plan.replace_engine(**{name: value})
+        else:
+            for role in plan.roles if where == "*" else (where,):
+                plan = plan.replace_role(role, **{name: value})
+    return plan
+
+
+def example_command(example_args: list[str], plan_edits: str = "") -> list[str]:
+    """examples/grpo_hybrid.py with ``example_args``; with ``plan_edits``, run through :func:`run_example`."""
+    if not plan_edits:
+        return [sys.executable, str(REPO / "examples/grpo_hybrid.py"), *example_args]
+    return [sys.executable, str(REPO / "bench/hybrid.py"), "--run-example", plan_edits, "--", *example_args]
+
+
+def run_example(edits: str, example_args: list[str]) -> None:
+    """examples/grpo_hybrid.py's ``main`` with its plan edited by ``edits`` before it starts."""
+    import functools
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("grpo_hybrid_example", REPO / "examples" / "grpo_hybrid.py")
+    example = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = example
+    spec.loader.exec_module(example)
+    example.main(example_args, edit_plan=functools.partial(edit_plan, edits=edits))
 
 
 WINDOWS = (1, 10, 20)  # step medians from these steps on: both sides run slower for their first steps
@@ -178,9 +234,10 @@ def _pid_roles(phases: Path) -> dict[int, str]:
 
 
 def run_ours(args, out: Path) -> dict:
-    command = [sys.executable, str(REPO / "examples/grpo_hybrid.py"), "--model", args.model, "--out", str(out),
-               "--steps", str(args.steps), "--resident", str(args.resident).lower()]
-    command += [f"--{k.replace('_', '-')}={v}" for k, v in WORKLOAD.items()] + args.ours_args.split()
+    example_args = ["--model", args.model, "--out", str(out), "--steps", str(args.steps), "--dtype", "float32",
+                    *[f"--{k.replace('_', '-')}={v}" for k, v in WORKLOAD.items()], *args.ours_args.split()]
+    edits = " ".join((["*.offload=false engine.sleep_level=0"] if args.resident else []) + [args.plan])
+    command = example_command(example_args, edits.strip())
     log = out.with_suffix(".log")
     out.mkdir(parents=True, exist_ok=True)
     env, memory, launched = cache_env(args, "rlhfkit"), ProcessMemory(), time.time()
@@ -288,7 +345,11 @@ def plot_run(rows: list[dict], path: Path, title: str) -> bool:
     return True
 
 
-def main(argv=None) -> dict:
+def main(argv=None) -> dict | None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--run-example"]:  # the example with an edited plan (example_command)
+        run_example(argv[1], argv[3:] if argv[2:3] == ["--"] else argv[2:])
+        return None
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", help="HF model folder")
     parser.add_argument("--out", type=Path, required=True)
@@ -302,7 +363,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--cache", type=Path, help="compile-cache root (default: next to --out)")
     parser.add_argument("--cold", action="store_true", help="empty the compile caches first (a fresh start)")
     parser.add_argument("--ours-args", default="", help="more options of examples/grpo_hybrid.py, e.g. "
-                        "'--gradient-checkpointing true' (an A/B of a non-default setting)")
+                        "'--lora-rank 16'")
+    parser.add_argument("--plan", default="", help="edits of our run's plan (an A/B of a non-default setting), e.g. "
+                        "'actor.keep_optimizer=false overlap_switches=false' (see edit_plan)")
     parser.add_argument("--compare", nargs=2, type=Path, metavar=("OURS", "TRL"),
                         help="the ratios of two earlier runs' JSONs (a --no-peer and a --peer-only run)")
     args = parser.parse_args(argv)

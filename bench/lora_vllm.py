@@ -77,7 +77,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def grpo_command(args, out: Path) -> list[str]:
     """examples/grpo_hybrid.py with LoRA, exactly as bench/scale.py's ``lora`` mode runs it."""
     return ours_command(None if args.tiny else args.model, "lora", out, steps=args.grpo_steps, tiny=args.tiny,
-                        engine_memory=args.engine_memory, lora_rank=args.rank)
+                        lora_rank=args.rank)
 
 
 def run_grpo(args) -> dict:

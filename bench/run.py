@@ -128,6 +128,8 @@ SUITES: dict[str, tuple[Step, ...]] = {
                                         "--timeout", "900", "--out", "{out}"), timeout_s=1000),
     ),
     "scale": (
+        Step(name="plans", what="the hybrid plans of grpo_hybrid.py for 135M-8B shapes on 80 and 141 GB cards (no GPU)",
+             argv=_py("bench/plans.py", "--out", "{out}"), timeout_s=300, num_gpus=0),
         Step(name="scale", what="1.5B/3B/7B random-weight Qwen2.5 shapes, hybrid GRPO full-parameter and LoRA, TRL",
              needs_model=True, argv=_py("bench/scale.py", "--tokenizer", "{model}", "--archs", "qwen2.5-1.5b",
                                         "qwen2.5-3b", "qwen2.5-7b", "--steps", "10", "--peer", "trl",

@@ -12,15 +12,13 @@ Models: the architectures' configs written out by hand (the GPU machine has no n
 ids fit every vocabulary here). Each model is built in ``--work-dir``, used by every mode, then deleted unless
 ``--keep``. Each run is examples/grpo_hybrid.py in its own process under ``--timeout`` seconds.
 
-Modes: ``full`` (every weight trains, bf16 with fp32 masters, the engine asleep at level 2; up to 3B the example's
-defaults: ZeRO-1, every state moved to host memory while asleep; 7B-8B: ZeRO-3 with 66% of the optimizer (fp32
-masters, fp32 gradients, Adam moments) in host memory and the rest on the GPU, gradient checkpointing, the trainers
-resident while only the engine sleeps, a 0.25 engine share and no reference model or KL term — ``LARGE_FULL``, the
-only fp32-master layout the memory estimate fits in 80 GB + 125 GiB of host memory) and ``lora`` (rank ``--lora-rank`` adapters on the attention and MLP projections; the
-adapters alone are pushed; engine sleep level 1; the example's ZeRO-1 and gradient checkpointing, as TRL + peft). ``--peer trl`` runs bench/peer_trl.py (full-parameter, bf16,
-vLLM colocate with sleep mode; 7B-8B: ZeRO-3 with the optimizer in host memory and no reference, TRL's equivalent of
-``LARGE_FULL``) on the same model and workload; ``--peer-modes lora`` runs it with peft adapters of the same rank and
-targets (its reference is the base model with the adapters disabled, as ours). A run that fails keeps its exit code, the
+Modes: ``full`` (every weight trains, bf16 with fp32 masters; the example's plan picks the layout for the card:
+``bench/plans.py`` prints it for each size) and ``lora`` (rank ``--lora-rank`` adapters on the attention and MLP
+projections; the adapters alone are pushed; engine sleep level 1). ``--plan`` edits our runs' plans (an A/B of a
+non-default setting, :func:`bench.hybrid.edit_plan`). ``--peer trl`` runs bench/peer_trl.py (full-parameter, bf16,
+vLLM colocate with sleep mode; 7B-8B: ZeRO-3 with the optimizer in host memory and no reference) on the same model
+and workload; ``--peer-modes lora`` runs it with peft adapters of the same rank and targets (its reference is the
+base model with the adapters disabled, as ours). A run that fails keeps its exit code, the
 plan's memory estimate error if that is what stopped it, and its log's tail. Writes a JSON with, per architecture
 and mode: median step time, median time of each phase, peak memory per phase, the sync time and bytes, startup.
 """
@@ -29,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shlex
 import shutil
 import statistics
 import sys
@@ -39,10 +36,14 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.hybrid import _device, read_metrics, run_logged, summarize  # noqa: E402
+from bench.hybrid import _device, example_command, read_metrics, run_logged, summarize  # noqa: E402
 
 # transformers config fields of each architecture (from the models' published config.json files).
 ARCHITECTURES: dict[str, dict] = {
+    "smollm2-135m": {"model_type": "llama", "vocab_size": 49152, "hidden_size": 576, "intermediate_size": 1536,
+                     "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
+                     "max_position_embeddings": 8192, "rope_theta": 100000.0, "rms_norm_eps": 1e-5,
+                     "tie_word_embeddings": True},
     "qwen2.5-1.5b": {"model_type": "qwen2", "vocab_size": 151936, "hidden_size": 1536, "intermediate_size": 8960,
                      "num_hidden_layers": 28, "num_attention_heads": 12, "num_key_value_heads": 2,
                      "max_position_embeddings": 32768, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6,
@@ -111,47 +112,21 @@ def build_model_apart(arch: str, out: Path, tokenizer: str | None, *, device: st
         return pool.submit(build_model, arch, out, tokenizer, device=device).result()
 
 
-def ours_command(model: Path | None, mode: str, out: Path, *, steps: int, tiny: bool, engine_memory: float,
-                 lora_rank: int, engine_only_sleep: bool = False) -> list[str]:
+def ours_command(model: Path | None, mode: str, out: Path, *, steps: int, tiny: bool, lora_rank: int,
+                 plan_edits: str = "") -> list[str]:
     """examples/grpo_hybrid.py as a scale run (also bench/lora_vllm.py's GRPO check): ``mode`` "full" or "lora";
-    ``model`` None: the example's own tiny model (CPU)."""
+    ``model`` None: the example's own tiny model (CPU); ``plan_edits``: :func:`bench.hybrid.edit_plan`'s."""
     workload = TINY_WORKLOAD if tiny else WORKLOAD
-    command = [sys.executable, str(REPO / "examples/grpo_hybrid.py"), "--out", str(out), "--steps", str(steps),
-               *[f"--{k.replace('_', '-')}={v}" for k, v in workload.items()]]
-    command += ["--model", str(model)] if model is not None else []
+    args = ["--out", str(out), "--steps", str(steps), *[f"--{k.replace('_', '-')}={v}" for k, v in workload.items()]]
+    args += ["--model", str(model)] if model is not None else []
     lora = ["--lora-rank", str(lora_rank)] if mode == "lora" else []
     if tiny:
-        return command + ["--device", "cpu", "--lr", "1e-3"] + lora
-    command += ["--bf16", "true", "--lr", "1e-6", "--engine-memory", str(engine_memory)]
-    if engine_only_sleep:
-        command += ["--offload-trainers", "false"]
-    if mode == "lora":  # the example's ZeRO-1: the frozen base has no optimizer states for ZeRO-3 to partition, and
-        # on one GPU ZeRO-3's per-parameter gather hooks tripled the 7B LoRA training phase (10.3 s against 3.5 s)
-        return command + ["--gradient-checkpointing", "true", "--lr", "1e-5", "--empty-caches", "true"] + lora
-    hidden = ARCHITECTURES[model_arch(model)]["hidden_size"]
-    if hidden < MID_HIDDEN:
-        return command  # the example's defaults (ZeRO-1, every state offloaded while asleep) fit 1.5B
-    if hidden < LARGE_HIDDEN:  # 3B: without checkpointing the plan's estimate of every role resident is too large for
-        # the overlapped switches (~74 GiB; measured training peaks run 10-35% above the estimate)
-        return command + ["--gradient-checkpointing", "true"]
-    large = [arg for arg in command if arg not in ("--offload-trainers", "false")]
-    large[large.index("--engine-memory") + 1] = str(LARGE_FULL["engine_memory"])
-    return large + ["--zero-stage", "3", "--gradient-checkpointing", "true", "--offload-optimizer", "true",
-                    "--offload-optimizer-ratio", str(LARGE_FULL["offload_optimizer_ratio"]),
-                    "--sub-group-elements", str(LARGE_FULL["sub_group_elements"]), "--offload-trainers", "false",
-                    "--reference", "false", "--kl-coef", "0", "--empty-caches", "true", "--kv-cache", "share"]
+        return example_command(args + ["--device", "cpu", "--lr", "1e-3"] + lora, plan_edits)
+    return example_command(args + ["--lr", "1e-5" if lora else "1e-6"] + lora, plan_edits)
 
 
-# from this width up (7B-8B) full-parameter training with fp32 master weights fits one 80 GB GPU and ~125 GiB of host
-# memory only as LARGE_FULL: 66% of the fp32 masters, fp32 gradients and Adam moments in host memory (ZeRO-3 partial
-# offload, placed by 1e8-element sub-groups), the rest and the bf16 weights on the GPU, trainers resident while the
-# engine sleeps, a 0.25 engine share whose KV cache fills it (--kv-cache share: sized to the batch, the 8B engine
-# would need ~3 GiB more than its share and the generating phase ~80 GiB), and no reference model (GRPO without a KL
-# term, as DAPO): the plan's estimate (rlhfkit.hybrid._fit) gives Qwen2.5-7B ~73 GiB GPU / ~118 GiB host and
-# Llama-3.1-8B ~78 / ~122.
+# from this width up (7B-8B) TRL's full-parameter runs take ZeRO-3 with the optimizer in host memory and no reference
 LARGE_HIDDEN = 3584
-MID_HIDDEN = 2048  # from this width (3B) the example's defaults need gradient checkpointing to fit 80 GB
-LARGE_FULL = {"offload_optimizer_ratio": 0.66, "sub_group_elements": 100_000_000, "engine_memory": 0.25}
 
 
 def model_arch(model: Path) -> str:
@@ -166,9 +141,9 @@ def sync_summary(rows: list[dict]) -> dict:
 
 
 def run_ours(args, model: Path, mode: str, out: Path) -> dict:
-    command = ours_command(model, mode, out, steps=args.steps, tiny=args.tiny, engine_memory=args.engine_memory,
-                           lora_rank=4 if args.tiny else args.lora_rank, engine_only_sleep=args.engine_only_sleep)
-    command += shlex.split(args.example_args)  # last: they override what the mode chose
+    edits = " ".join((["*.offload=false"] if args.engine_only_sleep else []) + [args.plan]).strip()
+    command = ours_command(model, mode, out, steps=args.steps, tiny=args.tiny,
+                           lora_rank=4 if args.tiny else args.lora_rank, plan_edits=edits)
     out.mkdir(parents=True, exist_ok=True)
     log = out / "run.log"
     code, wall = run_logged(command, log, args.timeout)
@@ -184,7 +159,7 @@ def run_ours(args, model: Path, mode: str, out: Path) -> dict:
 
 def run_trl(args, model: Path, out: Path, mode: str = "full") -> dict:
     """bench/peer_trl.py on ``model``: ``mode`` "full" (at 7B-8B ZeRO-3 with the optimizer in host memory and no
-    reference, our LARGE_FULL's equivalent) or "lora" (peft adapters of ``--lora-rank``, the reference = the base)."""
+    reference) or "lora" (peft adapters of ``--lora-rank``, the reference = the base)."""
     workload = TINY_WORKLOAD if args.tiny else WORKLOAD
     command = [sys.executable, str(REPO / "bench/peer_trl.py"), "--model", str(model), "--out", str(out),
                "--steps", str(args.steps), "--rollout-batch", str(workload["prompts_per_step"]),
@@ -194,7 +169,7 @@ def run_trl(args, model: Path, out: Path, mode: str = "full") -> dict:
     if mode == "lora":
         command += ["--lora-rank", str(args.lora_rank)]
     elif not args.tiny and ARCHITECTURES[model_arch(model)]["hidden_size"] >= LARGE_HIDDEN:
-        # TRL's equivalent of LARGE_FULL: ZeRO-3 with the optimizer in host memory, and no reference (beta 0)
+        # ZeRO-3 with the optimizer in host memory, and no reference (beta 0)
         command += ["--deepspeed", "zero3-offload", "--kl-coef", "0"]
     code, wall = run_logged(command, out.with_suffix(".log"), args.timeout)
     result = json.loads(out.read_text()) if out.exists() else {}
@@ -212,7 +187,8 @@ def main(argv=None) -> dict:
                                             "(SmolLM2 from examples/convert_smollm2.py)")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--lora-rank", type=int, default=16)
-    parser.add_argument("--engine-memory", type=float, default=0.35, help="vLLM's share of the GPU (both sides)")
+    parser.add_argument("--engine-memory", type=float, default=0.35, help="TRL's vLLM share of the GPU (ours: the "
+                        "plan's)")
     parser.add_argument("--peer", choices=("trl",), default=None)
     parser.add_argument("--peer-modes", nargs="+", choices=MODES, default=["full"],
                         help="the peer's runs per size: full parameters, LoRA (peft, --lora-rank) or both")
@@ -221,8 +197,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--keep", action="store_true", help="keep the built models")
     parser.add_argument("--engine-only-sleep", action="store_true",
                         help="our trainers keep their states on the GPU, only the engine sleeps (TRL's sleep mode)")
-    parser.add_argument("--example-args", default="", help="more options for our runs of examples/grpo_hybrid.py "
-                        "(one string, after the mode's; e.g. '--defer-optimizer-wake false' for an A/B)")
+    parser.add_argument("--plan", default="", help="edits of our runs' plans (bench.hybrid.edit_plan), e.g. "
+                        "'actor.defer_optimizer_wake=false' for an A/B")
     parser.add_argument("--tiny", action="store_true", help="CPU: the toy architecture, 2 steps, HF engine")
     args = parser.parse_args(argv)
     if args.tiny:

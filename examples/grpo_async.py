@@ -9,10 +9,10 @@
     python examples/grpo_async.py --device cpu --tiny true                       # CPU: HF engine, logical GPUs
 
 The engines stay resident beside the awake actor (``HybridConfig(overlap=True)``: outside the phase guard, with their
-``engine_memory`` share), or, with ``--engine-gpus``, on GPUs of their own (``colocate=False``: NCCL weight sync). A
-``RolloutProducer`` thread generates prompt batches into a ``RolloutBuffer`` that hands the trainer only groups at
-most ``--max-staleness`` weight versions old (``on_stale="wait"``: the producer is held back rather than generating
-what would be thrown away). Each step:
+``--engine-memory`` share of the plan), or, with ``--engine-gpus``, on GPUs of their own (``colocate=False``: NCCL
+weight sync). A ``RolloutProducer`` thread generates prompt batches into a ``RolloutBuffer`` that hands the trainer
+only groups at most ``--max-staleness`` weight versions old (``on_stale="wait"``: the producer is held back rather than
+generating what would be thrown away). Each step:
 
     take a batch from the buffer -> reference log-probs -> the actor's log-probs of the same tokens (the proximal
     policy of decoupled PPO) -> GRPO advantages -> PPO-clip + k3 KL, corrected for the engine's (behaviour) log-probs
@@ -41,7 +41,7 @@ from rlhfkit.data import ArithmeticTask, PromptDatasetConfig, arithmetic_accurac
 from rlhfkit.deepspeed_engine import DeepSpeedEngineConfig
 from rlhfkit.engines import SamplingConfig
 from rlhfkit.experience import ExperienceConfig, iterate_minibatches, make_experience
-from rlhfkit.hybrid import Hybrid, HybridConfig, MetricsLogger, TrainerConfig
+from rlhfkit.hybrid import Hybrid, HybridConfig, MetricsLogger, TrainerConfig, plan_for_machine
 from rlhfkit.losses import kl_loss, mismatch_stats, policy_loss
 from rlhfkit.options import parse_options
 from rlhfkit.packing import pack_rollouts
@@ -108,11 +108,14 @@ def start(options: Options) -> Hybrid:
     engines = options.engine_gpus if separated else options.num_gpus  # one single-GPU engine per engine GPU
     config = HybridConfig(model=model, device=options.device, engine="hf" if cpu else "vllm", overlap=True,
                           num_gpus=options.num_gpus, colocate=not separated, engine_gpus=max(1, options.engine_gpus),
-                          engine_sleep_level=0, engine_memory=None if separated else options.engine_memory,
                           max_num_seqs=-(-options.prompts_per_step * options.samples_per_prompt // engines),
                           max_weight_lag=1, seed=SEED, call_timeout_s=options.timeout_s,
                           sync_timeout_s=options.timeout_s, pause_engines=options.pause_engines)
-    return Hybrid.start(config, trainers)
+    plan = plan_for_machine(config, trainers)  # overlap: the engines stay resident (sleep level 0)
+    if not separated:  # colocated, they keep their share of the GPU the whole run
+        plan = plan.replace_engine(memory=max(plan.engine.memory, options.engine_memory))
+    print(plan, flush=True)
+    return Hybrid.start(config, trainers, plan=plan)
 
 
 def prompt_source(tokenizer, options: Options):

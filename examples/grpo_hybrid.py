@@ -3,14 +3,16 @@
     python examples/grpo_hybrid.py --model /tmp/smollm2-hf                  # 1 GPU, everything sleeping in turn
     python examples/grpo_hybrid.py --model /tmp/smollm2-hf --num-gpus 2     # 2 GPUs: 2 ranks, 2 engines
     python examples/grpo_hybrid.py --model M --num-gpus 4 --engine-gpus 2 --tensor-parallel-size 2  # engines apart
-    python examples/grpo_hybrid.py --model /tmp/smollm2-hf --resident true  # memory is plentiful: nothing sleeps
     python examples/grpo_hybrid.py --model /tmp/smollm2-hf --engine sglang --sglang-site /tmp/site/sglang  # SGLang
     python examples/grpo_hybrid.py --device cpu --tiny true                 # CPU: HF engine, logical GPUs
-    python examples/grpo_hybrid.py --model M --bf16 true --zero-stage 3 --lora-rank 16   # LoRA: adapters only, the
-                                                                     # reference is the actor with adapters off
-    python examples/grpo_hybrid.py --model M --bf16 true --zero-stage 3 --gradient-checkpointing true \
-        --offload-optimizer true --offload-optimizer-ratio 0.66 --sub-group-elements 100000000 --engine-memory 0.25 \
-        --kv-cache share --offload-trainers false --reference false --kl-coef 0 --empty-caches true  # 7B on one H200
+    python examples/grpo_hybrid.py --model M --lora-rank 16   # LoRA: adapters only; the reference is the actor with
+                                                              # its adapters off
+    python examples/grpo_hybrid.py --model Qwen2.5-7B-Instruct  # 7B on one H200: the plan picks the layout
+
+What stays on the GPU in which phase (ZeRO stage, the optimizer's share in host memory, what each role's sleeps
+keep, the engines' memory and KV cache, micro-batch sizes) is not an option: :func:`rlhfkit.hybrid.plan_hybrid`
+decides it from the model, the GPU and the host before anything starts, and the script prints that plan (or the
+phase and shortfall where nothing fits). ``bench/hybrid.py`` runs this script with plan edits for A/B comparisons.
 
 One step, in the order the GPU is handed around (the phase guard refuses any other):
 
@@ -27,9 +29,8 @@ memory of every phase) and ``phases.jsonl`` (every guarded transition) under ``-
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -38,7 +39,7 @@ from rlhfkit.data import ArithmeticTask, PromptDatasetConfig, arithmetic_accurac
 from rlhfkit.deepspeed_engine import DeepSpeedEngineConfig
 from rlhfkit.engines import SamplingConfig
 from rlhfkit.experience import ExperienceConfig, engine_token_logprobs, iterate_minibatches, make_experience
-from rlhfkit.hybrid import Hybrid, HybridConfig, MetricsLogger, TrainerConfig
+from rlhfkit.hybrid import Hybrid, HybridConfig, MetricsLogger, TrainerConfig, plan_for_machine
 from rlhfkit.lora import LoraConfig
 from rlhfkit.losses import kl_loss, policy_loss
 from rlhfkit.options import parse_options
@@ -47,48 +48,34 @@ from rlhfkit.rewards import apply_reward_function, rollout_texts
 from rlhfkit.tiny_models import TinyModelConfig, build_tiny_model
 
 
+def option(default, help):
+    return field(default=default, metadata={"help": help})
+
+
 @dataclass(frozen=True, kw_only=True)
 class Options:
-    model: str | None = None  # HF folder (SmolLM2 from examples/convert_smollm2.py); CPU: a tiny model is built
-    out: str = "runs/grpo_hybrid"
-    device: str = "cuda"
-    engine: str = "vllm"  # GPU: "vllm" or "sglang" (its server runs from --sglang-site / --sglang-python); CPU: hf
-    sglang_python: str = "python3"
-    sglang_site: str | None = None  # e.g. /tmp/site/sglang (bench/peers/install-sglang.sh)
-    num_gpus: int = 1  # GPUs per node
-    num_nodes: int = 1  # Ray nodes (join a running cluster: RAY_ADDRESS; examples/launch/multi_node.sh)
-    tensor_parallel_size: int = 1  # GPUs per vLLM engine (its TP workers on the actor's GPUs)
-    engine_gpus: int = 0  # > 0: the engines on GPUs of their own (of --num-gpus), awake; NCCL carries the weights
-    steps: int = 100
-    prompts_per_step: int = 16
-    samples_per_prompt: int = 8
-    max_new_tokens: int = 64
-    lr: float = 5e-6
-    kl_coef: float = 0.001
-    resident: bool = False  # nothing sleeps: engine and trainers stay on the GPU (the guard still orders phases)
-    offload_trainers: bool = True  # False: only the engine sleeps, the trainers keep their states (TRL's sleep mode)
-    zero_stage: int | None = None  # None: 0 in fp32 (no duplicate fp32 weight copies to move), 1 in bf16
-    bf16: bool = False  # bf16 trainers and engine (large models); fp32 keeps the engine-trainer gap ~1e-3
-    offload_optimizer: bool = False  # Adam states and master weights in host memory (ZeRO-Offload)
-    offload_optimizer_ratio: float = 1.0  # ZeRO-3: the share of them in host memory, the rest on the GPU
-    sub_group_elements: int = 1_000_000_000  # ZeRO-3 sub-group size (elements): the grain of offload_optimizer_ratio
-    reference: bool = True  # False: no reference model and no KL term (needs --kl-coef 0), as DAPO
-    gradient_checkpointing: bool = False  # True: recompute activations in backward (large models)
-    empty_caches: bool = False  # True: the asleep actor returns its cached GPU blocks too (large models: more room)
-    fused_kernels: str | None = None  # "liger": Liger-Kernel's RMSNorm, RoPE, SwiGLU in the trainers (rlhfkit[liger])
-    compile_layers: bool | None = None  # torch.compile the trainers' layers; None: on a GPU, full-parameter, ZeRO<3
-    lora_rank: int = 0  # > 0: train LoRA adapters (alpha = 2 * rank, attention + MLP projections) and push only them
-    engine_memory: float | None = None  # vLLM's share of a GPU (None: 0.15 colocated, 0.85 on GPUs of its own)
-    kv_cache: str = "batch"  # vLLM's KV cache: "batch" = (192 + --max-new-tokens) x batch, "share" = --engine-memory
-    overlap_switches: bool | None = None  # a role's sleep behind the next one's wake; None: on where all fit resident
-    defer_optimizer_wake: bool = True  # the actor's Adam states wake behind its first forward-backward
-    micro_batch_tokens: int | None = None  # tokens per trainer forward(-backward); None: the largest that fits
-    sleep_optimizer: bool | None = None  # the actor's sleeps move its Adam states too; None: not where they fit
-    sleep_weights: bool | None = None  # the actor's sleeps move its weights too; None: not where they fit
-    tiny: bool = False  # smoke run: 3 steps of a few short samples
+    model: str | None = option(None, "HF folder (SmolLM2 from examples/convert_smollm2.py); CPU: a tiny model is built")
+    out: str = option("runs/grpo_hybrid", "where metrics.jsonl and phases.jsonl go")
+    device: str = option("cuda", "cuda, or cpu (DeepSpeed on CPU, the HF engine, logical GPUs)")
+    engine: str = option("vllm", "GPU: vllm or sglang (its server runs from --sglang-site); CPU: always hf")
+    sglang_site: str | None = option(None, "site directory of SGLang (bench/peers/install-sglang.sh)")
+    num_gpus: int = option(1, "GPUs per node")
+    num_nodes: int = option(1, "Ray nodes (join a running cluster: RAY_ADDRESS; examples/launch/multi_node.sh)")
+    tensor_parallel_size: int = option(1, "GPUs per vLLM engine (its TP workers on the actor's GPUs)")
+    engine_gpus: int = option(0, "> 0: the engines on GPUs of their own (of --num-gpus), awake; NCCL carries weights")
+    steps: int = option(100, "GRPO steps")
+    prompts_per_step: int = option(16, "prompts per step")
+    samples_per_prompt: int = option(8, "samples per prompt (the GRPO group)")
+    max_new_tokens: int = option(64, "tokens per response")
+    lr: float = option(5e-6, "learning rate")
+    kl_coef: float = option(0.001, "k3 KL to the reference (0: no reference model, as DAPO)")
+    lora_rank: int = option(0, "> 0: train LoRA adapters (alpha = 2 * rank, attention + MLP) and push only them")
+    dtype: str = option("auto", "bfloat16 or float32 (trainers and engines; float32 keeps the engine-trainer gap "
+                                "~1e-3); auto: bfloat16 on a GPU, float32 on CPU")
+    tiny: bool = option(False, "smoke run: 3 steps of a few short samples")
 
 
-CLIP, MINIBATCHES, SEED, KV_PROMPT_TOKENS = 0.2, 2, 0, 192  # KV room per sequence for its prompt (chat template)
+CLIP, MINIBATCHES, SEED = 0.2, 2, 0
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -98,73 +85,58 @@ def grpo_loss(logprobs, micro, *, num_tokens, num_seqs, kl_coef):
     loss, stats = policy_loss(logprobs, micro.old_logprobs, micro.advantages, batch.loss_mask, batch.cu_seqlens,
                               clip_low=CLIP, clip_high=CLIP, **counts)
     gap = (logprobs.detach() - micro.engine_logprobs)[batch.loss_mask].abs()
-    if micro.ref_logprobs is None:  # --reference false: no KL term
+    if micro.ref_logprobs is None:  # --kl-coef 0: no reference, no KL term
         return loss, stats | {"engine_gap": float(gap.mean())}
     kl, kl_stats = kl_loss(logprobs, micro.ref_logprobs, batch.loss_mask, batch.cu_seqlens, estimator="k3",
                            **counts)
     return loss + kl_coef * kl, stats | {"kl_loss": kl_stats["kl_mean"], "engine_gap": float(gap.mean())}
 
 
-def start(options: Options) -> Hybrid:
-    if options.kv_cache not in ("batch", "share"):
-        raise ValueError(f"--kv-cache {options.kv_cache!r}; expected batch or share")
+def configs(options: Options) -> tuple[HybridConfig, dict[str, TrainerConfig]]:
+    """The run's config and its trainer roles (what the plan is made for)."""
     cpu = options.device == "cpu"
     tiny = TinyModelConfig(hidden_size=64, num_layers=2, seed=SEED)  # CPU smoke runs: a tiny random Llama
     model = options.model or str(build_tiny_model(Path(options.out) / "tiny_model", tiny, exist_ok=True))
+    if options.dtype not in ("auto", "bfloat16", "float32"):
+        raise ValueError(f"--dtype {options.dtype!r}; expected auto, bfloat16 or float32")
+    bf16 = options.dtype == "bfloat16" or (options.dtype == "auto" and not cpu)
     # ZeRO-0 + bf16 cannot sleep (DeepSpeed's BF16_Optimizer has no offload_states): bf16 takes stage 1
-    stage = options.zero_stage if options.zero_stage is not None else (1 if options.bf16 and not cpu else 0)
-    compile_layers = (not cpu and stage < 3 and not options.lora_rank) if options.compile_layers is None else (
-        options.compile_layers)  # fewer kernel launches for a host-bound step (docs/benchmarks.md, session 20)
-    deepspeed = DeepSpeedEngineConfig(zero_stage=stage, bf16=options.bf16, learning_rate=options.lr,
+    rank, stage = options.lora_rank, 1 if bf16 and not cpu else 0
+    deepspeed = DeepSpeedEngineConfig(zero_stage=stage, bf16=bf16, learning_rate=options.lr,
                                       optimizer="torch_adamw" if cpu else "fused_adam", gradient_clipping=1.0,
-                                      offload_optimizer=options.offload_optimizer,
-                                      offload_optimizer_ratio=options.offload_optimizer_ratio,
-                                      sub_group_elements=options.sub_group_elements,
-                                      gradient_checkpointing=options.gradient_checkpointing,
-                                      empty_cache_on_sleep=options.empty_caches, fused_kernels=options.fused_kernels,
-                                      compile_layers=compile_layers)
-    separated = options.engine_gpus > 0  # the trainers' GPUs are theirs: the engines need not make room
-    offload, rank = options.offload_trainers and not options.resident and not separated, options.lora_rank
+                                      compile_layers=not cpu and not rank)  # fewer launches in a host-bound step
     lora = LoraConfig(rank=rank, alpha=2.0 * rank, target_modules=LORA_TARGETS) if rank else None
-    if not options.reference and options.kl_coef != 0:
-        raise ValueError(f"--reference false with --kl-coef {options.kl_coef}: the KL term needs the reference; "
-                         "pass --kl-coef 0")
-    trainers = {"actor": TrainerConfig(deepspeed=deepspeed, offload=offload, lora=lora,
-                                       micro_batch_tokens=options.micro_batch_tokens,
-                                       defer_optimizer_wake=options.defer_optimizer_wake,
-                                       sleep_optimizer=options.sleep_optimizer,
-                                       sleep_weights=options.sleep_weights)}
-    if options.reference and not lora:  # with LoRA the reference is the actor's base (its adapters switched off)
-        # its cached blocks are only last step's activations: returned at each sleep (behind the actor's wake), they
-        # stay off the GPU while the engine generates, the step's peak
-        trainers["reference"] = TrainerConfig(deepspeed=dataclasses.replace(
-            deepspeed, offload_optimizer=False, offload_optimizer_ratio=1.0,
-            empty_cache_on_sleep=offload or options.empty_caches), offload=offload,
-            micro_batch_tokens=options.micro_batch_tokens)
-    sleep_level = 0 if options.resident or separated else (1 if lora else 2)  # LoRA pushes adapters: keep the base
+    trainers = {"actor": TrainerConfig(deepspeed=deepspeed, lora=lora)}
+    if options.kl_coef and not lora:  # with LoRA the reference is the actor's base (its adapters switched off)
+        trainers["reference"] = TrainerConfig(deepspeed=deepspeed)
+    separated = options.engine_gpus > 0  # the trainers' GPUs are theirs: the engines need not make room
     engine_gpus = options.engine_gpus if separated else options.num_gpus * options.num_nodes
-    kv_per_seq = KV_PROMPT_TOKENS + options.max_new_tokens if options.kv_cache == "batch" else None  # None: the share
     config = HybridConfig(model=model, device=options.device, engine="hf" if cpu else options.engine, seed=SEED,
-                          sglang_python=options.sglang_python, sglang_site=options.sglang_site,
-                          num_gpus=options.num_gpus, num_nodes=options.num_nodes,
-                          tensor_parallel_size=options.tensor_parallel_size,
-                          colocate=not separated, engine_gpus=max(1, options.engine_gpus),
-                          engine_sleep_level=sleep_level, engine_memory=options.engine_memory,
-                          dtype="bfloat16" if options.bf16 and not cpu else "float32",
-                          kv_tokens_per_seq=kv_per_seq, overlap_switches=options.overlap_switches,
+                          sglang_site=options.sglang_site, num_gpus=options.num_gpus, num_nodes=options.num_nodes,
+                          tensor_parallel_size=options.tensor_parallel_size, colocate=not separated,
+                          engine_gpus=max(1, options.engine_gpus), dtype="bfloat16" if bf16 and not cpu else "float32",
                           max_num_seqs=-(-options.prompts_per_step * options.samples_per_prompt
                                          // (engine_gpus // options.tensor_parallel_size)))
-    return Hybrid.start(config, trainers)
+    return config, trainers
 
 
-def main(argv=None) -> list[dict]:
+def start(options: Options, edit_plan=None) -> Hybrid:
+    """The run's plan for this machine, printed (``edit_plan``: plan -> plan, for A/B runs), then started."""
+    config, trainers = configs(options)
+    plan = plan_for_machine(config, trainers)  # what stays on the GPU in which phase; MemoryFitError if nothing fits
+    plan = edit_plan(plan) if edit_plan is not None else plan
+    print(plan, flush=True)
+    return Hybrid.start(config, trainers, plan=plan)
+
+
+def main(argv=None, edit_plan=None) -> list[dict]:
     options = parse_options(Options, argv, description=__doc__)
     if options.tiny:
         options = Options(**{**vars(options), "steps": 3, "prompts_per_step": 4, "samples_per_prompt": 4,
                              "max_new_tokens": 8, "lr": 1e-3})
     out = Path(options.out)
     out.mkdir(parents=True, exist_ok=True)
-    hybrid = start(options)
+    hybrid = start(options, edit_plan)
     actor, reference, engines, timer = hybrid.trainers["actor"], hybrid.trainers.get("reference"), hybrid.engines, \
         hybrid.timer
     from transformers import AutoTokenizer  # after start: its checks import transformers while Ray starts
@@ -175,10 +147,6 @@ def main(argv=None) -> list[dict]:
     loss_fn = functools.partial(grpo_loss, kl_coef=options.kl_coef)
     print(f"started in {hybrid.startup['total_s']:.1f} s:", {k: round(v, 1) for k, v in hybrid.startup.items()},
           flush=True)
-    print("micro-batch tokens:", {role: group.config.micro_batch_tokens for role, group in hybrid.trainers.items()},
-          "| sleeps move optimizer states, weights:", {role: (group.config.sleep_optimizer, group.config.sleep_weights)
-                                                      for role, group in hybrid.trainers.items()
-                                                      if role in ("actor", "critic")})
     try:
         with MetricsLogger(out) as metrics:
             for step in range(options.steps):
@@ -199,7 +167,7 @@ def main(argv=None) -> list[dict]:
                 # 2. The reference wakes, computes its log-probs on every rank, and sleeps (LoRA: the actor wakes
                 #    and stays awake to train; its base model, adapters off, is the reference).
                 ref_logprobs = None
-                if options.reference:
+                if options.kl_coef:
                     with timer.phase("forward_reference"):
                         ref_logprobs = (reference.forward(batch) if reference is not None else
                                         actor.forward(batch, adapters=False, sleep_after=False))

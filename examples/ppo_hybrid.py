@@ -29,7 +29,7 @@ from rlhfkit.data import ArithmeticTask, PromptDatasetConfig, arithmetic_accurac
 from rlhfkit.deepspeed_engine import DeepSpeedEngineConfig
 from rlhfkit.engines import SamplingConfig
 from rlhfkit.experience import ExperienceConfig, engine_token_logprobs, iterate_minibatches, make_experience
-from rlhfkit.hybrid import Hybrid, HybridConfig, MetricsLogger, TrainerConfig
+from rlhfkit.hybrid import Hybrid, HybridConfig, MetricsLogger, TrainerConfig, plan_for_machine
 from rlhfkit.losses import policy_loss, value_loss
 from rlhfkit.options import parse_options
 from rlhfkit.packing import pack_rollouts
@@ -79,18 +79,21 @@ def start(options: Options) -> Hybrid:
     model = options.model or str(build_tiny_model(Path(options.out) / "tiny_model", tiny, exist_ok=True))
     frozen = DeepSpeedEngineConfig(zero_stage=1, bf16=False, optimizer="torch_adamw" if cpu else "fused_adam",
                                    gradient_clipping=1.0)
-    offload = not options.resident
     trainers = {
-        "actor": TrainerConfig(deepspeed=dataclasses.replace(frozen, learning_rate=options.lr), offload=offload),
-        "critic": TrainerConfig(deepspeed=dataclasses.replace(frozen, learning_rate=options.critic_lr),
-                                offload=offload),
-        "reference": TrainerConfig(deepspeed=frozen, offload=offload),
+        "actor": TrainerConfig(deepspeed=dataclasses.replace(frozen, learning_rate=options.lr)),
+        "critic": TrainerConfig(deepspeed=dataclasses.replace(frozen, learning_rate=options.critic_lr)),
+        "reference": TrainerConfig(deepspeed=frozen),
         "reward": TrainerConfig(deepspeed=dataclasses.replace(frozen, value_head_init_std=0.02),
-                                model=options.reward_model, offload=offload)}
+                                model=options.reward_model)}
     config = HybridConfig(model=model, device=options.device, engine="hf" if cpu else "vllm",
-                          num_gpus=options.num_gpus, engine_sleep_level=0 if options.resident else 2, seed=SEED,
+                          num_gpus=options.num_gpus, seed=SEED,
                           max_num_seqs=-(-options.prompts_per_step * options.samples_per_prompt // options.num_gpus))
-    return Hybrid.start(config, trainers)
+    plan = plan_for_machine(config, trainers)  # what stays on the GPU in which phase, decided once
+    if options.resident:  # an edited plan: every role and the engines stay on the GPU (the guard still orders)
+        resident = {role: dataclasses.replace(role_plan, offload=False) for role, role_plan in plan.roles.items()}
+        plan = dataclasses.replace(plan, roles=resident).replace_engine(sleep_level=0)
+    print(plan, flush=True)
+    return Hybrid.start(config, trainers, plan=plan)
 
 
 def main(argv=None) -> list[dict]:

@@ -106,10 +106,10 @@ def test_scale_bench_tiny_runs_full_and_lora_on_cpu(tmp_path):
 
     out = tmp_path / "scale.json"
     result = scale.main(["--tiny", "--out", str(out), "--work-dir", str(tmp_path / "work"), "--timeout", "280",
-                         "--example-args", "--defer-optimizer-wake false"])  # (an A/B's second arm)
+                         "--plan", "actor.defer_optimizer_wake=false"])  # (an A/B's second arm: a plan edit)
     assert json.loads(out.read_text()) == result
     runs = result["runs"]["toy"]
-    assert runs["full"]["command"].endswith("--defer-optimizer-wake false")
+    assert "bench/hybrid.py --run-example actor.defer_optimizer_wake=false --" in runs["full"]["command"]
     for mode in ("full", "lora"):
         assert runs[mode]["returncode"] == 0, runs[mode].get("log_tail")
         assert runs[mode]["steps"] == 2 and runs[mode]["step_s"] > 0 and runs[mode]["sync_s"] > 0
@@ -118,16 +118,27 @@ def test_scale_bench_tiny_runs_full_and_lora_on_cpu(tmp_path):
     assert not (tmp_path / "work" / "toy").exists()  # the model is deleted after its runs (no --keep)
 
 
-def test_scale_lora_runs_take_the_examples_zero_stage():
-    """bench/scale.py's LoRA runs use the example's ZeRO-1 (as TRL + peft: no ZeRO), with gradient checkpointing:
-    under ZeRO-3 the 7B LoRA training phase took 10.3 s a step on an H200 against 3.5 s under ZeRO-1 on an H100."""
+def test_scale_runs_leave_the_layout_to_the_examples_plan():
+    """bench/scale.py's runs give the example its workload and LoRA rank and nothing of the layout (the plan picks
+    it); an A/B's setting is a plan edit, applied by bench/hybrid.py --run-example before the run starts."""
     from bench import scale
+    from bench.hybrid import edit_plan
 
     command = scale.ours_command(Path("/models/qwen2.5-7b"), "lora", Path("/runs/x"), steps=10, tiny=False,
-                                 engine_memory=0.35, lora_rank=16)
-    assert "--zero-stage" not in command
-    assert command[command.index("--gradient-checkpointing") + 1] == "true"
-    assert command[command.index("--lora-rank") + 1] == "16"
+                                 lora_rank=16)
+    assert command[1].endswith("examples/grpo_hybrid.py") and command[command.index("--lora-rank") + 1] == "16"
+    edited = scale.ours_command(Path("/models/qwen2.5-7b"), "full", Path("/runs/x"), steps=10, tiny=False,
+                                lora_rank=16, plan_edits="*.offload=false engine.memory=0.3")
+    assert edited[1].endswith("bench/hybrid.py") and edited[2:5] == ["--run-example", "*.offload=false "
+                                                                     "engine.memory=0.3", "--"]
+    from rlhfkit.hybrid import EnginePlan, HybridPlan, RolePlan
+
+    plan = HybridPlan(roles={"actor": RolePlan(zero_stage=1), "reference": RolePlan(zero_stage=1)},
+                      engine=EnginePlan(sleep_level=2, memory=0.15))
+    changed = edit_plan(plan, "*.offload=false actor.micro_batch_tokens=8192 engine.memory=0.3 "
+                              "overlap_switches=true engine.kv_cache_tokens=none")
+    assert not any(role.offload for role in changed.roles.values()) and changed.overlap_switches
+    assert changed.roles["actor"].micro_batch_tokens == 8192 and changed.engine.memory == 0.3
 
 
 @pytest.mark.slow
@@ -386,7 +397,7 @@ def test_train_step_times_a_wake_before_each_step_deferred_or_not(tmp_path):
 
 def test_cpu_adam_bench_shows_rays_one_thread_and_times_both(tmp_path):
     """bench/cpu_adam.py on CPU: a Ray actor that reserves no CPU gets OMP_NUM_THREADS=1 and one torch thread unless
-    its runtime_env sets it (what HybridConfig.optimizer_threads does for the trainer ranks); DeepSpeed's CPU Adam
+    its runtime_env sets it (what RolePlan.optimizer_threads does for the trainer ranks); DeepSpeed's CPU Adam
     steps in a fresh process per thread count."""
     out = tmp_path / "cpu_adam.json"
     done = subprocess.run([sys.executable, str(ROOT / "bench/cpu_adam.py"), "--params", "1e5", "--steps", "1",

@@ -10,7 +10,7 @@ weight sync, a RolloutProducer thread and a staleness-bounded RolloutBuffer; Dee
 
 from __future__ import annotations
 
-import functools
+import dataclasses
 import threading
 
 import pytest
@@ -37,8 +37,11 @@ def test_async_at_staleness_0_is_the_sync_loop_bit_for_bit_and_staleness_1_holds
     lagged = _run(module, tiny_llama_path, tmp_path / "async1", "--mode", "async", "--max-staleness", "1")
     keys = ("actor/loss", "actor/grad_norm", "reward/mean", "kl/mean", "mismatch/kl")
     assert [[row[k] for k in keys] for row in same] == [[row[k] for k in keys] for row in sync]  # exact floats
-    # the same with the trainers' sleeps behind the next wakes (overlap_switches: the GPU default where it fits)
-    monkeypatch.setattr(module, "HybridConfig", functools.partial(module.HybridConfig, overlap_switches=True))
+    # the same with the trainers' sleeps behind the next wakes (the plan's overlap_switches: the GPU default where it
+    # fits)
+    start = module.Hybrid.start
+    monkeypatch.setattr(module.Hybrid, "start", lambda config, trainers, plan: start(
+        config, trainers, plan=dataclasses.replace(plan, overlap_switches=True)))
     overlapped = _run(module, tiny_llama_path, tmp_path / "async0-overlapped", "--mode", "async",
                       "--max-staleness", "0")
     assert [[row[k] for k in keys] for row in overlapped] == [[row[k] for k in keys] for row in sync]

@@ -316,16 +316,21 @@ def hybrid(tiny_llama_path, tmp_path_factory):
     ray = pytest.importorskip("ray")
     pytest.importorskip("deepspeed")
     from rlhfkit.deepspeed_engine import DeepSpeedEngineConfig
-    from rlhfkit.hybrid import Hybrid, HybridConfig, TrainerConfig
+    from rlhfkit.hybrid import Hybrid, HybridConfig, HybridPlan, TrainerConfig, plan_hybrid
 
     if ray.is_initialized():
         ray.shutdown()
     deepspeed = DeepSpeedEngineConfig(zero_stage=1, bf16=False, optimizer="torch_adamw", learning_rate=1e-3)
+    config = HybridConfig(model=str(tiny_llama_path), device="cpu", engine="hf", call_timeout_s=120,
+                          sync_timeout_s=60)
+    trainers = {"actor": TrainerConfig(deepspeed=deepspeed), "reference": TrainerConfig(deepspeed=deepspeed)}
     # engine sleep level 1 keeps its weights: the error tests generate again without pushing weights
-    run = Hybrid.start(HybridConfig(model=str(tiny_llama_path), device="cpu", engine="hf", engine_sleep_level=1,
-                                    call_timeout_s=120,
-                                    sync_timeout_s=60),
-                       {"actor": TrainerConfig(deepspeed=deepspeed), "reference": TrainerConfig(deepspeed=deepspeed)})
+    plan = plan_hybrid(config, trainers, gpu_memory_gib=None, host_memory_gib=None).replace_engine(sleep_level=1)
+    run = Hybrid.start(config, trainers, plan=plan)
+    # the run executes the plan it was given and keeps the user's configs as they are
+    assert run.config is config and run.plan is plan and isinstance(run.plan, HybridPlan)
+    assert all(run.trainers[role].plan is plan.roles[role] for role in trainers)
+    assert run.engines.sleep_level == 1
     yield run
     run.close()
 
@@ -628,11 +633,9 @@ def test_pushing_weights_while_the_engines_generate_is_refused(hybrid):
 def test_overlap_config_names_what_it_needs():
     from rlhfkit.hybrid import HybridConfig
 
-    with pytest.raises(ValueError, match="engine_sleep_level=2 would put them to sleep"):
-        HybridConfig(model="m", overlap=True, max_weight_lag=1)
     with pytest.raises(ValueError, match="max_weight_lag=0"):
-        HybridConfig(model="m", overlap=True, engine_sleep_level=0)
-    assert HybridConfig(model="m", overlap=True, engine_sleep_level=0, max_weight_lag=1).overlap
+        HybridConfig(model="m", overlap=True)
+    assert HybridConfig(model="m", overlap=True, max_weight_lag=1).overlap  # the plan keeps the engines resident
 
 
 class _Group:
@@ -711,19 +714,16 @@ def test_hybrid_config_accepts_sglang_on_cuda_only():
         HybridConfig(model="m", engine="tgi")
 
 
-def test_driver_threads_are_set_for_the_run_and_restored_after_it(monkeypatch, tiny_llama_path):
-    """start() runs the driver on ``driver_threads`` torch threads (its small ops stay off an OpenMP team) and
-    close() restores the setting, also when the start fails half way; None leaves it alone."""
+def test_the_driver_runs_on_one_thread_for_the_run_and_is_restored_after_it(monkeypatch, tiny_llama_path):
+    """start() runs the driver on one torch thread (its small ops stay off an OpenMP team) and close() restores the
+    setting, also when the start fails half way."""
     pytest.importorskip("ray")
     from rlhfkit.deepspeed_engine import DeepSpeedEngineConfig
     from rlhfkit.hybrid import Hybrid, HybridConfig, TrainerConfig
 
-    with pytest.raises(ValueError, match="driver_threads=0"):
-        HybridConfig(model="m", driver_threads=0)
     seen = []
 
-    def failing_start(self, trainers, started, checks):
-        self._pass_checks(checks.result(), trainers)  # the checks passed: the run takes its settings, then fails
+    def failing_start(self, trainers, started):
         seen.append(torch.get_num_threads())
         raise RuntimeError("the start failed")
 
@@ -732,11 +732,10 @@ def test_driver_threads_are_set_for_the_run_and_restored_after_it(monkeypatch, t
     before = torch.get_num_threads()
     torch.set_num_threads(3)
     try:
-        for threads, during in ((1, 1), (2, 2), (None, 3)):
-            config = HybridConfig(model=str(tiny_llama_path), device="cpu", engine="hf", driver_threads=threads)
-            with pytest.raises(RuntimeError, match="the start failed"):
-                Hybrid.start(config, trainers)
-            assert seen.pop() == during and torch.get_num_threads() == 3
+        config = HybridConfig(model=str(tiny_llama_path), device="cpu", engine="hf")
+        with pytest.raises(RuntimeError, match="the start failed"):
+            Hybrid.start(config, trainers)
+        assert seen.pop() == 1 and torch.get_num_threads() == 3
     finally:
         torch.set_num_threads(before)
 
@@ -746,7 +745,7 @@ def test_single_gpu_vllm_engines_pause_for_in_flight_updates_unless_told_not_to(
     tensor-parallel ones, pause_engines=False and synchronous runs keep LLM.generate (a push waits)."""
     from rlhfkit.hybrid import Hybrid, HybridConfig
 
-    overlap = {"overlap": True, "engine_sleep_level": 0, "max_weight_lag": 1}
+    overlap = {"overlap": True, "max_weight_lag": 1}
     assert Hybrid(HybridConfig(model="m", **overlap))._pausable_vllm
     assert not Hybrid(HybridConfig(model="m", **overlap, pause_engines=False))._pausable_vllm
     assert not Hybrid(HybridConfig(model="m", **overlap, tensor_parallel_size=2, colocate=False, num_gpus=3,
@@ -797,7 +796,7 @@ def test_a_failed_or_skipped_step_leaves_no_gradients_behind(hybrid):
 
     actor = hybrid.trainers["actor"]
     experience = _experience(hybrid, step=5)
-    split = TrainerGroup(actor.workers, dataclasses.replace(actor.config, micro_batch_tokens=16))  # one-two seqs
+    split = TrainerGroup(actor.workers, actor.config, dataclasses.replace(actor.plan, micro_batch_tokens=16))
     with pytest.raises(WorkerError, match=r"returned nan on 'actor' rank 0, phase 'train_actor', micro-batch 1"):
         split.forward_backward(experience, FailsAfterFirstMicroBatch())
     actor.forward_backward(experience, zero_loss)

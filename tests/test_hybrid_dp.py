@@ -10,12 +10,14 @@ import torch
 
 def _start(model: str, **config):
     from rlhfkit.deepspeed_engine import DeepSpeedEngineConfig
-    from rlhfkit.hybrid import Hybrid, HybridConfig, TrainerConfig
+    from rlhfkit.hybrid import Hybrid, HybridConfig, TrainerConfig, plan_hybrid
 
     deepspeed = DeepSpeedEngineConfig(zero_stage=1, bf16=False, optimizer="torch_adamw", learning_rate=1e-3)
-    return Hybrid.start(HybridConfig(model=model, device="cpu", engine="hf", engine_sleep_level=1,
-                                     call_timeout_s=120, sync_timeout_s=60, **config),
-                        {"actor": TrainerConfig(deepspeed=deepspeed, micro_batch_tokens=64)})
+    hybrid = HybridConfig(model=model, device="cpu", engine="hf", call_timeout_s=120, sync_timeout_s=60, **config)
+    trainers = {"actor": TrainerConfig(deepspeed=deepspeed)}
+    plan = plan_hybrid(hybrid, trainers, gpu_memory_gib=None, host_memory_gib=None)
+    plan = plan.replace_engine(sleep_level=1).replace_role("actor", micro_batch_tokens=64)
+    return Hybrid.start(hybrid, trainers, plan=plan)
 
 
 def pg_loss(logprobs, micro, *, num_tokens, num_seqs):

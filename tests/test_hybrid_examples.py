@@ -10,6 +10,8 @@ awake on one GPU and follow the documented order. The ``gpu`` test runs both wit
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 from pathlib import Path
 
@@ -79,9 +81,12 @@ def test_grpo_hybrid_on_cpu(ray_not_started, tiny_llama_path, tmp_path, capsys):
     rows = load_example("grpo_hybrid").main(["--model", str(tiny_llama_path), "--out", str(tmp_path), "--device", "cpu",
                                       "--tiny", "true"])
     check_rows(rows, steps=3)
-    # the example leaves the micro-batch budget to the plan: on CPU the smallest of its ladder
-    assert ("micro-batch tokens: {'actor': 4096, 'reference': 4096} | sleeps move optimizer states, weights: "
-            "{'actor': (True, True)}" in capsys.readouterr().out)
+    # the example prints its plan before it starts: on CPU the layout as configured, the smallest micro-batch budget,
+    # nothing kept on the device through the sleeps
+    out = capsys.readouterr().out
+    assert "hybrid plan (as configured) for unknown GPU" in out
+    assert any(line.startswith("actor") and line.split()[4:7] == ["-", "yes", "4096"] for line in out.splitlines())
+    assert any(line.startswith("reference") and "4096" in line for line in out.splitlines())
     assert all(0.0 <= row["reward/min"] <= row["reward/max"] <= 1.0 for row in rows)
     assert {"time/generate_s", "time/forward_reference_s", "time/train_actor_s", "time/weight_sync_s",
             "time/sleep_wake_s"} <= set(rows[0])
@@ -96,11 +101,13 @@ def test_grpo_hybrid_on_cpu(ray_not_started, tiny_llama_path, tmp_path, capsys):
 
 @pytest.mark.slow
 @pytest.mark.ray
-def test_grpo_hybrid_with_compiled_layers_on_cpu(ray_not_started, tiny_llama_path, tmp_path):
-    """--compile-layers true (the GPU default) in the trainers' Ray workers: the run trains and its trainers'
+def test_grpo_hybrid_with_compiled_layers_on_cpu(ray_not_started, tiny_llama_path, tmp_path, monkeypatch):
+    """Compiled layers (the example's GPU default) in the trainers' Ray workers: the run trains and its trainers'
     log-probs still equal the HF engine's (fp32) at every step, across the sleeps between them."""
-    rows = load_example("grpo_hybrid").main(["--model", str(tiny_llama_path), "--out", str(tmp_path), "--device", "cpu",
-                                             "--tiny", "true", "--compile-layers", "true"])
+    grpo = load_example("grpo_hybrid")
+    real = grpo.DeepSpeedEngineConfig
+    monkeypatch.setattr(grpo, "DeepSpeedEngineConfig", lambda **fields: real(**(fields | {"compile_layers": True})))
+    rows = grpo.main(["--model", str(tiny_llama_path), "--out", str(tmp_path), "--device", "cpu", "--tiny", "true"])
     check_rows(rows, steps=3)
 
 
@@ -155,12 +162,13 @@ def test_ppo_hybrid_on_cpu(ray_not_started, tiny_llama_path, tmp_path):
 @pytest.mark.slow
 @pytest.mark.ray
 def test_ppo_hybrid_on_cpu_with_overlapped_switches(ray_not_started, tiny_llama_path, tmp_path, monkeypatch):
-    """All four trainer roles with ``overlap_switches=True`` (the GPU default where the estimate fits; on CPU it is
-    off unless asked): every role's sleep runs behind the next wake, the loop trains and the guard's log replays."""
-    import functools
-
+    """All four trainer roles with the plan's ``overlap_switches`` on (the GPU default where the estimate fits; on CPU
+    off unless the plan is edited): every role's sleep runs behind the next wake, the loop trains and the guard's log
+    replays."""
     example = load_example("ppo_hybrid")
-    monkeypatch.setattr(example, "HybridConfig", functools.partial(example.HybridConfig, overlap_switches=True))
+    start = example.Hybrid.start
+    monkeypatch.setattr(example.Hybrid, "start", lambda config, trainers, plan: start(
+        config, trainers, plan=dataclasses.replace(plan, overlap_switches=True)))
     rows = example.main(["--model", str(tiny_llama_path), "--out", str(tmp_path), "--device", "cpu", "--tiny", "true"])
     check_rows(rows, steps=3)
     for row in rows:
@@ -206,13 +214,17 @@ def test_the_docs_hybrid_script_on_one_gpu_with_vllm(ray_not_started, tiny_model
 def test_options_refuse_bad_values_before_anything_starts(capsys):
     grpo = load_example("grpo_hybrid")
     with pytest.raises(SystemExit):
-        grpo.main(["--resident", "maybe"])
+        grpo.main(["--tiny", "maybe"])
     assert "expected true or false, got 'maybe'" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         grpo.main(["--steps", "many"])
     assert "--steps" in capsys.readouterr().err
-    with pytest.raises(ValueError, match="--kv-cache 'some'; expected batch or share"):  # before Ray starts
-        grpo.start(grpo.Options(device="cpu", kv_cache="some"))
+    with pytest.raises(SystemExit):
+        grpo.main(["--help"])
+    help_text = capsys.readouterr().out
+    for field in dataclasses.fields(grpo.Options):  # every option says what it is for
+        assert field.metadata.get("help"), field.name
+    assert len(dataclasses.fields(grpo.Options)) <= 18 and "--kl-coef" in help_text
 
 
 def test_examples_are_single_files_of_at_most_250_lines():
@@ -222,27 +234,15 @@ def test_examples_are_single_files_of_at_most_250_lines():
 
 
 @pytest.mark.parametrize(("argv", "compiled"), [
-    (["--device", "cuda", "--bf16", "true"], True),  # the GPU default: ZeRO-1, full parameters
-    (["--device", "cuda", "--bf16", "true", "--zero-stage", "3"], False),  # ZeRO-3 refuses compiled layers
-    (["--device", "cuda", "--bf16", "true", "--lora-rank", "8"], False),  # not measured with adapters
-    (["--device", "cuda", "--bf16", "true", "--compile-layers", "false"], False),
+    (["--device", "cuda"], True),  # the GPU default: bf16 ZeRO-1, full parameters
+    (["--device", "cuda", "--lora-rank", "8"], False),  # not measured with adapters
     (["--device", "cpu"], False),  # CPU smoke runs would spend their time compiling
-    (["--device", "cpu", "--compile-layers", "true"], True),
 ])
-def test_grpo_hybrid_compiles_the_trainers_layers_by_default_on_a_gpu(argv, compiled, monkeypatch, tmp_path):
-    """The example's --compile-layers default: on for a full-parameter run on a GPU under ZeRO-0/1/2, off on CPU,
-    with LoRA and under ZeRO-3; an explicit value wins. Read from the trainer configs the example hands to
-    Hybrid.start (stopped there: nothing starts)."""
+def test_grpo_hybrid_compiles_the_trainers_layers_by_default_on_a_gpu(argv, compiled, tmp_path):
+    """The example's compiled layers: on for a full-parameter run on a GPU, off on CPU and with LoRA. Read from the
+    configs the example plans and starts (nothing starts here); the plan turns them off where it picks ZeRO-3."""
     from rlhfkit.options import parse_options
 
     grpo = load_example("grpo_hybrid")
-    seen = {}
-
-    def capture(config, trainers):
-        seen.update({role: trainer.deepspeed.compile_layers for role, trainer in trainers.items()})
-        raise SystemExit(0)
-
-    monkeypatch.setattr(grpo.Hybrid, "start", capture)
-    with pytest.raises(SystemExit):
-        grpo.start(parse_options(grpo.Options, [*argv, "--out", str(tmp_path)]))
-    assert seen and set(seen.values()) == {compiled}, seen
+    _, trainers = grpo.configs(parse_options(grpo.Options, [*argv, "--out", str(tmp_path)]))
+    assert {trainer.deepspeed.compile_layers for trainer in trainers.values()} == {compiled}

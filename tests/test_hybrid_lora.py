@@ -4,6 +4,8 @@ or any actor starts."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -12,7 +14,7 @@ pytest.importorskip("deepspeed")
 ray = pytest.importorskip("ray")
 
 from rlhfkit.deepspeed_engine import DeepSpeedEngineConfig
-from rlhfkit.hybrid import Hybrid, HybridConfig, TrainerConfig
+from rlhfkit.hybrid import Hybrid, HybridConfig, TrainerConfig, plan_hybrid
 from rlhfkit.lora import LoraConfig
 
 DEEPSPEED = DeepSpeedEngineConfig(zero_stage=1, bf16=False, optimizer="torch_adamw", learning_rate=5e-2)
@@ -20,8 +22,7 @@ LORA = LoraConfig(rank=4, alpha=8.0, target_modules=("q_proj", "v_proj", "up_pro
 
 
 def _config(path, **kwargs) -> HybridConfig:
-    return HybridConfig(model=str(path), device="cpu", engine="hf", call_timeout_s=120, sync_timeout_s=60,
-                        **({"engine_sleep_level": 1} | kwargs))
+    return HybridConfig(model=str(path), device="cpu", engine="hf", call_timeout_s=120, sync_timeout_s=60, **kwargs)
 
 
 def pg_loss(logprobs, micro, *, num_tokens, num_seqs):
@@ -60,19 +61,22 @@ def test_hybrid_grpo_with_lora_trains_adapters_and_pushes_only_them(tiny_llama_p
     """Two GRPO steps with a LoRA actor: each push carries only the adapter (12 tensors, a few KiB, not the model),
     the engine's weight version follows, and after the push the engine samples from the trained policy: its
     log-probs of fresh rollouts equal the actor's (adapter merged on the engine, unmerged on the trainer). The same
-    with the trainers' sleeps behind the next wakes (``overlap_switches``, on by default on a GPU where it fits), and
+    with the trainers' sleeps behind the next wakes (the plan's ``overlap_switches``, on a GPU where it fits), and
     with the actor's weights and optimizer states kept on the device through its sleeps (what the plan chooses for
-    a 7B LoRA actor on an 80 GB GPU)."""
+    a 7B LoRA actor on an 80 GB GPU). The plan gives the engines sleep level 1 (a push carries the adapters only)."""
     from rlhfkit.engines import SamplingConfig
     from rlhfkit.experience import engine_token_logprobs
     from rlhfkit.packing import pack_rollouts
 
     if ray.is_initialized():
         ray.shutdown()
-    run = Hybrid.start(_config(tiny_llama_path, overlap_switches=overlap),
-                       {"actor": TrainerConfig(deepspeed=DEEPSPEED, lora=LORA, sleep_optimizer=not kept,
-                                               sleep_weights=not kept),
-                        "reference": TrainerConfig(deepspeed=DEEPSPEED)})
+    config = _config(tiny_llama_path)
+    trainers = {"actor": TrainerConfig(deepspeed=DEEPSPEED, lora=LORA), "reference": TrainerConfig(deepspeed=DEEPSPEED)}
+    plan = plan_hybrid(config, trainers, gpu_memory_gib=None, host_memory_gib=None)
+    assert plan.engine.sleep_level == 1
+    plan = dataclasses.replace(plan, overlap_switches=overlap).replace_role("actor", keep_weights=kept,
+                                                                             keep_optimizer=kept)
+    run = Hybrid.start(config, trainers, plan=plan)
     try:
         adapter_bytes = 2 * 4 * 4 * (64 + 64) + 2 * 4 * 4 * (64 + 32) + 2 * 4 * 4 * (64 + 128)  # fp32 A and B
         for step in range(2):
@@ -100,7 +104,7 @@ def test_hybrid_grpo_with_lora_trains_adapters_and_pushes_only_them(tiny_llama_p
 
 
 def test_lora_errors_come_before_ray_starts(tiny_llama_path):
-    """Regression (issue 20): an unknown LoRA target, LoRA on a non-actor role and engine_sleep_level=2 (which would
+    """Regression (issue 20): an unknown LoRA target, LoRA on a non-actor role and engine sleep level 2 (which would
     drop the base weights an adapter push never rewrites) are ValueErrors raised before any actor starts, with no
     Ray left running."""
     if ray.is_initialized():
@@ -111,12 +115,11 @@ def test_lora_errors_come_before_ray_starts(tiny_llama_path):
     with pytest.raises(ValueError, match="trainers\\['reference'\\].lora"):
         Hybrid.start(_config(tiny_llama_path), {"actor": TrainerConfig(deepspeed=DEEPSPEED),
                                                 "reference": TrainerConfig(deepspeed=DEEPSPEED, lora=LORA)})
-    with pytest.raises(ValueError, match="engine_sleep_level=2"):
-        Hybrid.start(_config(tiny_llama_path, engine_sleep_level=2),
-                     {"actor": TrainerConfig(deepspeed=DEEPSPEED, lora=LORA)})
-    with pytest.raises(ValueError, match="engine_sleep_level=2"):  # the vLLM engine too (it serves LoRA now)
-        Hybrid.start(HybridConfig(model=str(tiny_llama_path), engine="vllm", engine_sleep_level=2),
-                     {"actor": TrainerConfig(deepspeed=DEEPSPEED, lora=LORA)})
+    actor = {"actor": TrainerConfig(deepspeed=DEEPSPEED, lora=LORA)}
+    for config in (_config(tiny_llama_path), HybridConfig(model=str(tiny_llama_path), engine="vllm")):  # vLLM too
+        level2 = plan_hybrid(config, actor, gpu_memory_gib=None, host_memory_gib=None).replace_engine(sleep_level=2)
+        with pytest.raises(ValueError, match="sleep_level=2 discards the engines' base weights"):
+            Hybrid.start(config, actor, plan=level2)
     assert not ray.is_initialized()
 
 
@@ -125,7 +128,7 @@ def test_lora_with_vllm_engine_is_accepted(tiny_llama_path):
     vLLM in memory); the checks before Ray still run (an unknown target is still refused)."""
     from rlhfkit.hybrid._launch import _check_lora
 
-    config = HybridConfig(model=str(tiny_llama_path), engine="vllm", engine_sleep_level=1)
+    config = HybridConfig(model=str(tiny_llama_path), engine="vllm")
     _check_lora(config, {"actor": TrainerConfig(deepspeed=DEEPSPEED, lora=LORA)})
     with pytest.raises(ValueError, match="c_attn"):
         _check_lora(config, {"actor": TrainerConfig(deepspeed=DEEPSPEED,
@@ -140,6 +143,6 @@ def test_output_layer_target_is_refused_before_ray_starts(tiny_llama_path):
 
     lora = LoraConfig(rank=4, target_modules=("q_proj", "lm_head"))
     for engine in ("hf", "vllm"):
-        config = HybridConfig(model=str(tiny_llama_path), engine=engine, engine_sleep_level=1)
+        config = HybridConfig(model=str(tiny_llama_path), engine=engine)
         with pytest.raises(ValueError, match=r"'lm_head' targets the output layer 'lm_head'.*not supported"):
             _check_lora(config, {"actor": TrainerConfig(deepspeed=DEEPSPEED, lora=lora)})

@@ -1,4 +1,4 @@
-"""HybridConfig.overlap_switches: a trainer role's sleep runs in the background while the next role wakes.
+"""HybridPlan.overlap_switches: a trainer role's sleep runs in the background while the next role wakes.
 
 The worker's background sleep and the guard's hand-over are checked in this process (a real TrainerWorker over a
 stand-in model, a LocalPhaseStore, driven through its public calls); the whole loop on CPU with Ray, DeepSpeed and
@@ -64,7 +64,7 @@ def actor_worker(monkeypatch, tiny_llama_path):
 
 
 def _worker(monkeypatch, tiny_llama_path, role: str):
-    from rlhfkit.hybrid._trainer_worker import SleepPlan, TrainerWorker
+    from rlhfkit.hybrid._trainer_worker import TrainerWorker
 
     for name, value in {"RLHFKIT_ROLE": role, "RANK": "0", "RLHFKIT_BUNDLE_INDICES": "0",
                         "RLHFKIT_PLAN_NODE": "0"}.items():
@@ -72,12 +72,22 @@ def _worker(monkeypatch, tiny_llama_path, role: str):
     store = LocalPhaseStore()
     worker = TrainerWorker(store, "cpu", str(tiny_llama_path))
     # what load() sets, without building a DeepSpeed model
-    worker.config, worker.plan = SimpleNamespace(offload=True), SleepPlan(overlap_switches=True)
+    worker.config, worker.plan, worker.overlap = SimpleNamespace(offload=True), _SleepPlan(), True
     return worker, store
 
 
-def _plan(worker, **fields) -> None:
-    worker.plan = dataclasses.replace(worker.plan, **fields)
+@dataclasses.dataclass(frozen=True)
+class _SleepPlan:
+    """The RolePlan fields a worker's sleeps read."""
+
+    offload: bool = True
+    keep_optimizer: bool = False
+    keep_weights: bool = False
+
+
+def _plan(worker, *, overlap_switches: bool, sleep_optimizer: bool = True, sleep_weights: bool = True) -> None:
+    worker.overlap = overlap_switches
+    worker.plan = _SleepPlan(keep_optimizer=not sleep_optimizer, keep_weights=not sleep_weights)
 
 
 def test_a_background_sleep_lets_the_next_role_wake_and_is_joined_by_the_next_call(worker):
@@ -155,11 +165,10 @@ def test_sleep_optimizer_false_keeps_a_trained_roles_optimizer_states_through_it
         actor.sleep("train_actor")
         keeps = not sleep_optimizer
         assert calls[-2:] == [(True, keeps), (False, keeps)], (sleep_optimizer, calls)
-    from rlhfkit.deepspeed_engine import DeepSpeedEngineConfig
-    from rlhfkit.hybrid import TrainerConfig
+    from rlhfkit.hybrid import RolePlan
 
-    with pytest.raises(TypeError, match=r"TrainerConfig.sleep_optimizer='no'; must be True, False or None"):
-        TrainerConfig(deepspeed=DeepSpeedEngineConfig(), sleep_optimizer="no")
+    with pytest.raises(TypeError, match=r"RolePlan.keep_optimizer='no'; must be True or False"):
+        RolePlan(zero_stage=1, keep_optimizer="no")
 
 
 def test_sleep_weights_false_keeps_a_trained_roles_weights_through_every_sleep(actor_worker):
@@ -187,11 +196,10 @@ def test_sleep_weights_false_keeps_a_trained_roles_weights_through_every_sleep(a
     assert actor.sleep("sync").cost.switch_s == 0.0
     actor.guard_events(settle=True)
     assert calls[-1] == (True, False) and actor.model.sleeps == [True]
-    from rlhfkit.deepspeed_engine import DeepSpeedEngineConfig
-    from rlhfkit.hybrid import TrainerConfig
+    from rlhfkit.hybrid import RolePlan
 
-    with pytest.raises(TypeError, match=r"TrainerConfig.sleep_weights=1; must be True, False or None"):
-        TrainerConfig(deepspeed=DeepSpeedEngineConfig(), sleep_weights=1)
+    with pytest.raises(TypeError, match=r"RolePlan.keep_weights=1; must be True or False"):
+        RolePlan(zero_stage=1, keep_weights=1)
 
 
 def test_a_role_without_an_optimizer_is_never_asked_to_keep_one(worker):
@@ -265,56 +273,37 @@ def test_without_overlap_the_sleep_is_done_when_the_call_returns(worker):
     assert store.holder("node0/gpu0") is None
 
 
-def test_overlap_switches_needs_room_for_every_role_resident(tiny_llama_path):
+def test_switches_overlap_only_where_every_role_fits_resident(tiny_llama_path):
+    """The plan's overlap_switches: on for a GPU run whose estimate with every role resident at once fits within the
+    plan's headroom (two roles share the GPU for a moment), off on CPU (no copies to hide) and where the GPU is too
+    small for every role resident with that headroom."""
     pytest.importorskip("deepspeed")
     from rlhfkit.deepspeed_engine import DeepSpeedEngineConfig
-    from rlhfkit.hybrid import HybridConfig, TrainerConfig
-    from rlhfkit.hybrid._launch import _check_overlap_fits
-
-    with pytest.raises(TypeError, match="overlap_switches='yes'"):
-        HybridConfig(model=str(tiny_llama_path), device="cpu", engine="hf", overlap_switches="yes")
-    trainers = {"actor": TrainerConfig(deepspeed=DeepSpeedEngineConfig(zero_stage=1, optimizer="torch_adamw"))}
-    config = HybridConfig(model=str(tiny_llama_path), device="cpu", engine="hf", overlap_switches=True)
-    _check_overlap_fits(config, trainers)  # no GPU size known on CPU: nothing to check
-    tiny_gpu = HybridConfig(model=str(tiny_llama_path), device="cpu", engine="hf", overlap_switches=True,
-                            gpu_memory_gib=0.001)
-    with pytest.raises(ValueError, match="overlap_switches=True needs room for every role resident"):
-        _check_overlap_fits(tiny_gpu, trainers)
-
-
-def test_overlap_switches_default_is_on_only_where_every_role_fits_resident(tiny_llama_path):
-    pytest.importorskip("deepspeed")
-    from rlhfkit.deepspeed_engine import DeepSpeedEngineConfig
-    from rlhfkit.hybrid import HybridConfig, TrainerConfig
-    from rlhfkit.hybrid._launch import OVERLAP_HEADROOM, _check_overlap_fits, _check_resident_fit, _overlap_fits
+    from rlhfkit.hybrid import HybridConfig, TrainerConfig, plan_hybrid
+    from rlhfkit.hybrid import _plan
+    from rlhfkit.hybrid._plan import HEADROOM, check_plan
 
     trainers = {"actor": TrainerConfig(deepspeed=DeepSpeedEngineConfig(zero_stage=1, optimizer="torch_adamw")),
                 "reference": TrainerConfig(deepspeed=DeepSpeedEngineConfig(zero_stage=0, optimizer="torch_adamw"))}
-    assert HybridConfig(model=str(tiny_llama_path), device="cpu", engine="hf").overlap_switches is None
-    # CPU: nothing to overlap (no copies between device and host)
-    assert not _overlap_fits(HybridConfig(model=str(tiny_llama_path), device="cpu", engine="hf",
-                                          gpu_memory_gib=80.0), trainers)
-    roomy = HybridConfig(model=str(tiny_llama_path), device="cuda", engine="hf", gpu_memory_gib=80.0,
-                         host_memory_gib=64.0)
-    assert _overlap_fits(roomy, trainers)
-    tight = HybridConfig(model=str(tiny_llama_path), device="cuda", engine="hf", gpu_memory_gib=0.001,
-                         host_memory_gib=64.0)
-    assert not _overlap_fits(tight, trainers)  # the same estimate that makes True refuse turns None off
-    # None wants OVERLAP_HEADROOM over the resident estimate (the estimate does not count the allocators' caches);
-    # True only needs the estimate to fit
-    peak = _check_resident_fit(roomy, trainers).peak()
-    between = dataclasses.replace(roomy, gpu_memory_gib=peak * (1 + OVERLAP_HEADROOM) / 2)
-    _check_overlap_fits(dataclasses.replace(between, overlap_switches=True), trainers)
-    assert not _overlap_fits(between, trainers)
-    assert _overlap_fits(dataclasses.replace(roomy, gpu_memory_gib=peak * OVERLAP_HEADROOM * 1.01), trainers)
+    cpu = HybridConfig(model=str(tiny_llama_path), device="cpu", engine="hf")
+    assert not plan_hybrid(cpu, trainers, gpu_memory_gib=80.0, host_memory_gib=64.0).overlap_switches
+    cuda = HybridConfig(model=str(tiny_llama_path), device="cuda", engine="hf")
+    roomy = plan_hybrid(cuda, trainers, gpu_memory_gib=80.0, host_memory_gib=64.0)
+    assert roomy.overlap_switches
+    resident = dataclasses.replace(roomy, roles={role: dataclasses.replace(plan, offload=False)
+                                                 for role, plan in roomy.roles.items()})
+    peak = check_plan(cuda, trainers, resident.replace_engine(sleep_level=0)).peak()
+    for gib, overlaps in ((peak * 1.01, False), (peak * HEADROOM * 1.01, True)):  # the headroom over the estimate
+        facts = _plan._Facts(config=cuda, trainers=trainers, placement=_plan._placement(cuda, tuple(trainers)),
+                             shapes=_plan._shapes(cuda, trainers, None), gpu_gib=gib, host_gib=64.0, cores=1)
+        assert _plan._overlap_fits(facts, roomy.roles, roomy.engine) is overlaps
 
 
-def _run(tiny_llama_path, overlap: bool, steps: int = 2, sleep_optimizer: bool | None = None,
-         sleep_weights: bool | None = None) -> list[dict]:
+def _run(tiny_llama_path, overlap: bool, steps: int = 2, keep: bool = False) -> list[dict]:
     from rlhfkit.deepspeed_engine import DeepSpeedEngineConfig
     from rlhfkit.engines import SamplingConfig
     from rlhfkit.experience import ExperienceConfig, engine_token_logprobs, make_experience
-    from rlhfkit.hybrid import Hybrid, HybridConfig, TrainerConfig
+    from rlhfkit.hybrid import Hybrid, HybridConfig, TrainerConfig, plan_hybrid
     from rlhfkit.losses import policy_loss
     from rlhfkit.packing import pack_rollouts
 
@@ -323,11 +312,13 @@ def _run(tiny_llama_path, overlap: bool, steps: int = 2, sleep_optimizer: bool |
                            micro.batch.cu_seqlens, num_tokens=num_tokens, num_seqs=num_seqs)
 
     deepspeed = DeepSpeedEngineConfig(zero_stage=1, bf16=False, optimizer="torch_adamw", learning_rate=1e-3)
-    hybrid = Hybrid.start(HybridConfig(model=str(tiny_llama_path), device="cpu", engine="hf", call_timeout_s=120,
-                                       sync_timeout_s=60, overlap_switches=overlap),
-                          {"actor": TrainerConfig(deepspeed=deepspeed, sleep_optimizer=sleep_optimizer,
-                                                  sleep_weights=sleep_weights),
-                           "reference": TrainerConfig(deepspeed=deepspeed)})
+    config = HybridConfig(model=str(tiny_llama_path), device="cpu", engine="hf", call_timeout_s=120,
+                          sync_timeout_s=60)
+    trainers = {"actor": TrainerConfig(deepspeed=deepspeed), "reference": TrainerConfig(deepspeed=deepspeed)}
+    plan = plan_hybrid(config, trainers, gpu_memory_gib=None, host_memory_gib=None)
+    plan = dataclasses.replace(plan, overlap_switches=overlap).replace_role("actor", keep_weights=keep,
+                                                                             keep_optimizer=keep)
+    hybrid = Hybrid.start(config, trainers, plan=plan)
     rows = []
     try:
         actor, reference = hybrid.trainers["actor"], hybrid.trainers["reference"]
@@ -358,7 +349,7 @@ def test_the_loop_with_overlapped_switches_trains_exactly_as_without(tiny_llama_
     pytest.importorskip("deepspeed")
     plain, overlapped = _run(tiny_llama_path, False), _run(tiny_llama_path, True)
     # the actor's optimizer states and weights stay through its sleeps
-    kept = _run(tiny_llama_path, True, sleep_optimizer=False, sleep_weights=False)
+    kept = _run(tiny_llama_path, True, keep=True)
     for a, b, c in zip(plain, overlapped, kept, strict=True):
         assert a["actor/loss"] == b["actor/loss"] == c["actor/loss"]
         assert a["actor/grad_norm"] == b["actor/grad_norm"] == c["actor/grad_norm"]

@@ -2,6 +2,8 @@
 
 What it gives you (your script keeps the loop, the advantages, the minibatch loop and the loss):
 
+- :func:`plan_hybrid` / :class:`HybridPlan` (:class:`RolePlan`, :class:`EnginePlan`): what stays on the GPU in which
+  phase, decided once from the model, the GPU and the host, before anything starts; printable, editable.
 - :class:`Hybrid` / :class:`HybridConfig`: start Ray, the GPU plan, engines and trainer processes; wire the weight
   sync; :meth:`Hybrid.push_weights` moves the actor's weights into the engines; :meth:`Hybrid.close`.
 - :class:`TrainerGroup` / :class:`TrainerConfig`: one trainer role (actor, critic, reference, reward) over sleepable
@@ -25,7 +27,8 @@ See ``docs/hybrid.md``.
 from rlhfkit.hybrid._copy_floor import CopyRates, measure_copy_rates
 from rlhfkit.hybrid._engines import RolloutEngines
 from rlhfkit.hybrid._errors import EnginesBusyError, HybridCallError, LossFunctionError, RoleAsleepError
-from rlhfkit.hybrid._launch import Hybrid, HybridConfig
+from rlhfkit.hybrid._launch import Hybrid, HybridConfig, plan_for_machine
+from rlhfkit.hybrid._plan import EnginePlan, HybridPlan, RolePlan, plan_hybrid
 from rlhfkit.hybrid._results import CallCost, CallObserver, CallRecord, ForwardBackwardResult, OptimStepResult
 from rlhfkit.hybrid._timer import GpuMemorySampler, MetricsLogger, PhaseTimer
 from rlhfkit.hybrid._trainer import LossFn, TrainerConfig, TrainerGroup
@@ -35,20 +38,25 @@ __all__ = [
     "CallObserver",
     "CallRecord",
     "CopyRates",
+    "EnginePlan",
     "EnginesBusyError",
     "ForwardBackwardResult",
     "GpuMemorySampler",
     "Hybrid",
     "HybridCallError",
     "HybridConfig",
+    "HybridPlan",
     "LossFn",
     "LossFunctionError",
     "MetricsLogger",
     "OptimStepResult",
     "PhaseTimer",
     "RoleAsleepError",
+    "RolePlan",
     "RolloutEngines",
     "TrainerConfig",
     "TrainerGroup",
     "measure_copy_rates",
+    "plan_for_machine",
+    "plan_hybrid",
 ]

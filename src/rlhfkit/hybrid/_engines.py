@@ -79,7 +79,7 @@ class GuardedEngineMixin:
                      displace_releasing: bool = False) -> CallCost:
         """Claim every GPU of the engine, then wake ``tags`` (None: everything); returns its seconds and
         ``bytes_h2d`` (what the engine's ``wake_up`` reports it copied back). ``displace_releasing``: take a GPU
-        from a trainer role still going to sleep (``HybridConfig.overlap_switches``)."""
+        from a trainer role still going to sleep (``HybridPlan.overlap_switches``)."""
         seconds, moved = 0.0, 0.0
         for index, gpu in reversed(list(enumerate(self._gpus))):
             model, kwargs = (self, {"tags": tags}) if index == 0 and not self._resident else (None, {})

@@ -9,7 +9,7 @@ engines with :meth:`rlhfkit.hybrid.Hybrid.push_weights`. They return typed resul
 
 The group records what its calls leave on the GPUs (:class:`GpuState`) and tells the ranks to wake or sleep inside
 the call itself: one call is one round trip. The batch is split over the ranks by tokens, and on each rank into
-micro-batches of at most ``TrainerConfig.micro_batch_tokens`` tokens (the same count on every rank, as ZeRO's
+micro-batches of at most ``RolePlan.micro_batch_tokens`` tokens (the same count on every rank, as ZeRO's
 collectives need). Losses are normalised by the whole minibatch's token and sequence counts, handed to your loss
 function, so gradients are those of the whole minibatch whatever the split.
 """
@@ -53,12 +53,7 @@ class TrainerConfig:
         model: HF folder of this role (default: the run's model).
         offload: sleep by moving every state to pinned host memory (True, the hybrid engine) or stay on the GPU and
             only return cached blocks (False, when memory is plentiful); the phase guard orders phases either way.
-        micro_batch_tokens: token budget of one micro-batch (forward and training). Activation memory grows with
-            it, and a host-bound step takes less time in fewer, larger micro-batches. None: :meth:`Hybrid.start
-            <rlhfkit.hybrid.Hybrid.start>` sizes it from the plan's memory estimate, the largest of 16,384, 12,288,
-            8,192 and 4,096 tokens that leaves the GPU the headroom the overlapped switches need
-            (``rlhfkit.hybrid._launch.size_micro_batches``; 4,096 on CPU); a group built outside ``Hybrid.start``
-            needs a number.
+            The plan starts from it (``RolePlan.offload``) and changes it only where the layout does not fit.
         tf32_backward: float32 backward passes on TF32 tensor cores (the forwards, log-probs and the engine-vs-trainer
             gap stay float32).
         tf32_frozen_forward: TF32 in the no-grad forwards of frozen roles (reference, reward).
@@ -66,40 +61,18 @@ class TrainerConfig:
         lora: train LoRA adapters instead of every weight (:class:`rlhfkit.lora.LoraConfig`; actor only): the base is
             frozen, the optimizer holds only the adapters, and :meth:`rlhfkit.hybrid.Hybrid.push_weights` moves only
             the adapters into the engines. Needs ``rlhfkit[lora]``.
-        defer_optimizer_wake: a sleeping (``offload``) trained role's ``forward_backward`` wakes only what forwards
-            and backwards read (weights, gradient partitions) and brings the optimizer's states (Adam moments; ZeRO-1/2
-            fp32 masters) back in a background thread, on a CUDA stream of its own in 64 MiB pieces, behind its
-            compute; ``optim_step`` waits for them (:meth:`rlhfkit.deepspeed_engine.DeepSpeedEngine.finish_wake`).
-            False: the whole wake happens before the compute.
-        sleep_optimizer: whether a sleeping (``offload``) trained role's sleeps move its optimizer's states (fp32
-            master weights, Adam moments: at bf16 with Adam three quarters of its states) to host memory too (True),
-            or leave them on the GPU (False: :meth:`rlhfkit.deepspeed_engine.DeepSpeedEngine.sleep` with
-            ``keep_optimizer=True``; the weights and gradients still go), so that no wake waits for them and no
-            sleep copies them. None: :meth:`Hybrid.start <rlhfkit.hybrid.Hybrid.start>` decides from the plan's
-            memory estimate: False where every phase still fits within ``1 / OVERLAP_HEADROOM`` of the GPU with
-            them there (``rlhfkit.hybrid._launch.size_state_sleeps``), else True; True on CPU and in a group
-            built outside ``Hybrid.start``.
-        sleep_weights: the same for the weights of a sleeping (``offload``) trained role (bf16: 2 bytes a parameter;
-            ZeRO-3: this rank's shards): True moves them to host memory at every sleep; False leaves them on the GPU
-            (``DeepSpeedEngine.sleep(keep_weights=True)``), so that no wake brings them back before the role's
-            forward. The phases it sleeps through (generation, the other roles' forwards, the engines' wake after a
-            push) hold them; the plan's estimate counts them in those phases. None:
-            ``Hybrid.start`` decides with ``sleep_optimizer`` (``rlhfkit.hybrid._launch.size_state_sleeps``): both
-            kept where the estimate fits, else the optimizer's states, else the weights alone; True on CPU and in a
-            group built outside ``Hybrid.start``.
+
+    Where the role's states live in each phase (what its sleeps move, ZeRO stage and optimizer share as run, the
+    micro-batch budget) is the run's plan, not this config: :class:`rlhfkit.hybrid.RolePlan`.
     """
 
     deepspeed: Any
     model: str | None = None
     offload: bool = True
-    micro_batch_tokens: int | None = 4096
     tf32_backward: bool = True
     tf32_frozen_forward: bool = True
     seed: int = 0
     lora: Any = None
-    defer_optimizer_wake: bool = True
-    sleep_optimizer: bool | None = None
-    sleep_weights: bool | None = None
 
     def __post_init__(self) -> None:
         from rlhfkit.deepspeed_engine import DeepSpeedEngineConfig
@@ -110,17 +83,9 @@ class TrainerConfig:
 
         if not isinstance(self.deepspeed, DeepSpeedEngineConfig):
             raise TypeError(f"TrainerConfig.deepspeed={self.deepspeed!r}; expected a DeepSpeedEngineConfig")
-        if self.micro_batch_tokens is not None and (isinstance(self.micro_batch_tokens, bool) or not isinstance(
-                self.micro_batch_tokens, int) or self.micro_batch_tokens < 1):
-            raise ValueError(f"TrainerConfig.micro_batch_tokens={self.micro_batch_tokens!r}; must be an int >= 1, or "
-                             "None for Hybrid.start to size it")
-        for name in ("offload", "tf32_backward", "tf32_frozen_forward", "defer_optimizer_wake"):
+        for name in ("offload", "tf32_backward", "tf32_frozen_forward"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"TrainerConfig.{name}={getattr(self, name)!r}; must be True or False")
-        for name in ("sleep_optimizer", "sleep_weights"):
-            if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
-                raise TypeError(f"TrainerConfig.{name}={getattr(self, name)!r}; must be True, False or None "
-                                "(Hybrid.start decides)")
         if self.model is not None and not isinstance(self.model, str):
             raise TypeError(f"TrainerConfig.model={self.model!r}; expected a folder path (str) or None")
         if self.offload and self.deepspeed.offload_optimizer_ratio < 1:
@@ -179,12 +144,11 @@ class TrainerGroup:
     (None while a call runs and after one failed: unknown); ``weight_version`` the version of the weights the role
     holds (the last pushed one, plus one once it has stepped since)."""
 
-    def __init__(self, workers: Any, config: TrainerConfig, *, observer: CallObserver | None = None) -> None:
-        self.workers, self.config, self.observer = workers, config, observer
+    def __init__(self, workers: Any, config: TrainerConfig, plan: Any, *,
+                 observer: CallObserver | None = None) -> None:
+        # plan: the role's RolePlan (micro-batch budget, what its sleeps move)
+        self.workers, self.config, self.plan, self.observer = workers, config, plan, observer
         self.role, self.world_size = workers.role, workers.world_size
-        if config.micro_batch_tokens is None:
-            raise ValueError(f"'{self.role}': TrainerConfig.micro_batch_tokens=None is sized by Hybrid.start; a "
-                             "TrainerGroup built without it needs a number of tokens")
         self.on_gpu: GpuState | None = GpuState()  # load() leaves every rank asleep
         self.weight_version = 0
         self._stepped_since_push = False
@@ -195,7 +159,7 @@ class TrainerGroup:
             raise ValueError(f"'{self.role}': a batch of {len(lengths)} sequences cannot be split over "
                              f"{self.world_size} ranks; give at least one sequence per rank")
         shards = partition_by_token_budget(lengths, num_micro_batches=self.world_size)
-        budget = self.config.micro_batch_tokens
+        budget = self.plan.micro_batch_tokens
         count = max(math.ceil(sum(lengths[i] for i in shard) / budget) for shard in shards)
         count = max(1, min(count, min(len(shard) for shard in shards)))
         out = []

@@ -53,16 +53,6 @@ def transition_record(transition: Any, **extra: Any) -> dict[str, Any]:
     return record | extra
 
 
-@dataclass(frozen=True, kw_only=True)
-class SleepPlan:
-    """What a rank's sleeps leave on the GPU and whether they run in the background: the run plan's decisions for
-    this role (``TrainerConfig.sleep_optimizer`` / ``sleep_weights``, ``HybridConfig.overlap_switches``)."""
-
-    overlap_switches: bool = False
-    sleep_optimizer: bool = True
-    sleep_weights: bool = True
-
-
 class _Resident:
     """The sleep of a model that stays on its GPU: the guard still orders the phases; sleeping returns the cached
     activation memory to the device so the next role can allocate it (unless ``empty_cache`` is False:
@@ -115,7 +105,8 @@ class TrainerWorker(Worker):
         self.events: list[dict[str, Any]] = []
         self.model: Any = None
         self.config: Any = None
-        self.plan = SleepPlan()
+        self.plan: Any = None  # the role's RolePlan: where its states live (what its sleeps move)
+        self.overlap = False  # HybridPlan.overlap_switches: sleeps run behind the next role's wake
         self._prefetched: tuple[Any, Any, torch.Tensor] | None = None  # (config, HF model in host memory, RNG state)
         self.awake = False  # this rank holds its GPU's claim, the whole model on the GPU
         self.weights_kept = False  # asleep but for the weights (a keep-weights sleep): a push may read them
@@ -132,34 +123,34 @@ class TrainerWorker(Worker):
         return self.role in ("actor", "critic")
 
     # ------------------------------------------------------------------ lifecycle
-    def prefetch(self, config: Any) -> dict[str, float]:
+    def prefetch(self, config: Any, plan: Any) -> dict[str, float]:
         """Read the model into host memory (no GPU, no claim: every role at once, while :meth:`load` places them one
-        at a time); the next :meth:`load` of the same ``config`` wraps it. Returns ``{"read_s"}``."""
+        at a time); the next :meth:`load` of the same ``config`` and ``plan`` wraps it. Returns ``{"read_s"}``."""
         started = time.perf_counter()
-        self._prefetched = self._read(config)
+        self._prefetched = self._read(config, plan)
         return {"read_s": time.perf_counter() - started}
 
-    def _read(self, config: Any) -> tuple[Any, Any, torch.Tensor]:
+    def _read(self, config: Any, plan: Any) -> tuple[Any, Any, torch.Tensor]:
         """``(config, the HF model in host memory, the RNG state after reading it)``: seeded, since a fresh value
         head draws from the generator, and :meth:`load` goes on from where the read left it."""
         from rlhfkit.deepspeed_engine import DeepSpeedEngine
 
         torch.manual_seed(config.seed)
-        model = DeepSpeedEngine.read_pretrained(self.model_path, role=self.role, config=config.deepspeed)
-        return config, model, torch.get_rng_state()
+        deepspeed = plan.deepspeed_config(config.deepspeed, device=self.device_kind)
+        model = DeepSpeedEngine.read_pretrained(self.model_path, role=self.role, config=deepspeed)
+        return (config, plan), model, torch.get_rng_state()
 
-    def load(self, config: Any, *, measure_copy_rates: bool = False, overlap_switches: bool = False) -> dict[str, Any]:
-        """Build the model while holding the GPU's claim, then put it to sleep. ``measure_copy_rates``: first time
+    def load(self, config: Any, plan: Any, *, measure_copy_rates: bool = False,
+             overlap_switches: bool = False) -> dict[str, Any]:
+        """Build the model of ``config`` (its TrainerConfig) placed as ``plan`` (its RolePlan: ZeRO stage, what its
+        sleeps move) while holding the GPU's claim, then put it to sleep. ``measure_copy_rates``: first time
         this process's pinned host<->device copies on the still empty GPU (:func:`rlhfkit.hybrid.
         measure_copy_rates`; ``copy_rates`` is None on CPU). ``overlap_switches``: later sleeps run in the
-        background, behind the next role's wake (``HybridConfig.overlap_switches``)."""
+        background, behind the next role's wake (``HybridPlan.overlap_switches``)."""
         from rlhfkit.deepspeed_engine import DeepSpeedEngine
         from rlhfkit.hybrid._copy_floor import measure_copy_rates as measure
 
-        self.config = config
-        self.plan = SleepPlan(overlap_switches=bool(overlap_switches),  # the run plan's RolePlan, once it is one
-                              sleep_optimizer=config.sleep_optimizer is not False,
-                              sleep_weights=config.sleep_weights is not False)
+        self.config, self.plan, self.overlap = config, plan, bool(overlap_switches)
         self._resident = _Resident(empty_cache=config.deepspeed.empty_cache_on_sleep)
         clock = StartupClock()
         self._transition("wake", "load")  # claim only: the model does not exist yet
@@ -170,21 +161,22 @@ class TrainerWorker(Worker):
         rates = measure(self.device()) if measure_copy_rates and self.device_kind == "cuda" else None
         clock.lap("copy_rates_s")
         prefetched, self._prefetched = self._prefetched, None
-        if prefetched is None or prefetched[0] != config:
-            prefetched = self._read(config)
+        if prefetched is None or prefetched[0] != (config, plan):
+            prefetched = self._read(config, plan)
         _, hf_model, rng = prefetched
         del prefetched
         torch.manual_seed(config.seed)  # the CUDA generator, seeded as before the read; the CPU one goes on from it
         torch.set_rng_state(rng)
         # trained roles own the accumulation boundary: backward accumulates, optim_step() is the boundary
         overrides = {"managed_gradient_accumulation": False} if self.trains else None
-        model = DeepSpeedEngine(hf_model, role=self.role, config=config.deepspeed, ds_config_overrides=overrides,
+        deepspeed = plan.deepspeed_config(config.deepspeed, device=self.device_kind)
+        model = DeepSpeedEngine(hf_model, role=self.role, config=deepspeed, ds_config_overrides=overrides,
                                 lora=config.lora)
         del hf_model
         clock.lap("model_s")
         gc.collect()
         gc.freeze()  # offload_states calls gc.collect(); frozen long-lived objects make that cheap
-        (model if config.offload else self._resident).sleep()
+        (model if plan.offload else self._resident).sleep()
         self._transition("sleep", "load")  # the claim was taken with no model: release it the same way
         clock.lap("sleep_s")
         self.model = model
@@ -193,23 +185,23 @@ class TrainerWorker(Worker):
                 "copy_rates": rates, "startup_parts": parts}
 
     def _keeps(self, what: str) -> bool:
-        """Sleeps leave ``what`` (``"weights"``, ``"optimizer"``) on the GPU: the plan's choice for a trained role
-        that sleeps to host memory."""
-        if not (self.trains and self.model is not None and self.config.offload):
+        """Sleeps leave ``what`` (``"weights"``, ``"optimizer"``) on the GPU: the plan's choice
+        (``RolePlan.keep_weights`` / ``keep_optimizer``) for a trained role that sleeps to host memory."""
+        if not (self.trains and self.model is not None and self.plan.offload):
             return False
-        return not (self.plan.sleep_weights if what == "weights" else self.plan.sleep_optimizer)
+        return self.plan.keep_weights if what == "weights" else self.plan.keep_optimizer
 
     def _sleepable(self) -> Any:
         """What the guard wakes and puts to sleep (one object for the whole run: the guard's claim names it)."""
         if self.model is None:
             return None
-        return self.model if self.config.offload else self._resident
+        return self.model if self.plan.offload else self._resident
 
     def _transition(self, action: str, phase: str, *, keep_weights: bool = False) -> CallCost:
         """One guarded wake or sleep (``keep_weights`` as the caller resolved it); what it cost."""
         if action == "wake":
             transition = self.guard.wake(self.role, self._sleepable(), phase=phase,
-                                         displace_releasing=self.plan.overlap_switches)
+                                         displace_releasing=self.overlap)
         else:
             kwargs = {"keep_weights": True} if keep_weights else {}
             if self._keeps("optimizer"):
@@ -231,10 +223,10 @@ class TrainerWorker(Worker):
         """Put the model to sleep now; or, with ``overlap_switches`` (unless ``now``), mark its claim releasing (the
         next role may wake at once) and sleep in the background (:class:`~rlhfkit.hybrid._background_sleep.
         BackgroundSleep`). The rank's state is where the sleep leaves it from here on."""
-        keep = self.model is not None and self.config.offload and (keep_weights or self._keeps("weights"))
+        keep = self.model is not None and self.plan.offload and (keep_weights or self._keeps("weights"))
         self.weights_kept = keep and (self.weights_kept or self.awake)  # moved weights stay moved
         self.awake = False
-        if now or not self.plan.overlap_switches:
+        if now or not self.overlap:
             return self._transition("sleep", phase, keep_weights=keep)
         if not self.background.pending:
             self.guard.mark_releasing(self.role, self._sleepable())
@@ -261,7 +253,7 @@ class TrainerWorker(Worker):
         self.background.settle("sleep")
         cost = CallCost()
         if self.awake or (self.weights_kept and not keep_weights):
-            cost = self._sleep(phase, keep_weights=keep_weights)
+            cost = self._sleep(phase, keep_weights=keep_weights and self.plan.offload)
         return self._reply(None, cost)
 
     def guard_events(self, settle: bool = False) -> list[dict[str, Any]]:

@@ -320,7 +320,7 @@ def _worst(per_place: Mapping, limit: float) -> tuple[float, str, object] | None
 class MemoryFitError(ValueError):
     """A plan whose memory estimate exceeds a GPU (``memory="gpu"``) or a node's host memory (``"host"``) in some
     phase; ``phase`` and ``shortfall_gib`` say where and how much. ``suggestion``: a layout the same estimate
-    accepts, where the launcher that raised worked one out (its message names the change), else None."""
+    accepts, where the code that raised worked one out (its message says so), else None."""
 
     def __init__(self, message: str, *, phase: str, shortfall_gib: float, memory: str = "gpu",
                  suggestion: object = None) -> None:
