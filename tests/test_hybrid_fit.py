@@ -340,30 +340,30 @@ def test_the_estimates_logprob_chunk_is_the_losses_chunk():
 
 
 def test_held_gpu_memory_is_read_only_where_it_describes_this_runs_gpus(qwen7b, monkeypatch):
-    """``_held_by_others_gib``: the busiest visible GPU's used memory (NVML) from ``HELD_GPU_GIB`` up; nothing on CPU,
+    """``held_by_others_gib``: the busiest visible GPU's used memory (NVML) from ``HELD_GPU_GIB`` up; nothing on CPU,
     when joining a cluster (the GPUs may be elsewhere), below the threshold, or without NVML (this CPU machine: the
     real reading is None)."""
-    import rlhfkit.hybrid._launch as launch
+    import rlhfkit.hybrid._machine as machine
     from rlhfkit.hybrid._timer import visible_gpu_memory_used_gib
 
     assert visible_gpu_memory_used_gib() is None  # no NVML or no GPU here
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     cuda = HybridConfig(model=qwen7b)
-    assert launch._held_by_others_gib(cuda) == 0.0
-    monkeypatch.setattr(launch, "visible_gpu_memory_used_gib", lambda: [0.4, 14.8, 0.5])
-    assert launch._held_by_others_gib(cuda) == 14.8
-    assert launch._held_by_others_gib(HybridConfig(model=qwen7b, device="cpu", engine="hf")) == 0.0
-    assert launch._held_by_others_gib(dataclasses.replace(cuda, ray_address="10.0.0.1:6379")) == 0.0
+    assert machine.held_by_others_gib(cuda) == 0.0
+    monkeypatch.setattr(machine, "visible_gpu_memory_used_gib", lambda: [0.4, 14.8, 0.5])
+    assert machine.held_by_others_gib(cuda) == 14.8
+    assert machine.held_by_others_gib(HybridConfig(model=qwen7b, device="cpu", engine="hf")) == 0.0
+    assert machine.held_by_others_gib(dataclasses.replace(cuda, ray_address="10.0.0.1:6379")) == 0.0
     monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")
-    assert launch._held_by_others_gib(cuda) == 0.0
+    assert machine.held_by_others_gib(cuda) == 0.0
     monkeypatch.delenv("RAY_ADDRESS")
-    monkeypatch.setattr(launch, "visible_gpu_memory_used_gib", lambda: [launch.HELD_GPU_GIB - 0.01])
-    assert launch._held_by_others_gib(cuda) == 0.0
+    monkeypatch.setattr(machine, "visible_gpu_memory_used_gib", lambda: [machine.HELD_GPU_GIB - 0.01])
+    assert machine.held_by_others_gib(cuda) == 0.0
 
 
-def _fake_gpu(monkeypatch, launch, gib: float) -> None:
-    monkeypatch.setattr(launch.torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(launch.torch.cuda, "get_device_properties",
+def _fake_gpu(monkeypatch, machine, gib: float) -> None:
+    monkeypatch.setattr(machine.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(machine.torch.cuda, "get_device_properties",
                         lambda index: type("Props", (), {"total_memory": int(gib * 1024**3)})())
 
 
@@ -371,30 +371,30 @@ def test_the_machines_plan_counts_held_memory_and_rays_host_threshold(qwen7b, mo
     """plan_for_machine (Hybrid.start without a plan): the first GPU's size less what other processes hold (the
     switches then do not overlap), and this machine's physical memory up to Ray's memory-kill threshold
     (RAY_memory_usage_threshold, 0.95 by default); CPU: no sizes."""
-    import rlhfkit.hybrid._launch as launch
+    import rlhfkit.hybrid._machine as machine
 
-    _fake_gpu(monkeypatch, launch, 139.8)
-    monkeypatch.setattr(launch, "physical_memory_gib", lambda: 200.0)
+    _fake_gpu(monkeypatch, machine, 139.8)
+    monkeypatch.setattr(machine, "physical_memory_gib", lambda: 200.0)
     monkeypatch.delenv("RAY_memory_usage_threshold", raising=False)
     monkeypatch.delenv("RAY_memory_monitor_refresh_ms", raising=False)
-    assert launch.ray_memory_threshold() == 0.95
+    assert machine.ray_memory_threshold() == 0.95
     lora = {"actor": TrainerConfig(deepspeed=_trainers(gradient_checkpointing=True), lora=LoraConfig(rank=16))}
     config = HybridConfig(model=qwen7b, dtype="bfloat16", max_num_seqs=128)
-    free = launch.plan_for_machine(config, lora, held_gib=0.0)
+    free = machine.plan_for_machine(config, lora, held_gib=0.0)
     assert (free.gpu_memory_gib, free.host_memory_gib) == (pytest.approx(139.8), pytest.approx(190.0))
-    held = launch.plan_for_machine(config, lora, held_gib=20.0)
+    held = machine.plan_for_machine(config, lora, held_gib=20.0)
     assert held.gpu_memory_gib == pytest.approx(119.8) and not held.overlap_switches
     monkeypatch.setenv("RAY_memory_usage_threshold", "0.05")
     with pytest.raises(MemoryFitError, match=r"node has 10\.0 GiB") as info:
-        launch.plan_for_machine(config, lora, held_gib=0.0)
+        machine.plan_for_machine(config, lora, held_gib=0.0)
     assert info.value.memory == "host"
     monkeypatch.setenv("RAY_memory_monitor_refresh_ms", "0")  # Ray's monitor off: all of it
-    assert launch.ray_memory_threshold() == 1.0
+    assert machine.ray_memory_threshold() == 1.0
     monkeypatch.setenv("RAY_memory_monitor_refresh_ms", "250")
     monkeypatch.setenv("RAY_memory_usage_threshold", "1.5")
     with pytest.raises(ValueError, match="RAY_memory_usage_threshold='1.5'"):
-        launch.ray_memory_threshold()
-    cpu = launch.plan_for_machine(HybridConfig(model=qwen7b, device="cpu", engine="hf"), lora)
+        machine.ray_memory_threshold()
+    cpu = machine.plan_for_machine(HybridConfig(model=qwen7b, device="cpu", engine="hf"), lora)
     assert cpu.gpu_memory_gib is None and cpu.host_memory_gib is None and not cpu.gpu_phases
 
 
