@@ -8,7 +8,7 @@ What it gives you (your script keeps the loop, the advantages, the minibatch loo
   DeepSpeed engines, with the primitives ``forward``, ``forward_backward(minibatch, loss_fn)``, ``optim_step``,
   ``save``/``load``; guarded wake and sleep folded into each call (one call, one round trip).
 - :class:`RolloutEngines`: ``generate`` (= ``sample``), ``sleep``/``wake`` under the phase guard, weight versions.
-- :class:`PhaseTimer`, :class:`GpuMemorySampler`, :class:`MetricsLogger`: per-phase time and peak GPU memory from any
+- :class:`PhaseTimer`, :class:`GpuMemorySampler`, :class:`MetricsLogger` (:mod:`rlhfkit.metrics`): per-phase time and peak GPU memory from any
   script; JSONL by default, Weights & Biases or TensorBoard when installed and asked for.
 - :func:`measure_copy_rates` / :class:`CopyRates`: the device's pinned host<->device copy rates, the floor the timer
   holds the phase switches' copied bytes against (``switch/floor_s``, ``switch/over_floor``).
@@ -24,8 +24,9 @@ from rlhfkit.hybrid._copy_floor import CopyRates, measure_copy_rates
 from rlhfkit.hybrid._engines import RolloutEngines
 from rlhfkit.hybrid._errors import EnginesBusyError, HybridCallError, LossFunctionError, RoleAsleepError
 from rlhfkit.hybrid._launch import Hybrid, HybridConfig
-from rlhfkit.hybrid._timer import GpuMemorySampler, MetricsLogger, PhaseTimer
+from rlhfkit.hybrid._timer import GpuMemorySampler, PhaseTimer
 from rlhfkit.hybrid._trainer import LossFn, TrainerConfig, TrainerGroup
+from rlhfkit.metrics import MetricsLogger
 
 __all__ = [
     "CopyRates",
