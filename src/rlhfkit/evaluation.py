@@ -20,7 +20,7 @@ See ``docs/evaluation.md``.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -124,13 +124,14 @@ def should_evaluate(step: int, config: EvalConfig) -> bool:
 
 
 def _responses(engine: Any, token_ids: Sequence[Sequence[int]], sampling: Any, batch_size: int,
-               tokenizer: Any) -> list[Any]:
+               tokenizer: Any, options: Mapping[str, Any]) -> list[Any]:
     """Rollouts of every prompt in batches of ``batch_size`` prompts; ``prompt_index`` made global."""
     import dataclasses
 
     rollouts = []
     for start in range(0, len(token_ids), batch_size):
-        for rollout in engine.generate([list(ids) for ids in token_ids[start:start + batch_size]], sampling):
+        for rollout in engine.generate([list(ids) for ids in token_ids[start:start + batch_size]], sampling,
+                                       **options):
             text = rollout.response_text
             if text is None and tokenizer is not None:
                 text = tokenizer.decode(rollout.response_token_ids, skip_special_tokens=True)
@@ -149,7 +150,7 @@ def _scores(rollouts: list[Any], texts: Sequence[str], labels: Sequence[str | No
 
 
 def evaluate(engine: Any, prompts: Any, reward_functions: Sequence[Callable | Any], config: EvalConfig, *,
-             tokenizer: Any = None) -> EvalResult:
+             tokenizer: Any = None, generate_options: Mapping[str, Any] | None = None) -> EvalResult:
     """Greedy accuracy, pass@k and response length of ``prompts`` (see the module docstring).
 
     Args:
@@ -160,6 +161,9 @@ def evaluate(engine: Any, prompts: Any, reward_functions: Sequence[Callable | An
             :class:`~rlhfkit.rewards.RewardFunctionConfig`); their weighted sum is a response's score.
         config: the :class:`EvalConfig`.
         tokenizer: decodes responses of engines that return token ids only.
+        generate_options: extra keywords of every ``engine.generate`` call, e.g. ``{"sleep_after": False}`` for
+            :class:`rlhfkit.hybrid.RolloutEngines` that share the GPU: they stay awake between the evaluation's
+            calls and for the step's own ``generate`` (a sleep that drops their weights would need a push first).
     """
     from rlhfkit.engines import SamplingConfig
 
@@ -168,7 +172,7 @@ def evaluate(engine: Any, prompts: Any, reward_functions: Sequence[Callable | An
     if len(prompts.token_ids) == 0:
         raise ValueError("evaluate: the held-out prompt set is empty; pass at least one prompt")
     greedy = SamplingConfig(n=1, max_new_tokens=config.max_new_tokens, temperature=0.0, seed=config.seed)
-    rollouts = _responses(engine, prompts.token_ids, greedy, config.batch_size, tokenizer)
+    rollouts = _responses(engine, prompts.token_ids, greedy, config.batch_size, tokenizer, generate_options or {})
     rollouts.sort(key=lambda rollout: rollout.prompt_index)
     scores = _scores(rollouts, prompts.texts, prompts.labels, reward_functions)
     samples = [{"prompt": prompts.texts[r.prompt_index], "response": r.response_text,
@@ -178,7 +182,7 @@ def evaluate(engine: Any, prompts: Any, reward_functions: Sequence[Callable | An
     if config.num_samples:
         sampled = SamplingConfig(n=config.num_samples, max_new_tokens=config.max_new_tokens,
                                  temperature=config.temperature, seed=config.seed)
-        draws = _responses(engine, prompts.token_ids, sampled, config.batch_size, tokenizer)
+        draws = _responses(engine, prompts.token_ids, sampled, config.batch_size, tokenizer, generate_options or {})
         correct = [0] * len(prompts.token_ids)
         for rollout, score in zip(draws, _scores(draws, prompts.texts, prompts.labels, reward_functions)):
             correct[rollout.prompt_index] += score >= config.threshold
