@@ -4,7 +4,7 @@
 - Full-parameter models: :meth:`rlhfkit.deepspeed_engine.DeepSpeedEngine.export_hf` (ZeRO-3 shards gathered a
   bucket at a time with ``deepspeed.zero.GatheredParameters``; rank 0 writes safetensors, ``config.json`` and
   ``generation_config.json``).
-- LoRA actors: the same gathered stream, kept on rank 0, written twice: a peft adapter folder in ``<path>/adapter``
+- LoRA actors: the same export of the peft model, read back on rank 0 and written twice: a peft adapter folder in ``<path>/adapter``
   (``adapter_config.json`` + ``adapter_model.safetensors``, names as peft saves them) and the merged model in
   ``<path>`` itself, each targeted weight ``W0 + (alpha / r) * B @ A`` computed in float32 as peft's
   ``merge_and_unload`` does (Hu et al., 2021, arXiv:2106.09685).
@@ -18,6 +18,7 @@ What it does not do: make the write atomic (:meth:`rlhfkit.hybrid.TrainerGroup.e
 
 from __future__ import annotations
 
+import copy
 import shutil
 from pathlib import Path
 from typing import Any
@@ -77,37 +78,44 @@ def merge_lora(tensors: dict[str, torch.Tensor], *, scaling: float) -> dict[str,
     return merged
 
 
-def _gathered(model: Any) -> dict[str, torch.Tensor]:
-    """Every parameter of ``model.module`` as a host copy on rank 0 (empty elsewhere). Collective under ZeRO-3."""
-    from rlhfkit.deepspeed_engine._checkpoint import iter_named_parameters
-
-    tensors = {}
-    stream = iter_named_parameters(model.module, zero3=model.config.zero_stage == 3, bucket_bytes=512 * 1024**2,
-                                   dtype=None)
-    for name, tensor in stream:
-        if model.rank == 0:
-            tensors[name] = tensor.detach().to("cpu", copy=True)
-    return tensors
+def _write_merged(merged: dict[str, torch.Tensor], base: torch.nn.Module, directory: Path) -> None:
+    """``merged`` as ``model.safetensors`` with ``base``'s config (its architecture, the weights' dtype) and
+    generation config."""
+    safetensors_torch = require("safetensors.torch", user="rlhfkit.hybrid export")
+    safetensors_torch.save_file({name: tensor.contiguous() for name, tensor in merged.items()},
+                                str(directory / "model.safetensors"), metadata={"format": "pt"})
+    config = copy.deepcopy(base.config)
+    config.architectures = [type(base).__name__]
+    config.dtype = next(tensor.dtype for tensor in merged.values() if tensor.is_floating_point())
+    config.save_pretrained(str(directory))
+    if getattr(base, "generation_config", None) is not None:
+        base.generation_config.save_pretrained(str(directory))
 
 
 def _export_lora(model: Any, directory: Path, *, source: str) -> None:
-    from rlhfkit.deepspeed_engine._checkpoint import export_hf
+    """The peft model's parameters through :meth:`DeepSpeedEngine.export_hf` (gathered; rank 0 writes them to a
+    staging folder), read back on rank 0 and written as the adapter folder and the merged model."""
     from rlhfkit.lora import adapter_name
 
-    tensors = _gathered(model)
+    staging = directory / ".peft-parameters"
+    model.export_hf(staging)  # collective
     if model.rank != 0:
         return
     safetensors_torch = require("safetensors.torch", user="rlhfkit.hybrid export")
+    tensors: dict[str, torch.Tensor] = {}
+    for shard in sorted(staging.glob("*.safetensors")):
+        tensors |= safetensors_torch.load_file(str(shard))
+    shutil.rmtree(staging)
     adapter_dir = directory / ADAPTER_SUBDIR
     adapter_dir.mkdir(parents=True, exist_ok=True)
     adapter = {adapter_name(name): tensor.contiguous() for name, tensor in tensors.items() if adapter_name(name)}
     safetensors_torch.save_file(adapter, str(adapter_dir / "adapter_model.safetensors"), metadata={"format": "pt"})
-    peft_config = next(iter(model.module.peft_config.values()))
+    peft_config = copy.deepcopy(next(iter(model.module.peft_config.values())))
     peft_config.base_model_name_or_path = source
     peft_config.save_pretrained(str(adapter_dir))
     merged = merge_lora(tensors, scaling=model.lora.alpha / model.lora.rank)
     del tensors
-    export_hf(iter(merged.items()), model.module.get_base_model(), directory, rank=0)
+    _write_merged(merged, model.module.get_base_model(), directory)
 
 
 def export_model(model: Any, directory: str | Path, *, source: str) -> None:
