@@ -86,7 +86,7 @@ def read_records(source: str) -> list[dict]:
     return list(datasets.load_dataset(source, split="train"))
 
 
-def reward_function(name: str):
+def reward_function(name: str, label_key: str):
     """A built-in reward by name, or ``module:function`` (TRL's ``fn(prompts, completions, **columns)`` wrapped)."""
     if name in BUILTIN_REWARDS:
         return BUILTIN_REWARDS[name]
@@ -97,7 +97,7 @@ def reward_function(name: str):
     if "completions" not in inspect.signature(fn).parameters:
         return fn
     return functools.wraps(fn)(lambda prompts, responses, labels: fn(prompts=prompts, completions=responses,
-                                                                     label=labels))
+                                                                     **{label_key: labels}))
 # -----------------------------------------------------------------------------------------------------------------
 
 
@@ -142,7 +142,7 @@ def main(argv=None) -> list[dict]:
                                       apply_chat_template=options.chat_template)
     train = PromptDataset(records[:-options.eval_size], tokenizer, data_config)
     held_out = PromptDataset(records[-options.eval_size:], tokenizer, data_config)
-    rewards = [RewardFunctionConfig(fn=reward_function(options.reward))]
+    rewards = [RewardFunctionConfig(fn=reward_function(options.reward, options.label_key))]
     # -------------------------------------------------------------------------------------------------------------
     eval_config = EvalConfig(every_steps=options.eval_every, max_new_tokens=options.max_new_tokens,
                              num_samples=options.eval_samples, k=options.eval_k, seed=options.seed)

@@ -118,9 +118,11 @@ def test_resume_in_a_fresh_hybrid_trains_exactly_as_the_run_that_went_on_and_exp
 
 @pytest.mark.slow
 @pytest.mark.ray
-def test_lora_export_writes_a_peft_adapter_and_the_merged_model(tiny_llama_path, tmp_path):
+@pytest.mark.parametrize("zero_stage", [1, 3])
+def test_lora_export_writes_a_peft_adapter_and_the_merged_model(tiny_llama_path, tmp_path, zero_stage):
     """A LoRA actor after a step (lora_B is no longer 0): the adapter folder loads with peft on the base model, the
-    merged folder with from_pretrained, and their logits agree (and differ from the base's)."""
+    merged folder with from_pretrained, and their logits agree (and differ from the base's); with ZeRO-1 and ZeRO-3
+    (the parameters read through the ZeRO-3 partitions)."""
     pytest.importorskip("peft")
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
@@ -128,7 +130,7 @@ def test_lora_export_writes_a_peft_adapter_and_the_merged_model(tiny_llama_path,
     from rlhfkit.lora import LoraConfig
 
     lora = LoraConfig(rank=4, alpha=8.0, target_modules=("q_proj", "v_proj", "up_proj"))
-    config = DeepSpeedEngineConfig(zero_stage=1, bf16=False, optimizer="torch_adamw", learning_rate=5e-2)
+    config = DeepSpeedEngineConfig(zero_stage=zero_stage, bf16=False, optimizer="torch_adamw", learning_rate=5e-2)
     run = _start(tiny_llama_path, {"actor": TrainerConfig(deepspeed=config, lora=lora)}, sleep_level=1)
     try:
         _step(run, 0, reference=False)
