@@ -4,9 +4,9 @@
 - Full-parameter models: :meth:`rlhfkit.deepspeed_engine.DeepSpeedEngine.export_hf` (ZeRO-3 shards gathered a
   bucket at a time with ``deepspeed.zero.GatheredParameters``; rank 0 writes safetensors, ``config.json`` and
   ``generation_config.json``).
-- LoRA actors: the same export of the peft model, read back on rank 0 and written twice: a peft adapter folder in ``<path>/adapter``
-  (``adapter_config.json`` + ``adapter_model.safetensors``, names as peft saves them) and the merged model in
-  ``<path>`` itself, each targeted weight ``W0 + (alpha / r) * B @ A`` computed in float32 as peft's
+- LoRA actors: the same export of the peft model, read back on rank 0 and written twice: a peft adapter folder in
+  ``<path>/adapter`` (``adapter_config.json`` + ``adapter_model.safetensors``, names as peft saves them) and the
+  merged model in ``<path>`` itself, each targeted weight ``W0 + (alpha / r) * B @ A`` computed in float32 as peft's
   ``merge_and_unload`` does (Hu et al., 2021, arXiv:2106.09685).
 - Either way the tokenizer files (and ``generation_config.json``) are copied from the model's source folder, or
   saved from its tokenizer when the source is a hub id.
