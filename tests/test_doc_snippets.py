@@ -33,7 +33,7 @@ EXPECTED_NO_RUN = {
 }
 TIME_LIMIT_S = 60
 # Pages whose snippet starts a whole hybrid run (Ray, engine and DeepSpeed processes on 2 cores).
-SLOW_PAGES = {"hybrid.md": 300}
+SLOW_PAGES = {"hybrid.md": 300, "checkpoint.md": 300}
 
 _FENCE = re.compile(r"^```(\S*)\s*(.*)$")
 _NO_RUN_COMMENT = re.compile(r"^<!--\s*no-run:\s*(\S.*?)\s*-->\s*$")

@@ -12,18 +12,16 @@ thread every few milliseconds; without NVML or a GPU it is simply absent. Nothin
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Iterator, Mapping
-from pathlib import Path
+from collections.abc import Iterator
 from typing import Any
 
 from rlhfkit.hybrid._results import CallCost, CallRecord
 
-__all__ = ["GpuMemorySampler", "MetricsLogger", "PhaseTimer"]
+__all__ = ["GpuMemorySampler", "PhaseTimer"]
 
 _GIB = 1024**3
 SWITCH_PHASES = ("sleep_wake", "weight_sync")
@@ -246,58 +244,6 @@ class PhaseTimer:
                     row |= {f"mem/gpu{i}/{name}_peak_gib": used / _GIB for i, used in enumerate(per_gpu)}
         self._started = None
         return row
-
-
-class MetricsLogger:
-    """Writes one row of numbers per step: always to ``directory/metrics.jsonl`` (each line also carries the
-    wall-clock ``timestamp``, Unix seconds, of when it was logged); to Weights & Biases when ``wandb_project`` is set
-    and to TensorBoard when ``tensorboard=True`` (``pip install wandb`` / ``pip install tensorboard``: optional,
-    imported only when asked for)."""
-
-    def __init__(self, directory: str | Path, *, wandb_project: str | None = None, tensorboard: bool = False,
-                 run_config: Mapping[str, Any] | None = None) -> None:
-        from rlhfkit._optional import require
-
-        self.directory = Path(directory)
-        self.directory.mkdir(parents=True, exist_ok=True)
-        self.rows: list[dict[str, float]] = []
-        self._file = (self.directory / "metrics.jsonl").open("w")
-        self._wandb = self._tensorboard = None
-        if wandb_project:
-            wandb = require("wandb", user="rlhfkit.hybrid.MetricsLogger(wandb_project=...)", extra="wandb")
-            self._wandb = wandb.init(project=wandb_project, dir=str(self.directory), config=dict(run_config or {}))
-        if tensorboard:
-            require("tensorboard", user="rlhfkit.hybrid.MetricsLogger(tensorboard=True)", extra="tensorboard")
-            from torch.utils.tensorboard import SummaryWriter
-
-            self._tensorboard = SummaryWriter(str(self.directory / "tensorboard"))
-
-    def log(self, step: int, metrics: Mapping[str, Any]) -> dict[str, float]:
-        """Keep the numeric entries of ``metrics`` (with ``step``); returns the row written."""
-        row = {"step": float(step)} | {k: float(v) for k, v in metrics.items()
-                                       if isinstance(v, (int, float)) and not isinstance(v, bool)}
-        self.rows.append(row)
-        self._file.write(json.dumps(row | {"timestamp": time.time()}) + "\n")
-        self._file.flush()
-        if self._wandb is not None:
-            self._wandb.log(row, step=step)
-        if self._tensorboard is not None:
-            for key, value in row.items():
-                self._tensorboard.add_scalar(key, value, step)
-        return row
-
-    def close(self) -> None:
-        self._file.close()
-        if self._wandb is not None:
-            self._wandb.finish()
-        if self._tensorboard is not None:
-            self._tensorboard.close()
-
-    def __enter__(self) -> MetricsLogger:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 def process_age_s() -> float:

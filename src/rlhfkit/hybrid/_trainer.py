@@ -339,3 +339,15 @@ class TrainerGroup:
         """Every rank's guarded transitions since the last call; ``settle=True`` first waits for sleeps still running
         in the background (``overlap_switches``), which otherwise show up in a later call."""
         return [event for rank in self.workers.call("guard_events", settle) for event in rank]
+
+    def export(self, path: str | Path) -> Path:
+        """Write the role's weights as a folder that ``from_pretrained`` and ``vllm serve`` load: safetensors,
+        ``config.json``, ``generation_config.json`` and the model source's tokenizer files, gathered from ZeRO-3
+        shards; a LoRA actor's is merged, with its peft adapter in ``path/adapter``. Atomic (``path`` appears
+        complete or not at all); the role stays awake. :func:`rlhfkit.hybrid.export_model` also puts the engines
+        to sleep first and the role after."""
+        from rlhfkit.checkpoint import atomic_directory
+
+        with atomic_directory(path) as tmp:
+            self._account(self._call("export", str(tmp), phase=f"export_{self.role}"))
+        return Path(path)

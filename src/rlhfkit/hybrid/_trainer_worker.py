@@ -527,6 +527,16 @@ class TrainerWorker(Worker):
         return {"version": report.version, "bytes": report.num_bytes, "seconds": report.seconds,
                 "receiver_versions": list(report.receiver_versions)}
 
+    def export(self, path: str, *, phase: str) -> dict[str, Any]:
+        """Write the model as an HF folder in ``path`` (LoRA: merged, and the adapter in ``path/adapter``);
+        :func:`rlhfkit.hybrid._export.export_model`. Collective; the role stays awake."""
+        from rlhfkit.hybrid._export import export_model
+
+        switch = self._begin("export", phase, True)
+        with self._guarded_call(phase):
+            export_model(self.model, path, source=self.model_path)
+        return {"switch_s": switch, **self._report()}
+
 
 def _name(fn: Any) -> str:
     return getattr(fn, "__qualname__", None) or type(fn).__name__
