@@ -50,21 +50,21 @@ from rlhfkit.tiny_models import TinyModelConfig, build_tiny_model
 @dataclass(frozen=True, kw_only=True)
 class Options:
     model: str | None = None  # HF folder (SmolLM2 from examples/convert_smollm2.py); CPU: a tiny model is built
-    out: str = "runs/grpo_hybrid"
-    device: str = "cuda"
+    out: str = "runs/grpo_hybrid"  # folder the run writes its metrics (and a CPU run its tiny model) to
+    device: str = "cuda"  # "cuda" or "cpu"
     engine: str = "vllm"  # GPU: "vllm" or "sglang" (its server runs from --sglang-site / --sglang-python); CPU: hf
-    sglang_python: str = "python3"
+    sglang_python: str = "python3"  # interpreter that runs SGLang's server (--engine sglang)
     sglang_site: str | None = None  # e.g. /tmp/site/sglang (bench/peers/install-sglang.sh)
     num_gpus: int = 1  # GPUs per node
     num_nodes: int = 1  # Ray nodes (join a running cluster: RAY_ADDRESS; examples/launch/multi_node.sh)
     tensor_parallel_size: int = 1  # GPUs per vLLM engine (its TP workers on the actor's GPUs)
     engine_gpus: int = 0  # > 0: the engines on GPUs of their own (of --num-gpus), awake; NCCL carries the weights
-    steps: int = 100
-    prompts_per_step: int = 16
-    samples_per_prompt: int = 8
-    max_new_tokens: int = 64
-    lr: float = 5e-6
-    kl_coef: float = 0.001
+    steps: int = 100  # training steps
+    prompts_per_step: int = 16  # prompts per step
+    samples_per_prompt: int = 8  # samples per prompt (the group GRPO's advantage compares)
+    max_new_tokens: int = 64  # most tokens one sample generates
+    lr: float = 5e-6  # the actor's learning rate
+    kl_coef: float = 0.001  # weight of the KL term to the reference
     resident: bool = False  # nothing sleeps: engine and trainers stay on the GPU (the guard still orders phases)
     offload_trainers: bool = True  # False: only the engine sleeps, the trainers keep their states (TRL's sleep mode)
     zero_stage: int | None = None  # None: 0 in fp32 (no duplicate fp32 weight copies to move), 1 in bf16
