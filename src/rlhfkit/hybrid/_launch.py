@@ -32,6 +32,7 @@ from rlhfkit.hybrid._engines import (
     guarded_sglang_engine_class,
     guarded_vllm_engine_class,
 )
+from rlhfkit.hybrid._models import resolve_run_models
 from rlhfkit.hybrid._timer import GpuMemorySampler, PhaseTimer, process_age_s, visible_gpu_memory_used_gib
 from rlhfkit.hybrid._trainer import TrainerConfig, TrainerGroup
 from rlhfkit.hybrid._trainer_worker import TrainerWorker, plan_gpu_key
@@ -50,7 +51,8 @@ class HybridConfig:
     """Where and how the engines and trainers of one run live.
 
     Attributes:
-        model: HF folder of the policy (engines and, by default, every trainer role).
+        model: folder or hub id of the policy (engines and, by default, every trainer role): :meth:`Hybrid.start`
+            resolves a hub id once on each node (:func:`rlhfkit.models.resolve_model`); the workers load the folder.
         device: ``"cuda"``, or ``"cpu"`` (DeepSpeed on CPU, logical GPUs, gloo sync; needs ``engine="hf"``).
         engine: ``"vllm"``, ``"sglang"`` (an SGLang server per engine, driven by its engine actor; see
             docs/engines-sglang.md) or ``"hf"`` (rlhfkit's transformers engine, for CPU runs and tests).
@@ -318,8 +320,10 @@ class HybridConfig:
 
     def worker_env(self) -> dict[str, str]:
         """Environment of every Ray actor (Ray workers do not inherit the driver's shell)."""
-        env = {"TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "RAY_USAGE_STATS_ENABLED": "0",
-               "PYTHONWARNINGS": "ignore::FutureWarning"}
+        from rlhfkit.models import hf_environment  # the user's Hugging Face cache, token, endpoint, offline flag
+
+        env = {"TOKENIZERS_PARALLELISM": "false", "RAY_USAGE_STATS_ENABLED": "0",
+               "PYTHONWARNINGS": "ignore::FutureWarning"} | hf_environment()
         if self.device == "cpu":
             return env | {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
         # DeepSpeed 0.19 cannot parse the '9.0a' some images set; FusedAdam's JIT build needs an arch it can parse.
@@ -405,6 +409,15 @@ class Hybrid:
                 started_ray, ray_s = _timed(_start_ray, config)
             except BaseException:
                 _checks(config, trainers)  # a bad input explains more than Ray's failure to start
+                raise
+            try:  # hub ids -> folders, once on each node, before anything reads a model (rlhfkit.models)
+                config, trainers = resolve_run_models(config, trainers, env=config.worker_env(),
+                                                      timeout_s=config.start_timeout_s)
+            except BaseException:
+                if started_ray:
+                    import ray
+
+                    ray.shutdown()
                 raise
             checks = pool.submit(_timed, _checks, config, trainers)
             run = cls(config)
