@@ -90,7 +90,7 @@ def _comment_descriptions(cls: type) -> dict[str, str]:
     available, e.g. a class built at run time)."""
     try:
         source = textwrap.dedent(inspect.getsource(cls))
-    except (OSError, TypeError):
+    except (OSError, TypeError, SyntaxError):  # no file, or a file that is not Python (a class run from a doc page)
         return {}
     found, depth, line_tokens = {}, 0, []
     for token in tokenize.generate_tokens(io.StringIO(source).readline):
