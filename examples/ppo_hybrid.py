@@ -39,7 +39,7 @@ from rlhfkit.tiny_models import TinyModelConfig, build_tiny_model
 
 @dataclass(frozen=True, kw_only=True)
 class Options:
-    model: str | None = None  # HF folder (SmolLM2 from examples/convert_smollm2.py); CPU: a tiny model is built
+    model: str | None = None  # folder or hub id (SmolLM2: examples/convert_smollm2.py); CPU: a tiny model is built
     reward_model: str | None = None  # default: the policy checkpoint with a fresh scalar head
     out: str = "runs/ppo_hybrid"  # folder the run writes its metrics (and a CPU run its tiny model) to
     device: str = "cuda"  # "cuda" or "cpu"

@@ -109,3 +109,26 @@ def test_a_hybrid_run_names_its_models_by_folder(hub_cache, tiny_llama_path, ray
     resolved, roles = resolve_run_models(config, trainers, env=config.worker_env(), timeout_s=60)
     assert resolved.model == str(resolve_model(REPO_ID)) and roles["actor"].model is None
     assert roles["reward"].model == str(Path(tiny_llama_path).resolve())
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_each_node_of_a_cluster_resolves_the_same_commit(hub_cache, ray_not_started):
+    """A second Ray node (same machine, same cache path): one task there resolves the commit resolved here; a node
+    whose cache lacks the model fails naming the node."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "object_store_memory": 100 * 1024**2})
+    try:
+        cluster.add_node(num_cpus=1, object_store_memory=100 * 1024**2)
+        ray.init(address=cluster.address, log_to_driver=False)
+        cluster.wait_for_nodes()
+        assert len([node for node in ray.nodes() if node["Alive"]]) == 2
+        assert resolve_model_on_nodes(REPO_ID, timeout_s=120) == resolve_model(REPO_ID)
+        elsewhere = {"HF_HUB_CACHE": str(hub_cache.parent / "empty"), "HF_HUB_OFFLINE": "1"}
+        with pytest.raises(ModelNotFoundError, match=r"on node \w+: model='tiny-org/tiny-llama'"):
+            resolve_model_on_nodes(REPO_ID, env=elsewhere, timeout_s=120)
+    finally:
+        ray.shutdown()
+        cluster.shutdown()

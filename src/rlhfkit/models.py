@@ -80,8 +80,9 @@ def resolve_model(name_or_path: str | os.PathLike, *, revision: str | None = Non
         return folder.resolve()
     if folder.exists() or isinstance(name_or_path, Path) or _looks_like_path(name):
         raise ModelNotFoundError(f"model={name!r}: no model folder at {folder} (and a path is not a hub id)")
-    huggingface_hub = require("huggingface_hub", "hf", user="rlhfkit.models (a model given by its hub id)")
-    errors = huggingface_hub.errors
+    user = "rlhfkit.models (a model given by its hub id)"
+    huggingface_hub = require("huggingface_hub", "hf", user=user)
+    errors = require("huggingface_hub.errors", "hf", user=user)  # a submodule: not loaded by the package's import
     cache, offline = _hub_cache(), _offline()
     try:
         snapshot = huggingface_hub.snapshot_download(
@@ -134,7 +135,12 @@ def resolve_model_on_nodes(name_or_path: str | os.PathLike, *, revision: str | N
             ray.cancel(ref, force=True)
         raise TimeoutError(f"resolving model {os.fspath(name_or_path)!r} on nodes {[pending[r] for r in late]} took "
                            f"more than {timeout_s} s (a download; pass a larger timeout or download it beforehand)")
-    paths = dict(zip((pending[ref] for ref in ready), ray.get(ready), strict=True))
+    paths = {}
+    for ref in ready:
+        try:
+            paths[pending[ref]] = ray.get(ref)
+        except ModelNotFoundError as error:  # Ray's task error is also the task's error type
+            raise ModelNotFoundError(f"on node {pending[ref]}: {getattr(error, 'cause', error)}") from error
     different = {node: path for node, path in paths.items() if Path(path) != folder}
     if different:
         raise ValueError(f"model {os.fspath(name_or_path)!r} resolves to {folder} here but to {different} on other "
