@@ -52,22 +52,22 @@ from rlhfkit.tiny_models import TinyModelConfig, build_tiny_model
 
 @dataclass(frozen=True, kw_only=True)
 class Options:
-    model: str | None = None  # HF folder (SmolLM2 from examples/convert_smollm2.py); CPU: a tiny model is built
-    out: str = "runs/grpo_async"
-    device: str = "cuda"
+    model: str | None = None  # folder or hub id (SmolLM2: examples/convert_smollm2.py); CPU: a tiny model is built
+    out: str = "runs/grpo_async"  # folder the run writes its metrics (and a CPU run its tiny model) to
+    device: str = "cuda"  # "cuda" or "cpu"
     mode: str = "async"  # async: generate beside training; sync: generate, then train
     max_staleness: int = 1  # the most weight versions a rollout may lag the trainer
     correction: str = "tis"  # none, tis, token_mask, seq_mask (engine vs trainer log-probs; rlhfkit.losses)
-    steps: int = 100
-    prompts_per_step: int = 16
-    samples_per_prompt: int = 8
-    max_new_tokens: int = 64
+    steps: int = 100  # training steps
+    prompts_per_step: int = 16  # prompts per step
+    samples_per_prompt: int = 8  # samples per prompt (the group GRPO's advantage compares)
+    max_new_tokens: int = 64  # most tokens one sample generates
     ignore_eos: bool = False  # True: every sample runs to --max-new-tokens (a long-generation workload)
-    lr: float = 5e-6
-    kl_coef: float = 0.001
+    lr: float = 5e-6  # the actor's learning rate
+    kl_coef: float = 0.001  # weight of the KL term to the reference
     reference: bool = True  # False: no reference model and no KL term (needs --kl-coef 0), as DAPO
     engine_memory: float = 0.3  # the engine's resident share of the GPU (weights + KV cache), when colocated
-    num_gpus: int = 1
+    num_gpus: int = 1  # GPUs the run uses
     engine_gpus: int = 0  # > 0: the engines get GPUs of their own (0.85 of each), the trainers the other ones
     tiny: bool = False  # smoke run: 3 steps of a few short samples
     timeout_s: float = 600.0  # longest wait for a batch, a push or an engine call

@@ -78,20 +78,20 @@ def conversation(question: str) -> list[dict]:
 @dataclass(frozen=True, kw_only=True)
 class Options:
     model: str | None = None  # HF folder (SmolLM2 from examples/convert_smollm2.py); CPU: a tiny model is built
-    out: str = "runs/grpo_tools"
-    device: str = "cuda"
+    out: str = "runs/grpo_tools"  # folder the run writes its metrics (and a CPU run its tiny model) to
+    device: str = "cuda"  # "cuda" or "cpu"
     engine: str = "vllm"  # "vllm" (GPU) or "hf" (any device); --device cpu always uses "hf"
     rollouts: str = "engine"  # "engine": generate_trajectories; "endpoint": agent code over the OpenAI chat API
-    steps: int = 100
-    prompts_per_step: int = 16
-    samples_per_prompt: int = 8
+    steps: int = 100  # training steps
+    prompts_per_step: int = 16  # prompts per step
+    samples_per_prompt: int = 8  # samples per prompt (the group GRPO's advantage compares)
     max_new_tokens: int = 64  # per turn
-    max_turns: int = 3
+    max_turns: int = 3  # most model turns per conversation
     max_total_tokens: int = 768  # prompt (with the worked examples) + every turn
     max_value: int = 999  # operands in [0, max_value]: products a small model cannot do in its head
-    lr: float = 1e-6
-    kl_coef: float = 0.001
-    temperature: float = 1.0
+    lr: float = 1e-6  # the policy's learning rate
+    kl_coef: float = 0.001  # weight of the KL term to the reference
+    temperature: float = 1.0  # sampling temperature (the log-probs use the same)
     tiny: bool = False  # smoke run: 2 steps of a few short conversations
 
 

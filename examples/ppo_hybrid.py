@@ -39,21 +39,21 @@ from rlhfkit.tiny_models import TinyModelConfig, build_tiny_model
 
 @dataclass(frozen=True, kw_only=True)
 class Options:
-    model: str | None = None  # HF folder (SmolLM2 from examples/convert_smollm2.py); CPU: a tiny model is built
+    model: str | None = None  # folder or hub id (SmolLM2: examples/convert_smollm2.py); CPU: a tiny model is built
     reward_model: str | None = None  # default: the policy checkpoint with a fresh scalar head
-    out: str = "runs/ppo_hybrid"
-    device: str = "cuda"
-    num_gpus: int = 1
-    steps: int = 100
-    prompts_per_step: int = 16
-    samples_per_prompt: int = 4
-    max_new_tokens: int = 64
-    lr: float = 5e-6
-    critic_lr: float = 1e-5
+    out: str = "runs/ppo_hybrid"  # folder the run writes its metrics (and a CPU run its tiny model) to
+    device: str = "cuda"  # "cuda" or "cpu"
+    num_gpus: int = 1  # GPUs the run uses
+    steps: int = 100  # training steps
+    prompts_per_step: int = 16  # prompts per step
+    samples_per_prompt: int = 4  # samples per prompt
+    max_new_tokens: int = 64  # most tokens one sample generates
+    lr: float = 5e-6  # the actor's learning rate
+    critic_lr: float = 1e-5  # the critic's learning rate
     kl_coef: float = 0.01  # per-token KL penalty in the reward
-    rm_coef: float = 0.1
-    resident: bool = False
-    tiny: bool = False
+    rm_coef: float = 0.1  # weight of the reward model's score in the reward (the rule gives the rest)
+    resident: bool = False  # nothing sleeps: engine and trainers stay on the GPU (the guard still orders phases)
+    tiny: bool = False  # smoke run: a few steps of a few short samples
 
 
 CLIP, VALUE_CLIP, MINIBATCHES, SEED = 0.2, 0.2, 2, 0

@@ -55,6 +55,35 @@ def test_config_names_the_bad_field(kwargs, error, match):
         LoraConfig(**kwargs)
 
 
+def test_a_peft_lora_config_is_taken_field_by_field():
+    """peft's own LoraConfig is accepted where rlhfkit takes one (TrainerConfig.lora); settings rlhfkit's adapters
+    do not implement are refused by name instead of being dropped."""
+    import peft
+
+    from rlhfkit.deepspeed_engine import DeepSpeedEngineConfig
+    from rlhfkit.hybrid import TrainerConfig
+    from rlhfkit.lora import as_lora_config
+
+    theirs = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0,
+                             task_type="CAUSAL_LM")
+    ours = LoraConfig(rank=4, alpha=8.0, target_modules=("q_proj", "v_proj"), dropout=0.0)
+    assert LoraConfig.from_peft(theirs) == as_lora_config(theirs) == ours
+    assert LoraConfig.from_peft(peft.LoraConfig(target_modules={"v_proj", "q_proj"})).target_modules == (
+        "q_proj", "v_proj")
+    trainer = TrainerConfig(deepspeed=DeepSpeedEngineConfig(optimizer="torch_adamw", bf16=False), lora=theirs)
+    assert trainer.lora == ours
+    for kwargs, field in (({"use_dora": True}, "use_dora"), ({"use_rslora": True}, "use_rslora"),
+                          ({"bias": "all"}, "bias"), ({"modules_to_save": ["lm_head"]}, "modules_to_save"),
+                          ({"rank_pattern": {"q_proj": 2}}, "rank_pattern")):
+        with pytest.raises(ValueError, match=f"peft LoraConfig.{field}="):
+            LoraConfig.from_peft(peft.LoraConfig(target_modules=["q_proj"], **kwargs))
+    for targets in (None, "all-linear", ".*proj"):
+        with pytest.raises(ValueError, match="target_modules"):
+            LoraConfig.from_peft(peft.LoraConfig(target_modules=targets))
+    with pytest.raises(TypeError, match=r"TrainerConfig.lora=\{'r': 4\}; expected an rlhfkit.lora.LoraConfig, a peft"):
+        TrainerConfig(deepspeed=trainer.deepspeed, lora={"r": 4})
+
+
 def test_unknown_target_module_is_named_with_candidates_before_peft_runs(tiny_llama_path):
     """Regression (issue 20): a LoRA target that does not exist is a ValueError naming it and the candidates,
     from the saved config alone (meta device, no weights read) and before peft wraps anything."""

@@ -1,6 +1,7 @@
 """LoRA adapters (Hu et al., 2021, arXiv:2106.09685) for the trainer and the rollout engines.
 
-What it does: :class:`LoraConfig` (rank, alpha, target modules, dropout), checked against a model before anything
+What it does: :class:`LoraConfig` (rank, alpha, target modules, dropout; :meth:`LoraConfig.from_peft` and
+:func:`as_lora_config` take a ``peft.LoraConfig``), checked against a model before anything
 expensive starts (:func:`check_target_modules`, :func:`check_target_modules_of`: an unknown target is a ValueError
 listing the candidates, a target on the output layer a ValueError saying why); :func:`apply_lora` wraps an HF model
 with HF ``peft`` so that only the adapters train; the adapter-only weight-sync contract: :func:`adapter_name`
@@ -19,7 +20,9 @@ See ``docs/lora.md``.
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import sys
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -31,6 +34,7 @@ from rlhfkit._optional import require
 __all__ = [
     "LoraConfig",
     "apply_lora",
+    "as_lora_config",
     "check_target_modules",
     "check_target_modules_of",
     "describe_adapter",
@@ -79,6 +83,34 @@ class LoraConfig:
             raise ValueError(f"LoraConfig.dropout={self.dropout!r}; must be a number in [0, 1) (0 keeps trainer and "
                              "engine outputs equal)")
 
+    @classmethod
+    def from_peft(cls, config: Any) -> LoraConfig:
+        """The :class:`LoraConfig` of a ``peft.LoraConfig``: ``r`` -> ``rank``, ``lora_alpha`` -> ``alpha``,
+        ``target_modules`` (a list or set of module names) -> ``target_modules``, ``lora_dropout`` -> ``dropout``.
+        Every other field must keep peft's default (``task_type`` may be ``"CAUSAL_LM"``): a set one (``use_dora``,
+        ``use_rslora``, ``bias``, ``modules_to_save``, ``rank_pattern``, a regex or ``"all-linear"`` as
+        ``target_modules``, ...) is a ValueError naming it, as is ``target_modules=None`` (peft's per-architecture
+        guess: name the modules)."""
+        if not _is_peft_lora(config):
+            raise TypeError(f"LoraConfig.from_peft needs a peft.LoraConfig, got {type(config).__name__}")
+        targets = config.target_modules
+        if targets is None or isinstance(targets, str):
+            raise ValueError(f"peft LoraConfig.target_modules={targets!r}; rlhfkit adapts the modules named in a "
+                             "list (no regex, 'all-linear' or per-architecture default), e.g. ['q_proj', 'v_proj']")
+        defaults = type(config)()
+        for field in dataclasses.fields(config):
+            if field.name in _PEFT_MAPPED or field.name in _PEFT_IGNORED:
+                continue
+            if getattr(config, field.name) != getattr(defaults, field.name):
+                raise ValueError(f"peft LoraConfig.{field.name}={getattr(config, field.name)!r} is not supported by "
+                                 f"rlhfkit's LoRA (rank, alpha, target_modules, dropout); leave it at "
+                                 f"{getattr(defaults, field.name)!r}")
+        if config.task_type not in (None, "CAUSAL_LM"):
+            raise ValueError(f"peft LoraConfig.task_type={config.task_type!r}; rlhfkit adapts causal LMs "
+                             "(task_type='CAUSAL_LM' or None)")
+        return cls(rank=config.r, alpha=float(config.lora_alpha), target_modules=tuple(sorted(targets))
+                   if isinstance(targets, (set, frozenset)) else tuple(targets), dropout=config.lora_dropout)
+
     @property
     def scaling(self) -> float:
         return self.alpha / self.rank
@@ -88,6 +120,27 @@ class LoraConfig:
         return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": self.rank, "lora_alpha": self.alpha,
                 "target_modules": list(self.target_modules), "lora_dropout": self.dropout, "bias": "none",
                 "use_rslora": False, "use_dora": False, "modules_to_save": None}
+
+
+# peft.LoraConfig fields from_peft maps, and those that describe the file rather than the adapter
+_PEFT_MAPPED = ("r", "lora_alpha", "target_modules", "lora_dropout", "task_type")
+_PEFT_IGNORED = ("peft_type", "auto_mapping", "peft_version", "base_model_name_or_path", "revision", "inference_mode",
+                 "runtime_config", "megatron_core")
+
+
+def _is_peft_lora(value: Any) -> bool:
+    peft = sys.modules.get("peft")  # a peft config exists only where peft is imported: no import here
+    return peft is not None and isinstance(value, peft.LoraConfig)
+
+
+def as_lora_config(value: Any, *, where: str = "lora") -> LoraConfig | None:
+    """``value`` as an rlhfkit :class:`LoraConfig`: None and a :class:`LoraConfig` as they are, a
+    ``peft.LoraConfig`` through :meth:`LoraConfig.from_peft`; anything else is a TypeError naming ``where``."""
+    if value is None or isinstance(value, LoraConfig):
+        return value
+    if _is_peft_lora(value):
+        return LoraConfig.from_peft(value)
+    raise TypeError(f"{where}={value!r}; expected an rlhfkit.lora.LoraConfig, a peft.LoraConfig or None")
 
 
 def _matches(module_name: str, targets: Iterable[str]) -> bool:

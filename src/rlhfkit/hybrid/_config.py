@@ -18,7 +18,8 @@ class HybridConfig:
     """Where and how the engines and trainers of one run live.
 
     Attributes:
-        model: HF folder of the policy (engines and, by default, every trainer role).
+        model: folder or hub id of the policy (engines and, by default, every trainer role): :meth:`Hybrid.start`
+            resolves a hub id once on each node (:func:`rlhfkit.models.resolve_model`); the workers load the folder.
         device: ``"cuda"``, or ``"cpu"`` (DeepSpeed on CPU, logical GPUs, gloo sync; needs ``engine="hf"``).
         engine: ``"vllm"``, ``"sglang"`` (an SGLang server per engine, driven by its engine actor; see
             docs/engines-sglang.md) or ``"hf"`` (rlhfkit's transformers engine, for CPU runs and tests).
@@ -138,8 +139,10 @@ class HybridConfig:
 
     def worker_env(self) -> dict[str, str]:
         """Environment of every Ray actor (Ray workers do not inherit the driver's shell)."""
-        env = {"TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "RAY_USAGE_STATS_ENABLED": "0",
-               "PYTHONWARNINGS": "ignore::FutureWarning"}
+        from rlhfkit.models import hf_environment  # the user's Hugging Face cache, token, endpoint, offline flag
+
+        env = {"TOKENIZERS_PARALLELISM": "false", "RAY_USAGE_STATS_ENABLED": "0",
+               "PYTHONWARNINGS": "ignore::FutureWarning"} | hf_environment()
         if self.device == "cpu":
             return env | {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
         # DeepSpeed 0.19 cannot parse the '9.0a' some images set; FusedAdam's JIT build needs an arch it can parse.

@@ -31,6 +31,7 @@ from rlhfkit.hybrid._engines import (
     guarded_sglang_engine_class,
     guarded_vllm_engine_class,
 )
+from rlhfkit.hybrid._models import resolve_run_models
 from rlhfkit.hybrid._machine import held_by_others_gib, plan_for_machine
 from rlhfkit.hybrid._plan import HybridPlan, check_plan, check_roles
 from rlhfkit.hybrid._timer import GpuMemorySampler, PhaseTimer, process_age_s
@@ -106,8 +107,21 @@ class Hybrid:
             raise
         began = time.perf_counter()
         before_start_s = process_age_s()
-        (plan, held), checks_s = _timed(_planned, config, trainers, plan)
+        # hub ids -> folders (rlhfkit.models), here before the plan reads their configs; a folder stays as given
+        run_config, run_trainers = resolve_run_models(config, trainers, env=config.worker_env(),
+                                                      timeout_s=config.start_timeout_s)
+        (plan, held), checks_s = _timed(_planned, run_config, run_trainers, plan)
         started_ray, ray_s = _timed(_start_ray, config)
+        if run_config is not config:  # a hub id: every other node of the cluster resolves it too
+            try:
+                resolve_run_models(config, trainers, env=config.worker_env(), timeout_s=config.start_timeout_s)
+            except BaseException:
+                if started_ray:
+                    import ray
+
+                    ray.shutdown()
+                raise
+        config, trainers = run_config, run_trainers
         run = cls(config, plan)
         run._started_ray, run.gpu_held_gib = started_ray, held
         run.startup.update(before_start_s=before_start_s, checks_s=checks_s, ray_init_s=ray_s)

@@ -76,10 +76,9 @@ class TrainerConfig:
 
     def __post_init__(self) -> None:
         from rlhfkit.deepspeed_engine import DeepSpeedEngineConfig
-        from rlhfkit.lora import LoraConfig
+        from rlhfkit.lora import as_lora_config
 
-        if self.lora is not None and not isinstance(self.lora, LoraConfig):
-            raise TypeError(f"TrainerConfig.lora={self.lora!r}; expected an rlhfkit.lora.LoraConfig or None")
+        object.__setattr__(self, "lora", as_lora_config(self.lora, where="TrainerConfig.lora"))  # or a peft config
 
         if not isinstance(self.deepspeed, DeepSpeedEngineConfig):
             raise TypeError(f"TrainerConfig.deepspeed={self.deepspeed!r}; expected a DeepSpeedEngineConfig")

@@ -30,7 +30,8 @@ class RewardModelConfig:
     """How to load a reward model.
 
     Attributes:
-        model: path of a saved ``AutoModelForSequenceClassification`` checkpoint with ``num_labels=1``.
+        model: folder or hub id (:func:`rlhfkit.models.resolve_model`) of an ``AutoModelForSequenceClassification``
+            checkpoint with ``num_labels=1``.
         device: torch device string.
         dtype: ``"float32"``, ``"bfloat16"``, ``"float16"`` or ``"auto"``; scores are returned as float32.
         max_batch_size: sequences per forward pass.
@@ -66,7 +67,9 @@ class RewardModel:
         kwargs = {"dtype": "auto" if config.dtype == "auto" else _DTYPES[config.dtype]}
         if config.attn_implementation is not None:
             kwargs["attn_implementation"] = config.attn_implementation
-        model = transformers.AutoModelForSequenceClassification.from_pretrained(config.model, **kwargs)
+        from rlhfkit.models import resolve_model
+
+        model = transformers.AutoModelForSequenceClassification.from_pretrained(resolve_model(config.model), **kwargs)
         model.to(torch.device(config.device))
         self._setup(model, pad_token_id=None, max_batch_size=config.max_batch_size)
 

@@ -58,8 +58,10 @@ class HFEngineConfig:
     """How to build an :class:`HFEngine` from a saved model.
 
     Attributes:
-        model: path (or hub id, if the hub is reachable) of a causal LM, loaded with ``AutoModelForCausalLM``.
-        tokenizer: tokenizer path; defaults to ``model``. Only used to decode ``response_text``.
+        model: folder or hub id of a causal LM (:func:`rlhfkit.models.resolve_model`: a hub id is read from the
+            Hugging Face cache, downloaded there unless ``HF_HUB_OFFLINE`` is set), loaded with
+            ``AutoModelForCausalLM``.
+        tokenizer: tokenizer folder or hub id; defaults to ``model``. Only used to decode ``response_text``.
         device: torch device string, e.g. ``"cpu"``, ``"cuda"``, ``"cuda:1"``.
         dtype: ``"float32"``, ``"bfloat16"``, ``"float16"`` or ``"auto"`` (the checkpoint's dtype).
         max_batch_size: most sequences (prompts × n) decoded together; larger requests run in chunks.
@@ -79,7 +81,8 @@ class HFEngineConfig:
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
-            raise ValueError(f"HFEngineConfig.model={self.model!r}; pass the path of a saved causal LM as a string")
+            raise ValueError(f"HFEngineConfig.model={self.model!r}; pass the folder or hub id of a causal LM as a "
+                             "string")
         if self.dtype not in (*_DTYPES, "auto"):
             raise ValueError(f"HFEngineConfig.dtype={self.dtype!r}; expected one of {(*_DTYPES, 'auto')}")
         if self.max_batch_size < 1:
@@ -120,9 +123,13 @@ class HFEngine(PausableGeneration):
         kwargs = {"dtype": "auto" if config.dtype == "auto" else _DTYPES[config.dtype]}
         if config.attn_implementation is not None:
             kwargs["attn_implementation"] = config.attn_implementation
-        model = transformers.AutoModelForCausalLM.from_pretrained(config.model, **kwargs)
+        from rlhfkit.models import resolve_model
+
+        path = resolve_model(config.model)
+        model = transformers.AutoModelForCausalLM.from_pretrained(path, **kwargs)
         model.to(torch.device(config.device))
-        tokenizer = transformers.AutoTokenizer.from_pretrained(config.tokenizer or config.model)
+        tokenizer = transformers.AutoTokenizer.from_pretrained(resolve_model(config.tokenizer) if config.tokenizer
+                                                               else path)
         self._setup(model, tokenizer=tokenizer, pad_token_id=None, eos_token_ids=None,
                     max_batch_size=config.max_batch_size, seed=config.seed, pause_timeout_s=config.pause_timeout_s)
 
