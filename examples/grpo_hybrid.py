@@ -54,7 +54,7 @@ def option(default, help):
 
 @dataclass(frozen=True, kw_only=True)
 class Options:
-    model: str | None = option(None, "folder or hub id (SmolLM2: examples/convert_smollm2.py); CPU: a tiny model is built")
+    model: str | None = option(None, "folder or hub id (SmolLM2: examples/convert_smollm2.py); CPU: a tiny model")
     out: str = option("runs/grpo_hybrid", "where metrics.jsonl and phases.jsonl go")
     device: str = option("cuda", "cuda, or cpu (DeepSpeed on CPU, the HF engine, logical GPUs)")
     engine: str = option("vllm", "GPU: vllm or sglang (its server runs from --sglang-site); CPU: always hf")
