@@ -4,10 +4,14 @@
     python examples/grpo.py --model M --dataset prompts.jsonl --reward arithmetic --resume true  # go on after a kill
     python examples/grpo.py --device cpu --dataset prompts.jsonl --steps 4 --export runs/grpo/final  # CPU smoke run
 
-``--dataset``: a ``.jsonl``/``.parquet`` file or a hub dataset id, with a prompt field (``--input-key``) and a label
-field (``--label-key``), the last ``--eval-size`` records held out. ``--reward``: a built-in name (``arithmetic``) or
-``module:function``: ``fn(prompts, responses, labels)`` or TRL's ``fn(prompts, completions, **columns)``. On CUDA the
-engines are vLLM's; ``--device cpu`` uses rlhfkit's HF engine (a tiny random model unless ``--model`` is given).
+``--dataset``: a ``.jsonl``/``.parquet`` file, a folder or a hub dataset id (``--subset``, ``--split``), with a prompt
+column of text or chat messages (``--input-key``) and a label column (``--label-key``); the held-out set is
+``--eval-dataset`` (a file, or a split of the same hub dataset) or ``--eval-size`` records held out by seed. Every
+column reaches the reward. ``--reward``: a built-in name (``gsm8k``: math-verify on the answer after ``####``, its
+lenient score logged too; ``math``; ``arithmetic``) or ``module:function`` / ``file.py:function``: rlhfkit's
+``fn(prompts, responses, labels)``, TRL's ``fn(prompts, completions, **columns)`` or verl's ``compute_score(
+data_source, solution_str, ground_truth, extra_info)``, used unchanged. On CUDA the engines are vLLM's; ``--device
+cpu`` uses rlhfkit's HF engine (a tiny random model unless ``--model`` is given).
 
 Every ``--eval-every`` steps the held-out prompts are answered greedily (accuracy, response length) and sampled
 (pass@k); the numbers go to ``metrics.jsonl`` with the training ones, a few completions to ``samples.jsonl``. Every
@@ -19,7 +23,6 @@ a folder that ``from_pretrained`` and ``vllm serve`` load. See docs/checkpoint.m
 from __future__ import annotations
 
 import functools
-import importlib
 import inspect
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -27,7 +30,7 @@ from pathlib import Path
 import torch
 
 from rlhfkit.checkpoint import latest_checkpoint
-from rlhfkit.data import PromptDataset, PromptDatasetConfig, arithmetic_reward, read_jsonl, read_parquet
+from rlhfkit.data import PromptDatasetConfig, arithmetic_reward, load_prompts
 from rlhfkit.deepspeed_engine import DeepSpeedEngineConfig
 from rlhfkit.engines import SamplingConfig
 from rlhfkit.evaluation import EvalConfig, evaluate, should_evaluate
@@ -37,19 +40,26 @@ from rlhfkit.hybrid import (Hybrid, HybridConfig, MetricsLogger, TrainerConfig, 
 from rlhfkit.losses import kl_loss, policy_loss
 from rlhfkit.options import parse_options
 from rlhfkit.packing import pack_rollouts
-from rlhfkit.rewards import RewardFunctionConfig, apply_reward_functions, rollout_texts
+from rlhfkit.rewards import (RewardFunctionConfig, apply_reward_functions, gsm8k_lenient_reward, gsm8k_strict_reward,
+                             load_reward_function, math_reward, rollout_columns, rollout_texts, trl_reward,
+                             verl_reward)
 from rlhfkit.tiny_models import TinyModelConfig, build_tiny_model
 
 
 @dataclass(frozen=True, kw_only=True)
 class Options:
     model: str | None = None  # hub id or HF folder; --device cpu without it: a tiny random Llama
-    dataset: str | None = None  # .jsonl / .parquet file or hub dataset id
-    reward: str = "arithmetic"  # built-in name or module:function
-    input_key: str = "prompt"
-    label_key: str = "label"
+    dataset: str | None = None  # .jsonl / .parquet file, folder or hub dataset id
+    subset: str | None = None  # the hub dataset's configuration (GSM8K: "main")
+    split: str = "train"  # the hub dataset's training split
+    eval_dataset: str | None = None  # held-out prompts: a file, or a split name of the hub dataset ("test")
+    eval_size: int = 64  # without --eval-dataset: this many records held out (by --seed)
+    reward: str = "arithmetic"  # built-in (gsm8k, math, arithmetic) or module:function / file.py:function
+    input_key: str = "prompt"  # the prompt column (text or chat messages)
+    label_key: str = "label"  # the label column (GSM8K: "answer")
     chat_template: bool = True  # format prompts with the tokenizer's chat template
-    eval_size: int = 64  # the dataset's last records, held out for evaluation
+    system_prompt: str | None = None  # a system message before each prompt (chat template)
+    prompt_suffix: str | None = None  # text after each prompt, e.g. "End with #### <number>."
     out: str = "runs/grpo"
     device: str = "cuda"
     num_gpus: int = 1
@@ -71,34 +81,23 @@ class Options:
 
 
 CLIP, MINIBATCHES = 0.2, 2
-BUILTIN_REWARDS = {"arithmetic": arithmetic_reward}
+BUILTIN_REWARDS = {"arithmetic": arithmetic_reward, "gsm8k": gsm8k_strict_reward, "math": math_reward}
+ALSO_LOGGED = {"gsm8k": {"strict": gsm8k_strict_reward, "lenient": gsm8k_lenient_reward}}
 
 
-# ---- data and reward: rlhfkit.data / rlhfkit.rewards -----------------------------------------------------------
-def read_records(source: str) -> list[dict]:
-    """Records of a ``.jsonl``/``.parquet`` file, or of a hub dataset's train split (``rlhfkit[data]``)."""
-    if Path(source).suffix in (".jsonl", ".json"):
-        return read_jsonl(source)
-    if Path(source).suffix == ".parquet":
-        return read_parquet(source)
-    import datasets
-
-    return list(datasets.load_dataset(source, split="train"))
-
-
-def reward_function(name: str, label_key: str):
-    """A built-in reward by name, or ``module:function`` (TRL's ``fn(prompts, completions, **columns)`` wrapped)."""
-    if name in BUILTIN_REWARDS:
-        return BUILTIN_REWARDS[name]
-    module, _, attribute = name.partition(":")
-    if not attribute:
-        raise ValueError(f"--reward {name!r}: expected one of {sorted(BUILTIN_REWARDS)} or module:function")
-    fn = getattr(importlib.import_module(module), attribute)
-    if "completions" not in inspect.signature(fn).parameters:
-        return fn
-    return functools.wraps(fn)(lambda prompts, responses, labels: fn(prompts=prompts, completions=responses,
-                                                                     **{label_key: labels}))
-# -----------------------------------------------------------------------------------------------------------------
+def reward_function(spec: str):
+    """A built-in reward by name, or ``module:function``: rlhfkit's, TRL's or verl's signature, used unchanged."""
+    if spec in BUILTIN_REWARDS:
+        return BUILTIN_REWARDS[spec]
+    if ":" not in spec:
+        raise ValueError(f"--reward {spec!r}: expected one of {sorted(BUILTIN_REWARDS)} or module:function")
+    fn = load_reward_function(spec)
+    parameters = inspect.signature(fn).parameters
+    if "completions" in parameters:
+        return trl_reward(fn)
+    if "solution_str" in parameters:
+        return verl_reward(fn)
+    return fn
 
 
 def grpo_loss(logprobs, micro, *, num_tokens, num_seqs, kl_coef):
@@ -136,14 +135,14 @@ def main(argv=None) -> list[dict]:
     from transformers import AutoTokenizer  # after start: its checks import transformers while Ray starts
 
     tokenizer = AutoTokenizer.from_pretrained(hybrid.config.model)
-    # ---- data and reward: rlhfkit.data / rlhfkit.rewards -------------------------------------------------------
-    records = read_records(options.dataset)
     data_config = PromptDatasetConfig(input_key=options.input_key, label_key=options.label_key,
-                                      apply_chat_template=options.chat_template)
-    train = PromptDataset(records[:-options.eval_size], tokenizer, data_config)
-    held_out = PromptDataset(records[-options.eval_size:], tokenizer, data_config)
-    rewards = [RewardFunctionConfig(fn=reward_function(options.reward, options.label_key))]
-    # -------------------------------------------------------------------------------------------------------------
+                                      apply_chat_template=options.chat_template, system_prompt=options.system_prompt,
+                                      prompt_suffix=options.prompt_suffix)
+    eval_file = options.eval_dataset if options.eval_dataset and Path(options.eval_dataset).exists() else None
+    train, held_out = load_prompts(options.dataset, tokenizer, data_config, split=options.split, subset=options.subset,
+                                   eval_source=eval_file, eval_split=None if eval_file else options.eval_dataset,
+                                   eval_size=None if options.eval_dataset else options.eval_size, seed=options.seed)
+    rewards = [RewardFunctionConfig(fn=reward_function(options.reward), name=options.reward.rpartition(":")[2])]
     eval_config = EvalConfig(every_steps=options.eval_every, max_new_tokens=options.max_new_tokens,
                              num_samples=options.eval_samples, k=options.eval_k, seed=options.seed)
     eval_prompts = next(held_out.batches(len(held_out), seed=options.seed, shuffle=False))
@@ -162,7 +161,8 @@ def main(argv=None) -> list[dict]:
                 if should_evaluate(step, eval_config):  # the held-out set, through the same engines
                     with timer.phase("evaluate"):
                         result = evaluate(engines, eval_prompts, rewards, eval_config, tokenizer=tokenizer,
-                                          generate_options={"sleep_after": False})
+                                          generate_options={"sleep_after": False},
+                                          also=ALSO_LOGGED.get(options.reward))
                     stats |= result.as_metrics()
                     metrics.log_samples(step, result.samples)
                 prompts = next(batches)
@@ -173,7 +173,9 @@ def main(argv=None) -> list[dict]:
                 with timer.phase("reward"):
                     texts, responses, labels = rollout_texts(rollouts, prompts=prompts.texts, labels=prompts.labels,
                                                              tokenizer=tokenizer)
-                    scores, _ = apply_reward_functions(rewards, texts, responses, labels)
+                    scores, reports = apply_reward_functions(rewards, texts, responses, labels,
+                                                             columns=rollout_columns(rollouts, prompts.columns))
+                    stats |= {key: value for report in reports for key, value in report.as_dict().items()}
                 batch = pack_rollouts(rollouts)
                 with timer.phase("forward_reference"):
                     ref_logprobs = reference.forward(batch)
@@ -186,9 +188,9 @@ def main(argv=None) -> list[dict]:
                 with timer.phase("train_actor"):
                     minibatches = list(iterate_minibatches(experience, num_minibatches=MINIBATCHES, seed=step))
                     for index, minibatch in enumerate(minibatches):
-                        stats |= actor.forward_backward(minibatch, loss_fn)
+                        stats |= actor.forward_backward(minibatch, loss_fn).metrics()
                         last = index == len(minibatches) - 1
-                        stats |= actor.optim_step(sleep_after="keep_weights" if last else False)
+                        stats |= actor.optim_step(sleep_after="keep_weights" if last else False).metrics()
                 stats |= hybrid.push_weights()
                 row = metrics.log(step, stats | timer.end_step())
                 print(f"step {step}: reward {row['reward/mean']:.3f} loss {row['actor/loss']:.4f}"

@@ -86,6 +86,7 @@ class EvalResult:
         pass_at_k: the unbiased pass@k over the sampled responses (None when ``num_samples == 0``).
         k: the ``k`` of :attr:`pass_at_k`.
         samples: up to ``num_logged_samples`` greedy completions: ``{"prompt", "response", "label", "score"}``.
+        also: the greedy accuracy under each of :func:`evaluate`'s ``also`` reward functions, by name.
     """
 
     num_prompts: int
@@ -95,6 +96,7 @@ class EvalResult:
     pass_at_k: float | None
     k: int
     samples: list[dict[str, Any]] = field(default_factory=list)
+    also: dict[str, float] = field(default_factory=dict)
 
     def as_metrics(self, prefix: str = "eval/") -> dict[str, float]:
         """The numbers as ``{prefix}accuracy``, ``{prefix}mean_score``, ``{prefix}mean_response_tokens``,
@@ -104,7 +106,7 @@ class EvalResult:
                    f"{prefix}num_prompts": float(self.num_prompts)}
         if self.pass_at_k is not None:
             metrics[f"{prefix}pass@{self.k}"] = self.pass_at_k
-        return metrics
+        return metrics | {f"{prefix}{name}_accuracy": value for name, value in self.also.items()}
 
 
 def pass_at_k(num_samples: int, num_correct: int, k: int) -> float:
@@ -140,17 +142,19 @@ def _responses(engine: Any, token_ids: Sequence[Sequence[int]], sampling: Any, b
     return rollouts
 
 
-def _scores(rollouts: list[Any], texts: Sequence[str], labels: Sequence[str | None],
-            reward_functions: Sequence[Callable | Any]) -> list[float]:
-    from rlhfkit.rewards import apply_reward_functions, rollout_texts
+def _scores(rollouts: list[Any], prompts: Any, reward_functions: Sequence[Callable | Any]) -> list[float]:
+    from rlhfkit.rewards import apply_reward_functions, rollout_columns, rollout_texts
 
-    prompts, responses, answers = rollout_texts(rollouts, prompts=texts, labels=labels)
-    scores, _ = apply_reward_functions(reward_functions, prompts, responses, answers)
+    texts, responses, answers = rollout_texts(rollouts, prompts=prompts.texts, labels=prompts.labels)
+    columns = getattr(prompts, "columns", None)
+    columns = rollout_columns(rollouts, columns) if columns is not None else None
+    scores, _ = apply_reward_functions(reward_functions, texts, responses, answers, columns=columns)
     return scores
 
 
 def evaluate(engine: Any, prompts: Any, reward_functions: Sequence[Callable | Any], config: EvalConfig, *,
-             tokenizer: Any = None, generate_options: Mapping[str, Any] | None = None) -> EvalResult:
+             tokenizer: Any = None, generate_options: Mapping[str, Any] | None = None,
+             also: Mapping[str, Callable | Any] | None = None) -> EvalResult:
     """Greedy accuracy, pass@k and response length of ``prompts`` (see the module docstring).
 
     Args:
@@ -164,6 +168,8 @@ def evaluate(engine: Any, prompts: Any, reward_functions: Sequence[Callable | An
         generate_options: extra keywords of every ``engine.generate`` call, e.g. ``{"sleep_after": False}`` for
             :class:`rlhfkit.hybrid.RolloutEngines` that share the GPU: they stay awake between the evaluation's
             calls and for the step's own ``generate`` (a sleep that drops their weights would need a push first).
+        also: more reward functions by name (e.g. a lenient scorer beside the strict training reward): each one's
+            greedy accuracy is reported as well (:attr:`EvalResult.also`), on the same responses.
     """
     from rlhfkit.engines import SamplingConfig
 
@@ -174,7 +180,9 @@ def evaluate(engine: Any, prompts: Any, reward_functions: Sequence[Callable | An
     greedy = SamplingConfig(n=1, max_new_tokens=config.max_new_tokens, temperature=0.0, seed=config.seed)
     rollouts = _responses(engine, prompts.token_ids, greedy, config.batch_size, tokenizer, generate_options or {})
     rollouts.sort(key=lambda rollout: rollout.prompt_index)
-    scores = _scores(rollouts, prompts.texts, prompts.labels, reward_functions)
+    scores = _scores(rollouts, prompts, reward_functions)
+    also_accuracy = {name: sum(v >= config.threshold for v in _scores(rollouts, prompts, [fn])) / len(rollouts)
+                     for name, fn in (also or {}).items()}
     samples = [{"prompt": prompts.texts[r.prompt_index], "response": r.response_text,
                 "label": prompts.labels[r.prompt_index], "score": score}
                for r, score in list(zip(rollouts, scores))[:config.num_logged_samples]]
@@ -184,10 +192,10 @@ def evaluate(engine: Any, prompts: Any, reward_functions: Sequence[Callable | An
                                  temperature=config.temperature, seed=config.seed)
         draws = _responses(engine, prompts.token_ids, sampled, config.batch_size, tokenizer, generate_options or {})
         correct = [0] * len(prompts.token_ids)
-        for rollout, score in zip(draws, _scores(draws, prompts.texts, prompts.labels, reward_functions)):
+        for rollout, score in zip(draws, _scores(draws, prompts, reward_functions)):
             correct[rollout.prompt_index] += score >= config.threshold
         estimate = sum(pass_at_k(config.num_samples, c, config.k) for c in correct) / len(correct)
     return EvalResult(num_prompts=len(rollouts), accuracy=sum(s >= config.threshold for s in scores) / len(scores),
                       mean_score=sum(scores) / len(scores),
                       mean_response_tokens=sum(len(r.response_token_ids) for r in rollouts) / len(rollouts),
-                      pass_at_k=estimate, k=config.k, samples=samples)
+                      pass_at_k=estimate, k=config.k, samples=samples, also=also_accuracy)

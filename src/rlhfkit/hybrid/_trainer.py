@@ -348,5 +348,5 @@ class TrainerGroup:
         from rlhfkit.checkpoint import atomic_directory
 
         with atomic_directory(path) as tmp:
-            self._account(self._call("export", str(tmp), phase=f"export_{self.role}"))
+            self._call("export", str(tmp), phase=f"export_{self.role}", after=GpuState(awake=True, weights=True))
         return Path(path)

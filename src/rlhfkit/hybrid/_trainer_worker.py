@@ -532,10 +532,10 @@ class TrainerWorker(Worker):
         :func:`rlhfkit.hybrid._export.export_model`. Collective; the role stays awake."""
         from rlhfkit.hybrid._export import export_model
 
-        switch = self._begin("export", phase, True)
+        cost = self._begin("export", phase, True)
         with self._guarded_call(phase):
             export_model(self.model, path, source=self.model_path)
-        return {"switch_s": switch, **self._report()}
+        return self._reply(None, cost)
 
 
 def _name(fn: Any) -> str:
