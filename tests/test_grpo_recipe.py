@@ -20,7 +20,7 @@ pytest.importorskip("ray")
 ROOT = Path(__file__).resolve().parents[1]
 # numbers that depend on time, on the machine or on the process (the engines' weight version restarts at the push
 # that follows a resume's load)
-VARYING = ("time", "_s", "bytes", "peak", "gib", "switch", "worker", "version", "startup")
+VARYING = ("time", "_s", "seconds", "bytes", "peak", "gib", "switch", "worker", "version", "startup")
 REWARD_MODULE = '''
 def reward(prompts, completions, **columns):
     """TRL's signature: 1 for a response of even length (something a random model gets right half the time)."""
@@ -88,3 +88,33 @@ def test_grpo_recipe_killed_and_resumed_logs_what_an_uninterrupted_run_logs(tiny
     assert [sample["step"] for sample in samples].count(2) == 4  # step 2's evaluation once
     model = AutoModelForCausalLM.from_pretrained(str(killed / "final"))
     assert model.config.num_hidden_layers >= 1 and (killed / "final" / "tokenizer_config.json").is_file()
+
+
+@pytest.mark.slow
+@pytest.mark.ray
+def test_grpo_recipe_on_gsm8k_rows_evaluates_and_exports(tiny_llama_path, tmp_path):
+    """The GSM8K recipe of docs/recipes/gsm8k.md on a handful of its rows (tests/fixtures/gsm8k): the built-in
+    math-verify reward, the strict and lenient scores of the held-out file, an export that loads."""
+    pytest.importorskip("math_verify")
+    from transformers import AutoModelForCausalLM
+
+    fixtures = ROOT / "tests" / "fixtures" / "gsm8k"
+    out = tmp_path / "gsm8k"
+    subprocess.run([sys.executable, str(ROOT / "examples" / "grpo.py"), "--device", "cpu",
+                    "--model", str(tiny_llama_path), "--dataset", str(fixtures / "train.jsonl"),
+                    "--eval-dataset", str(fixtures / "test.jsonl"), "--input-key", "question", "--label-key", "answer",
+                    "--reward", "gsm8k", "--prompt-suffix", " End with: #### <number>", "--steps", "2",
+                    "--prompts-per-step", "2", "--samples-per-prompt", "2", "--max-new-tokens", "4",
+                    "--eval-every", "1", "--eval-samples", "0", "--out", str(out), "--export", str(out / "final")],
+                   env=os.environ | {"PYTHONPATH": os.pathsep.join([str(ROOT / "src"),
+                                                                    os.environ.get("PYTHONPATH", "")])},
+                   check=True, timeout=600)
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows] == [0.0, 1.0]
+    for row in rows:
+        assert row["eval/num_prompts"] == 4.0
+        assert 0.0 <= row["eval/strict_accuracy"] <= 1.0 and 0.0 <= row["eval/lenient_accuracy"] <= 1.0
+        assert row["eval/accuracy"] == row["eval/strict_accuracy"]
+        assert "reward/gsm8k/mean" in row
+    assert (out / "checkpoints").is_dir() and any((out / "checkpoints").iterdir())
+    assert AutoModelForCausalLM.from_pretrained(str(out / "final")).config.num_hidden_layers >= 1
