@@ -169,6 +169,11 @@ def test_an_edited_plan_is_checked_when_passed_back(shapes):
     with pytest.raises(ValueError, match="sleep_level=1 would put them to sleep"):
         check_plan(dataclasses.replace(config, overlap=True, max_weight_lag=1), trainers,
                    chosen.replace_engine(sleep_level=1))
+    scheduled = dict(trainers, actor=dataclasses.replace(trainers["actor"], deepspeed=dataclasses.replace(
+        trainers["actor"].deepspeed, lr_schedule="cosine", lr_total_steps=100)))
+    partial = chosen.replace_role("actor", zero_stage=3, offload=False, offload_share=0.5)
+    with pytest.raises(ValueError, match=r"offload_optimizer_ratio=0.5 with lr_schedule='cosine'"):  # DeepSpeed's no
+        check_plan(config, scheduled, partial)
     with pytest.raises(ValueError, match=r"the plan's roles \['actor', 'reference'\] are not the run's"):
         check_plan(config, {"actor": trainers["actor"]}, chosen)
     overlap = plan_hybrid(dataclasses.replace(config, overlap=True, max_weight_lag=1), trainers,

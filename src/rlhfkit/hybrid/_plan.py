@@ -295,7 +295,8 @@ def plan_hybrid(config: Any, trainers: Mapping[str, Any], *, gpu_memory_gib: flo
 def check_plan(config: Any, trainers: Mapping[str, Any], plan: HybridPlan, *,
                model_shape: ModelShape | Callable[[str], ModelShape] | None = None) -> Any:
     """Refuse a plan (given to :meth:`Hybrid.start <rlhfkit.hybrid.Hybrid.start>`, perhaps edited) that cannot run
-    ``config`` and ``trainers``: other roles, an engine sleep level the run cannot use, or, when the plan names a GPU
+    ``config`` and ``trainers``: other roles, a role layout DeepSpeed refuses, an engine sleep level the run cannot
+    use, or, when the plan names a GPU
     size, a memory estimate that does not fit (:class:`~rlhfkit.placement.MemoryFitError`; its ``suggestion`` is
     :func:`plan_hybrid`'s own plan where one fits). Returns that :class:`~rlhfkit.placement.MemoryEstimate` (None
     without a GPU size)."""
@@ -305,6 +306,8 @@ def check_plan(config: Any, trainers: Mapping[str, Any], plan: HybridPlan, *,
     if list(plan.roles) != list(trainers):
         raise ValueError(f"the plan's roles {list(plan.roles)} are not the run's {list(trainers)} (in load order); "
                          "plan this run with plan_hybrid")
+    for role, role_plan in plan.roles.items():  # a layout DeepSpeed refuses fails here, not in the worker
+        role_plan.deepspeed_config(trainers[role].deepspeed, device=config.device)
     level = plan.engine.sleep_level
     if trainers["actor"].lora is not None and level == 2:
         raise ValueError("plan.engine.sleep_level=2 discards the engines' base weights, which a LoRA push (adapters "
