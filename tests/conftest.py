@@ -124,7 +124,6 @@ def ray_address(shared_ray_address, monkeypatch):
     ``$RAY_ADDRESS`` names the session's cluster, so they join it, and their ``close`` disconnects again. Nothing
     may be connected in this process before."""
     ray = pytest.importorskip("ray")
-    pytest.importorskip("deepspeed")
     if ray.is_initialized():
         ray.shutdown()
     monkeypatch.setenv("RAY_ADDRESS", shared_ray_address)

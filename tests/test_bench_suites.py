@@ -176,6 +176,7 @@ def test_scale_bench_tiny_runs_the_toy_qwen2_through_the_hybrid_on_cpu(ray_addre
     embeddings, a freshly trained tokenizer): examples/grpo_hybrid.py trains it 2 steps and pushes its weights; the
     bench reads the run's own metrics. (LoRA on the Llama: tests/test_hybrid_examples.py.) The run joins the
     session's Ray cluster ($RAY_ADDRESS)."""
+    pytest.importorskip("deepspeed")
     from bench import scale
 
     out = tmp_path / "scale.json"
@@ -201,11 +202,11 @@ def test_scale_lora_runs_take_the_examples_zero_stage():
 
 @pytest.mark.slow
 @pytest.mark.ray
-def test_sglang_bench_runs_its_cpu_sections_against_the_test_server(tmp_path):
+def test_sglang_bench_runs_its_cpu_sections_against_the_test_server(ray_address, tmp_path):
     """bench/sglang_engine.py --fake (issue 23): the throughput section (an SGLang engine Ray actor and raw requests
     to the same server: the same tokens) and the sync section (rlhfkit.weight_sync over gloo into the engine actor,
     every sync a new version) run on CPU against tests/_fake_sglang, so the script's calls keep working between GPU
-    sessions."""
+    sessions. Each section's process joins the session's Ray cluster ($RAY_ADDRESS)."""
     from bench import sglang_engine
 
     out = tmp_path / "sglang.json"

@@ -36,6 +36,13 @@ def _producer_threads():
 
 
 @pytest.fixture
+def ray_run(ray_address):
+    """A real run: DeepSpeed installed, this process joins the session's Ray cluster through ``$RAY_ADDRESS``."""
+    pytest.importorskip("deepspeed")
+    return ray_address
+
+
+@pytest.fixture
 def local_example(monkeypatch):
     """examples/grpo_async.py with ``Hybrid`` replaced by the in-process stand-in; ``module.started`` lists the
     stand-ins it started."""
@@ -74,7 +81,7 @@ def _check_on_policy(rows):
 # --- real runs: Ray, DeepSpeed, the HF engine in an actor -------------------------------------------------------------
 @pytest.mark.slow
 @pytest.mark.ray
-def test_the_sync_loop_on_ray_is_on_policy(ray_address, tiny_llama_path, tmp_path):
+def test_the_sync_loop_on_ray_is_on_policy(ray_run, tiny_llama_path, tmp_path):
     rows = _run(load_example("grpo_async"), tiny_llama_path, tmp_path, "--mode", "sync")
     _check_on_policy(rows)
     _check_bench_keys(rows)
@@ -83,7 +90,7 @@ def test_the_sync_loop_on_ray_is_on_policy(ray_address, tiny_llama_path, tmp_pat
 
 @pytest.mark.slow
 @pytest.mark.ray
-def test_staleness_1_on_ray_holds_its_bound_with_the_switches_overlapped(ray_address, tiny_llama_path, tmp_path,
+def test_staleness_1_on_ray_holds_its_bound_with_the_switches_overlapped(ray_run, tiny_llama_path, tmp_path,
                                                                           monkeypatch):
     """The engine resident beside the trainers, pushes in flight, the trainers' sleeps behind the next wakes
     (overlap_switches: the GPU default where it fits)."""
@@ -103,7 +110,7 @@ def test_staleness_1_on_ray_holds_its_bound_with_the_switches_overlapped(ray_add
 
 @pytest.mark.slow
 @pytest.mark.ray
-def test_the_engine_on_a_gpu_of_its_own_runs_the_same_loop(ray_address, tiny_llama_path, tmp_path):
+def test_the_engine_on_a_gpu_of_its_own_runs_the_same_loop(ray_run, tiny_llama_path, tmp_path):
     """--num-gpus 2 --engine-gpus 1: the separated layout (trainers on logical GPU 0, the engine on GPU 1, weights
     in flight over the non-colocated channel) trains with the bound held."""
     lagged = _run(load_example("grpo_async"), tiny_llama_path, tmp_path, "--mode", "async", "--max-staleness", "1",
