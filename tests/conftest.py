@@ -107,15 +107,29 @@ def shared_ray_address():
     cluster frees a job's actors and placement groups when its driver leaves. Tests that need another cluster (other
     GPU counts or labels, several raylets, killing Ray) keep starting their own."""
     pytest.importorskip("ray")
+    from ray._common.utils import get_ray_address_file
     from ray.cluster_utils import Cluster
 
     _ray_env()
+    # Cluster writes its address where a plain ray.init() (no address: "start one") looks first and would join it,
+    # refusing its num_cpus/num_gpus: the file gets back what it held, so nothing joins this cluster unasked
+    address_file = Path(get_ray_address_file(None))
+    before = address_file.read_text() if address_file.exists() else None
     cluster = Cluster(initialize_head=True, head_node_args={
         "num_cpus": 2, "num_gpus": 4, "include_dashboard": False, "object_store_memory": 512 * 1024**2})
+    _restore_file(address_file, before)
     try:
         yield cluster.address
     finally:
         cluster.shutdown()
+        _restore_file(address_file, before)
+
+
+def _restore_file(path: Path, text: str | None) -> None:
+    if text is not None:
+        path.write_text(text)
+    elif path.exists():
+        path.unlink()
 
 
 @pytest.fixture
