@@ -90,8 +90,12 @@ def stop_actor(handle) -> None:
 
 
 def _ray_init(args) -> None:
+    """A local Ray for the section, or the cluster ``$RAY_ADDRESS`` names (a test session's, a running one)."""
     import ray
 
+    if os.environ.get("RAY_ADDRESS"):
+        ray.init(log_to_driver=False)
+        return
     ray.init(num_gpus=0 if args.fake else 1, num_cpus=4, include_dashboard=False, log_to_driver=False)
 
 

@@ -92,22 +92,70 @@ def tiny_qwen2_path(tiny_model_factory):
     return tiny_model_factory("qwen2")
 
 
-@pytest.fixture(scope="module")
-def ray_cluster(request):
-    """A local Ray cluster with 4 logical GPUs for one test module (reused if one is already up in this process).
+def _ray_env() -> None:
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
-    ``address="local"`` starts our own cluster and never joins one that another process left running on this
-    machine. The test module's classes are pickled by value so actors can run them.
-    """
+
+@pytest.fixture(scope="session")
+def shared_ray_address():
+    """The address of one local Ray cluster for the whole session (a head node with 2 CPUs and 4 logical GPUs),
+    started by the first test that asks for it and stopped at the session's end (its own processes only; never
+    ``ray stop``, which would stop every Ray on the machine). Tests join it (``ray.init(address=...)``,
+    ``HybridConfig(ray_address=...)``, or the ``ray_address`` fixture's ``$RAY_ADDRESS``) and leave with
+    ``ray.shutdown()``, which only disconnects them: a join costs a driver connection, not a cluster start, and the
+    cluster frees a job's actors and placement groups when its driver leaves. Tests that need another cluster (other
+    GPU counts or labels, several raylets, killing Ray) keep starting their own."""
+    pytest.importorskip("ray")
+    from ray._common.utils import get_ray_address_file
+    from ray.cluster_utils import Cluster
+
+    _ray_env()
+    # Cluster writes its address where a plain ray.init() (no address: "start one") looks first and would join it,
+    # refusing its num_cpus/num_gpus: the file gets back what it held, so nothing joins this cluster unasked
+    address_file = Path(get_ray_address_file(None))
+    before = address_file.read_text() if address_file.exists() else None
+    cluster = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": 2, "num_gpus": 4, "include_dashboard": False, "object_store_memory": 512 * 1024**2})
+    _restore_file(address_file, before)
+    try:
+        yield cluster.address
+    finally:
+        cluster.shutdown()
+        _restore_file(address_file, before)
+
+
+def _restore_file(path: Path, text: str | None) -> None:
+    if text is not None:
+        path.write_text(text)
+    elif path.exists():
+        path.unlink()
+
+
+@pytest.fixture
+def ray_address(shared_ray_address, monkeypatch):
+    """For runs that start Ray through rlhfkit (an example's ``Hybrid.start``, a bench script's subprocess):
+    ``$RAY_ADDRESS`` names the session's cluster, so they join it, and their ``close`` disconnects again. Nothing
+    may be connected in this process before."""
+    ray = pytest.importorskip("ray")
+    if ray.is_initialized():
+        ray.shutdown()
+    monkeypatch.setenv("RAY_ADDRESS", shared_ray_address)
+    yield shared_ray_address
+    if ray.is_initialized():  # a run that failed before its close
+        ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def ray_cluster(request, shared_ray_address):
+    """This process connected to the session's Ray cluster (4 logical GPUs) for one test module (reused if Ray is
+    already up in this process). The test module's classes are pickled by value so actors can run them."""
     import sys
 
     ray = pytest.importorskip("ray")
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     started = not ray.is_initialized()
     if started:
-        ray.init(address="local", num_cpus=2, num_gpus=4, include_dashboard=False,
-                 object_store_memory=256 * 1024**2, log_to_driver=False)
+        ray.init(address=shared_ray_address, log_to_driver=False)
     ray.cloudpickle.register_pickle_by_value(sys.modules[request.module.__name__])
     yield ray
     if started:
