@@ -198,7 +198,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--engine-only-sleep", action="store_true",
                         help="our trainers keep their states on the GPU, only the engine sleeps (TRL's sleep mode)")
     parser.add_argument("--plan", default="", help="edits of our runs' plans (bench.hybrid.edit_plan), e.g. "
-                        "'actor.defer_optimizer_wake=false' for an A/B")
+                        "'actor.keep_optimizer=false' for an A/B")
     parser.add_argument("--tiny", action="store_true", help="CPU: the toy architecture, 2 steps, HF engine")
     args = parser.parse_args(argv)
     if args.tiny:

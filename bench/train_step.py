@@ -18,7 +18,7 @@ configuration: median wall time of one optimizer step (2 micro-batches: packed f
 response tokens, backward; then step) and of one no-grad forward of the whole batch, after warm-up steps, with
 ``torch.cuda.synchronize()`` around each. ``--sleep sync|deferred``: each timed step starts with the engine asleep
 (every state in pinned host memory; the sleep is untimed, its median reported) and wakes it, everything first or the
-optimizer's states behind the micro-batches (the hybrid's ``RolePlan.defer_optimizer_wake``), so the time
+optimizer's states behind the micro-batches (``DeepSpeedEngine.wake_up(defer_optimizer=True)``), so the time
 against ``--sleep none`` is what the wake adds to a step.
 """
 
@@ -324,8 +324,7 @@ def main() -> None:
                         help="DeepSpeed configurations: before each timed step the engine sleeps (every state to "
                         "pinned host memory, untimed) and the step starts with its wake: 'sync' wakes everything "
                         "first; 'deferred' wakes the weights and gradients, and the optimizer's states in another "
-                        "thread behind the micro-batches (the hybrid's trainer worker, RolePlan."
-                        "defer_optimizer_wake)")
+                        "thread behind the micro-batches (DeepSpeedEngine.wake_up(defer_optimizer=True))")
     parser.add_argument("--chunk-mib", type=int, default=64, help="--sleep deferred: the wake's copy pieces (MiB)")
     parser.add_argument("--loss-tokens-only", action="store_true",
                         help="DeepSpeed configurations: logits only at the response tokens (the hybrid's training)")

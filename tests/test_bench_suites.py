@@ -131,11 +131,11 @@ def test_scale_bench_tiny_builds_the_toy_and_reports_each_mode(tmp_path, monkeyp
         transformers.AutoConfig.from_pretrained(build(*a, **k))) or built[-1])
     out = tmp_path / "scale.json"
     result = scale.main(["--tiny", "--steps", "5", "--out", str(out), "--work-dir", str(tmp_path / "work"),
-                         "--example-args", "--defer-optimizer-wake false"])
+                         "--plan", "actor.keep_optimizer=false"])
     assert json.loads(out.read_text()) == result and result["steps"] == 2 and result["workload"] == scale.TINY_WORKLOAD
     assert (built[0].model_type, built[0].vocab_size, built[0].hidden_size) == ("qwen2", 384, 64)
     runs = result["runs"]["toy"]
-    assert all(command[-2:] == ["--defer-optimizer-wake", "false"] for command in commands)  # (an A/B's second arm)
+    assert all("actor.keep_optimizer=false" in command for command in commands)  # (an A/B's second arm: a plan edit)
     full, lora = commands
     assert "--lora-rank" not in full and lora[lora.index("--lora-rank") + 1] == "4"
     assert full[full.index("--model") + 1] == str(tmp_path / "work" / "toy") and "--device" in full

@@ -2,8 +2,8 @@
 :class:`RolloutEngines`, the driver's handle on them (generate, sleep/wake, weight versions).
 
 The engine actors are rlhfkit's own (:class:`rlhfkit.engines.vllm.VLLMEngineActor`,
-:class:`rlhfkit.engines.sglang.SGLangEngineActor`, or the HF engine in a Ray actor for CPU runs) with :class:`GuardedEngineMixin` added: ``guarded_sleep(level)`` releases the engine's GPUs in the
-guard, ``guarded_wake(tags)`` claims them first. Level 0 keeps the engine resident (weights and KV cache stay); the
+:class:`rlhfkit.engines.sglang.SGLangEngineActor`, or the HF engine in a Ray actor for CPU runs) with
+:class:`GuardedEngineMixin` added: ``guarded_sleep(level)`` releases the engine's GPUs in the guard, ``guarded_wake(tags)`` claims them first. Level 0 keeps the engine resident (weights and KV cache stay); the
 guard still orders the phases.
 """
 

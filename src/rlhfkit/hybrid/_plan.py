@@ -34,7 +34,7 @@ ROLES = ("actor", "critic", "reference", "reward")
 MICRO_BATCH_LADDER = (16384, 12288, 8192, 4096)
 # What a trained role that sleeps to host memory keeps on the GPU through its sleeps, in the order tried: (weights,
 # optimizer states). The weights first among the partial choices: few bytes (2 a parameter against 12), and their wake
-# is on the step's path, where the optimizer's states come back behind the compute (defer_optimizer_wake).
+# is on the path of every forward.
 KEEP_LADDER = ((True, True), (False, True), (True, False))
 # The optimizer shares a trained role may put in host memory when the layout as configured does not fit (ZeRO-3,
 # the role resident), the least first: the less the optimizer steps on the host, the faster the step.
@@ -60,7 +60,6 @@ class RolePlan:
             returns cached blocks; the phase guard orders the phases either way).
         keep_weights, keep_optimizer: a sleeping (``offload``) trained role leaves its weights / optimizer states
             on the GPU through its sleeps, so no wake waits for them.
-        defer_optimizer_wake: the optimizer states wake behind the first forward-backward.
         micro_batch_tokens: token budget of one micro-batch.
         gradient_checkpointing: recompute activations in the backward.
         optimizer_threads: CPU threads (``OMP_NUM_THREADS``) of each rank whose optimizer steps in host memory;
@@ -72,7 +71,6 @@ class RolePlan:
     offload: bool = True
     keep_weights: bool = False
     keep_optimizer: bool = False
-    defer_optimizer_wake: bool = True
     micro_batch_tokens: int = MICRO_BATCH_LADDER[-1]
     gradient_checkpointing: bool = False
     optimizer_threads: int | None = None
@@ -88,7 +86,7 @@ class RolePlan:
         if self.offload and 0 < self.offload_share < 1:
             raise ValueError(f"RolePlan(offload=True, offload_share={self.offload_share}): the part DeepSpeed keeps "
                              "on the GPU is not moved by its offload_states; use offload=False or a share of 0 or 1")
-        for name in ("offload", "keep_weights", "keep_optimizer", "defer_optimizer_wake", "gradient_checkpointing"):
+        for name in ("offload", "keep_weights", "keep_optimizer", "gradient_checkpointing"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"RolePlan.{name}={getattr(self, name)!r}; must be True or False")
         if isinstance(self.micro_batch_tokens, bool) or not isinstance(self.micro_batch_tokens, int) or (
@@ -199,12 +197,12 @@ class HybridPlan:
         host = "" if self.host_memory_gib is None else f", {self.host_memory_gib:.1f} GiB host memory"
         lines = [f"hybrid plan ({self.layout}) for {gpu}{host}",
                  f"{'role':<10} {'zero':>4} {'optim in host':>13} {'asleep in':>9} {'keeps asleep':>17} "
-                 f"{'defer wake':>10} {'micro-batch':>11} {'ckpt':>4} {'threads':>7}"]
+                 f"{'micro-batch':>11} {'ckpt':>4} {'threads':>7}"]
         for role, plan in self.roles.items():
             kept = "+".join(name for name, kept in (("weights", plan.keep_weights),
                                                     ("optimizer", plan.keep_optimizer)) if kept) or "-"
             lines.append(f"{role:<10} {plan.zero_stage:>4} {plan.offload_share:>13.0%} "
-                         f"{'host' if plan.offload else 'gpu':>9} {kept:>17} {_yes(plan.defer_optimizer_wake):>10} "
+                         f"{'host' if plan.offload else 'gpu':>9} {kept:>17} "
                          f"{plan.micro_batch_tokens:>11} {_yes(plan.gradient_checkpointing):>4} "
                          f"{plan.optimizer_threads or '-':>7}")
         engine = self.engine
@@ -405,17 +403,16 @@ def _configured(role: str, trainer: Any) -> RolePlan:
     trains = role in TRAINED
     return RolePlan(zero_stage=ds.zero_stage, offload=trainer.offload,
                     offload_share=ds.offload_optimizer_ratio if ds.offload_optimizer and trains else 0.0,
-                    gradient_checkpointing=ds.gradient_checkpointing, defer_optimizer_wake=trains and trainer.offload)
+                    gradient_checkpointing=ds.gradient_checkpointing)
 
 
 def _layouts(facts: _Facts, configured: dict[str, RolePlan]) -> list[tuple[str, dict[str, RolePlan]]]:
     """The layouts tried, in order, each one the configs accept (a partial share on CPU is not one)."""
     out = [("as configured", configured)]
-    resident = {role: dataclasses.replace(plan, offload=False, defer_optimizer_wake=False)
+    resident = {role: dataclasses.replace(plan, offload=False)
                 for role, plan in configured.items()}
     out.append(("every role resident on the GPU", resident))  # no copies at the switches, little host memory
     asleep = {role: dataclasses.replace(plan, offload=True, offload_share=1.0 if plan.offload_share > 0 else 0.0,
-                                        defer_optimizer_wake=role in TRAINED,
                                         gradient_checkpointing=plan.gradient_checkpointing or role in TRAINED)
               for role, plan in configured.items()}
     out.append(("every role asleep in host memory", asleep))
@@ -424,8 +421,7 @@ def _layouts(facts: _Facts, configured: dict[str, RolePlan]) -> list[tuple[str, 
         for role in TRAINED:
             if role in configured and facts.trainers[role].lora is None:
                 resident[role] = dataclasses.replace(configured[role], zero_stage=3, offload=False,
-                                                     offload_share=share, gradient_checkpointing=True,
-                                                     defer_optimizer_wake=False)
+                                                     offload_share=share, gradient_checkpointing=True)
         out.append((f"ZeRO-3, {share:.0%} of the optimizer in host memory", resident))
     parked = dict(asleep)  # the least GPU memory of all: everything sleeps, the optimizer steps in host memory
     for role in TRAINED:

@@ -5,8 +5,8 @@ may repeat in a step (times add up). Time that a phase spent putting models to s
 the workers, reported to :meth:`PhaseTimer.observe_call`) is moved to the ``sleep_wake`` phase, so a step's
 breakdown shows the price of time-sharing the GPU; the bytes those sleeps, wakes and weight syncs copied are counted
 too, and with the device's measured copy rates (:attr:`PhaseTimer.copy_rates`, :func:`rlhfkit.hybrid.
-measure_copy_rates`) the step reports how far its switches are from the pinned-copy floor. Peak memory is device-wide (NVML: every process, vLLM's pool included), sampled by a
-thread every few milliseconds; without NVML or a GPU it is simply absent. Nothing here needs Ray or DeepSpeed.
+measure_copy_rates`) the step reports how far its switches are from the pinned-copy floor. Peak memory is
+device-wide (NVML: every process, vLLM's pool included), sampled by a thread every few milliseconds; without NVML or a GPU it is simply absent. Nothing here needs Ray or DeepSpeed.
 """
 
 from __future__ import annotations
