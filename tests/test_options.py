@@ -95,7 +95,7 @@ def test_a_dataclass_field_is_a_group_of_options_built_into_it():
     lora = parse_options(LoraConfig, ["--rank", "4", "--target-modules", "q_proj", "v_proj"])
     assert lora == LoraConfig(rank=4, target_modules=("q_proj", "v_proj"))
     hybrid = parse_options(HybridConfig, ["--model", "m", "--device", "cpu", "--engine", "hf", "--num-gpus", "2"])
-    assert (hybrid.model, hybrid.device, hybrid.num_gpus, hybrid.overlap_switches) == ("m", "cpu", 2, None)
+    assert (hybrid.model, hybrid.device, hybrid.num_gpus, hybrid.overlap) == ("m", "cpu", 2, False)
 
 
 @pytest.mark.parametrize("suffix", ["yaml", "json"])
