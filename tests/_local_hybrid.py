@@ -36,26 +36,30 @@ class LocalTrainer:
         with torch.no_grad():
             return model_logprobs(self.model, batch, loss_tokens_only=True).float()
 
-    def forward_backward(self, minibatch, loss_fn, **_: Any) -> dict[str, float]:
+    def forward_backward(self, minibatch, loss_fn, **_: Any) -> Any:
+        from rlhfkit.hybrid import ForwardBackwardResult
         from rlhfkit.losses import model_logprobs
 
         if self.optimizer is None:
             raise RuntimeError(f"forward_backward() on '{self.role}', which has no optimizer")
         batch = minibatch.batch
         logprobs = model_logprobs(self.model, batch, loss_tokens_only=True)
-        result = loss_fn(logprobs, minibatch, num_tokens=float(batch.loss_mask.sum()), num_seqs=float(batch.num_seqs))
+        result = loss_fn(logprobs, minibatch, num_tokens=int(batch.loss_mask.sum()), num_seqs=int(batch.num_seqs))
         loss, stats = result if isinstance(result, tuple) else (result, {})
         loss.backward()
-        return {f"{self.role}/{key}": float(value) for key, value in stats.items()} | {
-            f"{self.role}/loss": float(loss.detach())}
+        return ForwardBackwardResult(role=self.role, loss=float(loss.detach()),
+                                     stats={key: float(value) for key, value in stats.items()},
+                                     num_tokens=int(batch.loss_mask.sum()), num_seqs=int(batch.num_seqs))
 
-    def optim_step(self, **_: Any) -> dict[str, float]:
+    def optim_step(self, **_: Any) -> Any:
+        from rlhfkit.hybrid import OptimStepResult
+
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.gradient_clipping)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.global_step += 1
-        return {f"{self.role}/lr": float(self.optimizer.param_groups[0]["lr"]),
-                f"{self.role}/grad_norm": float(norm), f"{self.role}/global_step": float(self.global_step)}
+        return OptimStepResult(role=self.role, lr=float(self.optimizer.param_groups[0]["lr"]), grad_norm=float(norm),
+                               global_step=self.global_step)
 
 
 class LocalHybrid:
