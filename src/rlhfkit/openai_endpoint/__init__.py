@@ -39,15 +39,12 @@ the tokenizer you pass needs ``rlhfkit[hf]`` (transformers, with jinja2 for chat
 
 from __future__ import annotations
 
-import ipaddress
 import logging
-import math
 import secrets
 import threading
 import time
 import uuid
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
@@ -56,8 +53,10 @@ from rlhfkit._optional import require
 from rlhfkit.engines.protocol import SamplingConfig
 from rlhfkit.engines.router import EngineError, EngineGroup, EngineGroupConfig, EngineTimeoutError
 from rlhfkit.openai_endpoint._batching import BatcherClosedError, BatchFailedError, BatchTimeoutError, RequestBatcher
+from rlhfkit.openai_endpoint._config import OpenAIEndpointConfig
 from rlhfkit.openai_endpoint._guard import RequestGuard, is_loopback, url_host
 from rlhfkit.openai_endpoint._http import Reply, start_server
+from rlhfkit.openai_endpoint._records import ChatRecord, records_to_rollouts, session_to_rollout
 from rlhfkit.openai_endpoint._requests import (
     ChatRequest,
     EndpointError,
@@ -72,216 +71,6 @@ from rlhfkit.types import Rollout
 __all__ = ["ChatRecord", "OpenAIEndpoint", "OpenAIEndpointConfig", "records_to_rollouts", "session_to_rollout"]
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, kw_only=True)
-class OpenAIEndpointConfig:
-    """How an :class:`OpenAIEndpoint` serves.
-
-    Attributes:
-        model_name: the id ``GET /v1/models`` lists; a request naming another model gets a 404.
-        host: the IP address the server binds, exactly (``"0.0.0.0"``/``"::"``: every interface). Beyond loopback
-            every request needs the bearer key (``api_key``, generated when not given).
-        port: port on ``host``; 0 picks a free ephemeral port (read it from :attr:`OpenAIEndpoint.url`).
-        api_key: when set, every request must send ``Authorization: Bearer <api_key>`` (401 otherwise). None: no key
-            on a loopback ``host``; beyond loopback, a random key the endpoint makes (:attr:`OpenAIEndpoint.api_key`).
-            Visible ASCII, no spaces; never shown in the config's repr or in logs.
-        allowed_hosts: more names a request's ``Host`` (and ``Origin``) may give for this server, e.g. its DNS
-            name when ``host`` is beyond loopback. Always accepted: ``host`` itself; ``localhost`` for a loopback or
-            wildcard ``host``; any IP address for a wildcard ``host``.
-        default_max_tokens: ``max_tokens`` of a request that gives none.
-        max_tokens_limit: the largest ``max_tokens`` accepted.
-        max_n: the largest ``n`` accepted.
-        max_model_len: when set, a request whose prompt tokens plus ``max_tokens`` exceed it gets a 400
-            (``context_length_exceeded``) before it reaches the engine.
-        request_timeout_s: longest wait for the engine's answer to one request, queueing for a batch included (504
-            after it).
-        read_timeout_s: socket timeout while reading a request.
-        shutdown_timeout_s: how long :meth:`OpenAIEndpoint.close` waits for requests in flight.
-        max_request_bytes: the largest request body accepted (413 beyond).
-        session_header: the header that names a request's session (before the body's ``user`` field).
-        default_session_id: the session of a request that names none.
-        batch_window_s: the quiet gap: waiting requests with the same sampling parameters are sent as one engine
-            call once no other such request has arrived for this long (0: as soon as the engine is free; while it is
-            busy, requests keep collecting anyway). See "Batching" in :class:`OpenAIEndpoint`.
-        max_batch_wait_s: the longest a request waits for others before its call is sent (never less than
-            ``batch_window_s``).
-        max_batch_prompts: most requests (prompts) in one engine call; a full batch is sent without waiting.
-    """
-
-    model_name: str = "rlhfkit"
-    host: str = "127.0.0.1"
-    port: int = 0
-    api_key: str | None = field(default=None, repr=False)
-    allowed_hosts: tuple[str, ...] = ()
-    default_max_tokens: int = 256
-    max_tokens_limit: int = 4096
-    max_n: int = 64
-    max_model_len: int | None = None
-    request_timeout_s: float = 300.0
-    read_timeout_s: float = 30.0
-    shutdown_timeout_s: float = 10.0
-    max_request_bytes: int = 8 * 1024 * 1024
-    session_header: str = "X-Session-Id"
-    default_session_id: str = "default"
-    batch_window_s: float = 0.01
-    max_batch_wait_s: float = 0.25
-    max_batch_prompts: int = 256
-
-    def __post_init__(self) -> None:
-        for name in ("model_name", "session_header", "default_session_id"):
-            if not isinstance(getattr(self, name), str) or not getattr(self, name):
-                raise ValueError(f"OpenAIEndpointConfig.{name}={getattr(self, name)!r}; must be a non-empty string")
-        self._check_network()
-        port = self.port
-        if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
-            raise ValueError(f"OpenAIEndpointConfig.port={port!r}; must be an int in [0, 65535] (0: ephemeral)")
-        for name in ("default_max_tokens", "max_tokens_limit", "max_n", "max_request_bytes", "max_batch_prompts"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"OpenAIEndpointConfig.{name}={value!r}; must be an int >= 1")
-        if self.default_max_tokens > self.max_tokens_limit:
-            raise ValueError(f"OpenAIEndpointConfig.default_max_tokens={self.default_max_tokens} exceeds "
-                             f"max_tokens_limit={self.max_tokens_limit}; lower it or raise the limit")
-        if self.max_model_len is not None and (isinstance(self.max_model_len, bool)
-                                               or not isinstance(self.max_model_len, int) or self.max_model_len < 2):
-            raise ValueError(f"OpenAIEndpointConfig.max_model_len={self.max_model_len!r}; must be an int >= 2 or None")
-        for name in ("request_timeout_s", "read_timeout_s", "shutdown_timeout_s"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
-                raise ValueError(f"OpenAIEndpointConfig.{name}={value!r}; must be a finite number of seconds > 0")
-        window = self.batch_window_s
-        if isinstance(window, bool) or not isinstance(window, (int, float)) or not 0 <= window < math.inf:
-            raise ValueError(f"OpenAIEndpointConfig.batch_window_s={window!r}; must be a finite number of seconds "
-                             ">= 0 (0: send each batch as soon as the engine is free)")
-        wait = self.max_batch_wait_s
-        if isinstance(wait, bool) or not isinstance(wait, (int, float)) or not 0 <= wait < math.inf:
-            raise ValueError(f"OpenAIEndpointConfig.max_batch_wait_s={wait!r}; must be a finite number of seconds "
-                             ">= 0 (a batch waits at least batch_window_s anyway)")
-
-    def _check_network(self) -> None:
-        try:
-            ipaddress.ip_address(self.host if isinstance(self.host, str) else "")
-        except ValueError:
-            raise ValueError(f"OpenAIEndpointConfig.host={self.host!r}; must be an IP address literal "
-                             "('127.0.0.1', '::1', this machine's address, or '0.0.0.0' for every interface): the "
-                             "server binds exactly this address") from None
-        key = self.api_key
-        if key is not None and (not isinstance(key, str) or not key
-                                or not all(33 <= ord(character) <= 126 for character in key)):
-            # the value itself is a secret: name its type and length, never the value
-            raise ValueError(f"OpenAIEndpointConfig.api_key (a {type(key).__name__} of length "
-                             f"{len(key) if isinstance(key, str) else '?'}, not shown) must be a non-empty string of "
-                             "visible ASCII characters without spaces, or None")
-        names = self.allowed_hosts
-        if not isinstance(names, tuple) or not all(isinstance(name, str) and name and name.isascii()
-                                                   and not any(c in name for c in " /:[]@") for name in names):
-            raise ValueError(f"OpenAIEndpointConfig.allowed_hosts={names!r:.200}; must be a tuple of host names "
-                             "(e.g. ('trainer-0.cluster',)), without ports or schemes")
-
-
-@dataclass(frozen=True, kw_only=True)
-class ChatRecord:
-    """One choice of one chat-completions request, as the engine produced it.
-
-    Attributes:
-        session_id: the caller's session (trajectory) id.
-        turn_index: the request's position among its session's requests (0-based, in order of completion).
-        choice_index: which of the request's ``n`` choices.
-        request_id: the ``id`` of the answer (``chatcmpl-...``), shared by the ``n`` choices.
-        messages: the request's messages (after validation), for logging and rewards.
-        prompt_token_ids: ``[P]`` int64, the chat-templated prompt exactly as the engine saw it.
-        response_token_ids: ``[R]`` int64, the sampled tokens (cut after the token completing a stop string, if one
-            was hit; a stop or EOS token that ended the sample is included).
-        response_logprobs: ``[R]`` float32, the engine's log-prob of each sampled token, ``log_softmax(logits /
-            temperature)`` (see :mod:`rlhfkit.engines.protocol`).
-        finish_reason: ``"stop"`` or ``"length"`` (``"abort"`` if the engine aborted).
-        temperature: the request's temperature (the trainer needs it to reproduce the log-probs; at 0, greedy, the
-            log-probs are the raw model's, as at temperature 1).
-        weight_version: the engine's weight version when it sampled.
-        content: the assistant text returned to the caller.
-        tools: the request's ``tools`` (rendered into the prompt by the chat template), None if it gave none.
-    """
-
-    session_id: str
-    turn_index: int
-    choice_index: int
-    request_id: str
-    messages: list[dict[str, Any]]
-    prompt_token_ids: torch.Tensor
-    response_token_ids: torch.Tensor
-    response_logprobs: torch.Tensor
-    finish_reason: Literal["stop", "length", "abort"]
-    temperature: float
-    weight_version: int
-    content: str
-    tools: list[Any] | None = None
-
-    def to_rollout(self, *, prompt_index: int = 0, sample_index: int | None = None,
-                   label: str | None = None) -> Rollout:
-        """This turn as a :class:`~rlhfkit.types.Rollout` (``sample_index`` defaults to ``turn_index``)."""
-        return Rollout(prompt_token_ids=self.prompt_token_ids, response_token_ids=self.response_token_ids,
-                       response_logprobs=self.response_logprobs, finish_reason=self.finish_reason,
-                       prompt_index=prompt_index, weight_version=self.weight_version, response_text=self.content,
-                       sample_index=self.turn_index if sample_index is None else sample_index, label=label)
-
-
-def records_to_rollouts(records: Sequence[ChatRecord], *, prompt_index: int = 0,
-                        label: str | None = None) -> list[Rollout]:
-    """One Rollout per record, in order, all with ``prompt_index`` and ``sample_index`` = position in ``records``:
-    the per-turn form of a conversation (per-turn losses). Each turn has its own prompt, so GRPO-style group
-    estimators refuse them as one group; for that, one conversation is one sample: :func:`session_to_rollout`."""
-    for index, record in enumerate(records):
-        if not isinstance(record, ChatRecord):
-            raise TypeError(f"records_to_rollouts: records[{index}] is {type(record).__name__}, not a ChatRecord")
-    return [record.to_rollout(prompt_index=prompt_index, sample_index=index, label=label)
-            for index, record in enumerate(records)]
-
-
-def session_to_rollout(records: Sequence[ChatRecord], *, prompt_index: int = 0, sample_index: int = 0,
-                       label: str | None = None) -> Rollout:
-    """A whole conversation as one multi-turn :class:`~rlhfkit.types.Rollout` (one sample of a GRPO group).
-
-    ``records``: one session's records in turn order, one choice per request. The rollout's prompt is the first
-    request's; its response is every sampled response, each followed by the tokens the next request added (tool
-    results, the next user message; loss weight 0, log-prob 0, the previous turn's weight version). Each request's
-    prompt must begin with the previous prompt and response token for token: an agent that edits earlier messages, or
-    a chat template that renders an answer differently from how it was sampled, is a ``ValueError`` naming the turn
-    (training on re-tokenised text would not be training on what was sampled).
-    """
-    if not records:
-        raise ValueError("session_to_rollout: no records")
-    for index, record in enumerate(records):
-        if not isinstance(record, ChatRecord):
-            raise TypeError(f"session_to_rollout: records[{index}] is {type(record).__name__}, not a ChatRecord")
-        if record.choice_index != 0 or record.session_id != records[0].session_id:
-            raise ValueError(f"session_to_rollout: records[{index}] is choice {record.choice_index} of session "
-                             f"{record.session_id!r}; pass one session's records with one choice per request (n=1)")
-    ids, logprobs, mask, versions = [], [], [], []
-    context = records[0].prompt_token_ids.tolist()
-    for index, record in enumerate(records):
-        prompt = record.prompt_token_ids.tolist()
-        if prompt[:len(context)] != context:
-            at = next((i for i, (a, b) in enumerate(zip(prompt, context, strict=False)) if a != b),
-                      min(len(prompt), len(context)))
-            raise ValueError(f"session_to_rollout: turn {record.turn_index} (records[{index}]) of session "
-                             f"{record.session_id!r} does not continue the conversation token for token: its prompt "
-                             f"differs from the previous prompt + response at token {at}")
-        observation = prompt[len(context):]
-        response = record.response_token_ids.tolist()
-        previous = versions[-1] if versions else record.weight_version
-        ids += observation + response
-        logprobs += [0.0] * len(observation) + record.response_logprobs.float().tolist()
-        mask += [False] * len(observation) + [True] * len(response)
-        versions += [previous] * len(observation) + [record.weight_version] * len(response)
-        context = prompt + response
-    return Rollout(prompt_token_ids=records[0].prompt_token_ids, response_token_ids=torch.tensor(ids, dtype=torch.long),
-                   response_logprobs=torch.tensor(logprobs, dtype=torch.float32),
-                   response_loss_mask=torch.tensor(mask, dtype=torch.bool),
-                   response_weight_versions=torch.tensor(versions, dtype=torch.long),
-                   weight_version=min(r.weight_version for r in records), finish_reason=records[-1].finish_reason,
-                   prompt_index=prompt_index, sample_index=sample_index, label=label,
-                   response_text=records[-1].content)
 
 
 @dataclass(frozen=True)
