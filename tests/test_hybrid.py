@@ -129,11 +129,12 @@ def test_a_trainer_group_records_what_its_calls_leave_on_the_gpu_and_shows_their
     """The driver's record decides which sleeps and wakes a call carries; each call's costs reach the observer in
     one typed record; the actor's weight version is the last pushed one, plus one once it has stepped since."""
     from rlhfkit.deepspeed_engine import DeepSpeedEngineConfig
-    from rlhfkit.hybrid import TrainerConfig, TrainerGroup
+    from rlhfkit.hybrid import RolePlan, TrainerConfig, TrainerGroup
 
     ranks, records = StandInRanks(), []
     observer = type("Observer", (), {"observe_call": lambda self, record: records.append(record)})()
-    group = TrainerGroup(ranks, TrainerConfig(deepspeed=DeepSpeedEngineConfig()), observer=observer)
+    group = TrainerGroup(ranks, TrainerConfig(deepspeed=DeepSpeedEngineConfig()), RolePlan(zero_stage=0),
+                         observer=observer)
     group.sleep()  # load() left the ranks asleep: no call
     assert ranks.calls == [] and group.weight_version == 0
     group.wake()
