@@ -14,7 +14,8 @@ pytest.importorskip("deepspeed")
 ray = pytest.importorskip("ray")
 
 from rlhfkit.deepspeed_engine import DeepSpeedEngineConfig
-from rlhfkit.hybrid import Hybrid, HybridConfig, TrainerConfig, export_model, load_checkpoint, save_checkpoint
+from rlhfkit.hybrid import (Hybrid, HybridConfig, TrainerConfig, export_model, load_checkpoint, plan_for_machine,
+                            save_checkpoint)
 
 DEEPSPEED = DeepSpeedEngineConfig(zero_stage=1, bf16=False, optimizer="torch_adamw", learning_rate=1e-3)
 PROMPTS = [[5, 6, 7], [8, 9, 10, 11]]
@@ -24,8 +25,9 @@ def _start(path, trainers, *, sleep_level: int = 2) -> Hybrid:
     if ray.is_initialized():
         ray.shutdown()
     # engine sleep level 2 (the engines drop their weights): a resume only works if the load pushes them
-    return Hybrid.start(HybridConfig(model=str(path), device="cpu", engine="hf", engine_sleep_level=sleep_level,
-                                     call_timeout_s=120, sync_timeout_s=60), trainers)
+    config = HybridConfig(model=str(path), device="cpu", engine="hf", call_timeout_s=120, sync_timeout_s=60)
+    plan = plan_for_machine(config, trainers).replace_engine(sleep_level=sleep_level)
+    return Hybrid.start(config, trainers, plan=plan)
 
 
 def pg_loss(logprobs, micro, *, num_tokens, num_seqs):
@@ -49,8 +51,8 @@ def _step(run: Hybrid, step: int, *, reference: bool = True):
                                     policy_logprobs_fn=lambda b: engine_token_logprobs(rollouts, b),
                                     ref_logprobs_fn=None if ref is None else lambda b: ref)
     actor = run.trainers["actor"]
-    stats = actor.forward_backward(experience, pg_loss)
-    stats |= actor.optim_step(sleep_after="keep_weights")
+    stats = actor.forward_backward(experience, pg_loss).metrics()
+    stats |= actor.optim_step(sleep_after="keep_weights").metrics()
     run.push_weights()
     tokens = [r.response_token_ids.tolist() for r in rollouts]
     return experience, {"tokens": tokens, "scores": scores.tolist(), "loss": stats["actor/loss"],
