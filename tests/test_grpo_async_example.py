@@ -69,7 +69,7 @@ def _check_bench_keys(rows):
     for row in rows:
         assert BENCH_KEYS <= set(row), BENCH_KEYS - set(row)
         assert sum(value for key, value in row.items() if key.startswith("staleness/hist_")) == 16.0
-        assert row["worker/train_actor_s"] > 0
+        assert row["time/train_actor_s"] > 0
 
 
 def _check_on_policy(rows):
