@@ -313,7 +313,7 @@ def test_a_missing_extra_names_the_pip_install(tiny_llama_path):
 
 # ------------------------------------------------------------------------------------------------ a real run
 @pytest.fixture(scope="module")
-def hybrid(tiny_llama_path, tmp_path_factory):
+def hybrid(tiny_llama_path, tmp_path_factory, shared_ray_address):
     ray = pytest.importorskip("ray")
     pytest.importorskip("deepspeed")
     from rlhfkit.deepspeed_engine import DeepSpeedEngineConfig
@@ -322,8 +322,9 @@ def hybrid(tiny_llama_path, tmp_path_factory):
     if ray.is_initialized():
         ray.shutdown()
     deepspeed = DeepSpeedEngineConfig(zero_stage=1, bf16=False, optimizer="torch_adamw", learning_rate=1e-3)
+    # the run joins the session's cluster; its close leaves it (the cluster frees the run's actors and groups)
     config = HybridConfig(model=str(tiny_llama_path), device="cpu", engine="hf", call_timeout_s=120,
-                          sync_timeout_s=60)
+                          sync_timeout_s=60, ray_address=shared_ray_address)
     trainers = {"actor": TrainerConfig(deepspeed=deepspeed), "reference": TrainerConfig(deepspeed=deepspeed)}
     # engine sleep level 1 keeps its weights: the error tests generate again without pushing weights
     plan = plan_hybrid(config, trainers, gpu_memory_gib=None, host_memory_gib=None).replace_engine(sleep_level=1)

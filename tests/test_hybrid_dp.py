@@ -29,7 +29,7 @@ def pg_loss(logprobs, micro, *, num_tokens, num_seqs):
 
 @pytest.mark.slow
 @pytest.mark.ray
-def test_two_data_parallel_ranks_take_the_one_rank_step_and_push_by_broadcast(tiny_llama_path):
+def test_two_data_parallel_ranks_take_the_one_rank_step_and_push_by_broadcast(ray_address, tiny_llama_path):
     ray = pytest.importorskip("ray")
     pytest.importorskip("deepspeed")
     from rlhfkit.engines import SamplingConfig

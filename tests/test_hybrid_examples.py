@@ -77,7 +77,7 @@ def check_rows(rows: list[dict], steps: int) -> None:
 
 @pytest.mark.slow
 @pytest.mark.ray
-def test_grpo_hybrid_on_cpu(ray_not_started, tiny_llama_path, tmp_path, capsys):
+def test_grpo_hybrid_on_cpu(ray_address, tiny_llama_path, tmp_path, capsys):
     rows = load_example("grpo_hybrid").main(["--model", str(tiny_llama_path), "--out", str(tmp_path), "--device", "cpu",
                                       "--tiny", "true"])
     check_rows(rows, steps=3)
@@ -101,7 +101,7 @@ def test_grpo_hybrid_on_cpu(ray_not_started, tiny_llama_path, tmp_path, capsys):
 
 @pytest.mark.slow
 @pytest.mark.ray
-def test_grpo_hybrid_with_compiled_layers_on_cpu(ray_not_started, tiny_llama_path, tmp_path, monkeypatch):
+def test_grpo_hybrid_with_compiled_layers_on_cpu(ray_address, tiny_llama_path, tmp_path, monkeypatch):
     """Compiled layers (the example's GPU default) in the trainers' Ray workers: the run trains and its trainers'
     log-probs still equal the HF engine's (fp32) at every step, across the sleeps between them."""
     grpo = load_example("grpo_hybrid")
@@ -113,7 +113,7 @@ def test_grpo_hybrid_with_compiled_layers_on_cpu(ray_not_started, tiny_llama_pat
 
 @pytest.mark.slow
 @pytest.mark.ray
-def test_grpo_hybrid_with_the_engines_on_gpus_of_their_own_on_cpu(ray_not_started, tiny_llama_path, tmp_path):
+def test_grpo_hybrid_with_the_engines_on_gpus_of_their_own_on_cpu(ray_address, tiny_llama_path, tmp_path):
     """Issue 24's separated layout in the example (--engine-gpus): 2 logical GPUs for the trainers (2 actor ranks and
     the reference), 1 for the engine, which never sleeps; rank 0 broadcasts the weights (gloo here, NCCL on GPUs)
     and the engine generates with them: its weight version follows every push."""
@@ -129,7 +129,7 @@ def test_grpo_hybrid_with_the_engines_on_gpus_of_their_own_on_cpu(ray_not_starte
 
 @pytest.mark.slow
 @pytest.mark.ray
-def test_grpo_hybrid_with_lora_on_cpu(ray_not_started, tiny_llama_path, tmp_path):
+def test_grpo_hybrid_with_lora_on_cpu(ray_address, tiny_llama_path, tmp_path):
     """Issue 20: the example's --lora-rank trains adapters only and pushes only them (a few KiB a step, versions
     follow), with the engine's log-probs equal to the trainer's after every push."""
     pytest.importorskip("peft")
@@ -146,7 +146,7 @@ def test_grpo_hybrid_with_lora_on_cpu(ray_not_started, tiny_llama_path, tmp_path
 
 @pytest.mark.slow
 @pytest.mark.ray
-def test_ppo_hybrid_on_cpu(ray_not_started, tiny_llama_path, tmp_path):
+def test_ppo_hybrid_on_cpu(ray_address, tiny_llama_path, tmp_path):
     rows = load_example("ppo_hybrid").main(["--model", str(tiny_llama_path), "--out", str(tmp_path), "--device", "cpu",
                                      "--tiny", "true"])
     check_rows(rows, steps=3)
@@ -161,7 +161,7 @@ def test_ppo_hybrid_on_cpu(ray_not_started, tiny_llama_path, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.ray
-def test_ppo_hybrid_on_cpu_with_overlapped_switches(ray_not_started, tiny_llama_path, tmp_path, monkeypatch):
+def test_ppo_hybrid_on_cpu_with_overlapped_switches(ray_address, tiny_llama_path, tmp_path, monkeypatch):
     """All four trainer roles with the plan's ``overlap_switches`` on (the GPU default where the estimate fits; on CPU
     off unless the plan is edited): every role's sleep runs behind the next wake, the loop trains and the guard's log
     replays."""

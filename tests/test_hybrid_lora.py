@@ -57,7 +57,7 @@ def _grpo_step(run, step: int):
 @pytest.mark.ray
 @pytest.mark.parametrize("overlap, kept", [(False, False), (True, False), (True, True)],
                          ids=["switches", "overlapped-switches", "states-kept"])
-def test_hybrid_grpo_with_lora_trains_adapters_and_pushes_only_them(tiny_llama_path, overlap, kept):
+def test_hybrid_grpo_with_lora_trains_adapters_and_pushes_only_them(ray_address, tiny_llama_path, overlap, kept):
     """Two GRPO steps with a LoRA actor: each push carries only the adapter (12 tensors, a few KiB, not the model),
     the engine's weight version follows, and after the push the engine samples from the trained policy: its
     log-probs of fresh rollouts equal the actor's (adapter merged on the engine, unmerged on the trainer). The same

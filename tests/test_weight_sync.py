@@ -4,8 +4,6 @@ HF engine), and CUDA IPC / NCCL between processes on GPUs."""
 from __future__ import annotations
 
 import json
-import os
-import sys
 import threading
 import time
 
@@ -470,20 +468,9 @@ def test_timeouts_name_the_peer():
 
 # ---------------------------------------------------------------------------------------------------- Ray actors
 @pytest.fixture(scope="module")
-def ray_session():
-    ray = pytest.importorskip("ray")
-    cloudpickle = pytest.importorskip("ray.cloudpickle")
-
-    cloudpickle.register_pickle_by_value(sys.modules[__name__])  # actor classes below live in this test file
-    started = not ray.is_initialized()
-    if started:
-        os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-        os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-        ray.init(num_cpus=2, num_gpus=0, include_dashboard=False, object_store_memory=256 * 1024**2,
-                 log_to_driver=False)
-    yield ray
-    if started:
-        ray.shutdown()
+def ray_session(ray_cluster):
+    """This process on the session's Ray cluster; the actor classes below (of this file) are pickled by value."""
+    return ray_cluster
 
 
 def _outcome(call):
